@@ -1,0 +1,9 @@
+"""FCA: Frozen-Controller Auditing of dynamic neural networks."""
+
+from .loading import load_model
+
+__all__ = ["load_model"]
+from .capture import capture
+from .replay import replay
+
+__all__ += ["capture", "replay"]

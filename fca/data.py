@@ -1,0 +1,171 @@
+"""Corpora -> documents -> deterministic splits -> a BPE tokenizer -> fixed-length token windows.
+
+A corpus is a local path, one of:
+- a text file: documents are separated by blank lines;
+- a folder: every `*.txt` / `*.md` file below it (sorted) is one document;
+- a Parquet or Arrow/Feather file (or a folder of Parquet files) with a text column: one row, one document.
+
+Documents are assigned to the train / calibration / eval splits by a seeded permutation, so the
+splits never overlap and are the same on every machine for the same seed and corpus.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+SPLITS = ("train", "calibration", "eval")
+DEFAULT_SPLIT_FRACTIONS = {"train": 0.9, "calibration": 0.05, "eval": 0.05}
+EOS = "<|endoftext|>"
+TEXT_SUFFIXES = (".txt", ".md")
+TABLE_SUFFIXES = (".parquet", ".arrow", ".feather", ".ipc")
+
+
+class CorpusError(ValueError):
+    """A corpus that cannot be used; the message names the path and the problem."""
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise CorpusError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise CorpusError(f"{path}: cannot read ({err.strerror})") from None
+
+
+def _read_table_texts(path: Path, text_column: str) -> list[str]:
+    import pyarrow.dataset as ds
+
+    fmt = "parquet" if path.is_dir() or path.suffix == ".parquet" else "ipc"
+    try:
+        dataset = ds.dataset(path, format=fmt)
+    except Exception as err:  # pyarrow raises several types for unreadable files
+        raise CorpusError(f"{path}: not a readable {fmt} dataset ({err})") from None
+    if text_column not in dataset.schema.names:
+        raise CorpusError(f"{path}: no column {text_column!r} (columns: {', '.join(dataset.schema.names)})")
+    return [t for t in dataset.to_table(columns=[text_column]).column(text_column).to_pylist() if t and t.strip()]
+
+
+def load_documents(path: str | Path, text_column: str = "text") -> list[str]:
+    """Read a local corpus into a list of non-empty documents."""
+    path = Path(path)
+    if not path.exists():
+        raise CorpusError(f"{path}: corpus not found")
+    if path.is_dir():
+        if any(path.rglob("*.parquet")):
+            docs = _read_table_texts(path, text_column)
+        else:
+            files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
+            docs = [t for t in (_read_text(f).strip() for f in files) if t]
+    elif path.suffix in TABLE_SUFFIXES:
+        docs = _read_table_texts(path, text_column)
+    else:
+        text = _read_text(path)
+        docs = [d.strip() for d in text.replace("\r\n", "\n").split("\n\n") if d.strip()]
+    if not docs:
+        raise CorpusError(f"{path}: corpus is empty (no non-blank documents)")
+    return docs
+
+
+def split_documents(
+    docs: Sequence[str], seed: int = 0, fractions: dict[str, float] = DEFAULT_SPLIT_FRACTIONS
+) -> dict[str, list[str]]:
+    """Assign documents to splits by a seeded permutation. Every split gets at least one document."""
+    if len(docs) < len(SPLITS):
+        raise CorpusError(f"need at least {len(SPLITS)} documents to make {'/'.join(SPLITS)} splits, got {len(docs)}")
+    order = np.random.default_rng(seed).permutation(len(docs))
+    n_cal = max(1, round(fractions["calibration"] * len(docs)))
+    n_eval = max(1, round(fractions["eval"] * len(docs)))
+    n_train = len(docs) - n_cal - n_eval
+    if n_train < 1:
+        raise CorpusError(f"{len(docs)} documents leave nothing for the train split")
+    bounds = {"train": (0, n_train), "calibration": (n_train, n_train + n_cal), "eval": (n_train + n_cal, len(docs))}
+    # Keep each split in corpus order, so windows read like the original text.
+    return {name: [docs[i] for i in sorted(order[a:b])] for name, (a, b) in bounds.items()}
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int):
+    """Byte-level BPE trained on `texts` (the train split only). Returns a `tokenizers.Tokenizer`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def load_tokenizer(model_dir: str | Path):
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: tokenizer not found")
+    return Tokenizer.from_file(str(path))
+
+
+def encode_stream(docs: Sequence[str], tokenizer) -> np.ndarray:
+    """All documents as one int32 token stream, each document followed by the end-of-text token."""
+    eos = tokenizer.token_to_id(EOS)
+    if eos is None:
+        raise CorpusError(f"tokenizer has no {EOS} token")
+    ids: list[int] = []
+    for enc in tokenizer.encode_batch(list(docs)):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return np.asarray(ids, dtype=np.int32)
+
+
+def make_windows(stream: np.ndarray, seq_len: int, num_seqs: int | None = None) -> np.ndarray:
+    """Non-overlapping windows of `seq_len + 1` tokens: inputs are `w[:-1]`, targets `w[1:]`.
+
+    Returns [N, seq_len + 1] int64. Raises when the stream cannot fill the windows asked for.
+    """
+    available = len(stream) // (seq_len + 1)
+    if available == 0:
+        raise CorpusError(f"the split has {len(stream)} tokens, fewer than one window of {seq_len + 1}")
+    n = available if num_seqs is None else num_seqs
+    if n > available:
+        raise CorpusError(f"asked for {n} windows of {seq_len} tokens, the split has only {available}")
+    return stream[: n * (seq_len + 1)].reshape(n, seq_len + 1).astype(np.int64)
+
+
+def split_windows(corpus: str | Path, split: str, tokenizer, seq_len: int, seed: int, num_seqs: int | None = None, text_column: str = "text") -> np.ndarray:
+    """Corpus path -> windows [N, seq_len + 1] of one split."""
+    if split not in SPLITS:
+        raise CorpusError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+    docs = split_documents(load_documents(corpus, text_column), seed)[split]
+    return make_windows(encode_stream(docs, tokenizer), seq_len, num_seqs)
+
+
+def extract_kjv(out: str | Path) -> Path:
+    """Write the King James Bible (Debian's `bible-kjv`) as one chapter per blank-line-separated document."""
+    if shutil.which("bible") is None:
+        raise CorpusError("the `bible` program is missing: apt-get install bible-kjv bible-kjv-text")
+    lines = subprocess.run(["bible", "-f", "gen1:1-rev22:21"], capture_output=True, text=True, check=True).stdout.splitlines()
+    chapters: list[list[str]] = []
+    last_chapter = None
+    for line in lines:
+        ref, _, verse = line.partition(" ")
+        chapter = ref.rsplit(":", 1)[0]  # "Ge1:1" -> "Ge1"
+        if chapter != last_chapter:
+            chapters.append([])
+            last_chapter = chapter
+        chapters[-1].append(verse.strip())
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("\n\n".join(" ".join(c) for c in chapters) + "\n", encoding="utf-8")
+    tmp.replace(out)
+    return out

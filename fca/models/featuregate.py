@@ -1,0 +1,217 @@
+"""FeatureGate: a pre-norm causal Transformer whose blocks gate their own branches, and its Dense twin.
+
+Every block has a controller: a map from the normalised block input to gate logits,
+`gate = 2 * sigmoid(logits)`, so that gates start near 1. One gate per attention head scales that
+head's group of attention-output features, one gate per feature group scales the MLP output, both
+before the residual add. The block's gates form one site of `K = heads + groups` channels (or
+`2 * d_model` with per-feature granularity). The Dense twin (`gated=False`) has no controller at all
+and, for a given seed, the same initial weights for everything the two share.
+
+Shape legend: B = batch, T = positions, D = d_model, H = heads, G = MLP feature groups,
+K = gate channels of a block, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+
+from ..sites import Site, SiteSpec, assign_site_names
+
+GATE_FAMILY = "gate"
+
+
+class FeatureGateConfig(PretrainedConfig):
+    model_type = "featuregate"
+
+    def __init__(
+        self,
+        vocab_size: int = 2048,
+        d_model: int = 192,
+        n_layers: int = 6,
+        n_heads: int = 6,
+        mlp_groups: int = 6,
+        mlp_ratio: int = 4,
+        max_seq_len: int = 128,
+        gated: bool = True,
+        controller: str = "linear",  # "linear" or "mlp"
+        controller_hidden: int = 64,
+        granularity: str = "group",  # "group": per head / MLP group; "feature": per output feature
+        init_seed: int = 0,
+        **kwargs,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.d_model = d_model
+        self.n_layers = n_layers
+        self.n_heads = n_heads
+        self.mlp_groups = mlp_groups
+        self.mlp_ratio = mlp_ratio
+        self.max_seq_len = max_seq_len
+        self.gated = gated
+        self.controller = controller
+        self.controller_hidden = controller_hidden
+        self.granularity = granularity
+        self.init_seed = init_seed
+        super().__init__(**kwargs)
+        self.validate_shapes()
+
+    def validate_shapes(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if self.d_model % self.mlp_groups:
+            raise ValueError(f"d_model {self.d_model} is not divisible by mlp_groups {self.mlp_groups}")
+        if self.controller not in ("linear", "mlp"):
+            raise ValueError(f"controller must be 'linear' or 'mlp', not {self.controller!r}")
+        if self.granularity not in ("group", "feature"):
+            raise ValueError(f"granularity must be 'group' or 'feature', not {self.granularity!r}")
+
+    @property
+    def attn_gates(self) -> int:
+        return self.n_heads if self.granularity == "group" else self.d_model
+
+    @property
+    def mlp_gates(self) -> int:
+        return self.mlp_groups if self.granularity == "group" else self.d_model
+
+    @property
+    def gates_per_block(self) -> int:
+        return self.attn_gates + self.mlp_gates
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: FeatureGateConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).split(D, dim=2)  # 3 x [B, T, D]
+        q, k, v = (t.view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D/H]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D/H]
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))  # [B, T, D]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: FeatureGateConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.down = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class GateController(nn.Module):
+    """Normalised block input [B, T, D] -> gates [B, T, K] in (0, 2)."""
+
+    def __init__(self, cfg: FeatureGateConfig) -> None:
+        super().__init__()
+        K = cfg.gates_per_block
+        if cfg.controller == "linear":
+            self.net = nn.Linear(cfg.d_model, K)
+        else:
+            self.net = nn.Sequential(nn.Linear(cfg.d_model, cfg.controller_hidden), nn.GELU(), nn.Linear(cfg.controller_hidden, K))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return 2.0 * torch.sigmoid(self.net(h))  # [B, T, K]
+
+
+def scale_groups(y: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """Scale each of the `G` equal groups of y's features by its gate. y: [B, T, D], gates: [B, T, G]."""
+    B, T, D = y.shape
+    G = gates.shape[-1]
+    return (y.view(B, T, G, D // G) * gates.unsqueeze(-1)).view(B, T, D)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: FeatureGateConfig) -> None:
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_mlp = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+        self.attn_gates = cfg.attn_gates
+        self.gate: Site | None = None
+        if cfg.gated:
+            labels = tuple(f"attn.{i}" for i in range(cfg.attn_gates)) + tuple(f"mlp.{i}" for i in range(cfg.mlp_gates))
+            spec = SiteSpec(axes=(("gate", cfg.gates_per_block),), family=GATE_FAMILY, channel_labels=labels)
+            self.gate = Site(GateController(cfg), spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln_attn(x)  # [B, T, D]
+        if self.gate is None:
+            x = x + self.attn(h)
+            return x + self.mlp(self.ln_mlp(x))
+        gates = self.gate(h)  # [B, T, K]
+        x = x + scale_groups(self.attn(h), gates[..., : self.attn_gates])
+        return x + scale_groups(self.mlp(self.ln_mlp(x)), gates[..., self.attn_gates :])
+
+
+class FeatureGateModel(PreTrainedModel):
+    config_class = FeatureGateConfig
+    base_model_prefix = "featuregate"
+    _no_split_modules = ["Block"]
+
+    def __init__(self, config: FeatureGateConfig) -> None:
+        super().__init__(config)
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        assign_site_names(self)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # Real initialisation happens in `init_weights_seeded`, which is deterministic per seed and
+        # identical for the Dense twin; from_pretrained overwrites everything anyway.
+        pass
+
+    def init_weights_seeded(self, seed: int) -> None:
+        """GPT-2 style init. Shared parameters draw from one generator in name order and controller
+        parameters from another, so the gated model and its Dense twin start from the same weights."""
+        shared = torch.Generator().manual_seed(seed)
+        controllers = torch.Generator().manual_seed(seed + 1_000_003)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        with torch.no_grad():
+            for name, module in self.named_modules():
+                gen = controllers if ".gate." in f"{name}." else shared
+                if isinstance(module, nn.LayerNorm):
+                    module.weight.fill_(1.0)
+                    module.bias.zero_()
+                elif isinstance(module, (nn.Linear, nn.Embedding)):
+                    std = residual_std if name.endswith(("attn.proj", "mlp.down")) else 0.02
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
+                    if getattr(module, "bias", None) is not None:
+                        module.bias.zero_()
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **_) -> CausalLMOutput:
+        B, T = input_ids.shape
+        if T > self.config.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.config.max_seq_len}")
+        pos = torch.arange(T, device=input_ids.device)
+        x = self.tok_emb(input_ids) + self.pos_emb(pos)  # [B, T, D]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # [B, T, V]
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    def count_blocks(self) -> int:
+        return len(self.blocks)
+
+
+def build_featuregate(config: FeatureGateConfig) -> FeatureGateModel:
+    """A freshly initialised model, deterministic in `config.init_seed`."""
+    model = FeatureGateModel(config)
+    model.init_weights_seeded(config.init_seed)
+    return model

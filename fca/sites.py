@@ -1,0 +1,180 @@
+"""Controller sites: the named places where controller coefficients enter a model's computation.
+
+A `Site` wraps a controller module. Its output is the coefficient tensor the model consumes,
+shaped `[B, T, K]` (batch, positions, channels). Each site is in one of three modes:
+
+- `live`: run the controller and return its coefficients;
+- `record`: the same, and hand the coefficients to a sink (`sink[name] = tensor`);
+- `replay`: do **not** call the controller; return coefficients from a provider instead.
+
+Modes are only ever changed inside `site_modes(...)`, a context manager that restores every site in
+`finally`, so an exception during a replay never leaves a model half-frozen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+Mode = Literal["live", "record", "replay"]
+# A provider gives the replay coefficients of one site for the current batch: (site, B, T) -> [B, T, K]
+# or anything broadcastable to it (e.g. a static profile of shape [K]).
+Provider = Callable[["Site", int, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SiteSpec:
+    """What a site's coefficients are: their per-token channel layout and meaning.
+
+    `axes` names the structure that is flattened (row-major) into the `K` channels, e.g.
+    `(("channel", 12),)` for FeatureGate or `(("stream", 4), ("source", 5))` for MUDDPythia layer 3.
+    `family` groups sites whose coefficients mean the same kind of thing (the global-mean profile is
+    one number per family).
+    """
+
+    axes: tuple[tuple[str, int], ...]
+    family: str
+    # Human-readable channel names, one per flattened channel (optional).
+    channel_labels: tuple[str, ...] | None = None
+
+    @property
+    def num_channels(self) -> int:
+        k = 1
+        for _, size in self.axes:
+            k *= size
+        return k
+
+
+class Site(nn.Module):
+    """A controller wrapped as a named intervention point.
+
+    `controller(x)` maps the site input to coefficients `[B, T, K]`. In replay mode the controller
+    is never called: the coefficients come from the provider, and `x` is only used for its batch
+    shape, device and dtype, never for its values.
+    """
+
+    def __init__(self, controller: nn.Module | Callable[..., torch.Tensor], spec: SiteSpec) -> None:
+        super().__init__()
+        self.controller = controller
+        self.spec = spec
+        self.site_name = ""  # filled in by `assign_site_names`, from the module tree
+        self.mode: Mode = "live"
+        self._sink: MutableMapping[str, torch.Tensor] | None = None
+        self._provider: Provider | None = None
+
+    def forward(self, x: torch.Tensor, batch_shape: tuple[int, int] | None = None) -> torch.Tensor:
+        """x: the controller's input; batch_shape: (B, T) when x is not already [B, T, ...]."""
+        if self.mode == "replay":
+            B, T = batch_shape if batch_shape is not None else (x.shape[0], x.shape[1])
+            coefficients = self._provider(self, B, T)
+            return coefficients.to(device=x.device, dtype=x.dtype).expand(B, T, self.spec.num_channels)
+        coefficients = self.controller(x)  # [B, T, K]
+        if self.mode == "record":
+            self._sink[self.site_name] = coefficients.detach()
+        return coefficients
+
+    def extra_repr(self) -> str:
+        return f"name={self.site_name!r}, K={self.spec.num_channels}, family={self.spec.family!r}"
+
+
+def assign_site_names(model: nn.Module) -> None:
+    """Name every site after its path in the module tree (e.g. `blocks.3.gate`)."""
+    for name, module in model.named_modules():
+        if isinstance(module, Site):
+            module.site_name = name
+
+
+def find_sites(model: nn.Module) -> dict[str, Site]:
+    """All sites of a model, by name, in registration order (which our models keep equal to execution
+    order)."""
+    found = {name: m for name, m in model.named_modules() if isinstance(m, Site)}
+    for name, site in found.items():
+        if site.site_name != name:
+            site.site_name = name
+    return found
+
+
+def site_specs(model: nn.Module) -> dict[str, SiteSpec]:
+    return {name: site.spec for name, site in find_sites(model).items()}
+
+
+@contextmanager
+def site_modes(
+    model: nn.Module,
+    mode: Mode,
+    *,
+    sink: MutableMapping[str, torch.Tensor] | None = None,
+    provider: Provider | None = None,
+    only: set[str] | None = None,
+) -> Iterator[dict[str, Site]]:
+    """Put the sites of `model` (or just those named in `only`) into `mode` for the enclosed block.
+
+    Every site is restored to `live` (with no sink or provider) on exit, even on error.
+    """
+    sites = find_sites(model)
+    if not sites:
+        raise ValueError(f"{type(model).__name__} has no controller sites")
+    if only is not None:
+        unknown = sorted(set(only) - set(sites))
+        if unknown:
+            raise KeyError(f"unknown site(s) {unknown}; the model has {list(sites)}")
+    if mode == "record" and sink is None:
+        raise ValueError("record mode needs a sink")
+    if mode == "replay" and provider is None:
+        raise ValueError("replay mode needs a provider")
+    chosen = {n: s for n, s in sites.items() if only is None or n in only}
+    try:
+        for site in chosen.values():
+            site.mode, site._sink, site._provider = mode, sink, provider
+        yield chosen
+    finally:
+        for site in sites.values():
+            site.mode, site._sink, site._provider = "live", None, None
+
+
+def model_logits(output) -> torch.Tensor:
+    """Logits from a model output: a tensor, or an object with `.logits`."""
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def _forward_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    return model_logits(model(input_ids))
+
+
+@torch.no_grad()
+def capture_tensors(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One record pass. Returns (logits [B, T, V], site name -> coefficients [B, T, K_s])."""
+    sink: dict[str, torch.Tensor] = {}
+    with site_modes(model, "record", sink=sink):
+        logits = _forward_logits(model, input_ids)
+    return logits, sink
+
+
+def tensor_provider(coefficients: Mapping[str, torch.Tensor]) -> Provider:
+    """A provider serving fixed tensors, each broadcastable to the site's `[B, T, K]`."""
+
+    def provide(site: Site, B: int, T: int) -> torch.Tensor:
+        try:
+            return coefficients[site.site_name]
+        except KeyError:
+            raise KeyError(f"no coefficients given for site {site.site_name!r}") from None
+
+    return provide
+
+
+@torch.no_grad()
+def replay_tensors(
+    model: nn.Module, input_ids: torch.Tensor, coefficients: Mapping[str, torch.Tensor], only: set[str] | None = None
+) -> torch.Tensor:
+    """Run the frozen model with the given coefficients; the controllers of the replayed sites do not run.
+
+    `only` restricts replay to a subset of sites; the others run live.
+    """
+    names = set(coefficients) if only is None else only
+    with site_modes(model, "replay", provider=tensor_provider(coefficients), only=names):
+        return _forward_logits(model, input_ids)
