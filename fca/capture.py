@@ -24,3 +24,170 @@ def capture(model: nn.Module, input_ids) -> dict[str, np.ndarray]:
         raise ValueError(f"{type(model).__name__} has no controller sites to capture")
     _, coefficients = capture_tensors(model, as_input_ids(input_ids, model))
     return {name: c.float().cpu().numpy() for name, c in coefficients.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache builder: windows -> record passes -> Parquet parts, streamed.
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.nn.functional as F
+
+from . import data
+from .loading import fingerprint_file, fingerprint_state, load_model, read_config
+from .sites import site_specs
+from .store import CacheWriter, cache_schema, coefficient_arrow_type, record_batch, spec_to_json, SCHEMA_VERSION
+
+TARGET_PART_BYTES = 128 * 2**20  # raw bytes per part file before compression
+
+
+def bytes_per_token(specs, coefficient_bytes: int = 4) -> int:
+    """Raw bytes one row occupies: four int32 keys, the float32 live NLL, and every site's channels."""
+    return 4 * 4 + 4 + coefficient_bytes * sum(s.num_channels for s in specs.values())
+
+
+def _library_versions() -> dict:
+    import pyarrow
+    import transformers
+
+    return {"fca": "0.1.0", "torch": torch.__version__, "pyarrow": pyarrow.__version__, "transformers": transformers.__version__, "numpy": np.__version__}
+
+
+@torch.no_grad()
+def record_windows(model: nn.Module, windows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One record pass over windows [b, T + 1] (on the model's device).
+
+    Returns per-token live NLL [b, T] and site -> coefficients [b, T, K_s], still on the device.
+    """
+    logits, coefficients = capture_tensors(model, windows[:, :-1])
+    nll = F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten(), reduction="none").view(windows.shape[0], -1)
+    return nll, coefficients
+
+
+class _HostCopies:
+    """Device -> host copies that do not stall the GPU: pinned buffers and non-blocking copies, whose
+    completion a writer thread waits for (on CPU the tensors are used as they are)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def start(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], object]:
+        if not self.cuda:
+            return tensors, None
+        host = {}
+        for name, t in tensors.items():
+            buf = torch.empty(t.shape, dtype=torch.float32, pin_memory=True)
+            buf.copy_(t, non_blocking=True)
+            host[name] = buf
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+
+def build_cache(
+    model_dir: str | Path,
+    corpus: str | Path,
+    split: str,
+    out: str | Path,
+    num_seqs: int | None = 256,
+    seq_len: int | None = None,
+    batch_size: int = 16,
+    device: str = "auto",
+    dtype: torch.dtype | None = None,
+    split_seed: int = 0,
+    text_column: str = "text",
+    coefficient_dtype: str = "float32",
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    show_progress: bool = True,
+) -> Path:
+    """Record every site's coefficients on `num_seqs` windows of one split and write them as a cache.
+
+    Memory does not grow with `num_seqs`: one batch is in flight while the previous one is written.
+    Deterministic: the same model, corpus, split seed and sizes give the same cache contents.
+    """
+    from tqdm.auto import tqdm
+
+    model_dir = Path(model_dir)
+    model = load_model(model_dir, device=device, dtype=dtype)
+    specs = site_specs(model)
+    if not specs:
+        raise ValueError(f"{model_dir}: the model has no controller sites (a Dense twin cannot be cached)")
+    config = read_config(model_dir)
+    T = seq_len or int(config.get("max_seq_len", config.get("block_size", 1024)))
+    tokenizer = data.load_tokenizer(model_dir)
+    windows = data.split_windows(corpus, split, tokenizer, T, split_seed, num_seqs, text_column)  # [N, T + 1]
+    N = len(windows)
+    row_bytes = bytes_per_token(specs, 2 if coefficient_dtype == "float16" else 4)
+    seqs_per_part = max(batch_size, TARGET_PART_BYTES // (row_bytes * T) // batch_size * batch_size)
+    plan = {
+        "schema_version": SCHEMA_VERSION,
+        "model": {"path": model_dir.name, "model_type": config.get("model_type"), "fingerprint": fingerprint_state(model),
+                  "config": config, "dtype": str(next(model.parameters()).dtype).replace("torch.", "")},
+        "tokenizer": {"fingerprint": fingerprint_file(model_dir / "tokenizer.json"), "vocab_size": tokenizer.get_vocab_size()},
+        "corpus": {"name": Path(corpus).name, "fingerprint": fingerprint_file(corpus) if Path(corpus).is_file() else None,
+                   "split": split, "split_seed": split_seed, "text_column": text_column},
+        "seq_len": T,
+        "num_seqs": N,
+        "num_tokens": N * T,
+        "coefficient_dtype": coefficient_dtype,
+        "sites": {name: spec_to_json(spec) for name, spec in specs.items()},
+        "raw_bytes_per_token": row_bytes,
+    }
+    schema = cache_schema(specs, coefficient_arrow_type(coefficient_dtype))
+    writer = CacheWriter(out, plan, schema, seqs_per_part, overwrite=overwrite)
+    start = writer.done_seqs
+    device_ = next(model.parameters()).device
+    copies = _HostCopies(device_)
+    pending: queue.Queue = queue.Queue(maxsize=2)  # bounded: at most two batches wait for the disk
+    failure: list[BaseException] = []
+
+    def write_loop() -> None:
+        while (item := pending.get()) is not None:
+            if failure:
+                continue
+            try:
+                lo, hi, host, event = item
+                if event is not None:
+                    event.synchronize()
+                nll = host.pop("__nll__").numpy()
+                batch = record_batch(schema, np.arange(lo, hi), windows[lo:hi, :-1], windows[lo:hi, 1:], nll, {k: v.numpy() for k, v in host.items()})
+                writer.write(batch, hi - lo)
+            except BaseException as err:  # surfaced in the main thread
+                failure.append(err)
+
+    thread = threading.Thread(target=write_loop, daemon=True)
+    thread.start()
+    bar = tqdm(total=N, initial=start, unit="seq", desc=f"cache {split} (~{row_bytes * N * T / 1e6:.1f} MB raw)", disable=not show_progress)
+    try:
+        for lo in range(start, N, batch_size):
+            hi = min(N, lo + batch_size)
+            batch = torch.from_numpy(windows[lo:hi]).to(device_)
+            nll, coefficients = record_windows(model, batch)
+            coefficients = {k: v.float() for k, v in coefficients.items()}
+            coefficients["__nll__"] = nll
+            host, event = copies.start(coefficients)
+            pending.put((lo, hi, {k: v.cpu() for k, v in host.items()}, event))
+            if failure:
+                raise failure[0]
+            bar.update(hi - lo)
+            if progress is not None:
+                progress(hi, N)
+    except BaseException:
+        pending.put(None)
+        thread.join()
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    pending.put(None)
+    thread.join()
+    if failure:
+        writer.abort()
+        raise failure[0]
+    return writer.finish({"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "library_versions": _library_versions()})

@@ -40,6 +40,14 @@ def read_config(path: Path) -> dict:
         raise ModelLoadError(f"{config_path}: not valid JSON ({err})") from None
 
 
+def weights_path(path: Path) -> Path:
+    """The file the weights of a model directory are read from (for the sharded form, the index)."""
+    for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"):
+        if (path / name).is_file():
+            return path / name
+    return path
+
+
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """Weights from safetensors (single or sharded) or a `weights_only` torch pickle."""
     from safetensors import SafetensorError
@@ -64,8 +72,12 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     raise ModelLoadError(f"{path}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)")
 
 
-def load_strict(model: nn.Module, state: dict[str, torch.Tensor], where: Path) -> nn.Module:
-    """`load_state_dict(strict=True)` with a one-line error naming the missing, extra or misshapen keys."""
+def load_strict(model: nn.Module, state: dict[str, torch.Tensor], where: Path, assign: bool = False) -> nn.Module:
+    """`load_state_dict(strict=True)` with a one-line error naming the missing, extra or misshapen keys.
+
+    `assign=True` adopts the given tensors instead of copying into the model's own, so a model built on
+    the meta device is never allocated twice (needed for billion-parameter checkpoints).
+    """
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -79,7 +91,7 @@ def load_strict(model: nn.Module, state: dict[str, torch.Tensor], where: Path) -
         problems.append(f"misshapen {misshapen[:3]}")
     if problems:
         raise ModelLoadError(f"{where}: weights do not fit the config: {'; '.join(problems)}")
-    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True, assign=assign)
     return model
 
 

@@ -5,6 +5,9 @@ from pathlib import Path
 
 from ..loading import load_strict, read_config, read_state_dict, register_loader
 from .featuregate import FeatureGateConfig, FeatureGateModel, build_featuregate
+from .muddpythia import MODEL_TYPE as MUDDPYTHIA_TYPE
+from .muddpythia import MUDDPythia, MUDDPythiaConfig, load_muddpythia
+from .hf_moe import MOE_MODEL_TYPES, adapt_moe, expert_execution, load_hf_moe
 
 
 def _load_featuregate(path: Path) -> FeatureGateModel:
@@ -13,5 +16,9 @@ def _load_featuregate(path: Path) -> FeatureGateModel:
 
 
 register_loader(FeatureGateConfig.model_type, _load_featuregate)
+register_loader(MUDDPYTHIA_TYPE, load_muddpythia)
+for _moe_type in MOE_MODEL_TYPES:  # Hugging Face MoE directories, adapted with router sites
+    register_loader(_moe_type, load_hf_moe)
 
-__all__ = ["FeatureGateConfig", "FeatureGateModel", "build_featuregate"]
+__all__ = ["FeatureGateConfig", "FeatureGateModel", "build_featuregate", "MUDDPythia", "MUDDPythiaConfig"]
+__all__ += ["adapt_moe", "expert_execution"]

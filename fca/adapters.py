@@ -1,0 +1,267 @@
+"""Adapters: declare controller sites on any `torch.nn.Module` by module path.
+
+A `SiteDeclaration` names modules by path (a glob per dotted component: `model.layers.*.mlp.gate`)
+and says which part of each module's output is the coefficient tensor, how that tensor lays out its
+tokens, and how to rebuild the module's output from coefficients alone. `attach_sites` swaps every
+matched module for a `ModuleSite` that holds it as its controller, so the record / replay machinery
+of `fca.sites` (and `fca.capture`, `fca.replay` on top of it) works unchanged. In replay the original
+module is never called: it is swapped out, not run and overwritten.
+
+Shape legend: B = batch, T = positions, N = B * T tokens (a "flat" layout), K = channels of a site.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from functools import partial
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .sites import Site, SiteSpec, assign_site_names
+
+TokenLayout = Literal["batched", "flat"]
+Axes = tuple[tuple[str, int], ...]
+
+
+class SiteDeclarationError(ValueError):
+    """A declaration that matches no module or does not fit the module's output; the message is one
+    line and names what to change (candidate module paths, or the output the module returned)."""
+
+
+@dataclass(frozen=True)
+class SiteDeclaration:
+    """Which modules are controllers and how to read and rebuild their coefficients.
+
+    - `path`: dotted module path; each component may be a glob (`*` matches one component).
+    - `axes`: the per-token channel structure, flattened row-major into `K`; or a function of the
+      matched module giving it (so one glob can cover layers of different widths).
+    - `family`: coefficients that mean the same kind of thing share a family (global-mean profile).
+    - `output`: where the coefficient tensor sits in the module's output: `None` (the output is the
+      coefficient tensor), an index into a tuple, an attribute or key name, or a function.
+    - `token_layout`: `"batched"` if the module sees `[B, T, ...]`, `"flat"` if it sees `[N, ...]`.
+    - `rebuild(coefficients, module)`: the module's output from coefficients alone, in the module's
+      own layout (`[B, T, *axes]` or `[N, *axes]`); needed whenever `output` is not `None`. It may
+      read the module's attributes (top-k, flags) but must not call the module.
+    - `coefficient`: what the recorded values are (e.g. "router logits"), stated in reports.
+    """
+
+    path: str
+    axes: Axes | Callable[[nn.Module], Axes]
+    family: str
+    output: int | str | Callable[[Any], torch.Tensor] | None = None
+    token_layout: TokenLayout = "batched"
+    rebuild: Callable[[torch.Tensor, nn.Module], Any] | None = None
+    coefficient: str = ""
+
+    def __post_init__(self) -> None:
+        if self.token_layout not in ("batched", "flat"):
+            raise SiteDeclarationError(f"{self.path}: token_layout must be 'batched' or 'flat', not {self.token_layout!r}")
+        if self.output is not None and self.rebuild is None:
+            raise SiteDeclarationError(f"{self.path}: output={self.output!r} picks the coefficient out of a larger output, so replay needs rebuild=")
+
+
+def _describe(value: Any) -> str:
+    """A short structural description of a module output, for error messages."""
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{list(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}({', '.join(_describe(v) for v in value)})"
+    return type(value).__name__
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+class ModuleSite(Site):
+    """A site around an arbitrary module, declared by a `SiteDeclaration`.
+
+    Live and record return the module's own output untouched; record also hands the coefficients
+    `[B, T, K]` to the sink. Replay takes `[B, T, K]` from the provider and returns
+    `declaration.rebuild(...)` without calling the module.
+    """
+
+    def __init__(self, controller: nn.Module, spec: SiteSpec, declaration: SiteDeclaration) -> None:
+        super().__init__(controller, spec)
+        self.declaration = declaration
+        # (B, T) of the current model call, set by the pre-hook `attach_sites` puts on the model: a
+        # module that sees flattened tokens [N, ...] cannot tell B from T by itself.
+        self.batch_shape: tuple[int, int] | None = None
+        # The wrapper is invisible in state dicts: keys stay those of the unadapted model, so its
+        # fingerprint and checkpoints do not change.
+        self._register_state_dict_hook(_hide_controller_keys)
+        self._register_load_state_dict_pre_hook(_restore_controller_keys)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        first = _first_tensor(args, kwargs)
+        B, T = self._current_batch_shape(first)
+        dims = tuple(size for _, size in self.spec.axes)
+        if self.mode == "replay":
+            dtype = first.dtype if first is not None and first.is_floating_point() else torch.get_default_dtype()
+            device = first.device if first is not None else None
+            coefficients = self._provider(self, B, T).to(device=device, dtype=dtype).expand(B, T, self.spec.num_channels)  # [B, T, K]
+            native = coefficients.reshape(B * T, *dims) if self.declaration.token_layout == "flat" else coefficients.reshape(B, T, *dims)
+            return native if self.declaration.rebuild is None else self.declaration.rebuild(native, self.controller)
+        output = self.controller(*args, **kwargs)
+        coefficients = self._coefficients(output, B, T)  # [B, T, K]
+        if self.mode == "record":
+            self._sink[self.site_name] = coefficients.detach()
+        return output
+
+    def _current_batch_shape(self, first: torch.Tensor | None) -> tuple[int, int]:
+        if self.batch_shape is not None:
+            return self.batch_shape
+        if self.declaration.token_layout == "batched" and first is not None and first.dim() >= 2:
+            return first.shape[0], first.shape[1]
+        raise SiteDeclarationError(
+            f"site {self.site_name!r}: the batch shape (B, T) is unknown; call the model that attach_sites adapted "
+            "(its pre-hook records B and T from input_ids), not a submodule"
+        )
+
+    def _coefficients(self, output: Any, B: int, T: int) -> torch.Tensor:
+        """The coefficient tensor out of the module's output, checked against the spec, as [B, T, K]."""
+        how = self.declaration.output
+        try:
+            if how is None:
+                picked = output
+            elif isinstance(how, int):
+                picked = output[how]
+            elif isinstance(how, str):
+                picked = getattr(output, how) if hasattr(output, how) else output[how]
+            else:
+                picked = how(output)
+        except (IndexError, KeyError, TypeError) as err:
+            raise SiteDeclarationError(f"site {self.site_name!r}: output={how!r} cannot be read from the module's output {_describe(output)} ({err})") from None
+        K = self.spec.num_channels
+        flat = self.declaration.token_layout == "flat"
+        lead = (B * T,) if flat else (B, T)
+        fits = (
+            isinstance(picked, torch.Tensor)
+            and tuple(picked.shape[: len(lead)]) == lead
+            and math.prod(picked.shape[len(lead) :]) == K
+        )
+        if not fits:
+            raise SiteDeclarationError(
+                f"site {self.site_name!r}: the coefficient {_describe(picked)} does not fit token_layout={self.declaration.token_layout!r} "
+                f"(leading dims {list(lead)} for B={B}, T={T}) and axes {self.spec.axes} (K={K}); the module returned {_describe(output)}"
+            )
+        return picked.reshape(B, T, K)  # [B, T, K]
+
+
+def _hide_controller_keys(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    inner = prefix + "controller."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _restore_controller_keys(state_dict: dict, prefix: str, *_: Any) -> None:
+    inner = prefix + "controller."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+def match_modules(model: nn.Module, pattern: str) -> list[str]:
+    """Paths of the modules matching `pattern`, one glob per dotted component, in module-tree order."""
+    parts = pattern.split(".")
+    return [
+        name
+        for name, _ in model.named_modules()
+        if name and len(name.split(".")) == len(parts) and all(fnmatchcase(n, p) for n, p in zip(name.split("."), parts))
+    ]
+
+
+def candidate_paths(model: nn.Module, pattern: str, limit: int = 8) -> list[str]:
+    """Module paths a user probably meant: close spellings of `pattern`, then controller-like names."""
+    names = [name for name, _ in model.named_modules() if name]
+    close = difflib.get_close_matches(pattern.replace("*", "0"), names, n=limit, cutoff=0.6)
+    controller_like = [n for n in names if re.search(r"gate|router|controller", n.rsplit(".", 1)[-1], re.IGNORECASE)]
+    ordered = list(dict.fromkeys(close + controller_like))
+    return ordered[:limit] or [name for name, _ in model.named_children()]
+
+
+def _resolve_axes(declaration: SiteDeclaration, module: nn.Module, path: str) -> Axes:
+    if not callable(declaration.axes):
+        return tuple(declaration.axes)
+    try:
+        return tuple(declaration.axes(module))
+    except (AttributeError, TypeError) as err:
+        raise SiteDeclarationError(f"{path}: axes could not be read from {type(module).__name__} ({err})") from None
+
+
+def _record_batch_shape(sites: Sequence[ModuleSite], module: nn.Module, args: tuple, kwargs: dict) -> None:
+    ids = kwargs.get("input_ids")
+    if ids is None:
+        ids = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("inputs_embeds")
+    shape = (ids.shape[0], ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else None
+    for site in sites:
+        site.batch_shape = shape
+
+
+def _forget_batch_shape(sites: Sequence[ModuleSite], *_: Any) -> None:
+    for site in sites:
+        site.batch_shape = None
+
+
+def attach_sites(model: nn.Module, declarations: Sequence[SiteDeclaration], *, blocks: str | None = None) -> nn.Module:
+    """Swap every module matched by a declaration for a `ModuleSite` wrapping it; returns `model`.
+
+    `blocks` optionally names the module list of the model's blocks (e.g. `model.layers`); the model
+    then offers `model.fca_blocks()` for the execution audit. A declaration that matches nothing, or
+    matches a module inside another matched module, raises `SiteDeclarationError` listing candidates.
+    """
+    new_sites: list[ModuleSite] = []
+    claimed: list[str] = []
+    for declaration in declarations:
+        paths = match_modules(model, declaration.path)
+        if not paths:
+            candidates = candidate_paths(model, declaration.path)
+            raise SiteDeclarationError(f"no module of {type(model).__name__} matches {declaration.path!r}; candidates: {', '.join(candidates)}")
+        for path in paths:
+            module = model.get_submodule(path)
+            if isinstance(module, Site):
+                raise SiteDeclarationError(f"{path} is already a controller site")
+            if any(path.startswith(c + ".") or c.startswith(path + ".") for c in claimed):
+                raise SiteDeclarationError(f"{path} is nested inside, or contains, another declared site")
+            spec = SiteSpec(axes=_resolve_axes(declaration, module, path), family=declaration.family, coefficient=declaration.coefficient)
+            site = ModuleSite(module, spec, declaration)
+            parent, _, leaf = path.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, site)
+            new_sites.append(site)
+            claimed.append(path)
+    # Kept on the model so that `detach_sites` can remove them; always_call clears the batch shape
+    # even when the forward raises, so a stale (B, T) never shapes a later call.
+    hooks = getattr(model, "fca_adapter_hooks", [])
+    hooks.append(model.register_forward_pre_hook(partial(_record_batch_shape, new_sites), with_kwargs=True))
+    hooks.append(model.register_forward_hook(partial(_forget_batch_shape, new_sites), always_call=True))
+    model.fca_adapter_hooks = hooks
+    if blocks is not None:
+        model.get_submodule(blocks)  # fail now, not in the execution audit
+        model.fca_blocks = partial(_blocks, model, blocks)
+    assign_site_names(model)
+    return model
+
+
+def _blocks(model: nn.Module, path: str) -> list[nn.Module]:
+    return list(model.get_submodule(path))
+
+
+def detach_sites(model: nn.Module) -> nn.Module:
+    """Undo `attach_sites`: put every wrapped module back in place and remove the hooks."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, ModuleSite):
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, module.controller)
+    for hook in getattr(model, "fca_adapter_hooks", []):
+        hook.remove()
+    model.fca_adapter_hooks = []
+    return model

@@ -1,0 +1,135 @@
+"""Replay conditions: which coefficients the frozen model is fed. Small pure functions over arrays.
+
+For evaluated sequences `n` (indices into the evaluated list), positions `t`, channels `k`:
+    correct          C[n, t]
+    cross_input      C[pi(n), t]        pi: a seeded derangement of the evaluated sequences
+    token_shuffle    C[n, sigma_n(t)]   sigma_n: a seeded permutation per sequence, shared by all sites
+                                        (or, with `independent`, one per sequence and site)
+    static_layer     mu[k]              calibration mean of each site and channel
+    global_mean      g[family(k)]       calibration grand mean of the coefficient family
+    interpolate      alpha * C + (1 - alpha) * mu
+    position_profile mu[t, k]           calibration mean at each position
+`sites` restricts a condition to a subset of sites; the others stay correct.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .profiles import Profiles
+
+KINDS = ("correct", "cross_input", "token_shuffle", "static_layer", "global_mean", "interpolate", "position_profile")
+PAPER_CONDITIONS = ("correct", "cross_input", "token_shuffle", "static_layer", "global_mean")
+
+
+@dataclass(frozen=True)
+class Condition:
+    kind: str
+    alpha: float | None = None  # interpolate only
+    sites: tuple[str, ...] | None = None  # None: every site
+    independent: bool = False  # token_shuffle: one permutation per site
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown condition {self.kind!r}; choose one of {', '.join(KINDS)}")
+        if (self.kind == "interpolate") != (self.alpha is not None):
+            raise ValueError("interpolate needs alpha (e.g. interpolate:0.5), and only interpolate takes one")
+
+    @property
+    def name(self) -> str:
+        name = self.kind
+        if self.alpha is not None:
+            name += f"({self.alpha:g})"
+        if self.independent:
+            name += "[independent]"
+        if self.sites is not None:
+            name += "@" + ",".join(self.sites)
+        return name
+
+    @property
+    def needs_profiles(self) -> bool:
+        return self.kind in ("static_layer", "global_mean", "interpolate", "position_profile")
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "alpha": self.alpha, "sites": list(self.sites) if self.sites else None, "independent": self.independent, "seed": self.seed}
+
+
+_SPEC = re.compile(r"^(?P<kind>[a-z_]+)(?::(?P<alpha>[-+0-9.eE]+))?(?P<ind>\+independent)?(?:@(?P<sites>.+))?$")
+
+
+def parse_condition(text: str, seed: int = 0) -> Condition:
+    """`kind[:alpha][+independent][@site,site,...]`, e.g. `interpolate:0.5@blocks.0.gate`."""
+    match = _SPEC.match(text.strip())
+    if not match:
+        raise ValueError(f"cannot read condition {text!r}; form: kind[:alpha][+independent][@site,site]")
+    alpha = float(match["alpha"]) if match["alpha"] is not None else None
+    sites = tuple(s for s in match["sites"].split(",") if s) if match["sites"] else None
+    return Condition(match["kind"], alpha, sites, bool(match["ind"]), seed)
+
+
+def derangement(n: int, seed: int) -> np.ndarray:
+    """A uniformly drawn permutation of range(n) with no fixed point (rejection sampling; n >= 2)."""
+    if n < 2:
+        raise ValueError(f"cross_input needs at least 2 evaluated sequences, got {n}")
+    rng = np.random.default_rng(seed)
+    while True:
+        perm = rng.permutation(n)
+        if not (perm == np.arange(n)).any():
+            return perm
+
+
+def position_permutation(n: int, T: int, seed: int, site_index: int | None = None) -> np.ndarray:
+    """sigma_n: a permutation of T positions for evaluated sequence n (and site, if independent).
+
+    Seeded per sequence, so it does not depend on how sequences are batched."""
+    key = [seed, n] if site_index is None else [seed, n, site_index]
+    return np.random.default_rng(key).permutation(T)
+
+
+def condition_coefficients(
+    condition: Condition,
+    own: Mapping[str, np.ndarray],
+    seq_index: Sequence[int],
+    profiles: Profiles | None = None,
+    other: Mapping[str, np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:
+    """The coefficients of one batch under `condition`.
+
+    own: site -> [b, T, K] cached coefficients of the batch; seq_index: the batch's positions in the
+    evaluated list (seeds the permutations); other: for cross_input, the cached coefficients of the
+    derangement's partners `[b, T, K]`. Returns site -> [b, T, K] (or broadcastable [K] / [T, K]).
+    """
+    if condition.needs_profiles and profiles is None:
+        raise ValueError(f"{condition.name} needs calibration profiles")
+    names = list(own)
+    chosen = set(names) if condition.sites is None else set(condition.sites)
+    unknown = sorted(chosen - set(names))
+    if unknown:
+        raise KeyError(f"condition {condition.name}: unknown site(s) {unknown}")
+    out: dict[str, np.ndarray] = {}
+    for site_index, name in enumerate(names):
+        c = own[name]  # [b, T, K]
+        if name not in chosen or condition.kind == "correct":
+            out[name] = c
+        elif condition.kind == "cross_input":
+            if other is None:
+                raise ValueError("cross_input needs the partners' coefficients")
+            out[name] = other[name]
+        elif condition.kind == "token_shuffle":
+            T = c.shape[1]
+            perms = np.stack([position_permutation(n, T, condition.seed, site_index if condition.independent else None) for n in seq_index])  # [b, T]
+            out[name] = np.take_along_axis(c, perms[:, :, None], axis=1)
+        elif condition.kind == "static_layer":
+            out[name] = profiles.static[name]  # [K]
+        elif condition.kind == "global_mean":
+            out[name] = profiles.global_mean[name]  # [K]
+        elif condition.kind == "interpolate":
+            out[name] = (condition.alpha * c + (1 - condition.alpha) * profiles.static[name]).astype(np.float32)
+        elif condition.kind == "position_profile":
+            out[name] = profiles.position[name][: c.shape[1]]  # [T, K]
+    return out

@@ -1,0 +1,166 @@
+"""Built-in adapters for the Hugging Face mixture-of-experts families: Mixtral, OLMoE, Qwen2-MoE and
+Qwen3-MoE, as implemented in transformers 5.
+
+In these models every MoE block flattens its tokens and calls a dedicated router module,
+`block.gate(h)`, that returns `(router_logits, top_k_weights, top_k_index)`; the experts module then
+runs each expert only on the tokens routed to it. The router is the controller.
+
+Router legend: N = tokens of the batch (B * T, flattened by the MoE block), D = hidden size,
+E = experts, k = experts per token.
+
+**Coefficient: the router logits** `[N, E]` (before the softmax), recorded per token as `[B, T, E]`.
+They are what the router computes from the hidden state; the probabilities, the top-k selection
+and the mixing weights are a fixed function of them. Replay therefore rebuilds
+`(top_k_weights, top_k_index)` from the given logits with the router's own steps (float32 softmax,
+top-k, optional renormalisation, the same dtype casts), so top-k selection and mixing weights
+follow the replayed values, and Correct replay is bit-identical to the live run.
+
+Qwen2-MoE also gates an always-run shared expert with `sigmoid(shared_expert_gate(h))`; that gate
+is a second site (family `shared_expert_gate`, coefficient: its pre-sigmoid logit `[N, 1]`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..adapters import SiteDeclaration, attach_sites, match_modules
+from ..capture import as_input_ids
+from ..loading import ModelLoadError
+
+ROUTER_FAMILY = "router"
+SHARED_GATE_FAMILY = "shared_expert_gate"
+ROUTER_COEFFICIENT = "router logits (pre-softmax, one per expert)"
+SHARED_GATE_COEFFICIENT = "shared-expert gate logit (pre-sigmoid)"
+EXECUTION_NOTE = (
+    "conditional execution is expert-level: every block runs for every token, and inside each MoE "
+    "block only the top-k routed experts run per token (see experts_run_per_token_mean / "
+    "experts_available), unlike FeatureGate, whose gates scale branches that always run"
+)
+BLOCKS_PATH = "model.layers"
+ROUTER_PATH = "model.layers.*.mlp.gate"
+EXPERTS_PATH = "model.layers.*.mlp.experts"
+SHARED_GATE_PATH = "model.layers.*.mlp.shared_expert_gate"
+MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class TopKRouting:
+    """Rebuild a transformers top-k router's output from its logits, without calling the router.
+
+    Mirrors the routers' own forward step by step: OLMoE and Qwen cast the top-k weights back to
+    the logits' dtype, Mixtral keeps them in float32; renormalisation follows the router's
+    `norm_topk_prob` (Mixtral has none and always renormalises).
+    """
+
+    weights_in_logit_dtype: bool
+
+    def __call__(self, router_logits: torch.Tensor, router: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        probs = F.softmax(router_logits, dim=-1, dtype=torch.float)  # [N, E] float32
+        top_value, top_index = torch.topk(probs, router.top_k, dim=-1)  # [N, k], [N, k]
+        if getattr(router, "norm_topk_prob", True):
+            top_value = top_value / top_value.sum(dim=-1, keepdim=True)  # [N, k]
+        if self.weights_in_logit_dtype:
+            top_value = top_value.to(router_logits.dtype)
+        return router_logits, top_value, top_index
+
+
+def _router_axes(router: nn.Module) -> tuple[tuple[str, int], ...]:
+    return (("expert", router.num_experts),)
+
+
+def moe_declarations(model_type: str) -> list[SiteDeclaration]:
+    """The site declarations of one supported MoE family."""
+    if model_type not in MOE_MODEL_TYPES:
+        raise ModelLoadError(f"no built-in MoE adapter for model_type {model_type!r} (known: {', '.join(MOE_MODEL_TYPES)})")
+    router = SiteDeclaration(
+        path=ROUTER_PATH,
+        axes=_router_axes,
+        family=ROUTER_FAMILY,
+        output=0,  # (router_logits, top_k_weights, top_k_index)
+        token_layout="flat",
+        rebuild=TopKRouting(weights_in_logit_dtype=model_type != "mixtral"),
+        coefficient=ROUTER_COEFFICIENT,
+    )
+    if model_type != "qwen2_moe":
+        return [router]
+    shared = SiteDeclaration(
+        path=SHARED_GATE_PATH, axes=(("shared_expert", 1),), family=SHARED_GATE_FAMILY, token_layout="flat", coefficient=SHARED_GATE_COEFFICIENT
+    )
+    return [router, shared]
+
+
+def adapt_moe(model: nn.Module) -> nn.Module:
+    """Attach the built-in sites to a transformers MoE causal LM (`...ForCausalLM`); returns it."""
+    model_type = model.config.model_type
+    attach_sites(model, moe_declarations(model_type), blocks=BLOCKS_PATH)
+    model.fca_coefficient_kind = "router logits"
+    model.fca_expert_paths = (EXPERTS_PATH,)
+    model.fca_execution_note = EXECUTION_NOTE
+    return model
+
+
+def load_hf_moe(path: Path) -> nn.Module:
+    """A local transformers MoE directory, loaded in float32 on CPU without any network access."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise ModelLoadError(f"{path}: transformers could not load it ({str(err).splitlines()[0]})") from None
+    return adapt_moe(model)
+
+
+@torch.no_grad()
+def expert_execution(model: nn.Module, input_ids) -> dict:
+    """Expert-level conditional execution of one forward pass, by counting what the experts run.
+
+    A pre-hook on every experts module reads the `top_k_index [N, k]` it is handed (the dispatch
+    that actually happens, whatever mode the sites are in) and counts the distinct experts each
+    token runs. Returns, per MoE layer and overall, `experts_available` (E), `top_k`,
+    `experts_run_per_token_mean` and `expert_fraction` (= run / available); plus `experts_hit`,
+    the distinct experts that ran for at least one token of the batch.
+    """
+    patterns = getattr(model, "fca_expert_paths", None)
+    if not patterns:
+        raise ValueError(f"{type(model).__name__} declares no expert modules (fca_expert_paths); adapt it with adapt_moe")
+    modules = {n: model.get_submodule(n) for p in patterns for n in match_modules(model, p)}
+    seen: dict[str, dict] = {}
+
+    def count(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        index = args[1] if len(args) > 1 else kwargs["top_k_index"]  # [N, k]
+        E = module.num_experts
+        # Indices >= E are "no expert" slots (expert-parallel padding): not run.
+        ran = F.one_hot(index.clamp(max=E), E + 1)[..., :E].amax(dim=1)  # [N, E] 0/1
+        seen[name] = {
+            "experts_available": E,
+            "top_k": index.shape[-1],
+            "experts_run_per_token_mean": ran.sum(dim=-1).float().mean().item(),
+            "experts_hit": int(ran.amax(dim=0).sum().item()),
+            "tokens": index.shape[0],
+        }
+
+    handles = [m.register_forward_pre_hook(lambda mod, a, kw, n=n: count(n, mod, a, kw), with_kwargs=True) for n, m in modules.items()]
+    try:
+        model(as_input_ids(input_ids, model))
+    finally:
+        for handle in handles:
+            handle.remove()
+    for layer in seen.values():
+        layer["expert_fraction"] = layer["experts_run_per_token_mean"] / layer["experts_available"]
+    run = sum(v["experts_run_per_token_mean"] for v in seen.values())
+    available = sum(v["experts_available"] for v in seen.values())
+    return {
+        "layers": seen,
+        "moe_layers": len(seen),
+        "experts_available": available / max(len(seen), 1),  # per MoE layer
+        "top_k": max((v["top_k"] for v in seen.values()), default=0),
+        "experts_run_per_token_mean": run / max(len(seen), 1),  # per MoE layer
+        "expert_fraction": run / available if available else 0.0,
+        "note": getattr(model, "fca_execution_note", ""),
+    }
+

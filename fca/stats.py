@@ -1,0 +1,204 @@
+"""Statistics of coefficients: streaming, mergeable moments, the variance decomposition and bootstrap CIs.
+
+Every coefficient of a cache sits in a *slot* (site, channel). All channels of all sites are laid out
+side by side as `C` slots (`C = sum_s K_s`). A family groups slots whose values mean the same thing.
+
+Variance decomposition within each family f (DESIGN.md):
+    SS_total_f   = sum over tokens and slots of f of (x - grand_mean_f)^2
+    SS_between_f = sum over slots of f of n_slot * (slot_mean - grand_mean_f)^2     (layer identity)
+    share        = sum_f SS_between_f / sum_f SS_total_f
+Further factors are measured *within slots*: for a factor g (position, token id, sequence),
+    SS_g = sum over slots and levels of g of n * (mean_{slot,g} - slot_mean)^2,
+reported as a share of SS_total. These overlap (a token id partly determines its position's
+statistics, and so on) and are not additive; each is the variance that factor would explain if the
+slot were known. Group sums are all we need: SS_g = sum S_{slot,g}^2 / n_g - sum S_slot^2 / n_slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# The token-id factor keeps one sum per (vocabulary entry, slot); above this many cells it is skipped
+# (reported as null) rather than allocating gigabytes for a large vocabulary and many slots.
+MAX_TOKEN_CELLS = 64_000_000
+
+
+@dataclass
+class SlotLayout:
+    """Where each site's channels sit among the `C` slots, and each slot's family."""
+
+    sites: list[str]
+    widths: list[int]
+    families: list[str]  # per slot, length C
+
+    @property
+    def offsets(self) -> list[int]:
+        return list(np.cumsum([0, *self.widths[:-1]]))
+
+    @property
+    def num_slots(self) -> int:
+        return int(sum(self.widths))
+
+    def site_slice(self, site: str) -> slice:
+        i = self.sites.index(site)
+        start = self.offsets[i]
+        return slice(start, start + self.widths[i])
+
+
+@dataclass
+class Moments:
+    """Mergeable sums over tokens for every slot (float64). `add` a block of tokens, `merge` two."""
+
+    num_slots: int
+    seq_len: int
+    vocab_size: int | None = None  # None: no token-id factor
+    count: int = 0
+    sum: np.ndarray = field(default=None)  # [C]
+    sumsq: np.ndarray = field(default=None)  # [C]
+    pos_count: np.ndarray = field(default=None)  # [T]
+    pos_sum: np.ndarray = field(default=None)  # [T, C]
+    tok_count: np.ndarray | None = None  # [V]
+    tok_sum: np.ndarray | None = None  # [V, C]
+    seq_term: np.ndarray = field(default=None)  # [C]: sum over sequences of S_{slot,seq}^2 / n_seq
+    num_seqs: int = 0
+    minimum: np.ndarray = field(default=None)  # [C]
+    maximum: np.ndarray = field(default=None)  # [C]
+
+    def __post_init__(self) -> None:
+        C, T = self.num_slots, self.seq_len
+        self.sum = np.zeros(C) if self.sum is None else self.sum
+        self.sumsq = np.zeros(C) if self.sumsq is None else self.sumsq
+        self.pos_count = np.zeros(T) if self.pos_count is None else self.pos_count
+        self.pos_sum = np.zeros((T, C)) if self.pos_sum is None else self.pos_sum
+        self.seq_term = np.zeros(C) if self.seq_term is None else self.seq_term
+        self.minimum = np.full(C, np.inf) if self.minimum is None else self.minimum
+        self.maximum = np.full(C, -np.inf) if self.maximum is None else self.maximum
+        if self.vocab_size is not None and self.vocab_size * C > MAX_TOKEN_CELLS:
+            self.vocab_size = None
+        if self.vocab_size is not None and self.tok_sum is None:
+            self.tok_count = np.zeros(self.vocab_size)
+            self.tok_sum = np.zeros((self.vocab_size, C))
+
+    def add(self, values: np.ndarray, tokens: np.ndarray) -> None:
+        """values: [n, T, C] coefficients of n whole sequences; tokens: [n, T] their token ids."""
+        n, T, C = values.shape
+        x = values.astype(np.float64, copy=False)
+        flat = x.reshape(-1, C)  # [n*T, C]
+        self.count += n * T
+        self.num_seqs += n
+        self.sum += flat.sum(0)
+        self.sumsq += np.einsum("ij,ij->j", flat, flat)
+        self.minimum = np.minimum(self.minimum, flat.min(0))
+        self.maximum = np.maximum(self.maximum, flat.max(0))
+        self.pos_count[:T] += n
+        self.pos_sum[:T] += x.sum(0)
+        seq_sums = x.sum(1)  # [n, C]
+        self.seq_term += (seq_sums**2).sum(0) / T
+        if self.tok_sum is not None:
+            ids = tokens.reshape(-1)
+            self.tok_count += np.bincount(ids, minlength=self.vocab_size)[: self.vocab_size]
+            np.add.at(self.tok_sum, ids, flat)
+
+    def merge(self, other: "Moments") -> "Moments":
+        both_tok = self.tok_sum is not None and other.tok_sum is not None
+        return Moments(
+            self.num_slots, self.seq_len, self.vocab_size if both_tok else None,
+            self.count + other.count, self.sum + other.sum, self.sumsq + other.sumsq,
+            self.pos_count + other.pos_count, self.pos_sum + other.pos_sum,
+            self.tok_count + other.tok_count if both_tok else None, self.tok_sum + other.tok_sum if both_tok else None,
+            self.seq_term + other.seq_term, self.num_seqs + other.num_seqs,
+            np.minimum(self.minimum, other.minimum), np.maximum(self.maximum, other.maximum),
+        )
+
+    @property
+    def slot_mean(self) -> np.ndarray:
+        return self.sum / self.count
+
+    @property
+    def slot_var(self) -> np.ndarray:
+        return np.maximum(self.sumsq / self.count - self.slot_mean**2, 0.0)
+
+    @property
+    def position_mean(self) -> np.ndarray:
+        """[T, C] mean at each position."""
+        return self.pos_sum / np.maximum(self.pos_count, 1)[:, None]
+
+
+def family_grand_means(m: Moments, families: list[str]) -> dict[str, float]:
+    fam = np.asarray(families)
+    return {f: float(m.sum[fam == f].sum() / (m.count * (fam == f).sum())) for f in dict.fromkeys(families)}
+
+
+def variance_decomposition(m: Moments, layout: SlotLayout) -> dict:
+    """The layer-identity share (pooled, per family, per site, per slot) and the further factors."""
+    fam = np.asarray(layout.families)
+    grand = family_grand_means(m, layout.families)
+    gm = np.array([grand[f] for f in layout.families])  # [C]
+    mean = m.slot_mean
+    ss_total_slot = m.sumsq - 2 * gm * m.sum + m.count * gm**2  # [C] around the family grand mean
+    ss_between_slot = m.count * (mean - gm) ** 2  # [C]
+    ss_within_slot = ss_total_slot - ss_between_slot
+    slot_term = m.sum**2 / m.count  # [C]
+
+    def share(num: float, den: float) -> float | None:
+        return float(num / den) if den > 1e-12 * max(1.0, m.count) else None
+
+    total = float(ss_total_slot.sum())
+    per_family = {f: share(ss_between_slot[fam == f].sum(), ss_total_slot[fam == f].sum()) for f in grand}
+    per_site = {s: share(ss_between_slot[layout.site_slice(s)].sum(), ss_total_slot[layout.site_slice(s)].sum()) for s in layout.sites}
+    # Site alone: every channel of a site shares one mean (within each family present in the site).
+    ss_site = 0.0
+    for s in layout.sites:
+        sl = layout.site_slice(s)
+        for f in dict.fromkeys(layout.families[sl]):
+            cols = np.flatnonzero(fam[sl] == f) + sl.start
+            site_mean = m.sum[cols].sum() / (m.count * len(cols))
+            ss_site += m.count * len(cols) * (site_mean - grand[f]) ** 2
+    ss_slot = float(ss_between_slot.sum())
+    position = float(((m.pos_sum**2) / np.maximum(m.pos_count, 1)[:, None]).sum() - slot_term.sum())
+    sequence = float(m.seq_term.sum() - slot_term.sum())
+    token = None
+    if m.tok_sum is not None:
+        seen = m.tok_count > 0
+        token = float(((m.tok_sum[seen] ** 2) / m.tok_count[seen][:, None]).sum() - slot_term.sum())
+    return {
+        "layer_identity_share": share(ss_slot, total),
+        "per_family": per_family,
+        "per_site": per_site,
+        "per_slot_share": [share(b, t) for b, t in zip(ss_between_slot, ss_total_slot)],
+        "factors": {
+            "site": share(ss_site, total),
+            "channel_within_site": share(ss_slot - ss_site, total),
+            "position_within_slot": share(position, total),
+            "token_id_within_slot": share(token, total) if token is not None else None,
+            "sequence_within_slot": share(sequence, total),
+            "residual_after_slot": share(float(ss_within_slot.sum()), total),
+        },
+        "ss_total": total,
+        "family_grand_means": grand,
+        "num_tokens": m.count,
+    }
+
+
+def moments_from_batches(batches: Iterable[tuple[np.ndarray, np.ndarray]], num_slots: int, seq_len: int, vocab_size: int | None) -> Moments:
+    """Fold (values [n, T, C], tokens [n, T]) blocks of whole sequences into one `Moments`."""
+    m = Moments(num_slots, seq_len, vocab_size)
+    for values, tokens in batches:
+        m.add(values, tokens)
+    return m
+
+
+def paired_bootstrap_ci(differences: np.ndarray, num_resamples: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile CI of the mean of per-sequence paired differences, resampling sequences."""
+    d = np.asarray(differences, dtype=np.float64)
+    if d.size < 2:
+        return (float("nan"), float("nan"))
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, d.size, size=(num_resamples, d.size))
+    means = d[idx].mean(1)
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(means, [alpha, 1 - alpha])
+    return float(lo), float(hi)
