@@ -5,5 +5,6 @@ from .loading import load_model
 __all__ = ["load_model"]
 from .capture import capture
 from .replay import replay
+from .store import open_cache
 
-__all__ += ["capture", "replay"]
+__all__ += ["capture", "replay", "open_cache"]

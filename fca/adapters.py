@@ -99,8 +99,8 @@ class ModuleSite(Site):
         self.batch_shape: tuple[int, int] | None = None
         # The wrapper is invisible in state dicts: keys stay those of the unadapted model, so its
         # fingerprint and checkpoints do not change.
-        self._register_state_dict_hook(_hide_controller_keys)
-        self._register_load_state_dict_pre_hook(_restore_controller_keys)
+        self.register_state_dict_post_hook(_hide_controller_keys)
+        self.register_load_state_dict_pre_hook(_restore_controller_keys)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         first = _first_tensor(args, kwargs)
@@ -154,6 +154,7 @@ class ModuleSite(Site):
             raise SiteDeclarationError(
                 f"site {self.site_name!r}: the coefficient {_describe(picked)} does not fit token_layout={self.declaration.token_layout!r} "
                 f"(leading dims {list(lead)} for B={B}, T={T}) and axes {self.spec.axes} (K={K}); the module returned {_describe(output)}"
+                + ("; set output= to pick the coefficient tensor" if how is None and not isinstance(output, torch.Tensor) else "")
             )
         return picked.reshape(B, T, K)  # [B, T, K]
 
@@ -164,7 +165,7 @@ def _hide_controller_keys(module: nn.Module, state_dict: dict, prefix: str, loca
         state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
 
 
-def _restore_controller_keys(state_dict: dict, prefix: str, *_: Any) -> None:
+def _restore_controller_keys(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
     inner = prefix + "controller."
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
@@ -219,8 +220,8 @@ def attach_sites(model: nn.Module, declarations: Sequence[SiteDeclaration], *, b
     then offers `model.fca_blocks()` for the execution audit. A declaration that matches nothing, or
     matches a module inside another matched module, raises `SiteDeclarationError` listing candidates.
     """
-    new_sites: list[ModuleSite] = []
-    claimed: list[str] = []
+    # Every declaration is checked before any module is swapped, so an error leaves the model as it was.
+    planned: dict[str, tuple[nn.Module, SiteDeclaration, SiteSpec]] = {}
     for declaration in declarations:
         paths = match_modules(model, declaration.path)
         if not paths:
@@ -230,14 +231,18 @@ def attach_sites(model: nn.Module, declarations: Sequence[SiteDeclaration], *, b
             module = model.get_submodule(path)
             if isinstance(module, Site):
                 raise SiteDeclarationError(f"{path} is already a controller site")
-            if any(path.startswith(c + ".") or c.startswith(path + ".") for c in claimed):
-                raise SiteDeclarationError(f"{path} is nested inside, or contains, another declared site")
+            if any(path == c or path.startswith(c + ".") or c.startswith(path + ".") for c in planned):
+                raise SiteDeclarationError(f"{path} is declared twice, or nested with another declared site")
             spec = SiteSpec(axes=_resolve_axes(declaration, module, path), family=declaration.family, coefficient=declaration.coefficient)
-            site = ModuleSite(module, spec, declaration)
-            parent, _, leaf = path.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, site)
-            new_sites.append(site)
-            claimed.append(path)
+            planned[path] = (module, declaration, spec)
+    if blocks is not None:
+        model.get_submodule(blocks)  # fail now, not in the execution audit
+    new_sites: list[ModuleSite] = []
+    for path, (module, declaration, spec) in planned.items():
+        site = ModuleSite(module, spec, declaration)
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, site)
+        new_sites.append(site)
     # Kept on the model so that `detach_sites` can remove them; always_call clears the batch shape
     # even when the forward raises, so a stale (B, T) never shapes a later call.
     hooks = getattr(model, "fca_adapter_hooks", [])
@@ -245,7 +250,6 @@ def attach_sites(model: nn.Module, declarations: Sequence[SiteDeclaration], *, b
     hooks.append(model.register_forward_hook(partial(_forget_batch_shape, new_sites), always_call=True))
     model.fca_adapter_hooks = hooks
     if blocks is not None:
-        model.get_submodule(blocks)  # fail now, not in the execution audit
         model.fca_blocks = partial(_blocks, model, blocks)
     assign_site_names(model)
     return model

@@ -111,8 +111,6 @@ def build_cache(
     Memory does not grow with `num_seqs`: one batch is in flight while the previous one is written.
     Deterministic: the same model, corpus, split seed and sizes give the same cache contents.
     """
-    from tqdm.auto import tqdm
-
     model_dir = Path(model_dir)
     model = load_model(model_dir, device=device, dtype=dtype)
     specs = site_specs(model)
@@ -124,7 +122,6 @@ def build_cache(
     windows = data.split_windows(corpus, split, tokenizer, T, split_seed, num_seqs, text_column)  # [N, T + 1]
     N = len(windows)
     row_bytes = bytes_per_token(specs, 2 if coefficient_dtype == "float16" else 4)
-    seqs_per_part = max(batch_size, TARGET_PART_BYTES // (row_bytes * T) // batch_size * batch_size)
     plan = {
         "schema_version": SCHEMA_VERSION,
         "model": {"path": model_dir.name, "model_type": config.get("model_type"), "fingerprint": fingerprint_state(model),
@@ -139,7 +136,32 @@ def build_cache(
         "sites": {name: spec_to_json(spec) for name, spec in specs.items()},
         "raw_bytes_per_token": row_bytes,
     }
-    schema = cache_schema(specs, coefficient_arrow_type(coefficient_dtype))
+    return write_cache(model, windows, out, plan, batch_size, overwrite=overwrite, progress=progress, show_progress=show_progress,
+                       desc=f"cache {split} (~{row_bytes * N * T / 1e6:.1f} MB raw)")
+
+
+def write_cache(
+    model: nn.Module,
+    windows: np.ndarray,
+    out: str | Path,
+    plan: dict,
+    batch_size: int = 16,
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    show_progress: bool = False,
+    desc: str = "cache",
+) -> Path:
+    """Record passes over `windows` [N, T + 1], written part by part by a background thread.
+
+    `plan` is the manifest draft (it must hold `sites`, `seq_len`, `num_seqs`, `coefficient_dtype`).
+    """
+    from tqdm.auto import tqdm
+
+    specs = site_specs(model)
+    N, T = len(windows), windows.shape[1] - 1
+    row_bytes = bytes_per_token(specs, 2 if plan.get("coefficient_dtype") == "float16" else 4)
+    seqs_per_part = max(batch_size, TARGET_PART_BYTES // (row_bytes * T) // batch_size * batch_size)
+    schema = cache_schema(specs, coefficient_arrow_type(plan.get("coefficient_dtype", "float32")))
     writer = CacheWriter(out, plan, schema, seqs_per_part, overwrite=overwrite)
     start = writer.done_seqs
     device_ = next(model.parameters()).device
@@ -163,7 +185,7 @@ def build_cache(
 
     thread = threading.Thread(target=write_loop, daemon=True)
     thread.start()
-    bar = tqdm(total=N, initial=start, unit="seq", desc=f"cache {split} (~{row_bytes * N * T / 1e6:.1f} MB raw)", disable=not show_progress)
+    bar = tqdm(total=N, initial=start, unit="seq", desc=desc, disable=not show_progress)
     try:
         for lo in range(start, N, batch_size):
             hi = min(N, lo + batch_size)

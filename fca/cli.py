@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from . import data
 from .loading import ModelLoadError
+from .store import CacheError
 
-# Errors that are the user's input, not our bug: reported as one line, exit code 2.
-USER_ERRORS: tuple[type[BaseException], ...] = (data.CorpusError, ModelLoadError, FileNotFoundError, KeyError)
+# Errors that are the user's input, not our bug: reported as one line, exit code 2 (FCA_DEBUG=1 shows
+# the traceback instead).
+USER_ERRORS: tuple[type[BaseException], ...] = (data.CorpusError, ModelLoadError, CacheError, FileNotFoundError, KeyError, ValueError)
+EXIT_INEXACT = 3
 
 
 def _add_model_size_flags(p: argparse.ArgumentParser) -> None:
@@ -59,6 +63,111 @@ def cmd_train_seeds(args: argparse.Namespace) -> None:
             _train_one(args, arch, seed, Path(args.out) / f"{arch}-seed{seed}")
 
 
+def _dtype(name: str | None):
+    import torch
+
+    return None if name in (None, "float32") else {"bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def cmd_build_cache(args: argparse.Namespace) -> None:
+    from .capture import build_cache
+    from .store import open_cache
+
+    out = build_cache(args.model, args.corpus, args.split, args.out, num_seqs=args.num_seqs, seq_len=args.seq_len, batch_size=args.batch,
+                      device=args.device, dtype=_dtype(args.dtype), split_seed=args.split_seed, text_column=args.text_column,
+                      coefficient_dtype=args.coefficient_dtype, overwrite=args.overwrite)
+    cache = open_cache(out)
+    size = sum(p["bytes"] for p in cache.manifest["parts"])
+    print(f"wrote {out}: {cache.num_seqs} sequences x {cache.seq_len} tokens, {len(cache.sites)} sites, {size / 1e6:.2f} MB")
+
+
+def _progress_bars():
+    from tqdm.auto import tqdm
+
+    bars: dict = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        bar = bars.get(stage) or bars.setdefault(stage, tqdm(total=total, desc=stage, unit="seq"))
+        bar.update(done - bar.n)
+
+    return progress, bars
+
+
+def cmd_audit(args: argparse.Namespace) -> None:
+    from .audit import render_markdown, run_audit, write_report
+
+    progress, bars = _progress_bars()
+    try:
+        report = run_audit(args.model, args.cache, args.calibration, args.dense, device=args.device, dtype=_dtype(args.dtype),
+                           batch_size=args.batch, num_seqs=args.num_seqs, seed=args.seed, extra_conditions=args.extra_conditions,
+                           progress=progress)
+    finally:
+        for bar in bars.values():
+            bar.close()
+    write_report(report, args.json, args.markdown)
+    if not args.json and not args.markdown:
+        print(render_markdown(report))
+    else:
+        c = report["conditions"]
+        print(" ".join(f"{k}={v['nll']:.4f}" for k, v in c.items()), f"| static_layer retention "
+              f"{report['gap_retention'].get('static_layer')}", f"| layer-identity share {report['variance']['layer_identity_share']:.3f}")
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from .audit import render_markdown, write_report
+
+    try:
+        report = json.loads(Path(args.json).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{args.json}: not a readable audit report ({err})") from None
+    if args.markdown:
+        write_report(report, markdown_path=args.markdown)
+    else:
+        print(render_markdown(report), end="")
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from .store import open_cache
+
+    cache = open_cache(args.cache, verify=args.verify)
+    m = cache.manifest
+    size = sum(p["bytes"] for p in m["parts"])
+    print(f"{cache.path}: {cache.num_seqs} sequences x {cache.seq_len} tokens ({m['num_tokens']:,} tokens), "
+          f"split {m['corpus'].get('split')!r} of {m['corpus'].get('name')}, {len(m['parts'])} part file(s), {size / 1e6:.2f} MB, "
+          f"{m.get('coefficient_dtype', 'float32')} coefficients")
+    print(f"model {m['model']['model_type']} {m['model']['fingerprint'][:16]}; {'parts verified' if args.verify else 'parts not hashed (use --verify)'}")
+    for name, spec in m["sites"].items():
+        print(f"  {name}: K={spec['shape'][0]} axes={spec['axes']} family={spec['family']}")
+
+
+def cmd_replay(args: argparse.Namespace) -> None:
+    from .runs import run_replay
+
+    record = run_replay(args.model, args.cache, args.calibration, args.conditions, num_seqs=args.num_seqs, seed=args.seed,
+                        device=args.device, batch_size=args.batch, save=not args.no_save, show_progress=True)
+    for name, row in record["results"]["conditions"].items():
+        lo, hi = row["penalty_ci95"]
+        print(f"{name:40s} NLL {row['nll']:.4f}  penalty {row['penalty']:+.4f} [{lo:+.4f}, {hi:+.4f}]")
+    if record.get("path"):
+        print(f"saved {record['path']}")
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from .bench import run_bench
+
+    result = run_bench(args.model, args.corpus, device=args.device, show_progress=True)
+    text = json.dumps(result, indent=1)
+    if args.json:
+        Path(args.json).write_text(text)
+    print(text)
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from .demo import make_demo
+
+    make_demo(Path(args.out), Path(args.corpus), steps=args.steps, retrain=args.retrain)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fca", description="Frozen-Controller Auditing of dynamic neural networks.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -83,14 +192,88 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--split-seed", type=int, default=0, help="seed of the train/calibration/eval document split")
         _add_model_size_flags(p)
         p.set_defaults(func=cmd_train if name == "train" else cmd_train_seeds)
+
+    p = sub.add_parser("build-cache", help="record every site's coefficients on one split into a Parquet cache")
+    p.add_argument("--model", required=True)
+    p.add_argument("--corpus", required=True)
+    p.add_argument("--split", choices=["calibration", "eval", "train"], required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=None, help="window length (default: the model's context)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="model weights dtype")
+    p.add_argument("--coefficient-dtype", choices=["float32", "float16"], default="float32", help="stored coefficient precision")
+    p.add_argument("--split-seed", type=int, default=0)
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_build_cache)
+
+    p = sub.add_parser("audit", help="the three-property report of a model on an evaluated and a calibration cache")
+    p.add_argument("--model", required=True)
+    p.add_argument("--cache", required=True, help="evaluated cache")
+    p.add_argument("--calibration", required=True, help="calibration cache (an independent split)")
+    p.add_argument("--dense", help="Dense twin for the latency ratio")
+    p.add_argument("--json")
+    p.add_argument("--markdown")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--num-seqs", type=int, default=None, help="evaluate only the first N sequences")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--extra-conditions", nargs="*", default=[], help="e.g. interpolate:0.5 token_shuffle+independent")
+    p.set_defaults(func=cmd_audit)
+
+    p = sub.add_parser("report", help="render an audit JSON as Markdown")
+    p.add_argument("json")
+    p.add_argument("--markdown")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("inspect", help="describe a cache (and verify its part hashes)")
+    p.add_argument("cache")
+    p.add_argument("--verify", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("replay", help="replay chosen conditions and save the run beside the cache")
+    p.add_argument("--model", required=True)
+    p.add_argument("--cache", required=True)
+    p.add_argument("--calibration", required=True)
+    p.add_argument("--conditions", nargs="+", default=["correct", "static_layer"], help="kind[:alpha][+independent][@site,site]")
+    p.add_argument("--num-seqs", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--no-save", action="store_true")
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("bench", help="performance ratios measured in one run (capture, replay, batching, Parquet)")
+    p.add_argument("--model", default="cache/demo/featuregate")
+    p.add_argument("--corpus", default="data/kjv.txt")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("demo", help="regenerate the shipped demo: models, caches and audit report")
+    p.add_argument("--out", default="cache/demo")
+    p.add_argument("--corpus", default="data/kjv.txt", help="extracted first if missing (needs Debian's bible-kjv)")
+    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
+    p.set_defaults(func=cmd_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .replay import ExactnessError
+
     try:
         args.func(args)
+    except ExactnessError as err:
+        print(f"fca: error: {err}", file=sys.stderr)
+        return EXIT_INEXACT
     except USER_ERRORS as err:
+        if os.environ.get("FCA_DEBUG"):
+            raise
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         print(f"fca: error: {message}", file=sys.stderr)
         return 2

@@ -59,27 +59,27 @@ def coefficient_arrow_type(name: str) -> pa.DataType:
 
 def spec_to_json(spec: SiteSpec) -> dict:
     out = {"shape": [spec.num_channels], "axes": [[a, n] for a, n in spec.axes], "family": spec.family, "dtype": "float32"}
-    if spec.channel_labels is not None:
-        out["channel_labels"] = list(spec.channel_labels)
-    families = getattr(spec, "channel_families", None)
-    if families is not None:
-        out["channel_families"] = list(families)
+    for key in ("channel_labels", "channel_families"):
+        if getattr(spec, key) is not None:
+            out[key] = list(getattr(spec, key))
+    if spec.coefficient:
+        out["coefficient"] = spec.coefficient
     return out
 
 
 def spec_from_json(d: dict) -> SiteSpec:
-    kwargs = {"axes": tuple((a, int(n)) for a, n in d["axes"]), "family": d["family"]}
-    if d.get("channel_labels") is not None:
-        kwargs["channel_labels"] = tuple(d["channel_labels"])
-    if d.get("channel_families") is not None and "channel_families" in SiteSpec.__dataclass_fields__:
-        kwargs["channel_families"] = tuple(d["channel_families"])
-    return SiteSpec(**kwargs)
+    return SiteSpec(
+        axes=tuple((a, int(n)) for a, n in d["axes"]),
+        family=d["family"],
+        channel_labels=tuple(d["channel_labels"]) if d.get("channel_labels") is not None else None,
+        channel_families=tuple(d["channel_families"]) if d.get("channel_families") is not None else None,
+        coefficient=d.get("coefficient", ""),
+    )
 
 
 def channel_families(spec: SiteSpec) -> tuple[str, ...]:
     """The coefficient family of each flattened channel of a site."""
-    per_channel = getattr(spec, "families_per_channel", None)
-    return tuple(per_channel()) if callable(per_channel) else (spec.family,) * spec.num_channels
+    return spec.families_per_channel()
 
 
 def record_batch(

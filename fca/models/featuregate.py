@@ -206,8 +206,9 @@ class FeatureGateModel(PreTrainedModel):
             loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
         return CausalLMOutput(loss=loss, logits=logits)
 
-    def count_blocks(self) -> int:
-        return len(self.blocks)
+    def fca_blocks(self) -> list[nn.Module]:
+        """The blocks in execution order (the execution audit hooks them)."""
+        return list(self.blocks)
 
 
 def build_featuregate(config: FeatureGateConfig) -> FeatureGateModel:

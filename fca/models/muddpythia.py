@@ -22,8 +22,11 @@ Details that decide numerical agreement with the public implementation:
 - `head_dim` is always `dim // n_head`; a `head_dim` in config.json is ignored.
 - Rotary embeddings touch the first `int(head_dim * rotary_pct)` features of each head; feature `m`
   pairs with `m + R/2` (GPT-NeoX "rotate half"). The cos/sin table is computed in float32 and then
-  rounded to float16; the rotation itself runs in float32. (The public code writes the rotated pairs
-  interleaved; q and k share whatever layout is used, so attention scores do not depend on it.)
+  rounded to float16; the rotation itself runs in float32. The rotated pairs are written back
+  interleaved (m, m + R/2, m + 1, ...), as the release does: q and k share the layout, so only the
+  summation order of the scores depends on it, but keeping it makes float32 logits bit-identical.
+- Attention is an explicit masked softmax in the model's dtype, scores scaled after the product, as
+  in the release (a fused kernel changes the rounding; in bfloat16 that is visible).
 - qk-norm: RMSNorm with a learned scale over each head's features, in float32, before the rotation.
 - Pre-norms are LayerNorms (per-stream when `sepln`); the controller input is normalised by an RMS
   norm without a scale; the final norm is a LayerNorm.
@@ -49,6 +52,7 @@ import json
 import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +86,7 @@ _IGNORED_KEYS = {
 class MUDDPythiaConfig:
     """The public release's config fields with the public defaults, plus derived per-layer sizes."""
 
+    model_type: ClassVar[str] = MODEL_TYPE
     vocab_size: int = 32000
     dim: int = 2560
     n_layer: int = 32
@@ -179,11 +184,21 @@ def dense_twin_config(config: MUDDPythiaConfig) -> MUDDPythiaConfig:
 # ------------------------------------------------------------------------------------------------ parts
 
 
+class Positions(NamedTuple):
+    """What every layer needs about positions: the rotary table and the causal mask."""
+
+    cos: torch.Tensor  # [T, R/2] float16
+    sin: torch.Tensor  # [T, R/2] float16
+    causal: torch.Tensor  # [T, T] bool, True where a query may attend
+
+
 def rotary_table(T: int, R: int, base: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, R/2], float16 (the release keeps its table in float16, which changes the logits)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, R, 2, device=device)[: R // 2].float() / R))  # [R/2]
     angles = torch.outer(torch.arange(T, device=device).float(), inv_freq)  # [T, R/2]
-    return torch.cos(angles).half(), torch.sin(angles).half()
+    # torch.polar rather than cos/sin: its float32 values round to the release's float16 table exactly.
+    unit = torch.polar(torch.ones_like(angles), angles)  # [T, R/2] complex
+    return unit.real.half(), unit.imag.half()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -193,7 +208,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         return x
     a, b = x[..., :R].float().chunk(2, dim=-1)  # 2 x [B, T, H, R/2]
     cos, sin = cos[:, None, :].float(), sin[:, None, :].float()  # [T, 1, R/2]
-    rotated = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).to(x.dtype)  # [B, T, H, R]
+    rotated = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1)  # [B, T, H, R/2, 2]
+    rotated = rotated.flatten(-2).to(x.dtype)  # [B, T, H, R], pairs interleaved
     return torch.cat((rotated, x[..., R:]), dim=-1)  # [B, T, H, E]
 
 
@@ -220,6 +236,7 @@ class Attention(nn.Module):
         super().__init__()
         D = cfg.dim
         self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.scale = 1 / math.sqrt(cfg.head_dim)
         if fused:
             self.wqkv = nn.Linear(D, 3 * D)
         else:
@@ -231,7 +248,7 @@ class Attention(nn.Module):
             self.k_norm = HeadRMSNorm(cfg.head_dim, cfg.norm_eps)
         self.use_qk_norm = cfg.use_qk_norm
 
-    def forward(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, pos: Positions) -> torch.Tensor:
         B, T, D = xq.shape
         if self.fused:
             q, k, v = self.wqkv(xq).split(D, dim=-1)  # 3 x [B, T, D]
@@ -240,8 +257,10 @@ class Attention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, self.head_dim) for t in (q, k, v))  # [B, T, H, E]
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)  # [B, H, T, E]
+        q, k = apply_rotary(q, pos.cos, pos.sin), apply_rotary(k, pos.cos, pos.sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, E]
+        scores = (q @ k.transpose(-2, -1)) * self.scale  # [B, H, T, T]
+        y = scores.masked_fill(~pos.causal, float("-inf")).softmax(-1) @ v  # [B, H, T, E]
         return self.wo(y.transpose(1, 2).reshape(B, T, D))  # [B, T, D]
 
 
@@ -304,7 +323,9 @@ def mix_streams(hiddens: list[torch.Tensor], coefficients: torch.Tensor) -> tupl
 
 
 class Block(nn.Module):
-    """One layer. Input: one stream [B, T, D] (layer 0, Dense twin) or the four streams (q, k, v, r)."""
+    """One layer. `x` [B, T, D] is the residual stream (r); `qkv` the q, k, v streams of a MUDD layer
+    after layer 0 (None: attention reads `x` too). The residual comes first so that hooks on blocks
+    see one tensor [B, T, D] as the first argument in every family."""
 
     def __init__(self, cfg: MUDDPythiaConfig, i: int) -> None:
         super().__init__()
@@ -318,16 +339,14 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg, cfg.ffn_widths[i])
         self.parallel = cfg.use_parallel_residual
 
-    def forward(self, x: torch.Tensor | tuple[torch.Tensor, ...], rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        if isinstance(x, tuple):
-            xq, xk, xv, r = x
-            norms = self.attention_norms if hasattr(self, "attention_norms") else (self.attention_norm,) * 3
-            hq, hk, hv = (norm(s) for norm, s in zip(norms, (xq, xk, xv)))  # 3 x [B, T, D]
-        else:
-            r = x
+    def forward(self, x: torch.Tensor, pos: Positions, qkv: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        if qkv is None:
             hq = hk = hv = self.attention_norm(x)  # [B, T, D]
-        h = r + self.attention(hq, hk, hv, rope)
-        return h + self.feed_forward(self.ffn_norm(r if self.parallel else h))  # [B, T, D]
+        else:
+            norms = self.attention_norms if hasattr(self, "attention_norms") else (self.attention_norm,) * 3
+            hq, hk, hv = (norm(s) for norm, s in zip(norms, qkv))  # 3 x [B, T, D]
+        h = x + self.attention(hq, hk, hv, pos)
+        return h + self.feed_forward(self.ffn_norm(x if self.parallel else h))  # [B, T, D]
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -356,18 +375,19 @@ class MUDDPythia(nn.Module):
         B, T = input_ids.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        rope = rotary_table(T, self.config.rotary_ndims, self.config.rope_base, input_ids.device)  # 2 x [T, R/2]
+        cos, sin = rotary_table(T, self.config.rotary_ndims, self.config.rope_base, input_ids.device)  # 2 x [T, R/2]
+        pos = Positions(cos, sin, torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril())
         x = self.tok_embeddings(input_ids)  # [B, T, D]
         if not self.config.dense:
             for layer in self.layers:
-                x = layer(x, rope)
+                x = layer(x, pos)
             return self.output(self.norm(x))  # [B, T, V]
-        hiddens, streams = [x], x
+        hiddens, qkv = [x], None
         for i, layer in enumerate(self.layers):
-            hiddens.append(layer(streams, rope))  # X_{i+1}: [B, T, D]
+            hiddens.append(layer(x, pos, qkv))  # X_{i+1}: [B, T, D]
             coefficients = self.dense[i](hiddens[-1])  # [B, T, K]
             streams = mix_streams(hiddens, coefficients.unflatten(-1, (self.config.dense_streams[i], i + 2)))  # C x [B, T, D]
-        (x,) = streams  # the last layer mixes one stream
+            qkv, x = streams[:-1], streams[-1]  # q, k, v for the next attention; r (the last layer mixes only r)
         return self.output(self.norm(x))  # [B, T, V]
 
     def fca_blocks(self) -> list[nn.Module]:
@@ -484,3 +504,19 @@ def write_random_checkpoint(
     else:
         raise ValueError(f"fmt must be 'safetensors', 'sharded' or 'bin', not {fmt!r}")
     return directory
+
+
+def write_dense_twin_checkpoint(model_dir: str | Path, out: str | Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A random-weight Dense twin of the MUDDPythia checkpoint in `model_dir`, for the latency ratio.
+
+    Latency depends on the shapes only, so the twin needs no training; its tokenizer.json (if any) is
+    copied so the directory is a complete model directory.
+    """
+    import shutil
+
+    model_dir = Path(model_dir)
+    twin = dense_twin_config(MUDDPythiaConfig.from_dict(read_config(model_dir)))
+    out = write_random_checkpoint(out, twin, seed=seed, dtype=dtype)
+    if (model_dir / "tokenizer.json").is_file():
+        shutil.copyfile(model_dir / "tokenizer.json", out / "tokenizer.json")
+    return out

@@ -1,0 +1,95 @@
+"""MUDDPythia at the 1.4B shapes on CPU: parameters, live vs capture vs replay throughput, cache size.
+
+A random-weight model with the sizes of the released MUDDPythia-1.4B config (no download needed)
+runs a few short windows through `fca.capture` and `fca.replay`. It stands in for the real-scale
+recipe of docs/muddpythia.md until a GPU and the real checkpoint are at hand.
+
+    python -m bench.muddpythia_scale [--batch 2] [--seq-len 128] [--threads 2] [--rounds 2] [--json PATH]
+
+Memory: about 6 GB (1.42 B float32 parameters). Runtime on 2 CPU cores: a few minutes at most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import fca
+from fca.models.muddpythia import MUDDPythiaConfig, build_random_model
+
+# The released MUDDPythia-1.4B config.json (Caiyun-AI/MUDDFormer, pytorch/muddpythia/config_1p4b.json):
+# the fields that set the shapes and the computation.
+MUDDPYTHIA_1P4B = dict(
+    vocab_size=50432, dim=2048, n_layer=24, n_head=16, intermediate_size=8192, block_size=2048,
+    rope_base=10000, rotary_pct=0.25, norm_eps=1e-5, use_qk_norm=True, use_parallel_residual=True,
+    use_linear_bias=True, dense=True, dynamic_dense=True, dense_type="qkvr", sepln=True,
+    expand_last=True, round64=True, bos_token_id=0, eos_token_id=0,
+)
+
+
+def timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved live/capture rounds (best of each)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the figures as JSON here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    config = MUDDPythiaConfig(**MUDDPYTHIA_1P4B)
+    build_s, model = timed(lambda: build_random_model(config, seed=args.seed))
+    params = sum(p.numel() for p in model.parameters())
+    controller_params = sum(p.numel() for p in model.dynamic_dense.parameters()) + sum(p.numel() for p in model.dense_bs.parameters())
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(args.seed))
+    tokens = ids.numel()
+
+    with torch.no_grad():
+        live = model(ids)  # warm-up at full size: the first call pays for allocations
+    # Interleaved rounds, best of each: the CPU is shared, so the minimum is the least noisy figure.
+    live_times, capture_times = [], []
+    for _ in range(args.rounds):
+        with torch.no_grad():
+            live_times.append(timed(lambda: model(ids))[0])
+        capture_s, coefficients = timed(lambda: fca.capture(model, ids))
+        capture_times.append(capture_s)
+    live_s, capture_s = min(live_times), min(capture_times)
+    replay_s, replayed = timed(lambda: fca.replay(model, ids, coefficients))
+
+    coefficient_bytes = sum(c.nbytes for c in coefficients.values())
+    figures = {
+        "config": "MUDDPythia-1.4B shapes, random weights, float32, CPU",
+        "parameters": params,
+        "controller_parameters": controller_params,
+        "sites": len(coefficients),
+        "coefficients_per_token": sum(c.shape[-1] for c in coefficients.values()),
+        "bytes_per_token_float32": coefficient_bytes / tokens,
+        "windows": [args.batch, args.seq_len],
+        "threads": args.threads,
+        "build_s": round(build_s, 2),
+        "tokens_per_s_live": tokens / live_s,
+        "tokens_per_s_capture": tokens / capture_s,
+        "tokens_per_s_replay": tokens / replay_s,
+        "capture_ratio": capture_s / live_s,
+        "replay_max_abs_logit_diff": (replayed - live).abs().max().item(),
+        "cache_bytes_for_256x1024_float32": coefficient_bytes / tokens * 256 * 1024,
+    }
+    for key, value in figures.items():
+        print(f"{key:34s} {value:,.4g}" if isinstance(value, float) else f"{key:34s} {value}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""The three-property audit: coefficient variation, functional dependence, actual execution.
+
+`run_audit` checks Correct exactness first and refuses to report anything else if it fails. The
+report is one JSON-ready dict (keys in DESIGN.md); `render_markdown` turns it into a page.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .conditions import PAPER_CONDITIONS, Condition, parse_condition
+from .execution import execution_audit
+from .loading import fingerprint_state, load_model
+from .profiles import cache_moments, calibration_profiles
+from .replay import ExactnessError, ReplayResults, run_conditions
+from .stats import paired_bootstrap_ci, variance_decomposition
+from .store import Cache, CacheError, open_cache
+
+EXACTNESS_TOLERANCE = 1e-6
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def check_exactness(results: ReplayResults) -> dict:
+    exact = {"max_abs_logit_diff": results.max_abs_logit_diff, "nll_live": results.nll_live, "nll_correct": results.nll_correct,
+             "tolerance": EXACTNESS_TOLERANCE, "cached_live_nll_max_diff": results.cached_live_nll_max_diff}
+    if results.max_abs_logit_diff > EXACTNESS_TOLERANCE or results.nll_live != results.nll_correct:
+        raise ExactnessError(
+            f"Correct replay does not reproduce the live run (max |logit diff| {results.max_abs_logit_diff:.3g} > "
+            f"{EXACTNESS_TOLERANCE:g}, or NLL {results.nll_correct!r} != {results.nll_live!r}); no other figure is reported"
+        )
+    return exact
+
+
+def summarize_conditions(results: ReplayResults, seed: int = 0, reference: str = "correct") -> dict:
+    """condition -> NLL, penalty vs `reference` and its paired bootstrap 95% CI over sequences."""
+    base = results.per_seq_nll[reference]
+    table = {}
+    for name, per_seq in results.per_seq_nll.items():
+        diff = per_seq - base
+        lo, hi = paired_bootstrap_ci(diff, BOOTSTRAP_RESAMPLES, seed) if name != reference else (0.0, 0.0)
+        table[name] = {"nll": float(per_seq.mean()), "penalty": float(diff.mean()), "penalty_ci95": [lo, hi],
+                       "nll_sd_over_sequences": float(per_seq.std(ddof=1)) if len(per_seq) > 1 else 0.0}
+    return table
+
+
+def gap_retention(table: dict) -> dict:
+    """(NLL_global - NLL_X) / (NLL_global - NLL_correct) for every condition; None when the gap is not
+    clearly positive (its bootstrap CI reaches zero)."""
+    if "global_mean" not in table or "correct" not in table:
+        return {}
+    gap = table["global_mean"]["nll"] - table["correct"]["nll"]
+    clearly_positive = table["global_mean"]["penalty_ci95"][0] > 0
+    out = {}
+    for name, row in table.items():
+        if name in ("correct", "global_mean"):
+            continue
+        out[name] = (table["global_mean"]["nll"] - row["nll"]) / gap if clearly_positive else None
+    return out
+
+
+def _check_pair(model_fp: str, evaluated: Cache, calibration: Cache) -> None:
+    evaluated.check_model(model_fp)
+    calibration.check_model(model_fp)
+    a, b = evaluated.manifest.get("corpus", {}), calibration.manifest.get("corpus", {})
+    if a.get("split") == b.get("split") and a.get("fingerprint") == b.get("fingerprint") and a.get("split_seed") == b.get("split_seed"):
+        raise CacheError(f"{calibration.path}: the calibration cache comes from the same split ({a.get('split')!r}) as the evaluated cache; "
+                         "static profiles must be estimated on an independent split")
+    if set(evaluated.sites) != set(calibration.sites):
+        raise CacheError(f"{calibration.path}: its sites differ from {evaluated.path}'s")
+
+
+def run_audit(
+    model_dir: str | Path,
+    cache_dir: str | Path,
+    calibration_dir: str | Path,
+    dense_dir: str | Path | None = None,
+    device: str = "auto",
+    dtype: torch.dtype | None = None,
+    batch_size: int = 16,
+    num_seqs: int | None = None,
+    seed: int = 0,
+    extra_conditions: Sequence[str] = (),
+    latency_runs: int = 7,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict:
+    started = time.perf_counter()
+    step = (lambda stage: (lambda i, n: progress(stage, i, n))) if progress else (lambda stage: None)
+    model = load_model(model_dir, device=device, dtype=dtype)
+    model_fp = fingerprint_state(model)
+    evaluated, calibration = open_cache(cache_dir, verify=True), open_cache(calibration_dir, verify=True)
+    _check_pair(model_fp, evaluated, calibration)
+    profiles = calibration_profiles(calibration, progress=step("calibration profiles"))
+    conditions = [Condition(kind, seed=seed) for kind in PAPER_CONDITIONS] + [parse_condition(c, seed) for c in extra_conditions]
+    seqs = None if num_seqs is None else list(range(min(num_seqs, evaluated.num_seqs)))
+    results = run_conditions(model, evaluated, conditions, profiles, seqs=seqs, batch_size=batch_size, cross_seed=seed, progress=step("replay"))
+    exactness = check_exactness(results)
+    table = summarize_conditions(results, seed)
+    moments, layout = cache_moments(evaluated, progress=step("variance"))
+    variance = variance_decomposition(moments, layout)
+    probe = torch.from_numpy(evaluated.read_seqs(list(range(min(8, evaluated.num_seqs))), sites=[])["token"].astype(np.int64)).to(next(model.parameters()).device)
+    dense = load_model(dense_dir, device=device, dtype=dtype) if dense_dir else None
+    execution = execution_audit(model, probe, dense, runs=latency_runs)
+    params = sum(p.numel() for p in model.parameters())
+    controller_params = sum(p.numel() for name, site in _sites(model).items() for p in site.parameters())
+    return {
+        "fca_report_version": 1,
+        "model": {"name": Path(model_dir).name, "model_type": model.config.model_type if hasattr(model, "config") else type(model).__name__,
+                  "fingerprint": model_fp, "parameters": params, "controller_parameters": controller_params,
+                  "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": str(next(model.parameters()).device)},
+        "cache": _cache_entry(evaluated, len(results.seqs)),
+        "calibration": _cache_entry(calibration, calibration.num_seqs),
+        "dense": {"name": Path(dense_dir).name, "fingerprint": fingerprint_state(dense), "parameters": sum(p.numel() for p in dense.parameters())} if dense else None,
+        "exactness": exactness,
+        "conditions": table,
+        "gap_retention": gap_retention(table),
+        "variance": variance,
+        "execution": execution,
+        "definitions": _definitions(evaluated, layout, seed, conditions),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def _sites(model):
+    from .sites import find_sites
+
+    return find_sites(model)
+
+
+def _cache_entry(cache: Cache, evaluated_seqs: int) -> dict:
+    corpus = cache.manifest.get("corpus", {})
+    return {"path": cache.path.name, "fingerprint": cache.fingerprint, "split": corpus.get("split"), "corpus": corpus.get("name"),
+            "sequences": evaluated_seqs, "seq_len": cache.seq_len, "tokens": evaluated_seqs * cache.seq_len,
+            "coefficient_dtype": cache.manifest.get("coefficient_dtype", "float32")}
+
+
+def _definitions(cache: Cache, layout, seed: int, conditions: Sequence[Condition]) -> dict:
+    families: dict[str, list[str]] = {}
+    for site in layout.sites:
+        for f in dict.fromkeys(layout.families[layout.site_slice(site)]):
+            families.setdefault(f, []).append(site)
+    return {
+        "nll": "mean next-token negative log-likelihood in nats over all predicted positions of the evaluated windows",
+        "penalty": "NLL_X - NLL_correct; 95% CI: paired percentile bootstrap over sequences "
+                   f"({BOOTSTRAP_RESAMPLES} resamples, seed {seed})",
+        "gap_retention": "(NLL_global_mean - NLL_X) / (NLL_global_mean - NLL_correct); null when the global_mean penalty CI reaches 0",
+        "conditions": {
+            "correct": "each sequence's own cached coefficients",
+            "cross_input": f"coefficients of another evaluated sequence, pi = a uniform derangement of the evaluated sequences (seed {seed})",
+            "token_shuffle": f"positions permuted within each sequence, one permutation per sequence shared by all sites (seed {seed}, keyed by sequence index)",
+            "static_layer": "per-site, per-channel mean over all tokens of the calibration cache, at every token",
+            "global_mean": "the calibration grand mean of each coefficient family, at every site, channel and token",
+        },
+        "condition_specs": {c.name: c.to_json() for c in conditions},
+        "global_mean_families": families,
+        "layer_identity_share": "within each family, SS_between(slot means per site and channel) / SS_total(around the family grand mean), "
+                                "pooled over families as sum SS_between / sum SS_total, on the evaluated cache",
+        "variance_factors": "site, channel within site: parts of the slot effect; position, token id and sequence: group means within each slot, "
+                            "each as a share of SS_total (they overlap and do not add up); residual_after_slot = 1 - layer_identity_share",
+        "splits": {"evaluated": cache.manifest.get("corpus", {}).get("split"), "calibration": "calibration"},
+        "exactness": f"live vs correct replay logits in the same batch composition; max |diff| <= {EXACTNESS_TOLERANCE:g} and identical NLL",
+        "controller_flops": "FLOPs inside controller sites / FLOPs of the whole forward (matrix products and attention, via torch FlopCounterMode)",
+        "latency": "median over interleaved runs of (model forward time / Dense twin forward time), same device and batch",
+        "coefficient": "the value the computation consumes at each site (FeatureGate: the gate after 2*sigmoid)",
+    }
+
+
+def _fmt(x, digits: int = 4) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def render_markdown(report: dict) -> str:
+    m, ex, var, exe = report["model"], report["exactness"], report["variance"], report["execution"]
+    lines = [
+        f"# FCA audit: {m['name']}",
+        "",
+        f"Model `{m['model_type']}`, {m['parameters']:,} parameters ({m['controller_parameters']:,} in controllers), "
+        f"fingerprint `{m['fingerprint'][:16]}`, {m['dtype']} on {m['device']}.",
+        f"Evaluated cache `{report['cache']['path']}` ({report['cache']['split']} split, {report['cache']['sequences']} x "
+        f"{report['cache']['seq_len']} tokens); calibration cache `{report['calibration']['path']}` "
+        f"({report['calibration']['split']} split, {report['calibration']['tokens']:,} tokens).",
+        "",
+        f"**Exactness.** Correct replay reproduces the live logits: max |difference| = {ex['max_abs_logit_diff']:.3g} "
+        f"(tolerance {ex['tolerance']:g}); NLL live {ex['nll_live']:.6f} = correct {ex['nll_correct']:.6f}.",
+        "",
+        "## 1. Coefficient variation",
+        f"Layer identity (the site and channel alone) explains **{100 * (var['layer_identity_share'] or 0):.1f}%** of the coefficient variance.",
+        "",
+        "| factor | share of variance |",
+        "|---|---|",
+    ]
+    lines += [f"| {k.replace('_', ' ')} | {_fmt(v, 3)} |" for k, v in var["factors"].items()]
+    lines += ["", "| site | layer-identity share |", "|---|---|"]
+    lines += [f"| `{k}` | {_fmt(v, 3)} |" for k, v in var["per_site"].items()]
+    lines += ["", "## 2. Functional dependence (controllers removed, coefficients reassigned)", "",
+              "| condition | NLL (nats) | penalty vs correct | 95% CI | gap retention |", "|---|---|---|---|---|"]
+    for name, row in report["conditions"].items():
+        lo, hi = row["penalty_ci95"]
+        retention = report["gap_retention"].get(name)
+        lines.append(f"| {name} | {row['nll']:.4f} | {row['penalty']:+.4f} | [{lo:+.4f}, {hi:+.4f}] | "
+                     f"{'' if name in ('correct', 'global_mean') else (f'{100 * retention:.2f}%' if retention is not None else 'undefined')} |")
+    lines += ["", "## 3. Actual execution", "",
+              f"- Blocks executed per token: {exe['blocks_executed_per_token']:.2f} of {exe['num_blocks']} "
+              f"({100 * exe['blocks_executed_fraction']:.1f}%), counted by forward hooks.",
+              f"- Controller FLOPs: {100 * exe['controller_flops_share']:.2f}% of the forward's FLOPs."]
+    if exe.get("latency_ratio_vs_dense") is not None:
+        lines.append(f"- Latency vs the Dense twin: **{exe['latency_ratio_vs_dense']:.3f}x** (median of {exe['runs']} interleaved runs, "
+                     f"batch {exe['batch_shape']}, {exe['device']}; {exe['model_ms_median']:.1f} ms vs {exe['dense_ms_median']:.1f} ms).")
+    else:
+        lines.append("- Latency vs a Dense twin: not measured (no --dense given).")
+    if exe.get("experts"):
+        lines.append(f"- Experts: {json.dumps(exe['experts'])}")
+    lines += ["", "## Definitions", ""]
+    for key, value in report["definitions"].items():
+        if isinstance(value, dict):
+            lines.append(f"- **{key}**: " + "; ".join(f"{k}: {v}" for k, v in value.items() if not isinstance(v, dict)))
+        else:
+            lines.append(f"- **{key}**: {value}")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
+    for path, text in ((json_path, json.dumps(report, indent=1, default=float)), (markdown_path, render_markdown(report) if markdown_path else None)):
+        if path is None:
+            continue
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)

@@ -1,0 +1,178 @@
+"""Performance ratios, all measured in one run on one device (`python -m fca bench`).
+
+Each timing is the median of interleaved repeats (A B A B ...), so slow drift of a shared machine
+affects both sides of a ratio alike. Ratios, not absolute times, are what to compare across machines.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from . import data
+from .capture import write_cache
+from .conditions import PAPER_CONDITIONS, Condition, condition_coefficients
+from .loading import load_model
+from .profiles import calibration_profiles
+from .replay import _stack_conditions, replay
+from .sites import capture_tensors, find_sites, model_logits, site_specs
+from .store import CacheWriter, cache_schema, open_cache, record_batch, spec_to_json, SCHEMA_VERSION
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def interleaved(a: Callable[[], object], b: Callable[[], object], repeats: int = 5, warmup: int = 1) -> dict:
+    """Median of a/b over interleaved repeats, and each side's median seconds."""
+    for _ in range(warmup):
+        a(), b()
+    ta, tb = [], []
+    for i in range(repeats):
+        if i % 2:
+            tb.append(_timed(b))
+            ta.append(_timed(a))
+        else:
+            ta.append(_timed(a))
+            tb.append(_timed(b))
+    return {"ratio": statistics.median(x / y for x, y in zip(ta, tb)), "a_s": statistics.median(ta), "b_s": statistics.median(tb)}
+
+
+def _plan(model, windows: np.ndarray) -> dict:
+    return {"schema_version": SCHEMA_VERSION, "model": {"path": "bench", "fingerprint": "bench"}, "seq_len": windows.shape[1] - 1,
+            "num_seqs": len(windows), "num_tokens": len(windows) * (windows.shape[1] - 1), "coefficient_dtype": "float32",
+            "sites": {n: spec_to_json(s) for n, s in site_specs(model).items()}, "corpus": {"split": "bench"}}
+
+
+def long_format_write(coefficients: dict[str, np.ndarray], path: Path) -> None:
+    """The straightforward alternative: one row per (sequence, position, site, channel), via pandas."""
+    frames = []
+    for site, values in coefficients.items():
+        n, T, K = values.shape
+        seq, pos, channel = np.meshgrid(np.arange(n), np.arange(T), np.arange(K), indexing="ij")
+        frames.append(pd.DataFrame({"seq": seq.ravel(), "pos": pos.ravel(), "site": site, "channel": channel.ravel(), "value": values.ravel()}))
+    pd.concat(frames, ignore_index=True).to_parquet(path)
+
+
+def _stats_peak_memory(cache_dir: Path, baseline: bool = False) -> float:
+    """Peak RSS (MB) of a fresh process that streams the statistics of `cache_dir` (or, with
+    `baseline`, only imports the same modules)."""
+    work = "" if baseline else "m, l = cache_moments(open_cache(sys.argv[1])); variance_decomposition(m, l); "
+    code = (
+        "import sys; from fca.store import open_cache; from fca.profiles import cache_moments; "
+        f"from fca.stats import variance_decomposition; {work}"
+        # VmHWM, not ru_maxrss: the latter can carry the parent's size across fork + exec.
+        "print([int(l.split()[1]) / 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(cache_dir)], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _synthetic_cache(out: Path, specs: dict, num_seqs: int, T: int, vocab: int, seed: int = 0) -> Path:
+    """A large cache of random coefficients written straight through the store (no model needed)."""
+    rng = np.random.default_rng(seed)
+    schema = cache_schema(specs)
+    plan = {"schema_version": SCHEMA_VERSION, "model": {"path": "synthetic", "fingerprint": "synthetic"}, "seq_len": T, "num_seqs": num_seqs,
+            "num_tokens": num_seqs * T, "coefficient_dtype": "float32", "sites": {n: spec_to_json(s) for n, s in specs.items()},
+            "tokenizer": {"vocab_size": vocab}, "corpus": {"split": "synthetic"}}
+    writer = CacheWriter(out, plan, schema, seqs_per_part=512, overwrite=True)
+    for lo in range(0, num_seqs, 128):
+        n = min(128, num_seqs - lo)
+        tokens = rng.integers(0, vocab, (n, T))
+        coefficients = {name: rng.random((n, T, s.num_channels), dtype=np.float32) * 2 for name, s in specs.items()}
+        writer.write(record_batch(schema, np.arange(lo, lo + n), tokens, tokens, np.zeros((n, T), np.float32), coefficients), n)
+    return writer.finish()
+
+
+@torch.no_grad()
+def run_bench(model_dir: str | Path, corpus: str | Path, device: str = "auto", num_seqs: int = 64, batch_size: int = 16,
+              repeats: int = 5, big_cache_factor: int = 8, show_progress: bool = False) -> dict:
+    model = load_model(model_dir, device=device)
+    dev = next(model.parameters()).device
+    T = int(model.config.max_seq_len) if hasattr(model.config, "max_seq_len") else 128
+    windows = data.split_windows(corpus, "eval", data.load_tokenizer(model_dir), T, 0, num_seqs)  # [N, T + 1]
+    batches = [torch.from_numpy(windows[i : i + batch_size]).to(dev) for i in range(0, len(windows), batch_size)]
+    work = Path(tempfile.mkdtemp(prefix="fca-bench-"))
+    result: dict = {"device": str(dev), "model": Path(model_dir).name, "num_seqs": len(windows), "seq_len": T, "batch_size": batch_size,
+                    "repeats": repeats, "torch_threads": torch.get_num_threads()}
+
+    def plain_forward() -> None:
+        for w in batches:
+            model_logits(model(w[:, :-1]))
+
+    def cache_build() -> None:
+        write_cache(model, windows, work / "capture", _plan(model, windows), batch_size, overwrite=True)
+
+    r = interleaved(cache_build, plain_forward, repeats)
+    result["capture_ratio"] = r["ratio"]
+    result["capture_seconds"], result["forward_seconds"] = r["a_s"], r["b_s"]
+
+    # Replay vs live, the coefficients already in memory (as they are after one cache read).
+    cached = [capture_tensors(model, w[:, :-1])[1] for w in batches]
+    r = interleaved(lambda: [replay(model, w[:, :-1], c) for w, c in zip(batches, cached)], plain_forward, repeats)
+    result["replay_ratio"] = r["ratio"]
+
+    cache = open_cache(work / "capture")
+    raw = sum(4 * s.num_channels for s in site_specs(model).values()) * len(windows) * T
+    result["parquet_bytes_ratio"] = sum(p["bytes"] for p in cache.manifest["parts"]) / raw
+    # Replay fed from the Parquet cache (reads included) vs live.
+    r = interleaved(lambda: [replay(model, w[:, :-1], cache.coefficients(list(range(i * batch_size, i * batch_size + len(w)))))
+                             for i, w in enumerate(batches)], plain_forward, repeats)
+    result["replay_from_cache_ratio"] = r["ratio"]
+
+    # Five conditions stacked in one forward vs one condition, per batch.
+    profiles = calibration_profiles(cache)
+    conditions = [Condition(kind) for kind in PAPER_CONDITIONS]
+    own = [{k: v.cpu().numpy() for k, v in c.items()} for c in cached]
+    stacked = []
+    for i, (w, c) in enumerate(zip(batches, own)):
+        b = len(w)
+        index = list(range(i * batch_size, i * batch_size + b))
+        other = {k: np.roll(v, 1, axis=0) for k, v in c.items()}
+        stacked.append(_stack_conditions([condition_coefficients(cond, c, index, profiles, other) for cond in conditions], b, T))
+    r = interleaved(lambda: [replay(model, w[:, :-1].repeat(len(conditions), 1), s) for w, s in zip(batches, stacked)],
+                    lambda: [replay(model, w[:, :-1], c) for w, c in zip(batches, cached)], repeats)
+    result["batched_conditions_ratio"] = r["ratio"]
+    result["batched_conditions_note"] = f"{len(conditions)} conditions stacked along the batch ({batch_size} x {len(conditions)} sequences per pass) vs one condition ({batch_size} per pass)"
+
+    # Our Parquet writer vs a straightforward pandas long-format writer, same coefficients.
+    all_coefficients = {k: np.concatenate([c[k] for c in own]) for k in own[0]}
+    schema = cache_schema(site_specs(model))
+    nll = np.zeros((len(windows), T), np.float32)
+
+    def ours() -> None:
+        writer = CacheWriter(work / "ours", _plan(model, windows), schema, seqs_per_part=len(windows), overwrite=True)
+        for lo in range(0, len(windows), batch_size):
+            hi = min(len(windows), lo + batch_size)
+            writer.write(record_batch(schema, np.arange(lo, hi), windows[lo:hi, :-1], windows[lo:hi, 1:], nll[lo:hi],
+                                      {k: v[lo:hi] for k, v in all_coefficients.items()}), hi - lo)
+        writer.finish()
+
+    r = interleaved(ours, lambda: long_format_write(all_coefficients, work / "long.parquet"), max(3, repeats // 2))
+    result["long_format_ratio"] = r["ratio"]
+    result["long_format_bytes_ratio"] = (work / "long.parquet").stat().st_size / sum(p["bytes"] for p in open_cache(work / "ours").manifest["parts"])
+
+    # Streaming statistics over a synthetic cache `big_cache_factor` times the demo's 256 sequences.
+    big_seqs = 256 * big_cache_factor
+    big = _synthetic_cache(work / "big", site_specs(model), big_seqs, T, int(model.config.vocab_size))
+    result["stats_cache_mb"] = sum(p["bytes"] for p in open_cache(big).manifest["parts"]) / 1e6
+    result["stats_cache_raw_mb"] = big_seqs * T * sum(4 * s.num_channels for s in site_specs(model).values()) / 1e6
+    result["stats_peak_mem_mb"] = _stats_peak_memory(big)
+    result["stats_import_baseline_mem_mb"] = _stats_peak_memory(big, baseline=True)
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    return result

@@ -1,0 +1,182 @@
+"""Where things are: caches under configured roots, and the model, calibration cache, Dense twin and
+audit report that belong to each. Only manifests and config files are read (never part files), so a
+fresh scan is cheap enough to run on every interaction and caches built later simply appear.
+
+Layout convention (DESIGN.md): a cache's manifest names its model by directory name
+(`manifest["model"]["path"]`) and weights fingerprint; model directories sit beside their caches,
+and the audit report `audit.json` sits beside the caches it describes:
+
+    cache/demo/featuregate/   model (config.json, weights, tokenizer.json)
+    cache/demo/dense/         its Dense twin
+    cache/demo/eval/          evaluated cache (manifest.json + part-*.parquet)
+    cache/demo/calibration/   calibration cache
+    cache/demo/audit.json     the audit report of eval against calibration
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+REPORT = "audit.json"
+ROOTS_ENV = "FCA_CACHE_ROOTS"
+# A config key that, set to false, turns a dynamic model into its Dense twin, per family:
+# FeatureGate `gated`, MUDDPythia `dense` (the public config's own switch).
+DENSE_SWITCHES = ("gated", "dense")
+# Integer config keys that say nothing about a model's size (seeds, controller internals), ignored
+# when checking that a Dense twin has the same sizes.
+_NOT_SIZES = ("seed", "controller", "dense", "gate", "expert", "router")
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One cache found under a root; `error` is set (and the rest may be empty) when its manifest
+    cannot be read, so the catalog can list a broken cache with the reason instead of hiding it."""
+
+    path: Path
+    label: str  # path relative to its root, e.g. "demo/eval"
+    split: str | None = None
+    model_name: str | None = None
+    model_fingerprint: str | None = None
+    num_seqs: int = 0
+    seq_len: int = 0
+    num_sites: int = 0
+    manifest_hash: str = ""  # sha256 of manifest.json: changes whenever the cache is rebuilt
+    error: str | None = None
+
+
+def configured_roots(repo_root: str | Path, environ: dict | None = None) -> list[Path]:
+    """`<repo>/cache` plus every directory in `FCA_CACHE_ROOTS` (os.pathsep-separated)."""
+    environ = os.environ if environ is None else environ
+    roots = [Path(repo_root) / "cache"]
+    roots += [Path(p) for p in environ.get(ROOTS_ENV, "").split(os.pathsep) if p.strip()]
+    out: list[Path] = []
+    for root in roots:
+        resolved = root.expanduser().resolve()
+        if resolved not in out:
+            out.append(resolved)
+    return out
+
+
+def read_entry(cache_dir: str | Path, root: str | Path | None = None) -> CacheEntry:
+    """A catalog entry from one cache directory's manifest (nothing else is read)."""
+    cache_dir = Path(cache_dir)
+    label = str(cache_dir.relative_to(root)) if root is not None and cache_dir.is_relative_to(root) else str(cache_dir)
+    try:
+        raw = (cache_dir / MANIFEST).read_bytes()
+        manifest = json.loads(raw)
+        model = manifest.get("model", {})
+        return CacheEntry(
+            path=cache_dir, label=label, split=manifest.get("corpus", {}).get("split"),
+            model_name=model.get("path"), model_fingerprint=model.get("fingerprint"),
+            num_seqs=int(manifest.get("num_seqs", 0)), seq_len=int(manifest.get("seq_len", 0)),
+            num_sites=len(manifest.get("sites", {})), manifest_hash=hashlib.sha256(raw).hexdigest(),
+        )
+    except (OSError, ValueError, AttributeError, TypeError) as err:
+        return CacheEntry(path=cache_dir, label=label, error=f"{cache_dir / MANIFEST}: unreadable manifest ({err})")
+
+
+def discover_caches(roots: Iterable[str | Path]) -> list[CacheEntry]:
+    """Every directory holding a manifest.json under `roots`, sorted by label. Unfinished builds
+    (`*.partial`) and saved-run folders (`*.runs`) are skipped."""
+    entries: dict[Path, CacheEntry] = {}
+    for root in roots:
+        root = Path(root).resolve()
+        if not root.is_dir():
+            continue
+        for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+            # Prune hidden folders, unfinished builds and saved runs; nothing below them is a cache.
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and not d.endswith((".partial", ".runs")))
+            if MANIFEST in filenames:
+                path = Path(dirpath)
+                entries.setdefault(path, read_entry(path, root))
+                dirnames[:] = []  # a cache holds part files, not further caches
+    return sorted(entries.values(), key=lambda e: e.label)
+
+
+def path_allowed(path: str | Path, roots: Iterable[str | Path]) -> bool:
+    """True when `path` (after resolving `..` and symbolic links) lies inside one of `roots`."""
+    resolved = Path(path).expanduser().resolve()
+    return any(resolved.is_relative_to(Path(root).expanduser().resolve()) for root in roots)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def find_model_dir(cache_path: str | Path) -> Path | None:
+    """The model directory the cache's manifest names, looked up beside the cache; None if absent."""
+    cache_path = Path(cache_path)
+    manifest = _read_json(cache_path / MANIFEST) or {}
+    name = (manifest.get("model") or {}).get("path")
+    if not name:
+        return None
+    candidate = cache_path.parent / Path(name).name
+    return candidate if (candidate / "config.json").is_file() else None
+
+
+def model_dirs_beside(cache_path: str | Path) -> list[Path]:
+    """Every model directory (a folder with config.json) beside the cache, for a manual choice."""
+    parent = Path(cache_path).parent
+    return sorted(p for p in parent.iterdir() if (p / "config.json").is_file()) if parent.is_dir() else []
+
+
+def find_calibration(entry: CacheEntry, entries: Sequence[CacheEntry]) -> CacheEntry | None:
+    """The calibration cache of the same model (fingerprint) from a different split than `entry`'s;
+    one in the same folder is preferred. None when there is none."""
+    candidates = [
+        e for e in entries
+        if e.error is None and e.path != entry.path and e.split == "calibration" and e.split != entry.split
+        and e.model_fingerprint is not None and e.model_fingerprint == entry.model_fingerprint
+    ]
+    candidates.sort(key=lambda e: (e.path.parent != entry.path.parent, e.label))
+    return candidates[0] if candidates else None
+
+
+def _sizes(config: dict) -> dict:
+    return {k: v for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool) and not any(w in k for w in _NOT_SIZES)}
+
+
+def is_dense_twin(config: dict, dense_config: dict) -> bool:
+    """Same family and sizes, with the family's dynamic switch off in `dense_config` and on in `config`."""
+    if config.get("model_type") != dense_config.get("model_type"):
+        return False
+    switched = [k for k in DENSE_SWITCHES if dense_config.get(k) is False and config.get(k, True) is not False]
+    return bool(switched) and _sizes(config) == _sizes(dense_config)
+
+
+def find_dense_twin(model_dir: str | Path) -> Path | None:
+    """A sibling model directory that is the Dense twin of `model_dir` (see `is_dense_twin`)."""
+    model_dir = Path(model_dir)
+    config = _read_json(model_dir / "config.json")
+    if config is None or not model_dir.parent.is_dir():
+        return None
+    for sibling in sorted(model_dir.parent.iterdir()):
+        if sibling == model_dir:
+            continue
+        other = _read_json(sibling / "config.json")
+        if other is not None and is_dense_twin(config, other):
+            return sibling
+    return None
+
+
+def find_report(cache_path: str | Path) -> Path | None:
+    """`audit.json` beside the cache, if it describes a cache of this directory name. Whether its
+    fingerprints still match the cache is for the caller to show (a stale report is worth seeing)."""
+    cache_path = Path(cache_path)
+    path = cache_path.parent / REPORT
+    report = _read_json(path)
+    if report is None:
+        return None
+    described = (report.get("cache") or {}).get("path")
+    if described is not None and Path(described).name != cache_path.name:
+        return None
+    return path

@@ -1,0 +1,119 @@
+"""Actual execution: which blocks run, what the controllers cost, and latency against the Dense twin.
+
+Everything here is measured on the running model, never assumed from its architecture:
+blocks executed are counted by forward hooks, FLOPs by PyTorch's FLOP counter (matrix products and
+attention; element-wise work such as the gate nonlinearity is not counted), latency by interleaved
+timed runs on the same device and batch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from .sites import find_sites
+
+
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks in order: `model.fca_blocks()` where a family defines it, else the
+    longest `nn.ModuleList` in the module tree."""
+    if hasattr(model, "fca_blocks"):
+        return list(model.fca_blocks())
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__}: cannot find its blocks (define fca_blocks())")
+    return list(max(lists, key=len))
+
+
+def _tokens_in(args: tuple, kwargs: dict) -> int:
+    x = args[0] if args else next(iter(kwargs.values()))
+    return int(x.shape[0] * x.shape[1]) if x.dim() >= 3 else int(x.shape[0])
+
+
+@torch.no_grad()
+def blocks_executed(model: nn.Module, input_ids: torch.Tensor) -> dict:
+    """Count, with forward hooks, how many tokens each block processed in one forward."""
+    blocks = model_blocks(model)
+    processed = [0] * len(blocks)
+
+    def counter(i: int) -> Callable:
+        def hook(module, args, kwargs):
+            processed[i] += _tokens_in(args, kwargs)
+        return hook
+
+    handles = [b.register_forward_pre_hook(counter(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    try:
+        model(input_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    tokens = int(input_ids.numel())
+    return {
+        "num_blocks": len(blocks),
+        "tokens": tokens,
+        "tokens_per_block": processed,
+        "blocks_executed_per_token": sum(processed) / tokens,
+        "blocks_executed_fraction": sum(processed) / (tokens * len(blocks)),
+    }
+
+
+@torch.no_grad()
+def controller_flops(model: nn.Module, input_ids: torch.Tensor) -> dict:
+    """FLOPs of one forward, and the share spent inside controller sites."""
+    with FlopCounterMode(display=False, depth=None) as counter:
+        model(input_ids)
+    per_module = counter.get_flop_counts()
+    root = type(model).__name__
+    total = int(counter.get_total_flops())
+    in_sites = sum(sum(per_module.get(f"{root}.{name}", {}).values()) for name in find_sites(model))
+    return {"total_flops": total, "controller_flops": int(in_sites), "controller_flops_share": in_sites / total if total else 0.0,
+            "flops_per_token": total / input_ids.numel()}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def latency_ratio(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor, runs: int = 7, warmup: int = 2) -> dict:
+    """Median of per-pair ratios (model / dense) over interleaved timed forwards of the same batch."""
+    device = input_ids.device
+    pairs: list[tuple[float, float]] = []
+    for i in range(warmup + runs):
+        times = []
+        for m in (model, dense) if i % 2 == 0 else (dense, model):  # alternate who goes first
+            _sync(device)
+            start = time.perf_counter()
+            m(input_ids)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        if i >= warmup:
+            pairs.append((times[0], times[1]) if i % 2 == 0 else (times[1], times[0]))
+    ratios = [a / b for a, b in pairs]
+    return {
+        "latency_ratio_vs_dense": statistics.median(ratios),
+        "model_ms_median": 1e3 * statistics.median(a for a, _ in pairs),
+        "dense_ms_median": 1e3 * statistics.median(b for _, b in pairs),
+        "runs": runs,
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "batch_shape": list(input_ids.shape),
+        "device": str(device),
+    }
+
+
+def execution_audit(model: nn.Module, input_ids: torch.Tensor, dense: nn.Module | None = None, runs: int = 7) -> dict:
+    report = {**blocks_executed(model, input_ids), **controller_flops(model, input_ids)}
+    if hasattr(model, "fca_expert_execution"):
+        report["experts"] = model.fca_expert_execution(input_ids)
+    if dense is not None:
+        report.update(latency_ratio(model, dense, input_ids, runs=runs))
+    else:
+        report["latency_ratio_vs_dense"] = None
+    return report

@@ -1,0 +1,213 @@
+"""Adapters: sites declared by module path on any model, and the built-in Hugging Face MoE adapters.
+
+Tiny random MoE models are built from the transformers config classes, saved to a temporary
+directory and loaded back through `fca.load_model` (local files only, hub offline).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import fca
+from fca.adapters import SiteDeclaration, SiteDeclarationError, attach_sites, detach_sites
+from fca.loading import fingerprint_state
+from fca.models import expert_execution
+from fca.sites import find_sites, model_logits
+
+B, T, E, TOP_K, VOCAB = 2, 8, 4, 2, 100
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, num_experts_per_tok=TOP_K, max_position_embeddings=64, pad_token_id=0,
+    bos_token_id=1, eos_token_id=2,
+)
+CONFIGS = {
+    "mixtral": lambda: transformers.MixtralConfig(num_local_experts=E, **COMMON),
+    "olmoe": lambda: transformers.OlmoeConfig(num_experts=E, **COMMON),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(num_experts=E, moe_intermediate_size=32, shared_expert_intermediate_size=32, **COMMON),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(num_experts=E, moe_intermediate_size=32, head_dim=8, **COMMON),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The models are tiny: on a busy machine intra-op threads only add synchronisation waits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def moe_dir(request, tmp_path_factory) -> tuple[Path, str]:
+    """A tiny random MoE checkpoint on disk and the fingerprint of the unadapted model."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[request.param]())
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return path, fingerprint_state(model)
+
+
+def load(path: Path) -> nn.Module:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        return fca.load_model(path)
+
+
+@pytest.fixture(scope="module")
+def moe(moe_dir) -> nn.Module:
+    """The checkpoint loaded through `fca.load_model`, shared by the tests of one family."""
+    return load(moe_dir[0])
+
+
+@pytest.fixture(scope="module")
+def ids() -> torch.Tensor:
+    return torch.randint(3, VOCAB, (B, T), generator=torch.Generator().manual_seed(1))
+
+
+def routers(model: nn.Module) -> dict[str, nn.Module]:
+    return {name: site.controller for name, site in find_sites(model).items()}
+
+
+def test_correct_replay_is_exact(moe, moe_dir, ids):
+    model = moe
+    assert fingerprint_state(model) == moe_dir[1]  # the wrapper is invisible in the weights
+    assert model.fca_coefficient_kind == "router logits"
+    live = model_logits(model(ids))
+    coefficients = fca.capture(model, ids)
+    router_sites = [n for n, s in find_sites(model).items() if s.spec.family == "router"]
+    assert router_sites == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    for name in router_sites:
+        assert coefficients[name].shape == (B, T, E) and coefficients[name].dtype == np.float32
+        assert "router logits" in find_sites(model)[name].spec.coefficient
+    replayed = fca.replay(model, ids, coefficients)
+    assert (replayed - live).abs().max().item() <= 1e-6
+
+
+def test_router_never_runs_in_replay(moe_dir, ids):
+    model = load(moe_dir[0])
+    coefficients = fca.capture(model, ids)
+    reference = fca.replay(model, ids, coefficients)
+    calls = []
+    handles = [r.register_forward_hook(lambda *_, n=n: calls.append(n)) for n, r in routers(model).items()]
+    try:
+        replayed = fca.replay(model, ids, coefficients)
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == [] and torch.equal(replayed, reference)
+    with torch.no_grad():
+        for router in routers(model).values():
+            router.weight.fill_(math.nan)
+    assert torch.equal(fca.replay(model, ids, coefficients), reference)  # the poisoned routers never ran
+    assert torch.isnan(model_logits(model(ids))).any()  # ... while the live model does use them
+
+
+def test_conditions_change_outputs_and_routing(moe, ids):
+    model = moe
+    coefficients = fca.capture(model, ids)
+    correct = fca.replay(model, ids, coefficients)
+    cross_input = {k: v[::-1].copy() for k, v in coefficients.items()}  # the derangement of 2 sequences
+    static = {k: v.mean(axis=(0, 1)) for k, v in coefficients.items()}  # per-site mean profile [K]
+    for condition in (cross_input, static):
+        assert (fca.replay(model, ids, condition) - correct).abs().max().item() > 1e-4
+    # Top-k selection follows the replayed logits: one static profile routes every token alike.
+    from fca.sites import site_modes, tensor_provider
+
+    with site_modes(model, "replay", provider=tensor_provider({k: torch.as_tensor(v) for k, v in static.items()})):
+        frozen = expert_execution(model, ids)
+    assert all(layer["experts_hit"] == TOP_K for layer in frozen["layers"].values())
+
+
+def test_expert_execution_and_blocks(moe, ids):
+    model = moe
+    report = expert_execution(model, ids)
+    assert report["moe_layers"] == 2 and report["top_k"] == TOP_K and report["experts_available"] == E
+    assert report["experts_run_per_token_mean"] == TOP_K and report["expert_fraction"] == TOP_K / E
+    assert all(layer["tokens"] == B * T for layer in report["layers"].values())
+    assert "expert-level" in report["note"]
+    assert len(model.fca_blocks()) == 2
+
+
+def test_wrong_path_lists_candidates():
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS["mixtral"]())
+    declaration = SiteDeclaration(path="model.layers.*.mlp.router", axes=(("expert", E),), family="router", token_layout="flat")
+    with pytest.raises(SiteDeclarationError, match=r"model\.layers\.\*\.mlp\.router.*candidates: .*model\.layers\.0\.mlp\.gate") as err:
+        attach_sites(model, [declaration])
+    assert "\n" not in str(err.value)
+
+
+def test_spec_that_does_not_fit_is_a_clear_error(ids):
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS["mixtral"]())
+    wrong_axes = SiteDeclaration(
+        path="model.layers.*.mlp.gate", axes=(("expert", E + 1),), family="router", output=0, token_layout="flat", rebuild=lambda c, m: c
+    )
+    attach_sites(model, [wrong_axes])
+    with pytest.raises(SiteDeclarationError, match=r"Tensor\[16, 4\] does not fit .*K=5.*returned tuple\(Tensor\[16, 4\], Tensor\[16, 2\], Tensor\[16, 2\]\)") as err:
+        fca.capture(model, ids)
+    assert "\n" not in str(err.value)
+    with pytest.raises(SiteDeclarationError, match="needs rebuild"):
+        SiteDeclaration(path="x", axes=(("e", 2),), family="f", output=0)
+
+
+class GatedBlock(nn.Module):
+    """A user's own dynamic block: a gating Linear scales the MLP output per feature group."""
+
+    def __init__(self, d: int, groups: int, flat: bool) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.gate = nn.Linear(d, groups)
+        self.flat, self.groups = flat, groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Bx, Tx, D = x.shape
+        logits = self.gate(x.reshape(Bx * Tx, D) if self.flat else x).reshape(Bx, Tx, self.groups)  # [B, T, G]
+        y = self.mlp(x).view(Bx, Tx, self.groups, D // self.groups)  # [B, T, G, D/G]
+        return x + (y * torch.sigmoid(logits).unsqueeze(-1)).view(Bx, Tx, D)
+
+
+class TinyUserModel(nn.Module):
+    def __init__(self, flat: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.ModuleList(GatedBlock(16, 4, flat) for _ in range(2))
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)  # [B, T, D]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)  # [B, T, V]
+
+
+@pytest.mark.parametrize("layout", ["batched", "flat"])
+def test_user_model_with_glob_path_end_to_end(layout, ids):
+    torch.manual_seed(0)
+    model = TinyUserModel(flat=layout == "flat").eval()
+    plain = model(ids).detach()
+    attach_sites(model, [SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate", token_layout=layout)], blocks="blocks")
+    assert list(find_sites(model)) == ["blocks.0.gate", "blocks.1.gate"] and len(model.fca_blocks()) == 2
+    coefficients = fca.capture(model, ids)
+    assert coefficients["blocks.0.gate"].shape == (B, T, 4)
+    gates = [site.controller for site in find_sites(model).values()]
+    calls = []
+    handles = [g.register_forward_hook(lambda *_: calls.append(1)) for g in gates]
+    try:
+        replayed = fca.replay(model, ids, coefficients)
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == [] and (replayed - plain).abs().max().item() <= 1e-6
+    cross_input = {k: v[::-1].copy() for k, v in coefficients.items()}
+    assert (fca.replay(model, ids, cross_input) - plain).abs().max().item() > 1e-4
+    # Weights keep their plain names, and detaching restores the original module tree.
+    assert "blocks.0.gate.weight" in model.state_dict()
+    model.load_state_dict(TinyUserModel(flat=layout == "flat").state_dict())
+    detach_sites(model)
+    assert not find_sites(model) and isinstance(model.blocks[0].gate, nn.Linear)

@@ -1,0 +1,193 @@
+"""FeatureGate model, its Dense twin, sites, training, corpora and loading."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import fca
+from fca import data
+from fca.cli import main
+from fca.loading import ModelLoadError
+from fca.models.featuregate import FeatureGateConfig, FeatureGateModel, build_featuregate
+from fca.sites import find_sites, site_modes
+from fca.train import TrainSettings, heldout_nll, train
+
+from .helpers import TINY, make_model_dir, write_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "prose.txt")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, corpus):
+    return make_model_dir(tmp_path_factory.mktemp("models") / "gated", corpus)
+
+
+def tiny(**kw) -> FeatureGateModel:
+    return build_featuregate(FeatureGateConfig(vocab_size=97, **{**TINY, **kw})).eval()
+
+
+def test_shapes_and_sites():
+    model = tiny()
+    ids = torch.randint(0, 97, (3, 16))
+    assert model(ids).logits.shape == (3, 16, 97)
+    coefficients = fca.capture(model, ids)
+    assert list(coefficients) == ["blocks.0.gate", "blocks.1.gate"]
+    assert all(c.shape == (3, 16, 2 + 2) and c.dtype == np.float32 for c in coefficients.values())
+    per_feature = fca.capture(tiny(granularity="feature", controller="mlp"), ids)
+    assert per_feature["blocks.0.gate"].shape == (3, 16, 2 * 32)
+
+
+def test_gates_start_near_one():
+    coefficients = fca.capture(tiny(), torch.randint(0, 97, (2, 16)))
+    for c in coefficients.values():
+        assert np.abs(c - 1).mean() < 0.05 and np.abs(c - 1).max() < 0.3  # logits ~ N(0, 0.02^2 * d_model)
+        assert ((c > 0) & (c < 2)).all()
+
+
+def test_dense_twin_has_no_controller_and_same_init():
+    gated, dense = tiny(), tiny(gated=False)
+    assert find_sites(dense) == {}
+    assert not any("gate" in name for name, _ in dense.named_parameters())
+    shared = dict(dense.named_parameters())
+    gated_params = dict(gated.named_parameters())
+    assert set(shared) < set(gated_params)
+    assert all(torch.equal(shared[n], gated_params[n]) for n in shared)
+    assert sum(p.numel() for p in gated.parameters()) - sum(p.numel() for p in dense.parameters()) == 2 * (32 * 4 + 4)
+
+
+def test_exact_correct_replay_and_controller_never_runs():
+    model = tiny()
+    ids = torch.randint(0, 97, (4, 16))
+    live = model(ids).logits
+    coefficients = fca.capture(model, ids)
+    calls = []
+    handles = [s.controller.register_forward_hook(lambda *a: calls.append(1)) for s in find_sites(model).values()]
+    replayed = fca.replay(model, ids, coefficients)
+    assert calls == []
+    assert torch.equal(replayed, live)  # bit-exact, not just close
+    with torch.no_grad():
+        for site in find_sites(model).values():
+            for p in site.controller.parameters():
+                p.fill_(float("nan"))
+    assert torch.equal(fca.replay(model, ids, coefficients), live)
+    assert torch.isnan(model(ids).logits).all()  # live now really is broken
+    for h in handles:
+        h.remove()
+
+
+def test_static_replay_differs_and_broadcasts():
+    model = tiny()
+    ids = torch.randint(0, 97, (2, 16))
+    live = model(ids).logits
+    static = {k: v.mean((0, 1)) for k, v in fca.capture(model, ids).items()}  # [K]
+    assert not torch.equal(fca.replay(model, ids, static), live)
+    with pytest.raises(KeyError, match="blocks.1.gate"):
+        fca.replay(model, ids, {"blocks.0.gate": static["blocks.0.gate"]})
+
+
+def test_site_modes_restore_after_error():
+    model = tiny()
+    with pytest.raises(RuntimeError):
+        with site_modes(model, "record", sink={}):
+            raise RuntimeError("boom")
+    assert all(s.mode == "live" and s._sink is None and s._provider is None for s in find_sites(model).values())
+
+
+def test_save_load_round_trip(tmp_path, model_dir):
+    model = fca.load_model(model_dir)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    expected = model(ids).logits
+    model.save_pretrained(tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert torch.equal(FeatureGateModel.from_pretrained(tmp_path / "hf").eval()(ids).logits, expected)
+    assert torch.equal(fca.load_model(model_dir)(ids).logits, expected)
+
+
+def test_missing_or_corrupt_checkpoint_errors(tmp_path, model_dir):
+    with pytest.raises(ModelLoadError, match="model directory not found"):
+        fca.load_model(tmp_path / "nowhere")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((model_dir / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError) as err:
+        fca.load_model(broken)
+    assert "model.safetensors" in str(err.value) and "\n" not in str(err.value)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(model_dir / "model.safetensors")
+    state.pop("blocks.1.gate.controller.net.weight")
+    save_file(state, broken / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="missing keys.*blocks.1.gate.controller.net.weight"):
+        fca.load_model(broken)
+
+
+def test_training_reduces_loss(tmp_path, corpus):
+    config = FeatureGateConfig(**TINY)
+    log = train(corpus, tmp_path / "m", config, TrainSettings(steps=40, batch_size=8, lr=3e-3, warmup=5, eval_every=20, eval_windows=16, final_eval_windows=16, vocab_size=300), show_progress=False)
+    assert log["history"][0]["loss"] > log["history"][-1]["loss"] + 1.0
+    saved = json.loads((tmp_path / "m" / "training_log.json").read_text())
+    assert saved["final_eval_nll"] == pytest.approx(log["final_eval_nll"])
+    model = fca.load_model(tmp_path / "m")
+    tok = data.load_tokenizer(tmp_path / "m")
+    windows = data.split_windows(corpus, "eval", tok, 16, 0, 16)
+    assert heldout_nll(model, windows) == pytest.approx(log["final_eval_nll"], rel=1e-5)
+
+
+def test_splits_are_deterministic_and_disjoint():
+    docs = [f"document {i}" for i in range(200)]
+    a, b = data.split_documents(docs, seed=3), data.split_documents(docs, seed=3)
+    assert a == b
+    assert data.split_documents(docs, seed=4)["eval"] != a["eval"]
+    seen = [d for split in a.values() for d in split]
+    assert sorted(seen) == sorted(docs) and len(set(seen)) == len(docs)
+    assert len(a["calibration"]) == len(a["eval"]) == 10
+
+
+def test_tokenizer_round_trip(model_dir):
+    tok = data.load_tokenizer(model_dir)
+    text = "The shepherd went up to the mountain, and was afraid."
+    assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_corpus_loaders(tmp_path):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "b.txt").write_text("second document")
+    (folder / "a.txt").write_text("first document")
+    (folder / "empty.txt").write_text("   ")
+    assert data.load_documents(folder) == ["first document", "second document"]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["one", "", "two"], "id": [1, 2, 3]}), tmp_path / "d.parquet")
+    assert data.load_documents(tmp_path / "d.parquet") == ["one", "two"]
+    with pytest.raises(data.CorpusError, match="no column 'body'"):
+        data.load_documents(tmp_path / "d.parquet", text_column="body")
+    (tmp_path / "empty.txt").write_text("\n\n  \n")
+    with pytest.raises(data.CorpusError, match="empty"):
+        data.load_documents(tmp_path / "empty.txt")
+
+
+def test_cli_train_errors_are_one_line(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    assert main(["train", "--corpus", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "m"), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fca: error:") and "empty.txt" in err and "\n" not in err
+    assert not (tmp_path / "m").exists()
+
+
+def test_library_is_ui_free():
+    import pathlib
+    import re
+
+    root = pathlib.Path(fca.__file__).parent
+    offenders = [p.name for p in root.rglob("*.py") if re.search(r"^\s*(import|from)\s+(streamlit|plotly)", p.read_text(), re.M)]
+    assert offenders == []
