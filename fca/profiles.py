@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from .stats import Moments, SlotLayout, family_grand_means
-from .store import Cache, channel_families
+from .store import Cache, CacheError, channel_families
 
 
 def slot_layout(cache: Cache) -> SlotLayout:
@@ -45,10 +45,10 @@ def cache_moments(cache: Cache, with_tokens: bool = True, progress: Callable[[in
     seqs_per_batch = max(1, 32768 // T)
     for batch in cache.iter_batches(columns=["token", *layout.sites], batch_size=seqs_per_batch * T):
         if batch.num_rows % T:
-            raise ValueError(f"{cache.path}: a batch of {batch.num_rows} rows is not whole sequences of {T}")
+            raise CacheError(f"{cache.path}: a batch of {batch.num_rows} rows is not whole sequences of {T}")
         values, tokens = _batch_values(batch, layout.sites, T)
         if not np.isfinite(values).all():
-            raise ValueError(f"{cache.path}: non-finite coefficients (NaN or inf) in the cache")
+            raise CacheError(f"{cache.path}: non-finite coefficients (NaN or inf) in the cache")
         m.add(values, tokens)
         if progress is not None:
             progress(m.num_seqs, cache.num_seqs)

@@ -85,6 +85,8 @@ class Moments:
     def add(self, values: np.ndarray, tokens: np.ndarray) -> None:
         """values: [n, T, C] coefficients of n whole sequences; tokens: [n, T] their token ids."""
         n, T, C = values.shape
+        if n == 0:
+            return
         x = values.astype(np.float64, copy=False)
         flat = x.reshape(-1, C)  # [n*T, C]
         self.count += n * T

@@ -1,0 +1,309 @@
+"""Coefficient cache, conditions, statistics, replay runner and the audit, on tiny real artifacts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import duckdb
+import numpy as np
+import pandas as pd
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import fca
+from fca.audit import check_exactness, gap_retention, render_markdown, run_audit
+from fca.capture import build_cache
+from fca.cli import main
+from fca.conditions import Condition, condition_coefficients, derangement, parse_condition, position_permutation
+from fca.profiles import cache_moments, calibration_profiles
+from fca.replay import ExactnessError, ReplayResults, run_conditions
+from fca.stats import Moments, SlotLayout, paired_bootstrap_ci, variance_decomposition
+from fca.store import MANIFEST, CacheError, open_cache
+
+from .helpers import make_model_dir, write_corpus
+
+N_SEQS = 12
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """A tiny demo: model, Dense twin, eval and calibration caches."""
+    root = tmp_path_factory.mktemp("demo")
+    corpus = write_corpus(root / "prose.txt")
+    make_model_dir(root / "featuregate", corpus)
+    make_model_dir(root / "dense", corpus, gated=False)
+    for split in ("eval", "calibration"):
+        build_cache(root / "featuregate", corpus, split, root / split, num_seqs=N_SEQS, batch_size=5, device="cpu", show_progress=False)
+    return root
+
+
+def test_cache_layout_and_round_trip(demo):
+    cache = open_cache(demo / "eval", verify=True)
+    m = cache.manifest
+    assert m["num_seqs"] == N_SEQS and m["seq_len"] == 16 and m["num_tokens"] == N_SEQS * 16
+    assert list(m["sites"]) == ["blocks.0.gate", "blocks.1.gate"] and m["sites"]["blocks.0.gate"]["shape"] == [4]
+    assert m["corpus"]["split"] == "eval" and len(m["model"]["fingerprint"]) == 64
+    model = fca.load_model(demo / "featuregate")
+    cache.check_model(fca.loading.fingerprint_state(model))
+    got = cache.read_seqs([7, 2])
+    fresh = fca.capture(model, got["token"])
+    for site in cache.sites:
+        np.testing.assert_array_equal(got[site], fresh[site])
+    live = torch.nn.functional.cross_entropy(model(torch.from_numpy(got["token"]).long()).logits.flatten(0, 1),
+                                             torch.from_numpy(got["target"]).long().flatten(), reduction="none")
+    np.testing.assert_allclose(got["live_nll"].reshape(-1), live.detach().numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_part_files_readable_without_fca(demo):
+    part = next((demo / "eval").glob("part-*.parquet"))
+    frame = pd.read_parquet(part)
+    assert len(frame) == N_SEQS * 16 and list(frame.columns[:5]) == ["seq", "pos", "token", "target", "live_nll"]
+    assert len(frame["blocks.1.gate"].iloc[0]) == 4
+    meta = pq.ParquetFile(part).metadata
+    assert meta.row_group(0).column(5).compression == "ZSTD"
+    assert duckdb.sql(f"select count(distinct seq) from read_parquet('{part}')").fetchall()[0][0] == N_SEQS
+    assert pl.read_parquet(part).height == N_SEQS * 16
+
+
+def test_same_inputs_give_same_cache(demo, tmp_path):
+    build_cache(demo / "featuregate", demo / "prose.txt", "eval", tmp_path / "again", num_seqs=N_SEQS, batch_size=5, device="cpu", show_progress=False)
+    assert [p["sha256"] for p in open_cache(tmp_path / "again").manifest["parts"]] == [p["sha256"] for p in open_cache(demo / "eval").manifest["parts"]]
+
+
+def test_interrupted_build_leaves_no_manifest_and_resumes(demo, tmp_path):
+    out = tmp_path / "cache"
+    stop_after = {"n": 0}
+
+    def interrupt(done, total):
+        stop_after["n"] += 1
+        if stop_after["n"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_cache(demo / "featuregate", demo / "prose.txt", "eval", out, num_seqs=N_SEQS, batch_size=2, device="cpu",
+                    progress=interrupt, show_progress=False)
+    assert not out.exists() and not (out.with_name("cache.partial") / MANIFEST).exists()
+    with pytest.raises(CacheError, match="missing; not a finished cache"):
+        open_cache(out.with_name("cache.partial"))
+    build_cache(demo / "featuregate", demo / "prose.txt", "eval", out, num_seqs=N_SEQS, batch_size=2, device="cpu", show_progress=False)
+    resumed, clean = open_cache(out, verify=True), open_cache(demo / "eval")
+    for seqs in ([0, 5, 11],):
+        a, b = resumed.read_seqs(seqs), clean.read_seqs(seqs)
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not out.with_name("cache.partial").exists()
+
+
+def _copy(demo, tmp_path, name="eval"):
+    dst = tmp_path / name
+    shutil.copytree(demo / name, dst)
+    return dst
+
+
+def _snapshot(path):
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def _cli_error(args, capsys):
+    code = main(args)
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and err.startswith("fca: error:") and "\n" not in err, err
+    return err
+
+
+def test_corrupt_part_file(demo, tmp_path, capsys):
+    bad = _copy(demo, tmp_path)
+    part = next(bad.glob("part-*.parquet"))
+    part.write_bytes(part.read_bytes()[: len(part.read_bytes()) // 2])
+    before = _snapshot(bad)
+    with pytest.raises(CacheError, match="part-00000.parquet"):
+        open_cache(bad)
+    err = _cli_error(["audit", "--model", str(demo / "featuregate"), "--cache", str(bad), "--calibration", str(demo / "calibration"), "--json", str(tmp_path / "r.json")], capsys)
+    assert "part-00000.parquet" in err
+    assert _snapshot(bad) == before and not (tmp_path / "r.json").exists()
+
+
+def test_modified_part_fails_verification(demo, tmp_path):
+    bad = _copy(demo, tmp_path)
+    part = next(bad.glob("part-*.parquet"))
+    pq.write_table(pq.read_table(part), part, compression="zstd")  # valid Parquet, different bytes
+    with pytest.raises(CacheError, match="sha256"):
+        open_cache(bad, verify=True)
+
+
+def test_fingerprint_mismatch(demo, tmp_path, capsys):
+    other = make_model_dir(tmp_path / "other", demo / "prose.txt", seed=1)
+    err = _cli_error(["audit", "--model", str(other), "--cache", str(demo / "eval"), "--calibration", str(demo / "calibration"), "--json", str(tmp_path / "r.json")], capsys)
+    assert "different model" in err and "manifest.json" in err
+
+
+def test_nan_coefficients(demo, tmp_path, capsys):
+    bad = _copy(demo, tmp_path, "calibration")
+    part = next(bad.glob("part-*.parquet"))
+    table = pq.read_table(part)
+    values = table.column("blocks.0.gate").combine_chunks()
+    flat = values.flatten().to_numpy().copy()
+    flat[3] = np.nan
+    import pyarrow as pa
+
+    table = table.set_column(table.schema.get_field_index("blocks.0.gate"), table.schema.field("blocks.0.gate"), pa.FixedSizeListArray.from_arrays(pa.array(flat), 4))
+    pq.write_table(table, part, compression="zstd")
+    manifest = json.loads((bad / MANIFEST).read_text())
+    manifest["parts"][0]["sha256"] = fca.store.file_sha256(part)  # a consistent cache that holds NaN
+    (bad / MANIFEST).write_text(json.dumps(manifest))
+    before = _snapshot(bad)
+    with pytest.raises(CacheError, match="non-finite"):
+        open_cache(bad).read_seqs([0])
+    err = _cli_error(["audit", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval"), "--calibration", str(bad), "--json", str(tmp_path / "r.json")], capsys)
+    assert "non-finite" in err
+    assert _snapshot(bad) == before
+
+
+def test_missing_site_column(demo, tmp_path, capsys):
+    bad = _copy(demo, tmp_path)
+    part = next(bad.glob("part-*.parquet"))
+    pq.write_table(pq.read_table(part).drop_columns(["blocks.1.gate"]), part)
+    with pytest.raises(CacheError, match="column 'blocks.1.gate' is missing"):
+        open_cache(bad)
+    err = _cli_error(["inspect", str(bad)], capsys)
+    assert "blocks.1.gate" in err
+
+
+def test_derangement_and_shuffle():
+    for seed in range(20):
+        perm = derangement(7, seed)
+        assert sorted(perm) == list(range(7)) and not (perm == np.arange(7)).any()
+    assert np.array_equal(derangement(50, 3), derangement(50, 3))
+    sigma = position_permutation(4, 16, seed=9)
+    assert sorted(sigma) == list(range(16)) and np.array_equal(sigma, position_permutation(4, 16, seed=9))
+    assert not np.array_equal(sigma, position_permutation(5, 16, seed=9))
+    own = {"a": np.arange(2 * 16 * 3, dtype=np.float32).reshape(2, 16, 3), "b": np.arange(2 * 16 * 2, dtype=np.float32).reshape(2, 16, 2)}
+    shared = condition_coefficients(Condition("token_shuffle", seed=1), own, [0, 1])
+    for n in range(2):
+        p = position_permutation(n, 16, 1)
+        assert np.array_equal(shared["a"][n], own["a"][n, p]) and np.array_equal(shared["b"][n], own["b"][n, p])
+    independent = condition_coefficients(Condition("token_shuffle", independent=True, seed=1), own, [0, 1])
+    assert not np.array_equal(independent["b"], shared["b"])
+    frozen = condition_coefficients(parse_condition("token_shuffle@b", 1), own, [0, 1])
+    assert frozen["a"] is own["a"] and np.array_equal(frozen["b"], shared["b"])
+    assert parse_condition("interpolate:0.25@a,b").name == "interpolate(0.25)@a,b"
+    with pytest.raises(ValueError):
+        parse_condition("wobble")
+
+
+def test_static_profile_is_calibration_mean(demo):
+    cal = open_cache(demo / "calibration")
+    profiles = calibration_profiles(cal)
+    everything = cal.read_seqs(range(cal.num_seqs))
+    for site in cal.sites:
+        np.testing.assert_allclose(profiles.static[site], everything[site].reshape(-1, 4).mean(0), rtol=1e-6)
+        np.testing.assert_allclose(profiles.position[site], everything[site].mean(0), rtol=1e-6)
+    grand = np.mean([everything[s] for s in cal.sites])
+    assert all(np.allclose(profiles.global_mean[s], grand, rtol=1e-6) for s in cal.sites)
+
+
+def _moments(values: np.ndarray, vocab: int = 10) -> Moments:
+    m = Moments(values.shape[2], values.shape[1], vocab)
+    tokens = np.arange(values.shape[0] * values.shape[1]).reshape(values.shape[:2]) % vocab
+    m.add(values[: values.shape[0] // 2], tokens[: values.shape[0] // 2])
+    other = Moments(values.shape[2], values.shape[1], vocab)
+    other.add(values[values.shape[0] // 2 :], tokens[values.shape[0] // 2 :])
+    return m.merge(other)
+
+
+def test_variance_share_hand_cases():
+    layout = SlotLayout(sites=["s0", "s1", "s2"], widths=[2, 2, 2], families=["g"] * 6)
+    slot_means = np.array([0.2, 0.4, 0.9, 1.1, 1.6, 1.8])
+    pure_site = np.broadcast_to(slot_means, (8, 5, 6)).copy()
+    result = variance_decomposition(_moments(pure_site), layout)
+    assert result["layer_identity_share"] == pytest.approx(1.0)
+    assert result["factors"]["residual_after_slot"] == pytest.approx(0.0, abs=1e-9)
+    noise = np.random.default_rng(0).normal(1.0, 0.3, (400, 8, 6))
+    assert variance_decomposition(_moments(noise), layout)["layer_identity_share"] < 0.01
+    # Hand-computed: two slots, values {0, 2} and {4, 6}: grand mean 3, SS_total 20, SS_between 16.
+    tiny = np.array([[[0.0, 4.0], [2.0, 6.0]]])  # [1 seq, 2 positions, 2 slots]
+    r = variance_decomposition(_moments(tiny), SlotLayout(["a"], [2], ["g", "g"]))
+    assert r["layer_identity_share"] == pytest.approx(16 / 20)
+    assert r["factors"]["position_within_slot"] == pytest.approx(4 / 20)
+
+
+def test_bootstrap_ci():
+    lo, hi = paired_bootstrap_ci(np.full(30, 0.5))
+    assert lo == hi == pytest.approx(0.5)
+    d = np.random.default_rng(1).normal(0.2, 0.1, 200)
+    lo, hi = paired_bootstrap_ci(d, seed=3)
+    assert lo < d.mean() < hi and hi - lo < 0.05 and (lo, hi) == paired_bootstrap_ci(d, seed=3)
+
+
+def test_replay_runner_conditions(demo):
+    model = fca.load_model(demo / "featuregate")
+    ev, cal = open_cache(demo / "eval"), open_cache(demo / "calibration")
+    conditions = [parse_condition(c) for c in ("correct", "cross_input", "token_shuffle", "static_layer", "global_mean", "interpolate:1", "interpolate:0")]
+    results = run_conditions(model, ev, conditions, calibration_profiles(cal), batch_size=5)
+    assert results.max_abs_logit_diff == 0.0 and results.nll_live == results.nll_correct
+    assert results.cached_live_nll_max_diff < 1e-5
+    nll = {name: results.nll(name) for name in results.per_seq_nll}
+    assert nll["correct"] == pytest.approx(results.nll_live, abs=1e-6)
+    assert nll["interpolate(1)"] == pytest.approx(nll["correct"], abs=1e-6)
+    assert nll["interpolate(0)"] == pytest.approx(nll["static_layer"], abs=1e-6)
+    assert len({round(nll[k], 7) for k in ("correct", "cross_input", "token_shuffle", "static_layer", "global_mean")}) == 5
+    # Batch composition does not change per-sequence NLL of a condition beyond float noise.
+    again = run_conditions(model, ev, conditions[:2], calibration_profiles(cal), batch_size=3)
+    np.testing.assert_allclose(again.per_seq_nll["cross_input"], results.per_seq_nll["cross_input"], atol=1e-5)
+
+
+def test_audit_report(demo, tmp_path):
+    assert main(["audit", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval"), "--calibration", str(demo / "calibration"),
+                 "--dense", str(demo / "dense"), "--json", str(tmp_path / "a.json"), "--markdown", str(tmp_path / "a.md")]) == 0
+    report = json.loads((tmp_path / "a.json").read_text())
+    assert report["exactness"]["max_abs_logit_diff"] == 0.0
+    assert report["exactness"]["nll_live"] == report["exactness"]["nll_correct"]
+    assert set(report["conditions"]) >= {"correct", "cross_input", "token_shuffle", "static_layer", "global_mean"}
+    for row in report["conditions"].values():
+        assert row["penalty_ci95"][0] <= row["penalty"] <= row["penalty_ci95"][1]
+    assert 0.0 <= report["variance"]["layer_identity_share"] <= 1.0 and set(report["variance"]["per_site"]) == {"blocks.0.gate", "blocks.1.gate"}
+    assert report["execution"]["blocks_executed_fraction"] == 1.0
+    assert 0 < report["execution"]["controller_flops_share"] < 0.2
+    assert report["execution"]["latency_ratio_vs_dense"] > 0
+    assert report["definitions"]["global_mean_families"] == {"gate": ["blocks.0.gate", "blocks.1.gate"]}
+    assert "# FCA audit" in (tmp_path / "a.md").read_text()
+    assert main(["report", str(tmp_path / "a.json"), "--markdown", str(tmp_path / "b.md")]) == 0
+    assert (tmp_path / "b.md").read_text() == (tmp_path / "a.md").read_text()
+
+
+def test_audit_refuses_when_correct_is_not_exact(demo, tmp_path, monkeypatch, capsys):
+    fake = ReplayResults(seqs=[0, 1], per_seq_nll={"correct": np.zeros(2)}, conditions={}, max_abs_logit_diff=1e-3, nll_live=1.0, nll_correct=1.0)
+    with pytest.raises(ExactnessError):
+        check_exactness(fake)
+    import fca.audit
+
+    monkeypatch.setattr(fca.audit, "run_conditions", lambda *a, **k: fake)
+    code = main(["audit", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval"), "--calibration", str(demo / "calibration"), "--json", str(tmp_path / "r.json")])
+    assert code == 3 and "does not reproduce" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_calibration_must_be_independent(demo, tmp_path, capsys):
+    err = _cli_error(["audit", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval"), "--calibration", str(demo / "eval"), "--json", str(tmp_path / "r.json")], capsys)
+    assert "same split" in err
+
+
+def test_gap_retention_undefined_without_gap():
+    table = {"correct": {"nll": 2.0, "penalty_ci95": [0, 0]}, "global_mean": {"nll": 2.001, "penalty_ci95": [-0.01, 0.01]}, "static_layer": {"nll": 2.0005, "penalty_ci95": [0, 0]}}
+    assert gap_retention(table) == {"static_layer": None}
+    table["global_mean"]["penalty_ci95"] = [0.0005, 0.0015]
+    assert gap_retention(table)["static_layer"] == pytest.approx(0.5)
+
+
+def test_replay_cli_saves_runs(demo, capsys):
+    from fca.runs import list_runs, run_replay
+
+    assert main(["replay", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval"), "--calibration", str(demo / "calibration"),
+                 "--conditions", "static_layer", "interpolate:0.5", "--num-seqs", "6", "--seed", "2"]) == 0
+    runs = list_runs(demo / "eval")
+    assert runs and runs[0]["spec"]["conditions"] == ["correct", "static_layer", "interpolate:0.5"]
+    again = run_replay(demo / "featuregate", demo / "eval", demo / "calibration", ["static_layer", "interpolate:0.5"], num_seqs=6, seed=2, device="cpu", save=False)
+    assert again["results"]["conditions"] == runs[0]["results"]["conditions"]
+    assert not (demo / "eval" / "runs").exists()  # runs live beside the cache, never inside it
