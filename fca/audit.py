@@ -121,7 +121,7 @@ def run_audit(
         "gap_retention": gap_retention(table),
         "variance": variance,
         "execution": execution,
-        "definitions": _definitions(evaluated, layout, seed, conditions),
+        "definitions": {**_definitions(evaluated, layout, seed, conditions), **(model.fca_definitions() if hasattr(model, "fca_definitions") else {})},
         "seconds": round(time.perf_counter() - started, 1),
     }
 
@@ -166,7 +166,8 @@ def _definitions(cache: Cache, layout, seed: int, conditions: Sequence[Condition
         "exactness": f"live vs correct replay logits in the same batch composition; max |diff| <= {EXACTNESS_TOLERANCE:g} and identical NLL",
         "controller_flops": "FLOPs inside controller sites / FLOPs of the whole forward (matrix products and attention, via torch FlopCounterMode)",
         "latency": "median over interleaved runs of (model forward time / Dense twin forward time), same device and batch",
-        "coefficient": "the value the computation consumes at each site (FeatureGate: the gate after 2*sigmoid)",
+        "coefficient": "; ".join(sorted({f"{s.family}: {s.coefficient}" for s in cache.site_specs.values() if s.coefficient}))
+                       or "the value the computation consumes at each site",
     }
 
 
@@ -214,7 +215,11 @@ def render_markdown(report: dict) -> str:
     else:
         lines.append("- Latency vs a Dense twin: not measured (no --dense given).")
     if exe.get("experts"):
-        lines.append(f"- Experts: {json.dumps(exe['experts'])}")
+        e = exe["experts"]
+        lines.append(f"- Experts run per token: {e['experts_run_per_token_mean']:.2f} of {e['experts_available']:g} per MoE layer "
+                     f"(top-{e['top_k']}, {100 * e['expert_fraction']:.1f}% of expert compute), counted from the dispatched indices.")
+    if exe.get("note"):
+        lines.append(f"- Note: {exe['note']}")
     lines += ["", "## Definitions", ""]
     for key, value in report["definitions"].items():
         if isinstance(value, dict):

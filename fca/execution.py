@@ -110,8 +110,12 @@ def latency_ratio(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor, r
 
 def execution_audit(model: nn.Module, input_ids: torch.Tensor, dense: nn.Module | None = None, runs: int = 7) -> dict:
     report = {**blocks_executed(model, input_ids), **controller_flops(model, input_ids)}
-    if hasattr(model, "fca_expert_execution"):
-        report["experts"] = model.fca_expert_execution(input_ids)
+    if getattr(model, "fca_expert_paths", None):
+        from .models.hf_moe import expert_execution  # conditional execution happens at expert level
+
+        report["experts"] = expert_execution(model, input_ids)
+    if getattr(model, "fca_execution_note", None):
+        report["note"] = model.fca_execution_note
     if dense is not None:
         report.update(latency_ratio(model, dense, input_ids, runs=runs))
     else:

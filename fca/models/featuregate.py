@@ -141,7 +141,8 @@ class Block(nn.Module):
         self.gate: Site | None = None
         if cfg.gated:
             labels = tuple(f"attn.{i}" for i in range(cfg.attn_gates)) + tuple(f"mlp.{i}" for i in range(cfg.mlp_gates))
-            spec = SiteSpec(axes=(("gate", cfg.gates_per_block),), family=GATE_FAMILY, channel_labels=labels)
+            spec = SiteSpec(axes=(("gate", cfg.gates_per_block),), family=GATE_FAMILY, channel_labels=labels,
+                            coefficient="gate value 2 * sigmoid(logits) in (0, 2), scaling a head's or feature group's output")
             self.gate = Site(GateController(cfg), spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
