@@ -136,8 +136,13 @@ def build_cache(
         "sites": {name: spec_to_json(spec) for name, spec in specs.items()},
         "raw_bytes_per_token": row_bytes,
     }
+    if show_progress:
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"{out}: {N} sequences x {T} tokens x {row_bytes} B = {row_bytes * N * T / 1e6:.1f} MB raw "
+                   f"(about {0.85 * row_bytes * N * T / 1e6:.1f} MB as Parquet)")
     return write_cache(model, windows, out, plan, batch_size, overwrite=overwrite, progress=progress, show_progress=show_progress,
-                       desc=f"cache {split} (~{row_bytes * N * T / 1e6:.1f} MB raw)")
+                       desc=f"cache {split}")
 
 
 def write_cache(
