@@ -25,7 +25,7 @@ from .conditions import PAPER_CONDITIONS, Condition, condition_coefficients
 from .loading import load_model
 from .profiles import calibration_profiles
 from .replay import _stack_conditions, replay
-from .sites import capture_tensors, find_sites, model_logits, site_specs
+from .sites import capture_tensors, model_logits, site_specs
 from .store import CacheWriter, cache_schema, open_cache, record_batch, spec_to_json, SCHEMA_VERSION
 
 

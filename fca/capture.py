@@ -1,12 +1,23 @@
-"""Record pass: run the live model once and collect every site's coefficients as float32 arrays."""
+"""Record passes: collect every site's coefficients, in memory (`capture`) or into a cache on disk
+(`build_cache`, streaming: a writer thread turns each batch into Parquet while the next one runs)."""
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .sites import capture_tensors, find_sites
+from . import data
+from .loading import fingerprint_file, fingerprint_state, load_model, read_config
+from .sites import capture_tensors, find_sites, site_specs
+from .store import SCHEMA_VERSION, CacheWriter, cache_schema, coefficient_arrow_type, record_batch, spec_to_json
 
 
 def as_input_ids(input_ids, model: nn.Module) -> torch.Tensor:
@@ -28,20 +39,6 @@ def capture(model: nn.Module, input_ids) -> dict[str, np.ndarray]:
 
 # ---------------------------------------------------------------------------------------------
 # Cache builder: windows -> record passes -> Parquet parts, streamed.
-
-import json
-import queue
-import threading
-import time
-from collections.abc import Callable
-from pathlib import Path
-
-import torch.nn.functional as F
-
-from . import data
-from .loading import fingerprint_file, fingerprint_state, load_model, read_config
-from .sites import site_specs
-from .store import CacheWriter, cache_schema, coefficient_arrow_type, record_batch, spec_to_json, SCHEMA_VERSION
 
 TARGET_PART_BYTES = 128 * 2**20  # raw bytes per part file before compression
 

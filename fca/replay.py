@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .capture import as_input_ids
+from .conditions import Condition, condition_coefficients, derangement
+from .profiles import Profiles
 from .sites import find_sites, model_logits, site_modes, tensor_provider
+from .store import Cache
 
 
 def _as_tensor(values, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -35,18 +40,9 @@ def replay(model: nn.Module, input_ids, coefficients: Mapping[str, object], only
         return model_logits(model(ids))
 
 
+
 # ---------------------------------------------------------------------------------------------
 # Replay runner: score conditions on the sequences of a cache.
-
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-
-import torch.nn.functional as F
-
-from .conditions import Condition, condition_coefficients, derangement
-from .profiles import Profiles
-from .store import Cache
-
 
 class ExactnessError(RuntimeError):
     """Correct replay did not reproduce the live logits: no other figure may be reported."""

@@ -157,16 +157,12 @@ def model_logits(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 
 
-def _forward_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    return model_logits(model(input_ids))
-
-
 @torch.no_grad()
 def capture_tensors(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One record pass. Returns (logits [B, T, V], site name -> coefficients [B, T, K_s])."""
     sink: dict[str, torch.Tensor] = {}
     with site_modes(model, "record", sink=sink):
-        logits = _forward_logits(model, input_ids)
+        logits = model_logits(model(input_ids))
     return logits, sink
 
 
@@ -180,16 +176,3 @@ def tensor_provider(coefficients: Mapping[str, torch.Tensor]) -> Provider:
             raise KeyError(f"no coefficients given for site {site.site_name!r}") from None
 
     return provide
-
-
-@torch.no_grad()
-def replay_tensors(
-    model: nn.Module, input_ids: torch.Tensor, coefficients: Mapping[str, torch.Tensor], only: set[str] | None = None
-) -> torch.Tensor:
-    """Run the frozen model with the given coefficients; the controllers of the replayed sites do not run.
-
-    `only` restricts replay to a subset of sites; the others run live.
-    """
-    names = set(coefficients) if only is None else only
-    with site_modes(model, "replay", provider=tensor_provider(coefficients), only=names):
-        return _forward_logits(model, input_ids)
