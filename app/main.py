@@ -1,9 +1,116 @@
-"""Placeholder until the dashboard lands: lists the shipped demo models."""
-import json
+"""FCA dashboard: `streamlit run app/main.py`. The router and the shared sidebar; pages live in views/.
+
+The sidebar picks a cache (every cache under the configured roots, re-scanned as you go), the model it
+belongs to and the device; the selection is handed to the page through `st.session_state`.
+Roots: `cache/` of this repository plus the folders in FCA_CACHE_ROOTS (os.pathsep-separated);
+FCA_DEFAULT_CACHE names the cache selected first (default: cache/demo/eval).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
 from pathlib import Path
 
-import streamlit as st
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # a fresh clone runs without installing the package
+    sys.path.insert(0, str(REPO))
 
-st.title("FCA: Frozen-Controller Auditing")
-for log in sorted(Path(__file__).resolve().parent.parent.glob("cache/demo/*/training_log.json")):
-    st.write(f"{log.parent.name}: held-out NLL {json.loads(log.read_text())['final_eval_nll']:.4f} nats/token")
+import streamlit as st  # noqa: E402
+
+st.set_page_config(page_title="FCA: Frozen-Controller Auditing", page_icon=":material/ac_unit:", layout="wide")
+
+from app import resources  # noqa: E402
+from app.views.common import SELECTION_KEY, Selection  # noqa: E402
+from fca import catalog  # noqa: E402
+from fca.errors import CacheError  # noqa: E402
+
+PAGES = [
+    st.Page("views/overview.py", title="Overview", icon=":material/fact_check:", url_path="overview", default=True),
+    st.Page("views/variance.py", title="Variance", icon=":material/grid_on:", url_path="variance"),
+    st.Page("views/profiles.py", title="Profiles", icon=":material/show_chart:", url_path="profiles"),
+    st.Page("views/replay_lab.py", title="Replay lab", icon=":material/science:", url_path="replay_lab"),
+    st.Page("views/execution.py", title="Execution", icon=":material/speed:", url_path="execution"),
+]
+DEVICES = ("auto", "cuda", "cpu")
+
+
+def default_cache(entries: list[catalog.CacheEntry]) -> int:
+    """Index of the cache selected first: FCA_DEFAULT_CACHE, else cache/demo/eval, else the first
+    evaluated (non-calibration) cache."""
+    wanted = [Path(os.environ["FCA_DEFAULT_CACHE"]).resolve()] if os.environ.get("FCA_DEFAULT_CACHE") else []
+    wanted.append((REPO / "cache" / "demo" / "eval").resolve())
+    paths = [e.path for e in entries]
+    for w in wanted:
+        if w in paths:
+            return paths.index(w)
+    return next((i for i, e in enumerate(entries) if e.split != "calibration" and e.error is None), 0)
+
+
+def sidebar() -> Selection:
+    roots = catalog.configured_roots(REPO)
+    sel = Selection(roots=roots)
+    with st.sidebar:
+        st.markdown("### Data")
+        entries = resources.caches(tuple(str(r) for r in roots))
+        sel.entries = entries
+        if not entries:
+            st.warning("No cache found under " + ", ".join(str(r) for r in roots) + ". Build one with `python -m fca build-cache`.")
+        else:
+            options = [str(e.path) for e in entries]
+            by_path = {str(e.path): e for e in entries}
+            choice = st.selectbox(
+                "Cache", options, index=default_cache(entries), key="cache",
+                format_func=lambda p: f"{by_path[p].label} ({by_path[p].split or '?'}, {by_path[p].num_seqs} seq)" if p in by_path else p,
+            )
+            sel.entry = by_path[choice]
+        with st.expander("Open a cache by path"):
+            typed = st.text_input("Cache directory", key="typed_cache", placeholder="inside a configured root",
+                                  help="Allowed roots: " + ", ".join(str(r) for r in roots) + " (add more with FCA_CACHE_ROOTS)")
+        if typed.strip():
+            if not catalog.path_allowed(typed.strip(), roots):
+                st.error(f"{typed.strip()}: outside the configured roots; set FCA_CACHE_ROOTS to allow it")
+            else:
+                sel.entry = catalog.read_entry(Path(typed.strip()).expanduser().resolve())
+        entry = sel.entry
+        if entry is None:
+            return sel
+        if entry.error:
+            sel.cache_error = entry.error
+        else:
+            try:
+                sel.cache = resources.open_cache(str(entry.path), entry.manifest_hash)
+            except CacheError as err:
+                sel.cache_error = str(err)
+        models = catalog.model_dirs_beside(entry.path)
+        named = catalog.find_model_dir(entry.path)
+        if models:
+            default = models.index(named) if named in models else 0
+            chosen = st.selectbox("Model", [str(m) for m in models], index=default, key=f"model::{entry.path}",
+                                  format_func=lambda p: Path(p).name + ("" if named and Path(p) == named else " (not named by the cache)"))
+            sel.model_dir = Path(chosen)
+        else:
+            st.caption("No model directory beside this cache: replay and execution are unavailable.")
+        sel.device = st.selectbox("Device", DEVICES, key="device", help="auto: CUDA when available, else CPU")
+        sel.calibration = catalog.find_calibration(entry, entries)
+        if sel.calibration is not None:
+            try:
+                sel.calibration_cache = resources.open_cache(str(sel.calibration.path), sel.calibration.manifest_hash)
+            except CacheError as err:
+                st.error(f"Calibration cache: {err}")
+        sel.dense_dir = catalog.find_dense_twin(sel.model_dir) if sel.model_dir else None
+        sel.report_path = catalog.find_report(entry.path)
+        st.caption(
+            f"Calibration: `{sel.calibration.label if sel.calibration else 'none found'}`  \n"
+            f"Dense twin: `{sel.dense_dir.name if sel.dense_dir else 'none found'}`  \n"
+            f"Audit report: `{sel.report_path.name if sel.report_path else 'none'}`"
+        )
+    return sel
+
+
+page = st.navigation(PAGES)
+selection = sidebar()
+st.session_state[SELECTION_KEY] = selection
+if selection.cache_error:
+    st.error(f"This cache cannot be used: {selection.cache_error}")
+page.run()

@@ -18,15 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import CorpusError
+
 SPLITS = ("train", "calibration", "eval")
 DEFAULT_SPLIT_FRACTIONS = {"train": 0.9, "calibration": 0.05, "eval": 0.05}
 EOS = "<|endoftext|>"
 TEXT_SUFFIXES = (".txt", ".md")
 TABLE_SUFFIXES = (".parquet", ".arrow", ".feather", ".ipc")
-
-
-class CorpusError(ValueError):
-    """A corpus that cannot be used; the message names the path and the problem."""
 
 
 def _read_text(path: Path) -> str:

@@ -15,9 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-
-class ModelLoadError(ValueError):
-    """A model directory that cannot be loaded; the message names the file and the problem."""
+from .errors import ModelLoadError
 
 
 # model_type -> loader(path) returning an nn.Module on CPU in float32. Families register here.

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .capture import as_input_ids
+from .errors import Cancelled, ExactnessError  # noqa: F401  (ExactnessError re-exported)
 from .conditions import Condition, condition_coefficients, derangement
 from .profiles import Profiles
 from .sites import find_sites, model_logits, site_modes, tensor_provider
@@ -43,14 +44,6 @@ def replay(model: nn.Module, input_ids, coefficients: Mapping[str, object], only
 
 # ---------------------------------------------------------------------------------------------
 # Replay runner: score conditions on the sequences of a cache.
-
-class ExactnessError(RuntimeError):
-    """Correct replay did not reproduce the live logits: no other figure may be reported."""
-
-
-class Cancelled(RuntimeError):
-    """The caller asked the run to stop."""
-
 
 @dataclass
 class ReplayResults:

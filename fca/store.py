@@ -24,16 +24,13 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from .sites import SiteSpec
+from .errors import CacheError
+from .spec import SiteSpec
 
 SCHEMA_VERSION = 1
 KEY_COLUMNS = ("seq", "pos", "token", "target", "live_nll")
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
-
-
-class CacheError(ValueError):
-    """A cache that cannot be used; the message names the file and what is wrong."""
 
 
 def cache_schema(specs: dict[str, SiteSpec], coefficient_type: pa.DataType = pa.float32()) -> pa.Schema:

@@ -1,0 +1,136 @@
+"""Every Streamlit cache of the dashboard, and nothing else.
+
+Keys are content identities, never just paths: a cache by its manifest hash / `Cache.fingerprint`,
+a model by its weights file's size and modification time, a report by its modification time. So a
+rebuilt cache or retrained model is picked up without a restart, and an unchanged one is computed
+once per server process. `st.cache_resource` holds shared read-only objects (models, moments);
+`st.cache_data` holds small results that are copied per caller.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import streamlit as st
+
+from fca import catalog
+from fca.data import load_tokenizer
+from fca.profiles import cache_moments, profiles_from_moments, quantile_band
+from fca.stats import variance_decomposition
+from fca.store import Cache, open_cache as _open_cache
+
+# Sequences sampled for per-site distributions: quantiles need the values, not mergeable sums, so a
+# fixed-size sample keeps them bounded on caches of any size.
+SAMPLE_TOKENS = 65_536
+
+
+def file_stamp(path: str | Path) -> str:
+    """Size and modification time: changes when a file is rewritten."""
+    try:
+        st_ = Path(path).stat()
+        return f"{st_.st_size}-{st_.st_mtime_ns}"
+    except OSError:
+        return "missing"
+
+
+@st.cache_resource(show_spinner=False, max_entries=32)
+def open_cache(path: str, manifest_hash: str) -> Cache:
+    """Manifest and part schemas checked (CacheError otherwise); no part data read."""
+    return _open_cache(path)
+
+
+@st.cache_resource(show_spinner="Streaming over the cache once for its statistics...", max_entries=8)
+def moments(path: str, fingerprint: str):
+    """(Moments, SlotLayout) of one streaming pass: shared, read-only, computed once per cache."""
+    return cache_moments(_open_cache(path))
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def cache_stats(path: str, fingerprint: str) -> dict:
+    """The variance decomposition and per-slot summaries of a cache (small: arrays of C or T x C)."""
+    m, layout = moments(path, fingerprint)
+    return {
+        "decomposition": variance_decomposition(m, layout),
+        "slot_mean": m.slot_mean, "slot_sd": np.sqrt(m.slot_var), "minimum": m.minimum, "maximum": m.maximum,
+        "position_mean": m.position_mean, "sites": layout.sites, "widths": layout.widths, "families": layout.families,
+        "num_tokens": m.count,
+    }
+
+
+@st.cache_resource(show_spinner=False, max_entries=8)
+def profiles(path: str, fingerprint: str):
+    """Calibration profiles from the same moments (identical numbers to `calibration_profiles`)."""
+    return profiles_from_moments(*moments(path, fingerprint))
+
+
+@st.cache_data(show_spinner="Sampling coefficients for the distributions...", max_entries=16)
+def site_quantiles(path: str, fingerprint: str) -> pd.DataFrame:
+    """Per-site quantiles over the tokens of the first sequences (at most SAMPLE_TOKENS tokens)."""
+    cache = _open_cache(path)
+    seqs = list(range(min(cache.num_seqs, max(2, SAMPLE_TOKENS // cache.seq_len))))
+    values = cache.coefficients(seqs)
+    rows = []
+    for site, v in values.items():
+        q = np.quantile(v, [0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99])
+        rows.append({"site": site, **{f"q{int(round(p * 100)):02d}": x for p, x in zip([0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99], q)},
+                     "mean": float(v.mean()), "sampled_tokens": v.shape[0] * v.shape[1]})
+    return pd.DataFrame(rows)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def sequence(path: str, fingerprint: str, seq: int) -> dict[str, np.ndarray]:
+    """Tokens, targets, live NLL [T] and coefficients [T, K_s] of one sequence (its row group only)."""
+    return {k: v[0] for k, v in _open_cache(path).read_seqs([seq]).items()}
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def calibration_band(path: str, fingerprint: str, lo: float, hi: float) -> dict[str, np.ndarray]:
+    return quantile_band(_open_cache(path), (lo, hi))
+
+
+@st.cache_resource(show_spinner=False, max_entries=8)
+def tokenizer(model_dir: str, stamp: str):
+    return load_tokenizer(model_dir)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def decode_tokens(model_dir: str, ids: tuple[int, ...]) -> list[str]:
+    """Each id decoded alone (so a label shows exactly one token); None model dir: the ids as text."""
+    if not model_dir or not (Path(model_dir) / "tokenizer.json").is_file():
+        return [str(i) for i in ids]
+    tok = tokenizer(model_dir, file_stamp(Path(model_dir) / "tokenizer.json"))
+    return [tok.decode([i]).replace("\n", "\\n") or f"<{i}>" for i in ids]
+
+
+@st.cache_resource(show_spinner="Loading the model...", max_entries=4)
+def model(model_dir: str, device: str, stamp: str):
+    """(model, weights fingerprint, lock). The lock serialises uses of one model object, since a replay
+    changes its site modes for the duration of a forward."""
+    from fca.loading import fingerprint_state, load_model  # torch: only when a page needs the model
+
+    loaded = load_model(model_dir, device=device)
+    return loaded, fingerprint_state(loaded), threading.Lock()
+
+
+def model_for(model_dir: str | Path, device: str):
+    from fca.loading import weights_path
+
+    return model(str(model_dir), device, file_stamp(weights_path(Path(model_dir))))
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def report(path: str, stamp: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: not a readable audit report ({err})") from None
+
+
+@st.cache_data(show_spinner=False, ttl=2, max_entries=4)
+def caches(roots: tuple[str, ...]) -> list[catalog.CacheEntry]:
+    """The catalog, re-scanned at most every 2 s (so caches built later appear within a rerun or two)."""
+    return catalog.discover_caches(roots)

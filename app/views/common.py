@@ -1,0 +1,82 @@
+"""What every page shares: the sidebar's selection, the error guard, teaching text and downloads."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from fca.catalog import CacheEntry
+from fca.errors import CacheError, ExactnessError, ModelLoadError
+from fca.store import Cache
+
+SELECTION_KEY = "fca_selection"
+# Problems with a user's files or settings: shown as st.error with the reason, and the app goes on.
+USER_ERRORS = (CacheError, ModelLoadError, ExactnessError, ValueError, KeyError, OSError, RuntimeError)
+
+
+@dataclass
+class Selection:
+    """What the sidebar chose; built by app/main.py before a page runs."""
+
+    roots: list[Path]
+    entries: list[CacheEntry] = field(default_factory=list)
+    entry: CacheEntry | None = None
+    cache: Cache | None = None
+    cache_error: str | None = None
+    model_dir: Path | None = None
+    calibration: CacheEntry | None = None
+    calibration_cache: Cache | None = None
+    dense_dir: Path | None = None
+    report_path: Path | None = None
+    device: str = "auto"
+
+    @property
+    def fingerprint(self) -> str:
+        return self.cache.fingerprint if self.cache is not None else ""
+
+
+def selection() -> Selection:
+    return st.session_state[SELECTION_KEY]
+
+
+def require_cache() -> Selection:
+    """The selection, or stop the page (main.py has already said why there is no usable cache)."""
+    sel = selection()
+    if sel.cache is None:
+        st.info("Pick a readable cache in the sidebar to see this page.")
+        st.stop()
+    return sel
+
+
+@contextmanager
+def guard(what: str) -> Iterator[None]:
+    """Show a user-facing failure as st.error and carry on with the rest of the page."""
+    try:
+        yield
+    except USER_ERRORS as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        st.error(f"{what}: {message}")
+
+
+def teach(text: str) -> None:
+    """The two or three sentences that open every page: what the plot shows and how to read it."""
+    st.markdown(text)
+
+
+def download(df: pd.DataFrame, name: str, label: str = "Download CSV", key: str | None = None) -> None:
+    st.download_button(label, df.to_csv(index=False).encode(), file_name=name, mime="text/csv", key=key or f"dl-{name}")
+
+
+def slot_labels(cache: Cache) -> list[str]:
+    """'site/label' for every channel of every site, in execution order (manifest channel labels when
+    present, else the channel index)."""
+    out = []
+    for site, spec in cache.manifest["sites"].items():
+        labels = spec.get("channel_labels") or [str(k) for k in range(spec["shape"][0])]
+        out += [f"{site}/{label}" for label in labels]
+    return out

@@ -1,0 +1,120 @@
+"""Overview: the audit card of the selected cache (variation, dependence, execution)."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import streamlit as st
+
+from app import figures, resources
+from app.views.common import download, guard, require_cache, teach
+from fca.report import render_markdown
+
+sel = require_cache()
+cache = sel.cache
+st.title("Audit card")
+teach(
+    "An FCA audit asks three questions of a dynamic model. **Variation**: how much of the controller's "
+    "coefficients is explained by *which layer and channel* they belong to, rather than by the token? "
+    "**Dependence**: with the controllers removed, how much worse (in nats per token) does the model get "
+    "when each token's coefficients are replaced by another sequence's, shuffled, or a fixed per-layer "
+    "profile? **Execution**: does the dynamic model actually skip work or save time against its Dense twin?"
+)
+
+manifest = cache.manifest
+report = None
+if sel.report_path is not None:
+    with guard("Audit report"):
+        report = resources.report(str(sel.report_path), resources.file_stamp(sel.report_path))
+
+if report is None:
+    st.warning(
+        "No audit report beside this cache, so only the variation figures (computed from the cache) are shown. "
+        "Make one with the CLI:"
+    )
+    model = sel.model_dir or "MODEL_DIR"
+    cal = sel.calibration.path if sel.calibration else "CALIBRATION_CACHE"
+    st.code(f"python -m fca audit --model {model} --cache {cache.path} --calibration {cal} "
+            f"{'--dense ' + str(sel.dense_dir) + ' ' if sel.dense_dir else ''}--json {cache.path.parent / 'audit.json'} "
+            f"--markdown {cache.path.parent / 'audit.md'}", language="bash")
+    with guard("Cache statistics"):
+        stats = resources.cache_stats(str(cache.path), cache.fingerprint)
+        dec = stats["decomposition"]
+        st.metric("Layer-identity share of variance", f"{100 * (dec['layer_identity_share'] or 0):.1f}%")
+        df = pd.DataFrame({"site": list(dec["per_site"]), "share": list(dec["per_site"].values())})
+        st.plotly_chart(figures.share_by_site(df, dec["layer_identity_share"]), key="overview_share")
+    st.stop()
+
+# Stale or foreign reports are shown, with the mismatch stated (they are still worth reading).
+if report["model"]["fingerprint"] != manifest["model"]["fingerprint"]:
+    st.error(f"This report is about model {report['model']['fingerprint'][:12]}, but the cache was made by "
+             f"{manifest['model']['fingerprint'][:12]}: the numbers below do not describe this cache.")
+elif report["cache"].get("fingerprint") not in (None, cache.fingerprint):
+    st.warning("The cache changed since this report was written (its fingerprint differs); rerun `python -m fca audit`.")
+
+var, cond, exe, retention = report["variance"], report["conditions"], report["execution"], report.get("gap_retention", {})
+c1, c2, c3 = st.columns(3)
+with c1:
+    st.subheader("1. Variation")
+    st.metric("Layer identity explains", f"{100 * (var['layer_identity_share'] or 0):.1f}% of variance",
+              help="SS between slot (site x channel) means / SS total, within each coefficient family")
+    st.caption("High: a fixed per-layer profile captures most of what the controller does. Low: coefficients vary "
+               "mostly from token to token.")
+with c2:
+    st.subheader("2. Dependence")
+    static = cond.get("static_layer", {})
+    r = retention.get("static_layer")
+    st.metric("Static-layer penalty", f"{static.get('penalty', float('nan')):+.4f} nats/token",
+              help="NLL(static_layer) - NLL(correct): the cost of replacing every token's coefficients by the calibration mean")
+    st.caption(f"Gap retention of the static profile: **{'undefined' if r is None else f'{100 * r:.1f}%'}** of the way "
+               "from the global mean to correct. Near 100%: per-token control adds little beyond layer identity.")
+with c3:
+    st.subheader("3. Execution")
+    ratio = exe.get("latency_ratio_vs_dense")
+    st.metric("Latency vs Dense twin", "not measured" if ratio is None else f"{ratio:.2f}x",
+              help="median over interleaved runs of forward time (model / Dense twin), same device and batch")
+    st.caption(f"Blocks executed: {100 * exe['blocks_executed_fraction']:.0f}% per token; controllers take "
+               f"{100 * exe['controller_flops_share']:.2f}% of the FLOPs. Below 1x would mean the dynamic model saves time.")
+
+table = pd.DataFrame([{"condition": k, "nll": v["nll"], "penalty": v["penalty"], "lo": v["penalty_ci95"][0], "hi": v["penalty_ci95"][1],
+                       "gap_retention": retention.get(k)} for k, v in cond.items()])
+left, right = st.columns(2)
+with left:
+    st.plotly_chart(figures.penalty_bars(table[table["condition"] != "correct"]), key="overview_penalty")
+with right:
+    sites = pd.DataFrame({"site": list(var["per_site"]), "share": list(var["per_site"].values())})
+    st.plotly_chart(figures.share_by_site(sites, var["layer_identity_share"]), key="overview_share")
+st.dataframe(table, hide_index=True, column_config={
+    "nll": st.column_config.NumberColumn("NLL (nats)", format="%.4f"), "penalty": st.column_config.NumberColumn("penalty", format="%+.4f"),
+    "lo": st.column_config.NumberColumn("CI 2.5%", format="%+.4f"), "hi": st.column_config.NumberColumn("CI 97.5%", format="%+.4f"),
+    "gap_retention": st.column_config.NumberColumn("gap retention", format="%.3f")})
+
+m, ex = report["model"], report["exactness"]
+st.subheader("Model and data")
+st.markdown(
+    f"- **Model** `{m['name']}` ({m['model_type']}), {m['parameters']:,} parameters, {m['controller_parameters']:,} in controllers; "
+    f"fingerprint `{m['fingerprint'][:16]}`\n"
+    f"- **Evaluated cache** `{report['cache']['path']}`: {report['cache']['split']} split, {report['cache']['sequences']} x "
+    f"{report['cache']['seq_len']} tokens, fingerprint `{str(report['cache'].get('fingerprint'))[:16]}`\n"
+    f"- **Calibration cache** `{report['calibration']['path']}`: {report['calibration']['tokens']:,} tokens, fingerprint "
+    f"`{str(report['calibration'].get('fingerprint'))[:16]}`\n"
+    + (f"- **Dense twin** `{report['dense']['name']}`, fingerprint `{report['dense']['fingerprint'][:16]}`\n" if report.get("dense") else "")
+    + f"- **Exactness**: correct replay reproduces the live logits, max |diff| = {ex['max_abs_logit_diff']:.3g} "
+    f"(tolerance {ex.get('tolerance', 1e-6):g}); NLL live {ex['nll_live']:.6f} = correct {ex['nll_correct']:.6f}"
+)
+with st.expander("What each figure means (the report's definitions)"):
+    for key, value in report.get("definitions", {}).items():
+        if isinstance(value, dict):
+            st.markdown(f"**{key}**\n" + "\n".join(f"- `{k}`: {v}" for k, v in value.items() if not isinstance(v, dict)))
+        else:
+            st.markdown(f"**{key}**: {value}")
+
+d1, d2, d3 = st.columns(3)
+with d1:
+    st.download_button("Audit report (JSON)", json.dumps(report, indent=1), file_name="audit.json", mime="application/json")
+with d2:
+    with guard("Markdown rendering"):
+        st.download_button("Audit report (Markdown)", render_markdown(report), file_name="audit.md", mime="text/markdown")
+with d3:
+    download(table, "conditions.csv", "Conditions (CSV)")

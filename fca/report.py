@@ -1,0 +1,76 @@
+"""An audit report (the dict `fca.audit.run_audit` returns) as Markdown, and both written to disk.
+Torch-free, so the dashboard can show reports without loading a model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _fmt(x, digits: int = 4) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def render_markdown(report: dict) -> str:
+    m, ex, var, exe = report["model"], report["exactness"], report["variance"], report["execution"]
+    lines = [
+        f"# FCA audit: {m['name']}",
+        "",
+        f"Model `{m['model_type']}`, {m['parameters']:,} parameters ({m['controller_parameters']:,} in controllers), "
+        f"fingerprint `{m['fingerprint'][:16]}`, {m['dtype']} on {m['device']}.",
+        f"Evaluated cache `{report['cache']['path']}` ({report['cache']['split']} split, {report['cache']['sequences']} x "
+        f"{report['cache']['seq_len']} tokens); calibration cache `{report['calibration']['path']}` "
+        f"({report['calibration']['split']} split, {report['calibration']['tokens']:,} tokens).",
+        "",
+        f"**Exactness.** Correct replay reproduces the live logits: max |difference| = {ex['max_abs_logit_diff']:.3g} "
+        f"(tolerance {ex['tolerance']:g}); NLL live {ex['nll_live']:.6f} = correct {ex['nll_correct']:.6f}.",
+        "",
+        "## 1. Coefficient variation",
+        f"Layer identity (the site and channel alone) explains **{100 * (var['layer_identity_share'] or 0):.1f}%** of the coefficient variance.",
+        "",
+        "| factor | share of variance |",
+        "|---|---|",
+    ]
+    lines += [f"| {k.replace('_', ' ')} | {_fmt(v, 3)} |" for k, v in var["factors"].items()]
+    lines += ["", "| site | layer-identity share |", "|---|---|"]
+    lines += [f"| `{k}` | {_fmt(v, 3)} |" for k, v in var["per_site"].items()]
+    lines += ["", "## 2. Functional dependence (controllers removed, coefficients reassigned)", "",
+              "| condition | NLL (nats) | penalty vs correct | 95% CI | gap retention |", "|---|---|---|---|---|"]
+    for name, row in report["conditions"].items():
+        lo, hi = row["penalty_ci95"]
+        retention = report["gap_retention"].get(name)
+        lines.append(f"| {name} | {row['nll']:.4f} | {row['penalty']:+.4f} | [{lo:+.4f}, {hi:+.4f}] | "
+                     f"{'' if name in ('correct', 'global_mean') else (f'{100 * retention:.2f}%' if retention is not None else 'undefined')} |")
+    lines += ["", "## 3. Actual execution", "",
+              f"- Blocks executed per token: {exe['blocks_executed_per_token']:.2f} of {exe['num_blocks']} "
+              f"({100 * exe['blocks_executed_fraction']:.1f}%), counted by forward hooks.",
+              f"- Controller FLOPs: {100 * exe['controller_flops_share']:.2f}% of the forward's FLOPs."]
+    if exe.get("latency_ratio_vs_dense") is not None:
+        lines.append(f"- Latency vs the Dense twin: **{exe['latency_ratio_vs_dense']:.3f}x** (median of {exe['runs']} interleaved runs, "
+                     f"batch {exe['batch_shape']}, {exe['device']}; {exe['model_ms_median']:.1f} ms vs {exe['dense_ms_median']:.1f} ms).")
+    else:
+        lines.append("- Latency vs a Dense twin: not measured (no --dense given).")
+    if exe.get("experts"):
+        e = exe["experts"]
+        lines.append(f"- Experts run per token: {e['experts_run_per_token_mean']:.2f} of {e['experts_available']:g} per MoE layer "
+                     f"(top-{e['top_k']}, {100 * e['expert_fraction']:.1f}% of expert compute), counted from the dispatched indices.")
+    if exe.get("note"):
+        lines.append(f"- Note: {exe['note']}")
+    lines += ["", "## Definitions", ""]
+    for key, value in report["definitions"].items():
+        if isinstance(value, dict):
+            lines.append(f"- **{key}**: " + "; ".join(f"{k}: {v}" for k, v in value.items() if not isinstance(v, dict)))
+        else:
+            lines.append(f"- **{key}**: {value}")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
+    for path, text in ((json_path, json.dumps(report, indent=1, default=float)), (markdown_path, render_markdown(report) if markdown_path else None)):
+        if path is None:
+            continue
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)

@@ -1,0 +1,57 @@
+"""Shared fixtures: a tiny demo-shaped folder built once per test session (seconds, CPU only).
+
+`tiny_demo` mirrors cache/demo/: featuregate/ (model), dense/ (its Dense twin), eval/ and calibration/
+(caches), audit.json and audit.md (the report), all from a 2-layer, d_model=32 model on a generated corpus.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+WORDS = ("the lord said unto moses and aaron speak children israel land water light darkness day night "
+         "heaven earth king people house city gold silver bread wine shepherd sheep river mountain").split()
+
+
+def _corpus(path: Path, paragraphs: int = 400, seed: int = 0) -> Path:
+    """~400 short blank-line-separated paragraphs: enough for 8 windows of 16 tokens in every split
+    (data.split_documents gives calibration and eval 5% each)."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for _ in range(paragraphs):
+        sentences = [" ".join(rng.choice(WORDS, size=rng.integers(5, 12))).capitalize() + "." for _ in range(rng.integers(2, 4))]
+        docs.append(" ".join(sentences))
+    path.write_text("\n\n".join(docs) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_demo(tmp_path_factory) -> Path:
+    import torch
+
+    from fca import data
+    from fca.audit import run_audit, write_report
+    from fca.capture import build_cache
+    from fca.loading import save_model
+    from fca.models.featuregate import FeatureGateConfig, build_featuregate
+
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("tiny_demo")
+    corpus = _corpus(root / "corpus.txt")
+    train_docs = data.split_documents(data.load_documents(corpus), seed=0)["train"]
+    tokenizer = data.train_tokenizer(train_docs, vocab_size=300)
+    sizes = dict(vocab_size=tokenizer.get_vocab_size(), d_model=32, n_layers=2, n_heads=2, mlp_groups=2, max_seq_len=16)
+    save_model(build_featuregate(FeatureGateConfig(**sizes)), root / "featuregate", tokenizer)
+    save_model(build_featuregate(FeatureGateConfig(**sizes, gated=False)), root / "dense", tokenizer)
+    for split in ("eval", "calibration"):
+        build_cache(root / "featuregate", corpus, split, root / split, num_seqs=8, seq_len=16, batch_size=4, device="cpu", show_progress=False)
+    report = run_audit(root / "featuregate", root / "eval", root / "calibration", root / "dense", device="cpu", latency_runs=2)
+    write_report(report, root / "audit.json", root / "audit.md")
+    return root
