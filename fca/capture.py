@@ -86,6 +86,38 @@ class _HostCopies:
         return host, event
 
 
+class _BackgroundWriter:
+    """Runs `write(*item)` on a thread, at most two items waiting, so memory stays bounded. The first
+    error is raised in the caller's thread at the next `submit` or at `close`."""
+
+    def __init__(self, write: Callable[..., None]) -> None:
+        self.pending: queue.Queue = queue.Queue(maxsize=2)
+        self.failure: list[BaseException] = []
+        self.write = write
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (item := self.pending.get()) is not None:
+            if self.failure:
+                continue
+            try:
+                self.write(*item)
+            except BaseException as err:
+                self.failure.append(err)
+
+    def submit(self, *item) -> None:
+        if self.failure:
+            raise self.failure[0]
+        self.pending.put(item)
+
+    def close(self, raise_errors: bool = True) -> None:
+        self.pending.put(None)
+        self.thread.join()
+        if raise_errors and self.failure:
+            raise self.failure[0]
+
+
 def build_cache(
     model_dir: str | Path,
     corpus: str | Path,
@@ -168,25 +200,15 @@ def write_cache(
     start = writer.done_seqs
     device_ = next(model.parameters()).device
     copies = _HostCopies(device_)
-    pending: queue.Queue = queue.Queue(maxsize=2)  # bounded: at most two batches wait for the disk
-    failure: list[BaseException] = []
+    def write_batch(lo: int, hi: int, host: dict[str, torch.Tensor], event) -> None:
+        if event is not None:
+            event.synchronize()  # the non-blocking device -> host copies have landed
+        nll = host.pop("__nll__").numpy()
+        writer.write(record_batch(schema, np.arange(lo, hi), windows[lo:hi, :-1], windows[lo:hi, 1:], nll, {k: v.numpy() for k, v in host.items()}), hi - lo)
 
-    def write_loop() -> None:
-        while (item := pending.get()) is not None:
-            if failure:
-                continue
-            try:
-                lo, hi, host, event = item
-                if event is not None:
-                    event.synchronize()
-                nll = host.pop("__nll__").numpy()
-                batch = record_batch(schema, np.arange(lo, hi), windows[lo:hi, :-1], windows[lo:hi, 1:], nll, {k: v.numpy() for k, v in host.items()})
-                writer.write(batch, hi - lo)
-            except BaseException as err:  # surfaced in the main thread
-                failure.append(err)
-
-    thread = threading.Thread(target=write_loop, daemon=True)
-    thread.start()
+    # On CUDA a writer thread turns batch n into Parquet while the GPU runs batch n + 1. On CPU such a
+    # thread would only take a core from the forward pass, so batches are written inline.
+    background = _BackgroundWriter(write_batch) if device_.type == "cuda" else None
     bar = tqdm(total=N, initial=start, unit="seq", desc=desc, disable=not show_progress)
     try:
         for lo in range(start, N, batch_size):
@@ -196,22 +218,21 @@ def write_cache(
             coefficients = {k: v.float() for k, v in coefficients.items()}
             coefficients["__nll__"] = nll
             host, event = copies.start(coefficients)
-            pending.put((lo, hi, {k: v.cpu() for k, v in host.items()}, event))
-            if failure:
-                raise failure[0]
+            host = {k: v.cpu() for k, v in host.items()}
+            if background is not None:
+                background.submit(lo, hi, host, event)
+            else:
+                write_batch(lo, hi, host, event)
             bar.update(hi - lo)
             if progress is not None:
                 progress(hi, N)
+        if background is not None:
+            background.close()
     except BaseException:
-        pending.put(None)
-        thread.join()
+        if background is not None:
+            background.close(raise_errors=False)
         writer.abort()
         raise
     finally:
         bar.close()
-    pending.put(None)
-    thread.join()
-    if failure:
-        writer.abort()
-        raise failure[0]
     return writer.finish({"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "library_versions": _library_versions()})
