@@ -62,8 +62,15 @@ def record_windows(model: nn.Module, windows: torch.Tensor) -> tuple[torch.Tenso
     Returns per-token live NLL [b, T] and site -> coefficients [b, T, K_s], still on the device.
     """
     logits, coefficients = capture_tensors(model, windows[:, :-1])
-    nll = F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten(), reduction="none").view(windows.shape[0], -1)
-    return nll, coefficients
+    return token_nll(logits, windows[:, 1:]), coefficients
+
+
+def token_nll(logits: torch.Tensor, targets: torch.Tensor, rows_per_chunk: int = 512) -> torch.Tensor:
+    """Per-token NLL [b, T] from logits [b, T, V]. In chunks of rows: the log-softmax temporaries stay a
+    few MB instead of the size of the logits (allocating those cost more than the arithmetic)."""
+    flat, flat_targets = logits.flatten(0, 1), targets.flatten()
+    parts = [F.cross_entropy(chunk.float(), t, reduction="none") for chunk, t in zip(flat.split(rows_per_chunk), flat_targets.split(rows_per_chunk))]
+    return torch.cat(parts).view(targets.shape)
 
 
 class _HostCopies:

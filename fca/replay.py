@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .capture import as_input_ids
+from .capture import as_input_ids, token_nll
 from .errors import Cancelled, ExactnessError  # noqa: F401  (ExactnessError re-exported)
 from .conditions import Condition, condition_coefficients, derangement
 from .profiles import Profiles
@@ -62,8 +61,7 @@ class ReplayResults:
 
 def _nll_per_seq(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """logits [b, T, V], targets [b, T] -> mean NLL per sequence [b] (float64)."""
-    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
-    return nll.double().mean(1)
+    return token_nll(logits, targets).double().mean(1)
 
 
 def _stack_conditions(parts: list[dict[str, np.ndarray]], b: int, T: int) -> dict[str, np.ndarray]:
