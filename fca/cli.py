@@ -47,7 +47,7 @@ def _train_one(args: argparse.Namespace, arch: str, seed: int, out: Path) -> dic
         max_seq_len=args.seq_len, gated=(arch == "featuregate"), controller=args.controller, granularity=args.granularity,
     )
     settings = TrainSettings(steps=args.steps, batch_size=args.batch, lr=args.lr, seed=seed, split_seed=args.split_seed, vocab_size=args.vocab_size)
-    log = train(args.corpus, out, config, settings)
+    log = train(args.corpus, out, config, settings, text_column=args.text_column)
     print(f"{out}: {arch}, {log['parameters']:,} parameters, held-out NLL {log['final_eval_nll']:.4f} nats/token "
           f"({log['final_eval_tokens']:,} tokens), {log['train_seconds']:.0f} s")
     return log
@@ -190,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--batch", type=int, default=32)
         p.add_argument("--lr", type=float, default=2e-3)
         p.add_argument("--split-seed", type=int, default=0, help="seed of the train/calibration/eval document split")
+        p.add_argument("--text-column", default="text", help="text column of a Parquet/Arrow corpus")
         _add_model_size_flags(p)
         p.set_defaults(func=cmd_train if name == "train" else cmd_train_seeds)
 

@@ -56,10 +56,11 @@ def heldout_nll(model: torch.nn.Module, windows: np.ndarray, batch_size: int = 3
     return total / count
 
 
-def train(corpus: str | Path, out: str | Path, model_config: FeatureGateConfig, settings: TrainSettings, tokenizer=None, show_progress: bool = True) -> dict:
+def train(corpus: str | Path, out: str | Path, model_config: FeatureGateConfig, settings: TrainSettings, tokenizer=None, show_progress: bool = True,
+          text_column: str = "text") -> dict:
     """Train and save to `out` (config, weights, tokenizer, training_log.json). Returns the log."""
     torch.manual_seed(settings.seed)
-    splits = data.split_documents(data.load_documents(corpus), settings.split_seed)
+    splits = data.split_documents(data.load_documents(corpus, text_column), settings.split_seed)
     if tokenizer is None:
         tokenizer = data.train_tokenizer(splits["train"], settings.vocab_size)
     config = FeatureGateConfig(**{**model_config.to_dict(), "vocab_size": tokenizer.get_vocab_size(), "init_seed": settings.seed})
