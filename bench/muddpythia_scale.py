@@ -5,6 +5,10 @@ runs a few short windows through `fca.capture` and `fca.replay`. It stands in fo
 recipe of docs/muddpythia.md until a GPU and the real checkpoint are at hand.
 
     python -m bench.muddpythia_scale [--batch 2] [--seq-len 128] [--threads 2] [--rounds 2] [--json PATH]
+    python -m bench.muddpythia_scale --device cuda --dtype bfloat16 --batch 8 --seq-len 1024 --stream-seqs 64
+
+`--stream-seqs N` also builds a real cache of N random windows through the streaming writer (pinned
+buffers and a writer thread on CUDA) into a temporary directory, and times it against plain forwards.
 
 Memory: about 6 GB (1.42 B float32 parameters). Runtime on 2 CPU cores: a few minutes at most.
 """
@@ -13,8 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 
 import fca
@@ -33,7 +41,36 @@ MUDDPYTHIA_1P4B = dict(
 def timed(fn) -> tuple[float, object]:
     start = time.perf_counter()
     out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - start, out
+
+
+def stream_cache(model: torch.nn.Module, vocab: int, num_seqs: int, seq_len: int, batch: int, seed: int) -> dict:
+    """Build a cache of random windows through the real writer; time it against plain forwards."""
+    from fca.capture import write_cache
+    from fca.sites import site_specs
+    from fca.store import SCHEMA_VERSION, open_cache, spec_to_json
+
+    windows = np.random.default_rng(seed).integers(0, vocab, (num_seqs, seq_len + 1))
+    plan = {"schema_version": SCHEMA_VERSION, "model": {"path": "random-1.4b", "fingerprint": "random"}, "seq_len": seq_len,
+            "num_seqs": num_seqs, "num_tokens": num_seqs * seq_len, "coefficient_dtype": "float32",
+            "sites": {n: spec_to_json(sp) for n, sp in site_specs(model).items()}, "corpus": {"split": "random"}}
+    device = next(model.parameters()).device
+    out = Path(tempfile.mkdtemp(prefix="fca-mudd-")) / "cache"
+    try:
+        def forwards() -> None:
+            with torch.no_grad():
+                for i in range(0, num_seqs, batch):
+                    model(torch.from_numpy(windows[i : i + batch, :-1]).to(device))
+
+        forward_s, _ = timed(forwards)
+        build_s, _ = timed(lambda: write_cache(model, windows, out, plan, batch, overwrite=True))
+        size = sum(p["bytes"] for p in open_cache(out).manifest["parts"])
+    finally:
+        shutil.rmtree(out.parent, ignore_errors=True)
+    return {"stream_seqs": num_seqs, "stream_build_over_forward": build_s / forward_s, "stream_tokens_per_s": num_seqs * seq_len / build_s,
+            "stream_cache_mb": size / 1e6, "stream_bytes_per_token_on_disk": size / (num_seqs * seq_len)}
 
 
 def main() -> None:
@@ -44,14 +81,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved live/capture rounds (best of each)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the figures as JSON here")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--stream-seqs", type=int, default=0, help="also stream a cache of this many random windows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     config = MUDDPythiaConfig(**MUDDPYTHIA_1P4B)
     build_s, model = timed(lambda: build_random_model(config, seed=args.seed))
+    model = model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
     params = sum(p.numel() for p in model.parameters())
     controller_params = sum(p.numel() for p in model.dynamic_dense.parameters()) + sum(p.numel() for p in model.dense_bs.parameters())
-    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(args.seed))
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(args.seed)).to(args.device)
     tokens = ids.numel()
 
     with torch.no_grad():
@@ -68,7 +109,7 @@ def main() -> None:
 
     coefficient_bytes = sum(c.nbytes for c in coefficients.values())
     figures = {
-        "config": "MUDDPythia-1.4B shapes, random weights, float32, CPU",
+        "config": f"MUDDPythia-1.4B shapes, random weights, {args.dtype}, {args.device}",
         "parameters": params,
         "controller_parameters": controller_params,
         "sites": len(coefficients),
@@ -84,6 +125,8 @@ def main() -> None:
         "replay_max_abs_logit_diff": (replayed - live).abs().max().item(),
         "cache_bytes_for_256x1024_float32": coefficient_bytes / tokens * 256 * 1024,
     }
+    if args.stream_seqs:
+        figures.update(stream_cache(model, config.vocab_size, args.stream_seqs, args.seq_len, args.batch, args.seed))
     for key, value in figures.items():
         print(f"{key:34s} {value:,.4g}" if isinstance(value, float) else f"{key:34s} {value}")
     if args.json:

@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="performance ratios measured in one run (capture, replay, batching, Parquet)")
     p.add_argument("--model", default="cache/demo/featuregate")
-    p.add_argument("--corpus", default="data/kjv.txt")
+    p.add_argument("--corpus", default="data/kjv.txt", help="eval windows from here; if it is missing, from cache/demo/eval")
     p.add_argument("--device", default="auto")
     p.add_argument("--json")
     p.set_defaults(func=cmd_bench)
