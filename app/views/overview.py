@@ -85,10 +85,11 @@ with left:
 with right:
     sites = pd.DataFrame({"site": list(var["per_site"]), "share": list(var["per_site"].values())})
     st.plotly_chart(figures.share_by_site(sites, var["layer_identity_share"]), key="overview_share")
-st.dataframe(table, hide_index=True, column_config={
-    "nll": st.column_config.NumberColumn("NLL (nats)", format="%.4f"), "penalty": st.column_config.NumberColumn("penalty", format="%+.4f"),
-    "lo": st.column_config.NumberColumn("CI 2.5%", format="%+.4f"), "hi": st.column_config.NumberColumn("CI 97.5%", format="%+.4f"),
-    "gap_retention": st.column_config.NumberColumn("gap retention", format="%.3f")})
+# A Markdown table, not st.dataframe: the first page then needs no data-grid bundle in the browser,
+# which keeps its first chart under the cold-start budget.
+st.markdown("| condition | NLL (nats) | penalty | 95% CI | gap retention |\n|---|---|---|---|---|\n" + "\n".join(
+    f"| {row.condition} | {row.nll:.4f} | {row.penalty:+.4f} | [{row.lo:+.4f}, {row.hi:+.4f}] | "
+    f"{'' if pd.isna(row.gap_retention) else f'{100 * row.gap_retention:.1f}%'} |" for row in table.itertuples()))
 
 m, ex = report["model"], report["exactness"]
 st.subheader("Model and data")
