@@ -20,7 +20,9 @@ def render_markdown(report: dict) -> str:
         f"fingerprint `{m['fingerprint'][:16]}`, {m['dtype']} on {m['device']}.",
         f"Evaluated cache `{report['cache']['path']}` ({report['cache']['split']} split, {report['cache']['sequences']} x "
         f"{report['cache']['seq_len']} tokens); calibration cache `{report['calibration']['path']}` "
-        f"({report['calibration']['split']} split, {report['calibration']['tokens']:,} tokens).",
+        f"({report['calibration']['split']} split, {report['calibration']['tokens']:,} tokens)."
+        + ("" if report["cache"].get("coefficient_dtype", "float32") == "float32"
+           else f" **Coefficients were stored in reduced precision ({report['cache']['coefficient_dtype']}).**"),
         "",
         f"**Exactness.** Correct replay reproduces the live logits: max |difference| = {ex['max_abs_logit_diff']:.3g} "
         f"(tolerance {ex['tolerance']:g}); NLL live {ex['nll_live']:.6f} = correct {ex['nll_correct']:.6f}.",
