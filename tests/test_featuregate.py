@@ -107,6 +107,9 @@ def test_save_load_round_trip(tmp_path, model_dir):
     model.save_pretrained(tmp_path / "hf")
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     assert torch.equal(FeatureGateModel.from_pretrained(tmp_path / "hf").eval()(ids).logits, expected)
+    from transformers import AutoModelForCausalLM
+
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()(ids).logits, expected)
     assert torch.equal(fca.load_model(model_dir)(ids).logits, expected)
 
 

@@ -3,6 +3,8 @@ this package registers each family's loader with `fca.loading`."""
 
 from pathlib import Path
 
+from transformers import AutoConfig, AutoModelForCausalLM
+
 from ..loading import load_strict, read_config, read_state_dict, register_loader
 from .featuregate import FeatureGateConfig, FeatureGateModel, build_featuregate
 from .muddpythia import MODEL_TYPE as MUDDPYTHIA_TYPE
@@ -16,6 +18,9 @@ def _load_featuregate(path: Path) -> FeatureGateModel:
 
 
 register_loader(FeatureGateConfig.model_type, _load_featuregate)
+# So that transformers' Auto classes open a FeatureGate directory too (AutoModelForCausalLM.from_pretrained).
+AutoConfig.register(FeatureGateConfig.model_type, FeatureGateConfig, exist_ok=True)
+AutoModelForCausalLM.register(FeatureGateConfig, FeatureGateModel, exist_ok=True)
 register_loader(MUDDPYTHIA_TYPE, load_muddpythia)
 for _moe_type in MOE_MODEL_TYPES:  # Hugging Face MoE directories, adapted with router sites
     register_loader(_moe_type, load_hf_moe)
