@@ -272,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     except ExactnessError as err:
         print(f"fca: error: {err}", file=sys.stderr)
         return EXIT_INEXACT
+    except KeyboardInterrupt:
+        resumable = " (rerun the same command to resume the cache build)" if args.command == "build-cache" else ""
+        print(f"fca: interrupted{resumable}", file=sys.stderr)
+        return 130
     except USER_ERRORS as err:
         if os.environ.get("FCA_DEBUG"):
             raise
