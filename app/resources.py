@@ -21,7 +21,8 @@ from fca import catalog
 from fca.data import load_tokenizer
 from fca.profiles import cache_moments, profiles_from_moments, quantile_band
 from fca.stats import variance_decomposition
-from fca.store import Cache, open_cache as _open_cache
+from fca.store import Cache
+from fca.store import open_cache as _open_cache
 
 # Sequences sampled for per-site distributions: quantiles need the values, not mergeable sums, so a
 # fixed-size sample keeps them bounded on caches of any size.
@@ -110,7 +111,10 @@ def decode_tokens(model_dir: str, ids: tuple[int, ...]) -> list[str]:
 def model(model_dir: str, device: str, stamp: str):
     """(model, weights fingerprint, lock). The lock serialises uses of one model object, since a replay
     changes its site modes for the duration of a forward."""
-    from fca.loading import fingerprint_state, load_model  # torch: only when a page needs the model
+    from fca.loading import (  # torch: only when a page needs the model
+        fingerprint_state,
+        load_model,
+    )
 
     loaded = load_model(model_dir, device=device)
     return loaded, fingerprint_state(loaded), threading.Lock()

@@ -50,12 +50,10 @@ def stream_cache(model: torch.nn.Module, vocab: int, num_seqs: int, seq_len: int
     """Build a cache of random windows through the real writer; time it against plain forwards."""
     from fca.capture import write_cache
     from fca.sites import site_specs
-    from fca.store import SCHEMA_VERSION, open_cache, spec_to_json
+    from fca.store import cache_plan, open_cache
 
     windows = np.random.default_rng(seed).integers(0, vocab, (num_seqs, seq_len + 1))
-    plan = {"schema_version": SCHEMA_VERSION, "model": {"path": "random-1.4b", "fingerprint": "random"}, "seq_len": seq_len,
-            "num_seqs": num_seqs, "num_tokens": num_seqs * seq_len, "coefficient_dtype": "float32",
-            "sites": {n: spec_to_json(sp) for n, sp in site_specs(model).items()}, "corpus": {"split": "random"}}
+    plan = cache_plan(site_specs(model), seq_len, num_seqs, model={"path": "random-1.4b", "fingerprint": "random"}, corpus={"split": "random"})
     device = next(model.parameters()).device
     out = Path(tempfile.mkdtemp(prefix="fca-mudd-")) / "cache"
     try:

@@ -14,12 +14,13 @@ import numpy as np
 import torch
 
 from .conditions import PAPER_CONDITIONS, Condition, parse_condition
+from .errors import ExactnessError
 from .execution import execution_audit
 from .loading import fingerprint_state, load_model
 from .profiles import cache_moments, calibration_profiles
-from .errors import ExactnessError
 from .replay import ReplayResults, run_conditions
 from .report import render_markdown, write_report  # noqa: F401  (re-exported: the audit's outputs)
+from .sites import find_sites
 from .stats import paired_bootstrap_ci, variance_decomposition
 from .store import Cache, CacheError, open_cache
 
@@ -108,7 +109,7 @@ def run_audit(
     dense = load_model(dense_dir, device=device, dtype=dtype) if dense_dir else None
     execution = execution_audit(model, probe, dense, runs=latency_runs)
     params = sum(p.numel() for p in model.parameters())
-    controller_params = sum(p.numel() for name, site in _sites(model).items() for p in site.parameters())
+    controller_params = sum(p.numel() for site in find_sites(model).values() for p in site.parameters())
     return {
         "fca_report_version": 1,
         "model": {"name": Path(model_dir).name, "model_type": model.config.model_type if hasattr(model, "config") else type(model).__name__,
@@ -125,12 +126,6 @@ def run_audit(
         "definitions": {**_definitions(evaluated, layout, seed, conditions), **(model.fca_definitions() if hasattr(model, "fca_definitions") else {})},
         "seconds": round(time.perf_counter() - started, 1),
     }
-
-
-def _sites(model):
-    from .sites import find_sites
-
-    return find_sites(model)
 
 
 def _cache_entry(cache: Cache, evaluated_seqs: int) -> dict:

@@ -26,7 +26,7 @@ from .loading import load_model
 from .profiles import calibration_profiles
 from .replay import _stack_conditions, replay
 from .sites import capture_tensors, model_logits, site_specs
-from .store import CacheWriter, cache_schema, open_cache, record_batch, spec_to_json, SCHEMA_VERSION
+from .store import CacheWriter, cache_plan, cache_schema, open_cache, record_batch
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -51,9 +51,7 @@ def interleaved(a: Callable[[], object], b: Callable[[], object], repeats: int =
 
 
 def _plan(model, windows: np.ndarray) -> dict:
-    return {"schema_version": SCHEMA_VERSION, "model": {"path": "bench", "fingerprint": "bench"}, "seq_len": windows.shape[1] - 1,
-            "num_seqs": len(windows), "num_tokens": len(windows) * (windows.shape[1] - 1), "coefficient_dtype": "float32",
-            "sites": {n: spec_to_json(s) for n, s in site_specs(model).items()}, "corpus": {"split": "bench"}}
+    return cache_plan(site_specs(model), windows.shape[1] - 1, len(windows), model={"path": "bench", "fingerprint": "bench"}, corpus={"split": "bench"})
 
 
 def windows_from_cache(cache, num_seqs: int) -> np.ndarray:
@@ -91,9 +89,8 @@ def _synthetic_cache(out: Path, specs: dict, num_seqs: int, T: int, vocab: int, 
     """A large cache of random coefficients written straight through the store (no model needed)."""
     rng = np.random.default_rng(seed)
     schema = cache_schema(specs)
-    plan = {"schema_version": SCHEMA_VERSION, "model": {"path": "synthetic", "fingerprint": "synthetic"}, "seq_len": T, "num_seqs": num_seqs,
-            "num_tokens": num_seqs * T, "coefficient_dtype": "float32", "sites": {n: spec_to_json(s) for n, s in specs.items()},
-            "tokenizer": {"vocab_size": vocab}, "corpus": {"split": "synthetic"}}
+    plan = cache_plan(specs, T, num_seqs, model={"path": "synthetic", "fingerprint": "synthetic"}, corpus={"split": "synthetic"},
+                      tokenizer={"vocab_size": vocab})
     writer = CacheWriter(out, plan, schema, seqs_per_part=512, overwrite=True)
     for lo in range(0, num_seqs, 128):
         n = min(128, num_seqs - lo)

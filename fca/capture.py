@@ -15,9 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import data
-from .loading import fingerprint_file, fingerprint_state, load_model, read_config
+from .loading import fingerprint_state, load_model, read_config
 from .sites import capture_tensors, find_sites, site_specs
-from .store import SCHEMA_VERSION, CacheWriter, cache_schema, coefficient_arrow_type, record_batch, spec_to_json
+from .store import (
+    CacheWriter,
+    cache_plan,
+    cache_schema,
+    coefficient_arrow_type,
+    file_sha256,
+    record_batch,
+)
 
 
 def as_input_ids(input_ids, model: nn.Module) -> torch.Tensor:
@@ -158,20 +165,16 @@ def build_cache(
     windows = data.split_windows(corpus, split, tokenizer, T, split_seed, num_seqs, text_column)  # [N, T + 1]
     N = len(windows)
     row_bytes = bytes_per_token(specs, 2 if coefficient_dtype == "float16" else 4)
-    plan = {
-        "schema_version": SCHEMA_VERSION,
-        "model": {"path": model_dir.name, "model_type": config.get("model_type"), "fingerprint": fingerprint_state(model),
-                  "config": config, "dtype": str(next(model.parameters()).dtype).replace("torch.", "")},
-        "tokenizer": {"fingerprint": fingerprint_file(model_dir / "tokenizer.json"), "vocab_size": tokenizer.get_vocab_size()},
-        "corpus": {"name": Path(corpus).name, "fingerprint": fingerprint_file(corpus) if Path(corpus).is_file() else None,
-                   "split": split, "split_seed": split_seed, "text_column": text_column},
-        "seq_len": T,
-        "num_seqs": N,
-        "num_tokens": N * T,
-        "coefficient_dtype": coefficient_dtype,
-        "sites": {name: spec_to_json(spec) for name, spec in specs.items()},
-        "raw_bytes_per_token": row_bytes,
-    }
+    plan = cache_plan(
+        specs, T, N,
+        model={"path": model_dir.name, "model_type": config.get("model_type"), "fingerprint": fingerprint_state(model),
+               "config": config, "dtype": str(next(model.parameters()).dtype).replace("torch.", "")},
+        corpus={"name": Path(corpus).name, "fingerprint": file_sha256(Path(corpus)) if Path(corpus).is_file() else None,
+                "split": split, "split_seed": split_seed, "text_column": text_column},
+        coefficient_dtype=coefficient_dtype,
+        tokenizer={"fingerprint": file_sha256(model_dir / "tokenizer.json"), "vocab_size": tokenizer.get_vocab_size()},
+        raw_bytes_per_token=row_bytes,
+    )
     if show_progress:
         from tqdm.auto import tqdm
 

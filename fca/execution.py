@@ -111,7 +111,9 @@ def latency_ratio(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor, r
 def execution_audit(model: nn.Module, input_ids: torch.Tensor, dense: nn.Module | None = None, runs: int = 7) -> dict:
     report = {**blocks_executed(model, input_ids), **controller_flops(model, input_ids)}
     if getattr(model, "fca_expert_paths", None):
-        from .models.hf_moe import expert_execution  # conditional execution happens at expert level
+        from .models.hf_moe import (
+            expert_execution,  # conditional execution happens at expert level
+        )
 
         report["experts"] = expert_execution(model, input_ids)
     if getattr(model, "fca_execution_note", None):

@@ -17,7 +17,6 @@ from torch import nn
 
 from .errors import ModelLoadError
 
-
 # model_type -> loader(path) returning an nn.Module on CPU in float32. Families register here.
 _LOADERS: dict[str, Callable[[Path], nn.Module]] = {}
 
@@ -124,14 +123,6 @@ def fingerprint_state(model: nn.Module) -> str:
         t = tensor.detach().to("cpu").contiguous()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def fingerprint_file(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
     return digest.hexdigest()
 
 

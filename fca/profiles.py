@@ -14,14 +14,14 @@ import numpy as np
 import pyarrow as pa
 
 from .stats import Moments, SlotLayout, family_grand_means
-from .store import Cache, CacheError, channel_families
+from .store import Cache, CacheError
 
 
 def slot_layout(cache: Cache) -> SlotLayout:
     specs = cache.site_specs
     families: list[str] = []
     for spec in specs.values():
-        families.extend(channel_families(spec))
+        families.extend(spec.families_per_channel())
     return SlotLayout(sites=list(specs), widths=[s.num_channels for s in specs.values()], families=families)
 
 

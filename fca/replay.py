@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from .capture import as_input_ids, token_nll
-from .errors import Cancelled, ExactnessError  # noqa: F401  (ExactnessError re-exported)
 from .conditions import Condition, condition_coefficients, derangement
+from .errors import Cancelled, ExactnessError  # noqa: F401  (ExactnessError re-exported)
 from .profiles import Profiles
 from .sites import find_sites, model_logits, site_modes, tensor_provider
 from .store import Cache
@@ -125,8 +125,13 @@ def run_conditions(
             correct_nll[index] = _nll_per_seq(correct, targets).cpu().numpy()
             cached_diff = max(cached_diff, float(np.abs(own["live_nll"].astype(np.float64).mean(1) - live_nll[index]).max()))
         other = cache.coefficients([seqs[partner[i]] for i in index]) if partner is not None else None
-        for start in range(0, len(conditions), per_pass):
-            group = conditions[start : start + per_pass]
+        # The exactness pass has already scored plain Correct replay on this very batch: reuse it.
+        plain_correct = [c for c in conditions if check_exactness and c == Condition("correct", seed=c.seed)]
+        for c in plain_correct:
+            per_seq[c.name][index] = correct_nll[index]
+        to_run = [c for c in conditions if c not in plain_correct]
+        for start in range(0, len(to_run), per_pass):
+            group = to_run[start : start + per_pass]
             parts = [condition_coefficients(c, coefficients, index, profiles, other) for c in group]
             stacked = _stack_conditions(parts, b, T)
             logits = replay(model, ids.repeat(len(group), 1), stacked)  # [len(group) * b, T, V]

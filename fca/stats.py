@@ -16,7 +16,6 @@ slot were known. Group sums are all we need: SS_g = sum S_{slot,g}^2 / n_g - sum
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -183,14 +182,6 @@ def variance_decomposition(m: Moments, layout: SlotLayout) -> dict:
         "family_grand_means": grand,
         "num_tokens": m.count,
     }
-
-
-def moments_from_batches(batches: Iterable[tuple[np.ndarray, np.ndarray]], num_slots: int, seq_len: int, vocab_size: int | None) -> Moments:
-    """Fold (values [n, T, C], tokens [n, T]) blocks of whole sequences into one `Moments`."""
-    m = Moments(num_slots, seq_len, vocab_size)
-    for values, tokens in batches:
-        m.add(values, tokens)
-    return m
 
 
 def paired_bootstrap_ci(differences: np.ndarray, num_resamples: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:

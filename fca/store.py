@@ -74,9 +74,12 @@ def spec_from_json(d: dict) -> SiteSpec:
     )
 
 
-def channel_families(spec: SiteSpec) -> tuple[str, ...]:
-    """The coefficient family of each flattened channel of a site."""
-    return spec.families_per_channel()
+def cache_plan(specs: dict[str, SiteSpec], seq_len: int, num_seqs: int, model: dict, corpus: dict,
+               coefficient_dtype: str = "float32", **extra) -> dict:
+    """The manifest draft of a cache (everything but the part list and creation time)."""
+    return {"schema_version": SCHEMA_VERSION, "model": model, "corpus": corpus, "seq_len": seq_len, "num_seqs": num_seqs,
+            "num_tokens": num_seqs * seq_len, "coefficient_dtype": coefficient_dtype,
+            "sites": {name: spec_to_json(spec) for name, spec in specs.items()}, **extra}
 
 
 def record_batch(

@@ -16,7 +16,12 @@ import transformers
 from torch import nn
 
 import fca
-from fca.adapters import SiteDeclaration, SiteDeclarationError, attach_sites, detach_sites
+from fca.adapters import (
+    SiteDeclaration,
+    SiteDeclarationError,
+    attach_sites,
+    detach_sites,
+)
 from fca.loading import fingerprint_state
 from fca.models import expert_execution
 from fca.sites import find_sites, model_logits

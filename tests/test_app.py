@@ -21,9 +21,9 @@ PAGES = ["views/overview.py", "views/variance.py", "views/profiles.py", "views/r
 
 
 def app_for(monkeypatch, roots: list[Path], default: Path | None = None):
-    from streamlit.testing.v1 import AppTest
-
     import os
+
+    from streamlit.testing.v1 import AppTest
 
     monkeypatch.setenv("FCA_CACHE_ROOTS", os.pathsep.join(str(r) for r in roots))
     if default is not None:

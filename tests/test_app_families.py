@@ -11,7 +11,11 @@ import transformers
 
 from fca import data
 from fca.capture import build_cache
-from fca.models.muddpythia import MUDDPythiaConfig, dense_twin_config, write_random_checkpoint
+from fca.models.muddpythia import (
+    MUDDPythiaConfig,
+    dense_twin_config,
+    write_random_checkpoint,
+)
 
 from .helpers import write_corpus
 from .test_app import PAGES, app_for, no_exceptions, render

@@ -17,7 +17,13 @@ import fca
 from fca.audit import check_exactness, gap_retention
 from fca.capture import build_cache
 from fca.cli import main
-from fca.conditions import Condition, condition_coefficients, derangement, parse_condition, position_permutation
+from fca.conditions import (
+    Condition,
+    condition_coefficients,
+    derangement,
+    parse_condition,
+    position_permutation,
+)
 from fca.profiles import calibration_profiles
 from fca.replay import ExactnessError, ReplayResults, run_conditions
 from fca.stats import Moments, SlotLayout, paired_bootstrap_ci, variance_decomposition

@@ -10,7 +10,11 @@ import transformers
 
 from fca import data
 from fca.cli import main
-from fca.models.muddpythia import MUDDPythiaConfig, dense_twin_config, write_random_checkpoint
+from fca.models.muddpythia import (
+    MUDDPythiaConfig,
+    dense_twin_config,
+    write_random_checkpoint,
+)
 
 from .helpers import write_corpus
 

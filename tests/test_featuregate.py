@@ -12,7 +12,11 @@ import fca
 from fca import data
 from fca.cli import main
 from fca.loading import ModelLoadError
-from fca.models.featuregate import FeatureGateConfig, FeatureGateModel, build_featuregate
+from fca.models.featuregate import (
+    FeatureGateConfig,
+    FeatureGateModel,
+    build_featuregate,
+)
 from fca.sites import find_sites, site_modes
 from fca.train import TrainSettings, heldout_nll, train
 

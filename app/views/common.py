@@ -70,13 +70,3 @@ def teach(text: str) -> None:
 
 def download(df: pd.DataFrame, name: str, label: str = "Download CSV", key: str | None = None) -> None:
     st.download_button(label, df.to_csv(index=False).encode(), file_name=name, mime="text/csv", key=key or f"dl-{name}")
-
-
-def slot_labels(cache: Cache) -> list[str]:
-    """'site/label' for every channel of every site, in execution order (manifest channel labels when
-    present, else the channel index)."""
-    out = []
-    for site, spec in cache.manifest["sites"].items():
-        labels = spec.get("channel_labels") or [str(k) for k in range(spec["shape"][0])]
-        out += [f"{site}/{label}" for label in labels]
-    return out

@@ -7,9 +7,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..loading import load_strict, read_config, read_state_dict, register_loader
 from .featuregate import FeatureGateConfig, FeatureGateModel, build_featuregate
+from .hf_moe import MOE_MODEL_TYPES, adapt_moe, expert_execution, load_hf_moe
 from .muddpythia import MODEL_TYPE as MUDDPYTHIA_TYPE
 from .muddpythia import MUDDPythia, MUDDPythiaConfig, load_muddpythia
-from .hf_moe import MOE_MODEL_TYPES, adapt_moe, expert_execution, load_hf_moe
 
 
 def _load_featuregate(path: Path) -> FeatureGateModel:

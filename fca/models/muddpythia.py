@@ -58,7 +58,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..loading import ModelLoadError, load_strict, read_config, read_state_dict, weights_path
+from ..loading import (
+    ModelLoadError,
+    load_strict,
+    read_config,
+    read_state_dict,
+    weights_path,
+)
 from ..sites import Site, SiteSpec, assign_site_names
 
 MODEL_TYPE = "muddpythia"
@@ -397,17 +403,6 @@ class MUDDPythia(nn.Module):
     def fca_definitions(self) -> dict[str, str]:
         """Definitions an audit report should carry for this family."""
         return {"global_mean_families": FAMILY_DEFINITION} if self.config.dense else {}
-
-    def fca_flops_per_token(self, seq_len: int) -> dict[str, float]:
-        """Forward FLOPs per token (2 per multiply-add; causal attention at its mean context
-        (seq_len + 1) / 2). `controller` counts the dynamic-dense MLPs; `mix` the layer mixes."""
-        cfg = self.config
-        matmul = sum(p.numel() for name, p in self.named_parameters() if p.dim() == 2 and not name.startswith(("tok_embeddings", "dynamic_dense", "dense_bs")))
-        attention = cfg.n_layer * 2 * 2 * cfg.dim * (seq_len + 1) / 2
-        controller = sum(2 * p.numel() for p in self.dynamic_dense.parameters()) if cfg.dense else 0
-        mix = sum(2 * k * cfg.dim for k in cfg.coefficients_per_layer())
-        model = 2 * matmul + attention + controller + mix
-        return {"model": float(model), "controller": float(controller), "mix": float(mix)}
 
 
 def site_spec(config: MUDDPythiaConfig, i: int) -> SiteSpec:
