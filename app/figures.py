@@ -1,16 +1,29 @@
-"""Pure figure builders: a pandas DataFrame in, a plotly Figure out. No Streamlit, no I/O, so every
-chart can be built and checked in a plain test. Every axis has a title, with its unit where it has one
+"""Pure figure builders: a table in, a plotly Figure out. No Streamlit, no I/O, so every chart can be
+built and checked in a plain test. Every axis has a title, with its unit where it has one
 (coefficients are unitless multipliers; NLL is in nats per token; time in milliseconds).
+
+A table is a pandas DataFrame; the builders that only read columns by name (`share_by_site`,
+`penalty_bars` without runs) also take a dict of equal-length lists, which lets the Overview draw its
+charts before pandas is imported (see app/views/overview.py).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-TEMPLATE = "plotly_white"
+if TYPE_CHECKING:
+    import pandas as pd
+
+# Streamlit's chart theme sets fonts, grid and backgrounds; our template adds only the colour cycle
+# (Vega's tableau10, whose colours the single-series charts below use too). A named plotly template
+# such as "plotly_white" would build defaults for every trace type on first use: ~0.1 s of the first
+# page on a fresh server, for styling that the theme then overrides.
+COLORWAY = ["#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b", "#eeca3b", "#b279a2", "#ff9da6", "#9d755d", "#bab0ac"]
+TEMPLATE = {"layout": {"colorway": COLORWAY, "hoverlabel": {"align": "left"}}}
 SHARE = "share of coefficient variance (fraction)"
 COEFFICIENT = "coefficient value (unitless)"
 NLL = "NLL (nats / token)"
@@ -22,7 +35,7 @@ def _layout(fig: go.Figure, title: str, height: int = 380, **kwargs) -> go.Figur
     return fig
 
 
-def share_by_site(df: pd.DataFrame, pooled: float | None = None) -> go.Figure:
+def share_by_site(df: pd.DataFrame | dict, pooled: float | None = None) -> go.Figure:
     """df: site, share. Bars per site, a dashed line at the pooled share."""
     fig = go.Figure(go.Bar(x=df["site"], y=df["share"], marker_color="#4c78a8", hovertemplate="%{x}: %{y:.3f}<extra></extra>"))
     if pooled is not None:
@@ -34,9 +47,9 @@ def share_by_site(df: pd.DataFrame, pooled: float | None = None) -> go.Figure:
 
 def factor_bars(df: pd.DataFrame) -> go.Figure:
     """df: factor, share (None allowed: shown as 'n/a'). Horizontal bars, one per factor."""
-    shares = pd.to_numeric(df["share"], errors="coerce")
+    shares = np.array([np.nan if v is None else float(v) for v in df["share"]])
     fig = go.Figure(go.Bar(
-        y=df["factor"], x=shares.fillna(0), orientation="h", marker_color="#72b7b2",
+        y=df["factor"], x=np.nan_to_num(shares), orientation="h", marker_color="#72b7b2",
         text=[f"{v:.3f}" if np.isfinite(v) else "n/a" for v in shares], textposition="outside",
         hovertemplate="%{y}: %{x:.3f}<extra></extra>",
     ))
@@ -170,14 +183,15 @@ def nll_bars(df: pd.DataFrame, title: str = "NLL per condition") -> go.Figure:
     return _layout(fig, title)
 
 
-def penalty_bars(df: pd.DataFrame, title: str = "Penalty vs correct (95% paired bootstrap CI)") -> go.Figure:
+def penalty_bars(df: pd.DataFrame | dict, title: str = "Penalty vs correct (95% paired bootstrap CI)") -> go.Figure:
     """df: condition, penalty, lo, hi; optional `run` column groups bars by saved run."""
     fig = go.Figure()
     groups = df.groupby("run", sort=False) if "run" in df else [("", df)]
     for run, part in groups:
         fig.add_trace(go.Bar(
             x=part["condition"], y=part["penalty"], name=str(run) or "penalty",
-            error_y=dict(type="data", symmetric=False, array=part["hi"] - part["penalty"], arrayminus=part["penalty"] - part["lo"]),
+            error_y=dict(type="data", symmetric=False, array=np.subtract(part["hi"], part["penalty"]),
+                         arrayminus=np.subtract(part["penalty"], part["lo"])),
             hovertemplate="%{x}: %{y:+.4f} nats<extra></extra>",
         ))
     fig.add_hline(y=0, line_color="#888")

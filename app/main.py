@@ -56,22 +56,22 @@ def sidebar() -> Selection:
         sel.entries = entries
         if not entries:
             st.warning("No cache found under " + ", ".join(str(r) for r in roots) + ". Build one with `python -m fca build-cache`.")
-        else:
-            options = [str(e.path) for e in entries]
-            by_path = {str(e.path): e for e in entries}
-            choice = st.selectbox(
-                "Cache", options, index=default_cache(entries), key="cache",
-                format_func=lambda p: f"{by_path[p].label} ({by_path[p].split or '?'}, {by_path[p].num_seqs} seq)" if p in by_path else p,
-            )
+        by_path = {str(e.path): e for e in entries}
+        # One widget both picks a found cache and takes a typed path (accept_new_options); a second
+        # input widget would cost the first page another ~20 browser chunks before its first chart.
+        choice = st.selectbox(
+            "Cache", list(by_path), index=default_cache(entries) if entries else None, key="cache", accept_new_options=True,
+            format_func=lambda p: f"{by_path[p].label} ({by_path[p].split or '?'}, {by_path[p].num_seqs} seq)" if p in by_path else p,
+            placeholder="type a cache directory", help="Pick a cache, or type the path of one inside a configured root: "
+            + ", ".join(str(r) for r in roots) + " (add more with FCA_CACHE_ROOTS)",
+        )
+        typed = (choice or "").strip()
+        if choice in by_path:
             sel.entry = by_path[choice]
-        with st.expander("Open a cache by path"):
-            typed = st.text_input("Cache directory", key="typed_cache", placeholder="inside a configured root",
-                                  help="Allowed roots: " + ", ".join(str(r) for r in roots) + " (add more with FCA_CACHE_ROOTS)")
-        if typed.strip():
-            if not catalog.path_allowed(typed.strip(), roots):
-                st.error(f"{typed.strip()}: outside the configured roots; set FCA_CACHE_ROOTS to allow it")
-            else:
-                sel.entry = catalog.read_entry(Path(typed.strip()).expanduser().resolve())
+        elif typed and not catalog.path_allowed(typed, roots):
+            st.error(f"{typed}: outside the configured roots; set FCA_CACHE_ROOTS to allow it")
+        elif typed:
+            sel.entry = catalog.read_entry(Path(typed).expanduser().resolve())
         entry = sel.entry
         if entry is None:
             return sel

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 import streamlit as st
 
 from fca import catalog
@@ -23,6 +23,9 @@ from fca.profiles import cache_moments, profiles_from_moments, quantile_band
 from fca.stats import variance_decomposition
 from fca.store import Cache
 from fca.store import open_cache as _open_cache
+
+if TYPE_CHECKING:  # pandas is imported where a DataFrame is built (the sidebar and Overview do without it)
+    import pandas as pd
 
 # Sequences sampled for per-site distributions: quantiles need the values, not mergeable sums, so a
 # fixed-size sample keeps them bounded on caches of any size.
@@ -71,6 +74,8 @@ def profiles(path: str, fingerprint: str):
 @st.cache_data(show_spinner="Sampling coefficients for the distributions...", max_entries=16)
 def site_quantiles(path: str, fingerprint: str) -> pd.DataFrame:
     """Per-site quantiles over the tokens of the first sequences (at most SAMPLE_TOKENS tokens)."""
+    import pandas as pd  # here, not at the top: the sidebar imports this module on every page
+
     cache = _open_cache(path)
     seqs = list(range(min(cache.num_seqs, max(2, SAMPLE_TOKENS // cache.seq_len))))
     values = cache.coefficients(seqs)

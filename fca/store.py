@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from .errors import CacheError
@@ -236,7 +235,12 @@ class Cache:
     def part_paths(self) -> list[Path]:
         return [self.path / p["file"] for p in self.manifest["parts"]]
 
-    def dataset(self) -> ds.Dataset:
+    def dataset(self):
+        """A pyarrow Dataset over the part files. pyarrow.dataset is imported here, not with this
+        module: it pulls in pandas (~0.25 s), which opening a cache and reading its footers never need
+        and which would delay the dashboard's first page."""
+        import pyarrow.dataset as ds
+
         return ds.dataset([str(p) for p in self.part_paths()], format="parquet")
 
     def iter_batches(self, columns: Sequence[str] | None = None, batch_size: int = 65536) -> Iterator[pa.RecordBatch]:
@@ -259,6 +263,8 @@ class Cache:
         if unknown:
             raise CacheError(f"{self.path}: no site column(s) {unknown}")
         wanted = sorted(set(seqs))
+        import pyarrow.dataset as ds  # not at module level: see dataset()
+
         try:
             table = self.dataset().to_table(columns=["seq", "pos", "token", "target", "live_nll", *sites], filter=ds.field("seq").isin(wanted))
         except (pa.ArrowInvalid, OSError) as err:

@@ -4,6 +4,7 @@ caches), a replay through the UI equal to the Python API, and the error paths.""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -95,6 +96,46 @@ def test_figures_are_pure_and_titled():
     for fig in (fig, figures.nll_bars(conditions), figures.penalty_bars(conditions),
                 figures.factor_bars(pd.DataFrame({"factor": ["site", "token"], "share": [0.2, None]}))):
         assert fig.layout.xaxis.title.text and fig.layout.yaxis.title.text
+    # The Overview passes plain dicts of columns (it draws before pandas is imported): same figures.
+    def same(a, b) -> bool:
+        def arrays(trace):
+            errors = [trace.error_y.array, trace.error_y.arrayminus] if trace.error_y.array is not None else []
+            return [np.asarray(trace.x).astype(str), *(np.asarray(v, dtype=float) for v in [trace.y, *errors])]
+
+        return a.layout == b.layout and all(np.array_equal(u, v) for u, v in zip(arrays(a.data[0]), arrays(b.data[0]), strict=True))
+
+    columns = {k: conditions[k].tolist() for k in ("condition", "penalty", "lo", "hi")}
+    assert same(figures.penalty_bars(columns), figures.penalty_bars(conditions))
+    sites = {"site": ["a", "b"], "share": [0.3, 0.6]}
+    assert same(figures.share_by_site(sites, 0.4), figures.share_by_site(pd.DataFrame(sites), 0.4))
+
+
+def test_overview_and_sidebar_never_import_pandas(tiny_demo):
+    """The first page's speed rests on this (see app/views/overview.py): in a fresh interpreter, the
+    sidebar and the Overview draw their charts, cards and downloads without importing pandas."""
+    code = (
+        "import sys\n"
+        "from streamlit.testing.v1 import AppTest\n"
+        f"at = AppTest.from_file({MAIN!r}, default_timeout=60).run()\n"
+        "assert not at.exception and not at.error, [e.value for e in (*at.exception, *at.error)]\n"
+        "assert len(at.get('plotly_chart')) == 2 and len(at.metric) == 3 and len(at.get('download_button')) == 3\n"
+        "assert 'pandas' not in sys.modules, 'the overview imported pandas'\n"
+    )
+    env = {**os.environ, "FCA_CACHE_ROOTS": str(tiny_demo), "FCA_DEFAULT_CACHE": str(tiny_demo / "eval")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_csv_download_of_rows_matches_dataframe():
+    """The Overview writes its CSV from row dicts (no pandas); it must read back like the DataFrame path."""
+    import io
+
+    from app.views.common import csv_bytes
+
+    rows = [{"condition": "correct", "nll": 3.5, "gap_retention": None}, {"condition": "static_layer", "nll": 3.9, "gap_retention": 0.42}]
+    assert csv_bytes(rows) == csv_bytes(pd.DataFrame(rows))
+    back = pd.read_csv(io.BytesIO(csv_bytes(rows)))
+    assert list(back.columns) == ["condition", "nll", "gap_retention"] and back["nll"].tolist() == [3.5, 3.9]
 
 
 # ------------------------------------------------------------------ one AppTest per page
@@ -242,13 +283,3 @@ def test_mismatched_model_fingerprint_shows_error(tiny_demo, tmp_path, monkeypat
     render(at, "views/variance.py")  # the statistics do not need the model: still shown
     no_exceptions(at)
     assert len(at.get("plotly_chart")) >= 1
-
-
-def test_typed_path_outside_roots_is_refused(tiny_demo, tmp_path, monkeypatch):
-    at = render(app_for(monkeypatch, [tiny_demo], tiny_demo / "eval"), "views/overview.py")
-    at.sidebar.text_input(key="typed_cache").set_value(str(tmp_path)).run()
-    no_exceptions(at)
-    assert any("outside the configured roots" in e.value for e in at.sidebar.error)
-    at.sidebar.text_input(key="typed_cache").set_value(str(tiny_demo / "calibration")).run()
-    no_exceptions(at)
-    assert not at.sidebar.error

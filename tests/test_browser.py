@@ -89,3 +89,37 @@ def test_every_page_in_chromium(server):
             page.wait_for_function("() => document.body.innerText.includes('live: position 3 ')", timeout=20_000)
         finally:
             browser.close()
+
+
+def test_typed_cache_path_in_chromium(server, tiny_demo):
+    """The Cache box takes a typed path: one inside the configured roots is opened (a model folder there
+    is refused as a cache, with the reason), one outside them is refused before anything is read."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(server)
+            page.wait_for_selector(".js-plotly-plot", timeout=45_000)
+            wait_until_idle(page)
+            sidebar = page.locator('[data-testid="stSidebar"]')
+
+            def type_cache(path: Path) -> None:
+                box = sidebar.get_by_role("combobox", name="Cache")
+                box.click()
+                box.press("Control+A")
+                box.press("Backspace")
+                box.press_sequentially(str(path))
+                box.press("Enter")
+                page.wait_for_timeout(300)
+                wait_until_idle(page)
+
+            type_cache(tiny_demo / "featuregate")
+            assert "outside the configured roots" not in sidebar.inner_text()
+            assert "This cache cannot be used" in page.inner_text("body") and "manifest.json" in page.inner_text("body")
+            type_cache(tiny_demo.parent)
+            assert "outside the configured roots" in sidebar.inner_text()
+            assert page.locator('[data-testid="stException"]').count() == 0
+        finally:
+            browser.close()

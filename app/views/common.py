@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import csv
+import io
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import streamlit as st
 
 from fca.catalog import CacheEntry
 from fca.errors import CacheError, ExactnessError, ModelLoadError
 from fca.store import Cache
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 SELECTION_KEY = "fca_selection"
 # Problems with a user's files or settings: shown as st.error with the reason, and the app goes on.
@@ -68,5 +73,17 @@ def teach(text: str) -> None:
     st.markdown(text)
 
 
-def download(df: pd.DataFrame, name: str, label: str = "Download CSV", key: str | None = None) -> None:
-    st.download_button(label, df.to_csv(index=False).encode(), file_name=name, mime="text/csv", key=key or f"dl-{name}")
+def csv_bytes(table: pd.DataFrame | list[dict]) -> bytes:
+    """CSV of a DataFrame, or of a list of row dicts written without pandas (the Overview stays
+    pandas-free to draw its first chart sooner); both give the same bytes for the same rows."""
+    if not isinstance(table, list):
+        return table.to_csv(index=False).encode()
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(table[0]) if table else [], lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(table)
+    return out.getvalue().encode()
+
+
+def download(table: pd.DataFrame | list[dict], name: str, label: str = "Download CSV", key: str | None = None) -> None:
+    st.download_button(label, csv_bytes(table), file_name=name, mime="text/csv", key=key or f"dl-{name}")

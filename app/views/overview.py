@@ -1,10 +1,15 @@
-"""Overview: the audit card of the selected cache (variation, dependence, execution)."""
+"""Overview: the audit card of the selected cache (variation, dependence, execution).
+
+The first page a user sees, so it is drawn for a fast first chart. The browser starts loading plotly.js
+(4.7 MB, most of the cold start) only when a chart arrives, and the server answers late while the
+script is still busy; so the two charts are sent before the metric cards above them are filled (a
+container keeps their place), and neither this page nor the sidebar imports pandas (a test checks).
+"""
 
 from __future__ import annotations
 
 import json
 
-import pandas as pd
 import streamlit as st
 
 from app import figures, resources
@@ -42,8 +47,8 @@ if report is None:
         stats = resources.cache_stats(str(cache.path), cache.fingerprint)
         dec = stats["decomposition"]
         st.metric("Layer-identity share of variance", f"{100 * (dec['layer_identity_share'] or 0):.1f}%")
-        df = pd.DataFrame({"site": list(dec["per_site"]), "share": list(dec["per_site"].values())})
-        st.plotly_chart(figures.share_by_site(df, dec["layer_identity_share"]), key="overview_share")
+        sites = {"site": list(dec["per_site"]), "share": list(dec["per_site"].values())}
+        st.plotly_chart(figures.share_by_site(sites, dec["layer_identity_share"]), key="overview_share")
     st.stop()
 
 # Stale or foreign reports are shown, with the mismatch stated (they are still worth reading).
@@ -54,7 +59,20 @@ elif report["cache"].get("fingerprint") not in (None, cache.fingerprint):
     st.warning("The cache changed since this report was written (its fingerprint differs); rerun `python -m fca audit`.")
 
 var, cond, exe, retention = report["variance"], report["conditions"], report["execution"], report.get("gap_retention", {})
-c1, c2, c3 = st.columns(3)
+rows = [{"condition": k, "nll": v["nll"], "penalty": v["penalty"], "lo": v["penalty_ci95"][0], "hi": v["penalty_ci95"][1],
+         "gap_retention": retention.get(k)} for k, v in cond.items()]
+cards = st.container()  # the three metric cards, filled after the charts below are sent
+left, right = st.columns(2)
+with left:
+    perturbed = [r for r in rows if r["condition"] != "correct"]
+    st.plotly_chart(figures.penalty_bars({key: [r[key] for r in perturbed] for key in ("condition", "penalty", "lo", "hi")}),
+                    key="overview_penalty")
+with right:
+    sites = {"site": list(var["per_site"]), "share": list(var["per_site"].values())}
+    st.plotly_chart(figures.share_by_site(sites, var["layer_identity_share"]), key="overview_share")
+
+with cards:
+    c1, c2, c3 = st.columns(3)
 with c1:
     st.subheader("1. Variation")
     st.metric("Layer identity explains", f"{100 * (var['layer_identity_share'] or 0):.1f}% of variance",
@@ -64,11 +82,12 @@ with c1:
 with c2:
     st.subheader("2. Dependence")
     static = cond.get("static_layer", {})
-    r = retention.get("static_layer")
+    static_retention = retention.get("static_layer")
     st.metric("Static-layer penalty", f"{static.get('penalty', float('nan')):+.4f} nats/token",
               help="NLL(static_layer) - NLL(correct): the cost of replacing every token's coefficients by the calibration mean")
-    st.caption(f"Gap retention of the static profile: **{'undefined' if r is None else f'{100 * r:.1f}%'}** of the way "
-               "from the global mean to correct. Near 100%: per-token control adds little beyond layer identity.")
+    shown = "undefined" if static_retention is None else f"{100 * static_retention:.1f}%"
+    st.caption(f"Gap retention of the static profile: **{shown}** of the way from the global mean to correct. "
+               "Near 100%: per-token control adds little beyond layer identity.")
 with c3:
     st.subheader("3. Execution")
     ratio = exe.get("latency_ratio_vs_dense")
@@ -77,19 +96,10 @@ with c3:
     st.caption(f"Blocks executed: {100 * exe['blocks_executed_fraction']:.0f}% per token; controllers take "
                f"{100 * exe['controller_flops_share']:.2f}% of the FLOPs. Below 1x would mean the dynamic model saves time.")
 
-table = pd.DataFrame([{"condition": k, "nll": v["nll"], "penalty": v["penalty"], "lo": v["penalty_ci95"][0], "hi": v["penalty_ci95"][1],
-                       "gap_retention": retention.get(k)} for k, v in cond.items()])
-left, right = st.columns(2)
-with left:
-    st.plotly_chart(figures.penalty_bars(table[table["condition"] != "correct"]), key="overview_penalty")
-with right:
-    sites = pd.DataFrame({"site": list(var["per_site"]), "share": list(var["per_site"].values())})
-    st.plotly_chart(figures.share_by_site(sites, var["layer_identity_share"]), key="overview_share")
-# A Markdown table, not st.dataframe: the first page then needs no data-grid bundle in the browser,
-# which keeps its first chart under the cold-start budget.
+# A Markdown table, not st.dataframe: the first page then needs no data-grid bundle in the browser.
 st.markdown("| condition | NLL (nats) | penalty | 95% CI | gap retention |\n|---|---|---|---|---|\n" + "\n".join(
-    f"| {row.condition} | {row.nll:.4f} | {row.penalty:+.4f} | [{row.lo:+.4f}, {row.hi:+.4f}] | "
-    f"{'' if pd.isna(row.gap_retention) else f'{100 * row.gap_retention:.1f}%'} |" for row in table.itertuples()))
+    f"| {r['condition']} | {r['nll']:.4f} | {r['penalty']:+.4f} | [{r['lo']:+.4f}, {r['hi']:+.4f}] | "
+    + ("" if r["gap_retention"] is None else f"{100 * r['gap_retention']:.1f}%") + " |" for r in rows))
 
 m, ex = report["model"], report["exactness"]
 st.subheader("Model and data")
@@ -118,4 +128,4 @@ with d2:
     with guard("Markdown rendering"):
         st.download_button("Audit report (Markdown)", render_markdown(report), file_name="audit.md", mime="text/markdown")
 with d3:
-    download(table, "conditions.csv", "Conditions (CSV)")
+    download(rows, "conditions.csv", "Conditions (CSV)")
