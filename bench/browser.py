@@ -1,0 +1,90 @@
+"""The dashboard in headless Chromium, for the latency bench and the browser test: start
+`streamlit run app/main.py` on a loopback port, and tell when a script run has finished.
+
+When a run has finished: Streamlit writes the script's state on its root element
+(`data-test-script-state`: initial, rerunRequested, running, notRunning). An init script counts the
+changes into `notRunning` (a fast run may skip showing `running`); a page is settled when that count
+has grown and the state reads `notRunning`. (Streamlit's status widget is no signal: it shows only for runs longer than a delay.)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+
+COUNT_FINISHED_RUNS = """
+window.__fcaFinishedRuns = 0;
+new MutationObserver(records => records.forEach((r, i) => {
+  // a record holds the old value; the new one is the next record's old value, or the current one
+  const now = i + 1 < records.length ? records[i + 1].oldValue : r.target.getAttribute('data-test-script-state');
+  if (now === 'notRunning' && r.oldValue !== 'notRunning') window.__fcaFinishedRuns++;
+})).observe(document, {subtree: true, attributes: true, attributeOldValue: true, attributeFilter: ['data-test-script-state']});
+"""
+SETTLED = """n => window.__fcaFinishedRuns > n
+  && document.querySelector('[data-testid="stApp"]')?.getAttribute('data-test-script-state') === 'notRunning'"""
+NEXT_FRAME = "() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(env: dict[str, str] | None = None, timeout_s: float = 60) -> tuple[subprocess.Popen, str, float]:
+    """(process, url, seconds until healthy) of `streamlit run app/main.py` on a free loopback port."""
+    port = free_port()
+    log = tempfile.TemporaryFile()  # not a pipe: nobody reads it while the server runs
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "app/main.py", "--server.port", str(port), "--server.address", "127.0.0.1",
+         "--server.headless", "true", "--browser.gatherUsageStats", "false"],
+        cwd=REPO, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=1).read() == b"ok":
+                return proc, url, time.perf_counter() - started
+        except OSError:
+            pass
+        if proc.poll() is not None or time.perf_counter() - started > timeout_s:
+            proc.kill()
+            proc.wait(10)
+            log.seek(0)
+            raise RuntimeError(f"streamlit did not start: {log.read().decode(errors='replace')[-2000:]}")
+        time.sleep(0.05)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(10)
+
+
+def new_page(browser, width: int = 1400, height: int = 1000):
+    """A page in a fresh context (no cache shared with other pages) that counts finished runs."""
+    page = browser.new_page(viewport={"width": width, "height": height})
+    page.add_init_script(COUNT_FINISHED_RUNS)
+    return page
+
+
+def finished_runs(page) -> int:
+    return page.evaluate("() => window.__fcaFinishedRuns")
+
+
+def wait_settled(page, after: int = 0, timeout_ms: int = 60_000) -> None:
+    """Until a script run that finished after `after` finished runs has left the page idle, and the
+    browser has drawn the next frame. `after=0` right after a navigation (the count restarts)."""
+    page.wait_for_function(SETTLED, arg=after, timeout=timeout_ms)
+    page.evaluate(NEXT_FRAME)
