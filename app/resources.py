@@ -10,6 +10,7 @@ once per server process. `st.cache_resource` holds shared read-only objects (mod
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -143,3 +144,46 @@ def report(path: str, stamp: str) -> dict:
 def caches(roots: tuple[str, ...]) -> list[catalog.CacheEntry]:
     """The catalog, re-scanned at most every 2 s (so caches built later appear within a rerun or two)."""
     return catalog.discover_caches(roots)
+
+
+# The warm-up waits this long after a page was sent: the browser needs ~1.5 s on 2 CPU cores to
+# evaluate plotly.js and draw, and a warm-up started at once (even at the lowest CPU priority: it holds
+# the GIL the server needs to send plotly.js) delayed a fresh server's first chart by 0.3-0.6 s.
+WARM_UP_DELAY_S = 3.0
+_warm_started: set[tuple[str, ...]] = set()
+_warm_guard = threading.Lock()
+
+
+def warm_up(cache: Cache, model_dir: Path | None, device: str, calibration: Cache | None) -> None:
+    """Fill, in a background thread, the caches that the other pages will ask for: the statistics of the
+    selected cache and of its calibration cache (Variance, Profiles) and the model (Replay lab,
+    Execution; importing torch and loading it takes ~3 s on 2 CPU cores). Started once per selection
+    and server process, a few seconds after a page has been sent (WARM_UP_DELAY_S). The
+    thread shows nothing: a resource that fails here fails again on the page that needs it, which shows
+    the error. Cache keys are shared, so a page asking for a value while it is being filled waits for it
+    instead of computing it twice."""
+    key = (str(cache.path), cache.fingerprint, str(model_dir), device, str(calibration.path) if calibration else "")
+    with _warm_guard:
+        if key in _warm_started:
+            return
+        _warm_started.add(key)
+    steps = [lambda: cache_stats(str(cache.path), cache.fingerprint), lambda: site_quantiles(str(cache.path), cache.fingerprint)]
+    if calibration is not None:
+        steps.append(lambda: profiles(str(calibration.path), calibration.fingerprint))
+    if model_dir is not None:
+        steps.append(lambda: model_for(model_dir, device))
+
+    def fill() -> None:
+        try:  # lowest CPU priority for this thread (Linux: per thread), so the browser drawing the page goes first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        for step in steps:
+            try:
+                step()
+            except Exception:  # noqa: BLE001 (see the docstring: the page shows it)
+                pass
+
+    timer = threading.Timer(WARM_UP_DELAY_S, fill)
+    timer.name, timer.daemon = "fca-warm-up", True
+    timer.start()

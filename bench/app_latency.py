@@ -1,12 +1,14 @@
 """Dashboard speed as a user meets it, in headless Chromium (Debian's `chromium`) against
 `streamlit run app/main.py` on a loopback port.
 
-    python -m bench.app_latency [--cache cache/demo/eval] [--runs 5]
+    python -m bench.app_latency [--cache cache/demo/eval] [--runs 5] [--pause 0]
 
 Each run starts a fresh server. Prints medians (and ranges) in seconds of: server start; cold start to
 the first chart and to the finished Overview; the same for a new session on the running server; every
 page opened from the sidebar, first (statistics computed) and again (served from the caches); and
-interactions on the Variance, Profiles and Replay-lab pages. A page or interaction counts as done when
+interactions on the Variance and Profiles pages. `--pause S`: seconds spent on the Overview before the
+first page is opened (0, the default, clicks at once: the worst case; a reader gives the background
+warm-up, app/resources.py, time to fill the caches). A page or interaction counts as done when
 its script run has finished and the browser has drawn the next frame (bench/browser.py).
 """
 
@@ -14,21 +16,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
 
-from bench.browser import CHROMIUM, CHROMIUM_ARGS, finished_runs, new_page, start_server, stop_server, wait_settled
+from bench.browser import CHROMIUM, CHROMIUM_ARGS, new_page, run_mark, start_server, stop_server, wait_settled
 
 PAGES = {"variance": "Variance", "profiles": "Profiles", "replay_lab": "Replay lab", "execution": "Execution", "overview": "Overview"}
 
 
 def timed(page, action) -> float:
-    """Seconds from `action()` until the script run it causes has finished and been drawn."""
-    before = finished_runs(page)
+    """Seconds from `action()` until the script run it causes has finished and been drawn; NaN (not
+    counted) in the rare case where the page never shows the run's state change (see bench/browser.py)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    before = run_mark(page)
     started = time.perf_counter()
     action()
-    wait_settled(page, after=before)
+    try:
+        wait_settled(page, after=before, timeout_ms=20_000)
+    except PlaywrightTimeout:
+        return float("nan")
     return time.perf_counter() - started
 
 
@@ -44,7 +53,7 @@ def cold_start(browser, url: str) -> tuple[float, float]:
     return chart, time.perf_counter() - started
 
 
-def one_server(browser, cache: Path) -> dict[str, float]:
+def one_server(browser, cache: Path, pause_s: float = 0.0) -> dict[str, float]:
     proc, url, start = start_server({"FCA_DEFAULT_CACHE": str(cache.resolve())})
     out = {"server_start_s": start}
     try:
@@ -53,17 +62,16 @@ def one_server(browser, cache: Path) -> dict[str, float]:
         page = new_page(browser)
         page.goto(url)
         wait_settled(page)
+        page.wait_for_timeout(1000 * pause_s)
         nav = page.locator('[data-testid="stSidebarNav"]')
         for visit in ("first", "again"):
             for name, label in PAGES.items():
                 out[f"{visit}_open_{name}_s"] = timed(page, lambda label=label: nav.get_by_role("link", name=label, exact=True).click())
-        nav.get_by_role("link", name="Variance", exact=True).click()
-        wait_settled(page, after=finished_runs(page) - 1)
+        timed(page, lambda: nav.get_by_role("link", name="Variance", exact=True).click())
         box = page.get_by_role("spinbutton", name="Sequence")
         out["variance_change_sequence_s"] = timed(page, lambda: (box.fill("3"), box.press("Enter")))
         out["variance_change_quantity_s"] = timed(page, lambda: page.get_by_text("standard deviation", exact=True).click())
-        nav.get_by_role("link", name="Profiles", exact=True).click()
-        wait_settled(page, after=finished_runs(page) - 1)
+        timed(page, lambda: nav.get_by_role("link", name="Profiles", exact=True).click())
         box = page.get_by_role("spinbutton", name="Token index (or click a point below)")
         out["profiles_change_token_s"] = timed(page, lambda: (box.fill("5"), box.press("Enter")))
         page.close()
@@ -78,18 +86,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cache", default="cache/demo/eval", type=Path)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds on the Overview before opening the other pages")
     args = parser.parse_args()
     results: dict[str, list[float]] = {}
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             for _ in range(args.runs):
-                for key, value in one_server(browser, args.cache).items():
+                for key, value in one_server(browser, args.cache, args.pause).items():
                     results.setdefault(key, []).append(value)
         finally:
             browser.close()
-    print(json.dumps({k: {"median": round(statistics.median(v), 3), "min": round(min(v), 3), "max": round(max(v), 3)}
-                      for k, v in results.items()}, indent=1))
+    summary = {}
+    for key, values in results.items():
+        measured = [v for v in values if not math.isnan(v)]
+        summary[key] = {"median": round(statistics.median(measured), 3), "min": round(min(measured), 3), "max": round(max(measured), 3)} if measured else {}
+        if len(measured) < len(values):
+            summary[key]["unmeasured"] = len(values) - len(measured)
+    print(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

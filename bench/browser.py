@@ -4,7 +4,9 @@
 When a run has finished: Streamlit writes the script's state on its root element
 (`data-test-script-state`: initial, rerunRequested, running, notRunning). An init script counts the
 changes into `notRunning` (a fast run may skip showing `running`); a page is settled when that count
-has grown and the state reads `notRunning`. (Streamlit's status widget is no signal: it shows only for runs longer than a delay.)
+has grown and the state reads `notRunning`. Streamlit's status widget is no signal: it shows only for
+runs longer than a delay. Now and then (about one sidebar click in 30 here) a run goes by without the
+attribute changing at all, so callers that can wait for content instead should.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ new MutationObserver(records => records.forEach((r, i) => {
   if (now === 'notRunning' && r.oldValue !== 'notRunning') window.__fcaFinishedRuns++;
 })).observe(document, {subtree: true, attributes: true, attributeOldValue: true, attributeFilter: ['data-test-script-state']});
 """
-SETTLED = """n => window.__fcaFinishedRuns > n
+SETTLED = """([origin, n]) => (performance.timeOrigin === origin ? window.__fcaFinishedRuns > n : window.__fcaFinishedRuns > 0)
   && document.querySelector('[data-testid="stApp"]')?.getAttribute('data-test-script-state') === 'notRunning'"""
 NEXT_FRAME = "() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))"
 
@@ -79,12 +81,14 @@ def new_page(browser, width: int = 1400, height: int = 1000):
     return page
 
 
-def finished_runs(page) -> int:
-    return page.evaluate("() => window.__fcaFinishedRuns")
+def run_mark(page) -> tuple[float, int]:
+    """(this document's time origin, runs finished in it): what `wait_settled` waits to see pass."""
+    return tuple(page.evaluate("() => [performance.timeOrigin, window.__fcaFinishedRuns]"))
 
 
-def wait_settled(page, after: int = 0, timeout_ms: int = 60_000) -> None:
-    """Until a script run that finished after `after` finished runs has left the page idle, and the
-    browser has drawn the next frame. `after=0` right after a navigation (the count restarts)."""
-    page.wait_for_function(SETTLED, arg=after, timeout=timeout_ms)
+def wait_settled(page, after: tuple[float, int] | None = None, timeout_ms: int = 60_000) -> None:
+    """Until a script run that finished after the `after` mark (None: in a freshly opened document)
+    has left the page idle, and the browser has drawn the next frame. A click that reloads the whole
+    document (it happens now and then with Streamlit's page links) counts from the new document."""
+    page.wait_for_function(SETTLED, arg=list(after or (-1.0, 0)), timeout=timeout_ms)
     page.evaluate(NEXT_FRAME)

@@ -210,6 +210,34 @@ def test_ragged_cache_opens_in_every_page(page, tmp_path, monkeypatch):
         assert any("model directory" in e.value for e in at.error)
 
 
+def test_warm_up_fills_the_caches_once_in_the_background(tiny_demo, tmp_path, monkeypatch):
+    """After a page is sent, the statistics, calibration profiles and model the other pages need are
+    computed in a background thread, once per selection; the pages then find them cached."""
+    import threading
+
+    from app import resources
+    from fca.store import open_cache
+
+    for name in ("eval", "calibration"):  # copies: no other test's warm-up touches these paths
+        shutil.copytree(tiny_demo / name, tmp_path / name)
+    streamed, models = [], []
+    real_moments = resources.cache_moments
+    mine = (tmp_path / "eval", tmp_path / "calibration")
+    monkeypatch.setattr(resources, "cache_moments", lambda cache: (cache.path in mine and streamed.append(cache.path)) or real_moments(cache))
+    monkeypatch.setattr(resources, "model_for", lambda model_dir, device: models.append((model_dir, device)))
+    monkeypatch.setattr(resources, "WARM_UP_DELAY_S", 0.0)
+    cache, calibration = open_cache(tmp_path / "eval"), open_cache(tmp_path / "calibration")
+    for _ in range(2):
+        resources.warm_up(cache, tmp_path / "featuregate", "cpu", calibration)
+    for thread in [t for t in threading.enumerate() if t.name == "fca-warm-up"]:
+        thread.join(60)
+    assert streamed == list(mine) and (tmp_path / "featuregate", "cpu") in models
+    assert models.count((tmp_path / "featuregate", "cpu")) == 1, "started once per selection"
+    resources.cache_stats(str(cache.path), cache.fingerprint)
+    resources.profiles(str(calibration.path), calibration.fingerprint)
+    assert streamed == list(mine), "the pages found the statistics cached"
+
+
 # ------------------------------------------------------------------ replay through the UI
 
 

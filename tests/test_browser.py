@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.browser import CHROMIUM, CHROMIUM_ARGS, finished_runs, new_page, start_server, stop_server, wait_settled
+from bench.browser import CHROMIUM, CHROMIUM_ARGS, new_page, start_server, stop_server, wait_settled
 
 # url path ("" is the default page, the overview) -> does the page draw a chart before any interaction (the replay lab draws after a run)
 PAGES = {"": True, "variance": True, "profiles": True, "replay_lab": False, "execution": True}
@@ -47,10 +47,8 @@ def test_every_page_in_chromium(server):
             page.goto(f"{server}/profiles")
             page.wait_for_selector(".js-plotly-plot .scatterlayer .point", timeout=45_000)
             wait_settled(page)
-            before = finished_runs(page)
             page.locator(".js-plotly-plot").first.locator(".scatterlayer .point").nth(3).click(force=True)
-            wait_settled(page, after=before)
-            assert "live: position 3 " in page.inner_text("body")
+            page.wait_for_function("() => document.body.innerText.includes('live: position 3 ')", timeout=20_000)
         finally:
             browser.close()
 
@@ -69,20 +67,19 @@ def test_typed_cache_path_in_chromium(server, tiny_demo):
             wait_settled(page)
             sidebar = page.locator('[data-testid="stSidebar"]')
 
-            def type_cache(path: Path) -> None:
+            def type_cache(path: Path, expected: str) -> None:
+                """Type `path` into the Cache box, pick it, and wait for `expected` on the page."""
                 box = sidebar.get_by_role("combobox", name="Cache")
                 box.click()
                 box.press("Control+A")
                 box.press("Backspace")
                 box.press_sequentially(str(path))
-                before = finished_runs(page)
                 page.get_by_role("option", name=f"Add: {path}", exact=True).click()
-                wait_settled(page, after=before)
+                page.wait_for_function("text => document.body.innerText.includes(text)", arg=expected, timeout=30_000)
 
-            type_cache(tiny_demo / "featuregate")
-            assert "outside the configured roots" not in sidebar.inner_text()
-            assert "This cache cannot be used" in page.inner_text("body") and "manifest.json" in page.inner_text("body")
-            type_cache(tiny_demo.parent)
+            type_cache(tiny_demo / "featuregate", "This cache cannot be used")
+            assert "outside the configured roots" not in sidebar.inner_text() and "manifest.json" in page.inner_text("body")
+            type_cache(tiny_demo.parent, "outside the configured roots")
             assert "outside the configured roots" in sidebar.inner_text()
             assert page.locator('[data-testid="stException"]').count() == 0
         finally:
