@@ -126,6 +126,16 @@ def model(model_dir: str, device: str, stamp: str):
     return loaded, fingerprint_state(loaded), threading.Lock()
 
 
+def model_bytes(model_dir: str | Path) -> int:
+    """Size of a model's weights on disk (a sharded checkpoint: the total its index states)."""
+    from fca.loading import weights_path
+
+    path = weights_path(Path(model_dir))
+    if path.name.endswith(".index.json"):
+        return int(json.loads(path.read_text()).get("metadata", {}).get("total_size", 1 << 62))
+    return path.stat().st_size
+
+
 def model_for(model_dir: str | Path, device: str):
     from fca.loading import weights_path
 
@@ -150,6 +160,9 @@ def caches(roots: tuple[str, ...]) -> list[catalog.CacheEntry]:
 # evaluate plotly.js and draw, and a warm-up started at once (even at the lowest CPU priority: it holds
 # the GIL the server needs to send plotly.js) delayed a fresh server's first chart by 0.3-0.6 s.
 WARM_UP_DELAY_S = 3.0
+# The model is preloaded only below this size: a larger one (MUDDPythia-1.4B in float32 is ~5.7 GB)
+# loads when a page asks for it, not merely because its cache was looked at.
+WARM_UP_MAX_MODEL_BYTES = 1 << 30
 _warm_started: set[tuple[str, ...]] = set()
 _warm_guard = threading.Lock()
 
@@ -171,7 +184,7 @@ def warm_up(cache: Cache, model_dir: Path | None, device: str, calibration: Cach
     if calibration is not None:
         steps.append(lambda: profiles(str(calibration.path), calibration.fingerprint))
     if model_dir is not None:
-        steps.append(lambda: model_for(model_dir, device))
+        steps.append(lambda: model_bytes(model_dir) <= WARM_UP_MAX_MODEL_BYTES and model_for(model_dir, device))
 
     def fill() -> None:
         try:  # lowest CPU priority for this thread (Linux: per thread), so the browser drawing the page goes first

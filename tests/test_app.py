@@ -226,6 +226,8 @@ def test_warm_up_fills_the_caches_once_in_the_background(tiny_demo, tmp_path, mo
     monkeypatch.setattr(resources, "cache_moments", lambda cache: (cache.path in mine and streamed.append(cache.path)) or real_moments(cache))
     monkeypatch.setattr(resources, "model_for", lambda model_dir, device: models.append((model_dir, device)))
     monkeypatch.setattr(resources, "WARM_UP_DELAY_S", 0.0)
+    shutil.copytree(tiny_demo / "featuregate", tmp_path / "featuregate")
+    assert 0 < resources.model_bytes(tmp_path / "featuregate") <= resources.WARM_UP_MAX_MODEL_BYTES
     cache, calibration = open_cache(tmp_path / "eval"), open_cache(tmp_path / "calibration")
     for _ in range(2):
         resources.warm_up(cache, tmp_path / "featuregate", "cpu", calibration)
@@ -236,6 +238,11 @@ def test_warm_up_fills_the_caches_once_in_the_background(tiny_demo, tmp_path, mo
     resources.cache_stats(str(cache.path), cache.fingerprint)
     resources.profiles(str(calibration.path), calibration.fingerprint)
     assert streamed == list(mine), "the pages found the statistics cached"
+    monkeypatch.setattr(resources, "WARM_UP_MAX_MODEL_BYTES", 0)  # a model above the limit is left to the page
+    resources.warm_up(cache, tmp_path / "featuregate", "cuda", calibration)
+    for thread in [t for t in threading.enumerate() if t.name == "fca-warm-up"]:
+        thread.join(60)
+    assert (tmp_path / "featuregate", "cuda") not in models
 
 
 # ------------------------------------------------------------------ replay through the UI
