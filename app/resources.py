@@ -184,7 +184,11 @@ def warm_up(cache: Cache, model_dir: Path | None, device: str, calibration: Cach
     if calibration is not None:
         steps.append(lambda: profiles(str(calibration.path), calibration.fingerprint))
     if model_dir is not None:
-        steps.append(lambda: model_bytes(model_dir) <= WARM_UP_MAX_MODEL_BYTES and model_for(model_dir, device))
+        def small_model() -> None:
+            if model_bytes(model_dir) <= WARM_UP_MAX_MODEL_BYTES:
+                model_for(model_dir, device)
+
+        steps.append(small_model)
 
     def fill() -> None:
         try:  # lowest CPU priority for this thread (Linux: per thread), so the browser drawing the page goes first

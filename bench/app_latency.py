@@ -64,14 +64,18 @@ def one_server(browser, cache: Path, pause_s: float = 0.0) -> dict[str, float]:
         wait_settled(page)
         page.wait_for_timeout(1000 * pause_s)
         nav = page.locator('[data-testid="stSidebarNav"]')
+
+        def open_page(label: str) -> float:
+            return timed(page, lambda: nav.get_by_role("link", name=label, exact=True).click())
+
         for visit in ("first", "again"):
             for name, label in PAGES.items():
-                out[f"{visit}_open_{name}_s"] = timed(page, lambda label=label: nav.get_by_role("link", name=label, exact=True).click())
-        timed(page, lambda: nav.get_by_role("link", name="Variance", exact=True).click())
+                out[f"{visit}_open_{name}_s"] = open_page(label)
+        open_page("Variance")
         box = page.get_by_role("spinbutton", name="Sequence")
         out["variance_change_sequence_s"] = timed(page, lambda: (box.fill("3"), box.press("Enter")))
         out["variance_change_quantity_s"] = timed(page, lambda: page.get_by_text("standard deviation", exact=True).click())
-        timed(page, lambda: nav.get_by_role("link", name="Profiles", exact=True).click())
+        open_page("Profiles")
         box = page.get_by_role("spinbutton", name="Token index (or click a point below)")
         out["profiles_change_token_s"] = timed(page, lambda: (box.fill("5"), box.press("Enter")))
         page.close()

@@ -229,19 +229,20 @@ def test_warm_up_fills_the_caches_once_in_the_background(tiny_demo, tmp_path, mo
     shutil.copytree(tiny_demo / "featuregate", tmp_path / "featuregate")
     assert 0 < resources.model_bytes(tmp_path / "featuregate") <= resources.WARM_UP_MAX_MODEL_BYTES
     cache, calibration = open_cache(tmp_path / "eval"), open_cache(tmp_path / "calibration")
+    def warm_up_and_wait(device: str) -> None:
+        resources.warm_up(cache, tmp_path / "featuregate", device, calibration)
+        for thread in [t for t in threading.enumerate() if t.name == "fca-warm-up"]:
+            thread.join(60)
+
     for _ in range(2):
-        resources.warm_up(cache, tmp_path / "featuregate", "cpu", calibration)
-    for thread in [t for t in threading.enumerate() if t.name == "fca-warm-up"]:
-        thread.join(60)
+        warm_up_and_wait("cpu")
     assert streamed == list(mine) and (tmp_path / "featuregate", "cpu") in models
     assert models.count((tmp_path / "featuregate", "cpu")) == 1, "started once per selection"
     resources.cache_stats(str(cache.path), cache.fingerprint)
     resources.profiles(str(calibration.path), calibration.fingerprint)
     assert streamed == list(mine), "the pages found the statistics cached"
     monkeypatch.setattr(resources, "WARM_UP_MAX_MODEL_BYTES", 0)  # a model above the limit is left to the page
-    resources.warm_up(cache, tmp_path / "featuregate", "cuda", calibration)
-    for thread in [t for t in threading.enumerate() if t.name == "fca-warm-up"]:
-        thread.join(60)
+    warm_up_and_wait("cuda")
     assert (tmp_path / "featuregate", "cuda") not in models
 
 
