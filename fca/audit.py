@@ -14,29 +14,18 @@ import numpy as np
 import torch
 
 from .conditions import PAPER_CONDITIONS, Condition, parse_condition
-from .errors import ExactnessError
 from .execution import execution_audit
 from .loading import fingerprint_state, load_model
 from .profiles import cache_moments, calibration_profiles
-from .replay import ReplayResults, run_conditions
+from .environment import model_dtype_name
+from .fidelity import FOREIGN_TOLERANCES, MECHANISM_TOLERANCE, STORAGE_ULP
+from .replay import ReplayResults, check_exactness, run_conditions
 from .report import render_markdown, write_report  # noqa: F401  (re-exported: the audit's outputs)
 from .sites import find_sites
 from .stats import paired_bootstrap_ci, variance_decomposition
 from .store import Cache, CacheError, open_cache
 
-EXACTNESS_TOLERANCE = 1e-6
 BOOTSTRAP_RESAMPLES = 2000
-
-
-def check_exactness(results: ReplayResults) -> dict:
-    exact = {"max_abs_logit_diff": results.max_abs_logit_diff, "nll_live": results.nll_live, "nll_correct": results.nll_correct,
-             "tolerance": EXACTNESS_TOLERANCE, "cached_live_nll_max_diff": results.cached_live_nll_max_diff}
-    if results.max_abs_logit_diff > EXACTNESS_TOLERANCE or results.nll_live != results.nll_correct:
-        raise ExactnessError(
-            f"Correct replay does not reproduce the live run (max |logit diff| {results.max_abs_logit_diff:.3g} > "
-            f"{EXACTNESS_TOLERANCE:g}, or NLL {results.nll_correct!r} != {results.nll_live!r}); no other figure is reported"
-        )
-    return exact
 
 
 def summarize_conditions(results: ReplayResults, seed: int = 0, reference: str = "correct") -> dict:
@@ -66,9 +55,9 @@ def gap_retention(table: dict) -> dict:
     return out
 
 
-def _check_pair(model_fp: str, evaluated: Cache, calibration: Cache) -> None:
-    evaluated.check_model(model_fp)
-    calibration.check_model(model_fp)
+def _check_pair(model_fp: str, model_dtype: str, evaluated: Cache, calibration: Cache) -> None:
+    evaluated.check_model(model_fp, model_dtype)
+    calibration.check_model(model_fp, model_dtype)
     a, b = evaluated.manifest.get("corpus", {}), calibration.manifest.get("corpus", {})
     if a.get("split") == b.get("split") and a.get("fingerprint") == b.get("fingerprint") and a.get("split_seed") == b.get("split_seed"):
         raise CacheError(f"{calibration.path}: the calibration cache comes from the same split ({a.get('split')!r}) as the evaluated cache; "
@@ -96,7 +85,7 @@ def run_audit(
     model = load_model(model_dir, device=device, dtype=dtype)
     model_fp = fingerprint_state(model)
     evaluated, calibration = open_cache(cache_dir, verify=True), open_cache(calibration_dir, verify=True)
-    _check_pair(model_fp, evaluated, calibration)
+    _check_pair(model_fp, model_dtype_name(model), evaluated, calibration)
     profiles = calibration_profiles(calibration, progress=step("calibration profiles"))
     conditions = [Condition(kind, seed=seed) for kind in PAPER_CONDITIONS] + [parse_condition(c, seed) for c in extra_conditions]
     seqs = None if num_seqs is None else list(range(min(num_seqs, evaluated.num_seqs)))
@@ -114,7 +103,7 @@ def run_audit(
         "fca_report_version": 1,
         "model": {"name": Path(model_dir).name, "model_type": model.config.model_type if hasattr(model, "config") else type(model).__name__,
                   "fingerprint": model_fp, "parameters": params, "controller_parameters": controller_params,
-                  "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": str(next(model.parameters()).device)},
+                  "dtype": model_dtype_name(model), "device": str(next(model.parameters()).device)},
         "cache": _cache_entry(evaluated, len(results.seqs)),
         "calibration": _cache_entry(calibration, calibration.num_seqs),
         "dense": {"name": Path(dense_dir).name, "fingerprint": fingerprint_state(dense), "parameters": sum(p.numel() for p in dense.parameters())} if dense else None,
@@ -132,7 +121,7 @@ def _cache_entry(cache: Cache, evaluated_seqs: int) -> dict:
     corpus = cache.manifest.get("corpus", {})
     return {"path": cache.path.name, "fingerprint": cache.fingerprint, "split": corpus.get("split"), "corpus": corpus.get("name"),
             "sequences": evaluated_seqs, "seq_len": cache.seq_len, "tokens": evaluated_seqs * cache.seq_len,
-            "coefficient_dtype": cache.manifest.get("coefficient_dtype", "float32")}
+            "coefficient_dtype": cache.coefficient_dtype, "environment": cache.environment}
 
 
 def _definitions(cache: Cache, layout, seed: int, conditions: Sequence[Condition]) -> dict:
@@ -159,7 +148,14 @@ def _definitions(cache: Cache, layout, seed: int, conditions: Sequence[Condition
         "variance_factors": "site, channel within site: parts of the slot effect; position, token id and sequence: group means within each slot, "
                             "each as a share of SS_total (they overlap and do not add up); residual_after_slot = 1 - layer_identity_share",
         "splits": {"evaluated": cache.manifest.get("corpus", {}).get("split"), "calibration": "calibration"},
-        "exactness": f"live vs correct replay logits in the same batch composition; max |diff| <= {EXACTNESS_TOLERANCE:g} and identical NLL",
+        "exactness": f"mechanism: in every evaluated batch, live logits vs Correct replay of the coefficients recorded in that same "
+                     f"pass, same batch composition; max |diff| <= {MECHANISM_TOLERANCE:g} and identical NLL",
+        "cache_fidelity": "cached coefficients of the evaluated sequences vs those recorded now (max |diff|; relative: "
+                          "|diff| / (|recorded| + rms of the site's recorded)) and Correct-from-cache NLL vs live NLL; "
+                          "bit-identical required when the cache was written in this environment and batch composition, "
+                          f"else accepted within the tolerances by model dtype {FOREIGN_TOLERANCES} plus one storage unit "
+                          f"for reduced-precision caches {STORAGE_ULP}; the conditions are built from the cache and "
+                          "Correct-from-cache is the reference row",
         "controller_flops": "FLOPs inside controller sites / FLOPs of the whole forward (matrix products and attention, via torch FlopCounterMode)",
         "latency": "median over interleaved runs of (model forward time / Dense twin forward time), same device and batch",
         "coefficient": "; ".join(sorted({f"{s.family}: {s.coefficient}" for s in cache.site_specs.values() if s.coefficient}))

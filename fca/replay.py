@@ -11,14 +11,28 @@ from torch import nn
 
 from .capture import as_input_ids, token_nll
 from .conditions import Condition, condition_coefficients, derangement
+from .environment import current_environment
 from .errors import Cancelled, ExactnessError  # noqa: F401  (ExactnessError re-exported)
+from .fidelity import (
+    MECHANISM_TOLERANCE,
+    FidelityMeasure,
+    check_dtype,
+    is_build_batch,
+    judge_fidelity,
+    judge_mechanism,
+)
 from .profiles import Profiles
-from .sites import find_sites, model_logits, site_modes, tensor_provider
+from .sites import capture_tensors, find_sites, model_logits, site_modes, tensor_provider
 from .store import Cache
 
 
 def _as_tensor(values, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(values) if not isinstance(values, torch.Tensor) else values).to(device=device, dtype=dtype)
+    """Coefficients as a contiguous tensor on `device` in `dtype`. Host arrays are copied as they are and cast
+    on the device (a cast on the CPU would cost the host time the device does not need). Contiguous always:
+    some kernels (sigmoid, softmax) round differently on strided inputs, and a replay must not depend on
+    the caller's memory layout."""
+    tensor = values if isinstance(values, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(values))
+    return tensor.to(device=device).to(dtype=dtype).contiguous()
 
 
 @torch.no_grad()
@@ -49,14 +63,34 @@ class ReplayResults:
     seqs: list[int]
     per_seq_nll: dict[str, np.ndarray]  # condition name -> [n] mean NLL of each sequence
     conditions: dict[str, Condition]
-    max_abs_logit_diff: float = 0.0  # correct replay vs live, same batch composition
+    # Check 1, the replay mechanism: live vs Correct replay of the coefficients recorded in that same pass.
+    max_abs_logit_diff: float = 0.0
     nll_live: float = float("nan")
-    nll_correct: float = float("nan")
-    cached_live_nll_max_diff: float = 0.0  # live NLL now vs the NLL stored in the cache
+    nll_correct: float = float("nan")  # Correct replay of the recorded coefficients
+    batches: int = 0
+    # Check 2, the cache's fidelity: cached vs recorded coefficients, Correct-from-cache vs live NLL.
+    fidelity: FidelityMeasure | None = None
+    live_per_seq: np.ndarray | None = None  # [n]
+    cache_correct_per_seq: np.ndarray | None = None  # [n]
+    cache_path: str = ""
+    computed_on: dict | None = None  # the cache's environment
+    replayed_on: dict | None = None  # this run's environment
+    coefficient_dtype: str = "float32"
     extras: dict = field(default_factory=dict)
 
     def nll(self, name: str) -> float:
         return float(self.per_seq_nll[name].mean())
+
+
+def check_exactness(results: ReplayResults) -> dict:
+    """Judge both checks of a run (fca.fidelity): raises ExactnessError if replaying the recorded coefficients
+    did not reproduce the live run, FidelityError if the cache is not this model's output here; else returns
+    the report's `exactness` section. The audit, `fca replay`, the Replay lab and the bench all call this."""
+    mechanism = judge_mechanism(results.max_abs_logit_diff, results.nll_live, results.nll_correct, results.batches)
+    fidelity = judge_fidelity(results.cache_path, results.fidelity, results.live_per_seq, results.cache_correct_per_seq,
+                              results.computed_on, results.replayed_on, results.coefficient_dtype)
+    return {"max_abs_logit_diff": results.max_abs_logit_diff, "nll_live": results.nll_live, "nll_correct": results.nll_correct,
+            "tolerance": MECHANISM_TOLERANCE, "mechanism": mechanism, "fidelity": fidelity}
 
 
 def _nll_per_seq(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -64,13 +98,36 @@ def _nll_per_seq(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return token_nll(logits, targets).double().mean(1)
 
 
-def _stack_conditions(parts: list[dict[str, np.ndarray]], b: int, T: int) -> dict[str, np.ndarray]:
+def stack_conditions(parts: list[dict[str, np.ndarray]], b: int, T: int) -> dict[str, np.ndarray]:
     """Concatenate several conditions' coefficients along the batch axis -> site -> [len(parts) * b, T, K]."""
     out = {}
     for name in parts[0]:
         K = parts[0][name].shape[-1]
         out[name] = np.concatenate([np.broadcast_to(p[name], (b, T, K)) for p in parts], axis=0)
     return out
+
+
+_STORAGE_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _measure_fidelity(measure: FidelityMeasure, recorded: Mapping[str, torch.Tensor], cached: Mapping[str, np.ndarray],
+                      coefficient_dtype: str) -> bool:
+    """Compare cached coefficients [b, T, K] with those just recorded, site by site, on the model's device.
+    Returns True when every cached value equals the recorded one in float32 (so replaying the cache is
+    replaying the recorded pass)."""
+    storage = _STORAGE_TORCH_DTYPES.get(coefficient_dtype)
+    equal = True
+    for name, rec in recorded.items():
+        rec = rec.float()
+        # A reduced-precision cache is compared with the recorded values rounded the same way.
+        expected = rec if storage is None else rec.to(storage).float()
+        got = torch.from_numpy(np.ascontiguousarray(cached[name])).to(rec.device)
+        diff = (got - expected).abs()
+        scale = rec.abs() + rec.pow(2).mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
+        differing = int(torch.count_nonzero(diff))
+        measure.add_site(name, float(diff.max()), float((diff / scale).max()), differing, diff.numel())
+        equal = equal and differing == 0 and storage is None
+    return equal
 
 
 @torch.no_grad()
@@ -89,23 +146,27 @@ def run_conditions(
 ) -> ReplayResults:
     """Per-sequence NLL of every condition on `seqs` (default: all) of `cache`.
 
-    Each batch first runs live and as Correct replay with the same batch composition (the exactness
-    check); then the conditions run, several stacked into one forward while the logits fit in
-    `max_logit_bytes`. The controllers never run during replay.
+    With `check_exactness`, each batch first runs live in record mode, then as Correct replay of the
+    coefficients just recorded, in the same batch composition (check 1), and its cached coefficients and
+    stored live NLL are compared with the recorded ones (check 2). Conditions are built from the cache's
+    coefficients; several are stacked into one forward while the logits fit in `max_logit_bytes`.
+    The controllers never run during replay. Judge the result with `check_exactness(results)`.
     """
     seqs = list(range(cache.num_seqs)) if seqs is None else [int(s) for s in seqs]
     names = [c.name for c in conditions]
     if len(set(names)) != len(names):
         raise ValueError(f"conditions repeat: {names}")
+    replayed_on = current_environment(model)
+    check_dtype(str(cache.path / "manifest.json"), cache.model_dtype, replayed_on["model_dtype"])
     partner = derangement(len(seqs), cross_seed) if any(c.kind == "cross_input" for c in conditions) else None
     device = next(model.parameters()).device
     T = cache.seq_len
-    vocab = int(cache.manifest.get("tokenizer", {}).get("vocab_size") or 0) or 50_000
-    per_pass = max(1, max_logit_bytes // max(1, batch_size * T * vocab * 4))
+    per_pass = max(1, max_logit_bytes // max(1, batch_size * T * cache.vocab_size * 4))
     per_seq = {name: np.zeros(len(seqs)) for name in names}
-    live_nll = np.zeros(len(seqs))
-    correct_nll = np.zeros(len(seqs))
-    max_diff, cached_diff = 0.0, 0.0
+    live_nll, replayed_nll, cache_nll = np.zeros(len(seqs)), np.zeros(len(seqs)), np.zeros(len(seqs))
+    measure = FidelityMeasure()
+    max_diff, batches = 0.0, 0
+    plain_correct = Condition("correct")
     for lo in range(0, len(seqs), batch_size):
         if should_stop is not None and should_stop():
             raise Cancelled("replay cancelled")
@@ -116,32 +177,45 @@ def run_conditions(
         targets = torch.from_numpy(own["target"].astype(np.int64)).to(device)
         coefficients = {name: own[name] for name in cache.sites}
         b = len(index)
+        cache_is_recorded = False
         if check_exactness:
-            live = model_logits(model(ids))
-            correct = replay(model, ids, coefficients)
-            max_diff = max(max_diff, float((live.float() - correct.float()).abs().max()))
-            live_seq = _nll_per_seq(live, targets)
-            live_nll[index] = live_seq.cpu().numpy()
-            correct_nll[index] = _nll_per_seq(correct, targets).cpu().numpy()
-            cached_diff = max(cached_diff, float(np.abs(own["live_nll"].astype(np.float64).mean(1) - live_nll[index]).max()))
+            # Check 1: the live pass records its coefficients; replaying exactly those must reproduce it.
+            live, recorded = capture_tensors(model, ids)
+            replayed = replay(model, ids, recorded)
+            max_diff = max(max_diff, float((live.float() - replayed.float()).abs().max()))
+            live_tokens = token_nll(live, targets)  # [b, T]
+            live_nll[index] = live_tokens.double().mean(1).cpu().numpy()
+            replayed_nll[index] = _nll_per_seq(replayed, targets).cpu().numpy()
+            batches += 1
+            # Check 2: how far the cache is from what this model computes here.
+            measure.same_batches = measure.same_batches and is_build_batch(batch_seqs, cache.build_batches())
+            stored = torch.from_numpy(own["live_nll"].astype(np.float32)).to(device)
+            measure.stored_live_nll_max_diff = max(measure.stored_live_nll_max_diff, float((stored - live_tokens).abs().max()))
+            cache_is_recorded = _measure_fidelity(measure, recorded, coefficients, cache.coefficient_dtype)
+            if cache_is_recorded:  # Correct-from-cache is the replay just run: reuse its scores
+                cache_nll[index] = replayed_nll[index]
         other = cache.coefficients([seqs[partner[i]] for i in index]) if partner is not None else None
-        # The exactness pass has already scored plain Correct replay on this very batch: reuse it.
-        plain_correct = [c for c in conditions if check_exactness and c == Condition("correct", seed=c.seed)]
-        for c in plain_correct:
-            per_seq[c.name][index] = correct_nll[index]
-        to_run = [c for c in conditions if c not in plain_correct]
+        to_run = [c for c in conditions if not (cache_is_recorded and c == Condition("correct", seed=c.seed))]
+        if check_exactness and not cache_is_recorded and not any(c == Condition("correct", seed=c.seed) for c in conditions):
+            to_run.append(plain_correct)  # the fidelity check needs Correct-from-cache even when not asked for
+        scored: dict[Condition, np.ndarray] = {}
         for start in range(0, len(to_run), per_pass):
             group = to_run[start : start + per_pass]
             parts = [condition_coefficients(c, coefficients, index, profiles, other) for c in group]
-            stacked = _stack_conditions(parts, b, T)
+            stacked = stack_conditions(parts, b, T)
             logits = replay(model, ids.repeat(len(group), 1), stacked)  # [len(group) * b, T, V]
             nll = _nll_per_seq(logits, targets.repeat(len(group), 1)).cpu().numpy().reshape(len(group), b)
-            for c, row in zip(group, nll):
-                per_seq[c.name][index] = row
+            scored.update(zip(group, nll))
+        for c in conditions:
+            per_seq[c.name][index] = replayed_nll[index] if c not in scored else scored[c]
+        if check_exactness and not cache_is_recorded:
+            cache_nll[index] = next(row for c, row in scored.items() if c == Condition("correct", seed=c.seed))
         if progress is not None:
             progress(index[-1] + 1, len(seqs))
     return ReplayResults(
         seqs=seqs, per_seq_nll=per_seq, conditions={c.name: c for c in conditions},
-        max_abs_logit_diff=max_diff, nll_live=float(live_nll.mean()), nll_correct=float(correct_nll.mean()),
-        cached_live_nll_max_diff=cached_diff,
+        max_abs_logit_diff=max_diff, nll_live=float(live_nll.mean()), nll_correct=float(replayed_nll.mean()), batches=batches,
+        fidelity=measure if check_exactness else None, live_per_seq=live_nll, cache_correct_per_seq=cache_nll,
+        cache_path=str(cache.path), computed_on=cache.environment, replayed_on=replayed_on,
+        coefficient_dtype=cache.coefficient_dtype,
     )

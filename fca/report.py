@@ -11,6 +11,29 @@ def _fmt(x, digits: int = 4) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
+def exactness_sentences(ex: dict) -> list[str]:
+    """The two exactness checks of a report's `exactness` section in plain words (reports, CLI, dashboard)."""
+    sentences = [f"Replay mechanism: Correct replay of the coefficients recorded in the same pass reproduces the live logits "
+                 f"(max |difference| {ex['max_abs_logit_diff']:.3g}, tolerance {ex['tolerance']:g}; NLL {ex['nll_live']:.6f} "
+                 f"live, {ex['nll_correct']:.6f} replayed)."]
+    fid = ex.get("fidelity")
+    if not fid:  # a report from before the cache-fidelity check
+        return sentences
+    if fid["verdict"] == "bit-identical":
+        verdict = "the cached coefficients are bit-identical to those recorded now"
+    else:
+        tol = fid["tolerances"]
+        reason = ("another environment, so floating-point reduction order differs" if not fid["same_environment"]
+                  else "other batches than the build's, so kernels may differ")
+        verdict = (f"{reason}: the cached coefficients differ from those recorded now by at most "
+                   f"{fid['max_abs_coefficient_diff']:.2g} ({fid['max_rel_coefficient_diff']:.2g} relative; tolerance "
+                   f"{tol['coefficient_rel']:g}), and Correct-from-cache NLL by {fid['nll_diff']:.2g} nats from live "
+                   f"(tolerance {tol['nll_mean']:g}); accepted")
+    sentences.append(f"Cache fidelity: coefficients computed on {fid['computed_on_text']}, replayed on "
+                     f"{fid['replayed_on_text']}; {verdict}.")
+    return sentences
+
+
 def render_markdown(report: dict) -> str:
     m, ex, var, exe = report["model"], report["exactness"], report["variance"], report["execution"]
     lines = [
@@ -24,8 +47,7 @@ def render_markdown(report: dict) -> str:
         + ("" if report["cache"].get("coefficient_dtype", "float32") == "float32"
            else f" **Coefficients were stored in reduced precision ({report['cache']['coefficient_dtype']}).**"),
         "",
-        f"**Exactness.** Correct replay reproduces the live logits: max |difference| = {ex['max_abs_logit_diff']:.3g} "
-        f"(tolerance {ex['tolerance']:g}); NLL live {ex['nll_live']:.6f} = correct {ex['nll_correct']:.6f}.",
+        "**Exactness.** " + " ".join(exactness_sentences(ex)),
         "",
         "## 1. Coefficient variation",
         f"Layer identity (the site and channel alone) explains **{100 * (var['layer_identity_share'] or 0):.1f}%** of the coefficient variance.",

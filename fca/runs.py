@@ -15,11 +15,12 @@ from pathlib import Path
 
 from torch import nn
 
-from .audit import check_exactness, summarize_conditions
+from .audit import summarize_conditions
 from .conditions import parse_condition
+from .environment import model_dtype_name
 from .loading import fingerprint_state, load_model
 from .profiles import Profiles, calibration_profiles
-from .replay import run_conditions
+from .replay import check_exactness, run_conditions
 from .store import open_cache
 
 
@@ -50,8 +51,9 @@ def run_replay(
     model = load_model(model_dir, device=device) if model is None else model
     evaluated, calibration = open_cache(cache_dir), open_cache(calibration_dir)
     fingerprint = fingerprint_state(model)
-    evaluated.check_model(fingerprint)
-    calibration.check_model(fingerprint)
+    dtype = model_dtype_name(model)
+    evaluated.check_model(fingerprint, dtype)
+    calibration.check_model(fingerprint, dtype)
     if profiles is None and any(c.needs_profiles for c in parsed):
         profiles = calibration_profiles(calibration)
     seqs = list(range(min(num_seqs, evaluated.num_seqs)))

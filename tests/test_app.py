@@ -276,6 +276,27 @@ def test_ui_replay_equals_python_api(tiny_demo, monkeypatch):
     assert any(Path(ui["path"]).stem in v for v in at.dataframe[-1].value["run"].tolist())
 
 
+def test_lab_replays_the_shipped_demo(tmp_path, monkeypatch):
+    """The shipped demo, whichever machine wrote it, replays in the lab here with both checks shown."""
+    demo = tmp_path / "demo"  # a copy, so the saved run does not land in the repository
+    for part in ("featuregate", "eval", "calibration"):
+        shutil.copytree(REPO / "cache" / "demo" / part, demo / part)
+    at = render(app_for(monkeypatch, [tmp_path], demo / "eval"), "views/replay_lab.py")
+    at.sidebar.selectbox(key="device").set_value("cpu")
+    at.number_input(key="lab_num_seqs").set_value(8)
+    at.number_input(key="lab_batch").set_value(4)
+    next(b for b in at.button if b.label == "Run").click().run()
+    job = at.session_state["replay_job"]
+    job.wait(120)
+    assert job.record is not None, job.error
+    at.run()
+    no_exceptions(at)
+    shown = at.success[0].value
+    assert "Replay mechanism" in shown and "max |difference| 0" in shown
+    assert "Cache fidelity: coefficients computed on" in shown and "replayed on cpu" in shown
+    assert job.record["results"]["exactness"]["fidelity"]["verdict"] in ("bit-identical", "within tolerance")
+
+
 def test_cancel_stops_a_run(tiny_demo):
     from app.jobs import ReplayJob
     from fca.runs import run_replay

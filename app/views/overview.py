@@ -14,7 +14,7 @@ import streamlit as st
 
 from app import figures, resources
 from app.views.common import download, guard, require_cache, teach
-from fca.report import render_markdown
+from fca.report import exactness_sentences, render_markdown
 
 sel = require_cache()
 cache = sel.cache
@@ -111,8 +111,7 @@ st.markdown(
     f"- **Calibration cache** `{report['calibration']['path']}`: {report['calibration']['tokens']:,} tokens, fingerprint "
     f"`{str(report['calibration'].get('fingerprint'))[:16]}`\n"
     + (f"- **Dense twin** `{report['dense']['name']}`, fingerprint `{report['dense']['fingerprint'][:16]}`\n" if report.get("dense") else "")
-    + f"- **Exactness**: correct replay reproduces the live logits, max |diff| = {ex['max_abs_logit_diff']:.3g} "
-    f"(tolerance {ex.get('tolerance', 1e-6):g}); NLL live {ex['nll_live']:.6f} = correct {ex['nll_correct']:.6f}"
+    + "".join(f"- **{sentence.split(':', 1)[0]}**:{sentence.split(':', 1)[1]}\n" for sentence in exactness_sentences(ex))
 )
 with st.expander("What each figure means (the report's definitions)"):
     for key, value in report.get("definitions", {}).items():

@@ -12,6 +12,8 @@ import streamlit as st
 from app import figures, resources
 from app.jobs import ReplayJob
 from app.views.common import download, guard, require_cache, teach
+from fca.environment import model_dtype_name
+from fca.report import exactness_sentences
 from fca.runs import list_runs, run_replay
 
 JOB_KEY = "replay_job"
@@ -43,7 +45,7 @@ loaded = None
 with guard("Model"):
     loaded = resources.model_for(sel.model_dir, sel.device)
     model, fingerprint, lock = loaded
-    cache.check_model(fingerprint)
+    cache.check_model(fingerprint, model_dtype_name(model))
 if loaded is None or fingerprint != cache.manifest["model"]["fingerprint"]:
     st.stop()
 if sel.calibration is None:
@@ -125,8 +127,8 @@ if job is not None and not job.running:
         st.error(f"The run failed: {job.error}")
     elif job.record is not None:
         record = job.record
-        ex = record["results"]["exactness"]
-        st.success(f"Correct replay is exact (max |logit diff| {ex['max_abs_logit_diff']:.2g}); saved `{_rel(record.get('path', ''))}`.")
+        mechanism, fidelity = exactness_sentences(record["results"]["exactness"])
+        st.success(f"{mechanism}  \n{fidelity}  \nSaved `{_rel(record.get('path', ''))}`.")
         per_seq = record["results"]["per_sequence_nll"]
         rows = []
         for name, row in record["results"]["conditions"].items():

@@ -1,0 +1,153 @@
+"""The two exactness checks of a replay, judged: the replay mechanism and the cache's fidelity.
+
+1. Mechanism (strict, on every evaluated batch): the live pass records the coefficients on this machine;
+   a Correct replay of exactly those, in the same batch composition, must reproduce the live logits
+   (max |difference| <= MECHANISM_TOLERANCE, 0 expected) and the same NLL. This proves the controllers
+   are removed and replay is faithful; it holds on any device. If it fails, nothing else is reported.
+2. Cache fidelity (measured, always reported): the cached coefficients of the evaluated sequences
+   against those just recorded, and Correct-from-cache NLL against live NLL. Where the cache was
+   written in this very environment and batch composition, they must be bit-identical; anywhere else,
+   floating-point reduction order differs and small differences are expected: accepted within
+   FOREIGN_TOLERANCES, refused beyond them. A change of model dtype is never accepted.
+
+Torch-free: the replay runner measures, these functions judge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .environment import describe, same_environment
+from .errors import CacheError, ExactnessError
+
+MECHANISM_TOLERANCE = 1e-6
+
+# Accepted differences for a cache computed in another environment, by model dtype. Measured drift
+# between environments (float32 demo model): coefficients differ by up to 6e-7 between two x86 CPUs
+# (AVX2 against AVX-512) and by a few 1e-7 between a CPU and a GPU, NLLs by about 1e-6 nats; the float32
+# tolerances sit about two orders of magnitude above that, and three below a real change (a cache of
+# another model or data differs by 1e-2 or more). Reduced-precision models drift by a few units in the
+# last place of their dtype, hence looser bounds there.
+#   coefficient_rel: max over coefficients of |cached - recorded| / (|recorded| + rms of the site's recorded)
+#   nll_mean:        |mean NLL of Correct-from-cache - mean live NLL| (nats)
+#   nll_seq:         the same per sequence, max over sequences
+FOREIGN_TOLERANCES = {
+    "float32": {"coefficient_rel": 1e-4, "nll_mean": 1e-4, "nll_seq": 1e-3},
+    "float16": {"coefficient_rel": 1e-2, "nll_mean": 5e-3, "nll_seq": 5e-2},
+    "bfloat16": {"coefficient_rel": 6e-2, "nll_mean": 2e-2, "nll_seq": 1e-1},
+}
+# A cache stored at reduced precision is compared after rounding the recorded coefficients the same way;
+# elsewhere a value near a rounding boundary may land one storage unit away, so that unit is allowed too.
+STORAGE_ULP = {"float32": 0.0, "float16": 2.0**-10, "bfloat16": 2.0**-7}
+
+
+class FidelityError(CacheError):
+    """The cache's coefficients are not what this model computes on its sequences here."""
+
+
+@dataclass
+class FidelityMeasure:
+    """Differences between cached and freshly recorded coefficients and NLLs, accumulated over batches."""
+
+    max_abs_coefficient_diff: float = 0.0
+    max_rel_coefficient_diff: float = 0.0
+    differing_coefficients: int = 0  # coefficients that are not bit-identical
+    coefficients_compared: int = 0
+    per_site_max_abs_diff: dict[str, float] = field(default_factory=dict)
+    stored_live_nll_max_diff: float = 0.0  # per-token live NLL stored in the cache vs computed now
+    same_batches: bool = True  # every evaluated batch was one batch of the build
+
+    def add_site(self, site: str, max_abs: float, max_rel: float, differing: int, compared: int) -> None:
+        self.max_abs_coefficient_diff = max(self.max_abs_coefficient_diff, max_abs)
+        self.max_rel_coefficient_diff = max(self.max_rel_coefficient_diff, max_rel)
+        self.differing_coefficients += differing
+        self.coefficients_compared += compared
+        self.per_site_max_abs_diff[site] = max(self.per_site_max_abs_diff.get(site, 0.0), max_abs)
+
+    @property
+    def bit_identical(self) -> bool:
+        return self.differing_coefficients == 0 and self.stored_live_nll_max_diff == 0.0
+
+
+def is_build_batch(seqs: list[int], batches: set[tuple[int, int]] | None) -> bool:
+    """True when `seqs` is exactly one batch of the build, in order (so each row saw the same kernels)."""
+    if batches is None or not seqs:
+        return False
+    lo, hi = seqs[0], seqs[-1] + 1
+    return (lo, hi) in batches and seqs == list(range(lo, hi))
+
+
+def check_dtype(cache_path: str, cache_model_dtype: str | None, model_dtype: str) -> None:
+    """A cache recorded with one model dtype is never replayed in another."""
+    recorded = cache_model_dtype or "float32"
+    if recorded != model_dtype:
+        raise FidelityError(
+            f"{cache_path}: coefficients were recorded with a {recorded} model, but the model runs in {model_dtype} here; "
+            f"replay in {recorded} (--dtype {recorded}) or rebuild the cache in {model_dtype}")
+
+
+def tolerances(model_dtype: str, coefficient_dtype: str) -> dict:
+    """The accepted differences for a foreign cache of this model dtype and storage dtype."""
+    base = dict(FOREIGN_TOLERANCES.get(model_dtype, FOREIGN_TOLERANCES["float32"]))
+    ulp = STORAGE_ULP.get(coefficient_dtype, 0.0)
+    base["coefficient_rel"] += ulp
+    base["nll_mean"] += 10 * ulp
+    base["nll_seq"] += 50 * ulp
+    return base
+
+
+def judge_mechanism(max_abs_logit_diff: float, nll_live: float, nll_replayed: float, batches: int) -> dict:
+    """Check 1: raise ExactnessError unless replaying the recorded coefficients reproduced the live run."""
+    if not max_abs_logit_diff <= MECHANISM_TOLERANCE or nll_live != nll_replayed:
+        raise ExactnessError(
+            f"Correct replay does not reproduce the live run (max |logit diff| {max_abs_logit_diff:.3g} > "
+            f"{MECHANISM_TOLERANCE:g}, or NLL {nll_replayed!r} != {nll_live!r}); no other figure is reported")
+    return {"max_abs_logit_diff": max_abs_logit_diff, "nll_live": nll_live, "nll_replayed": nll_replayed,
+            "tolerance": MECHANISM_TOLERANCE, "batches": batches, "passed": True}
+
+
+def judge_fidelity(cache_path: str, measure: FidelityMeasure, live_nll: np.ndarray, cache_nll: np.ndarray,
+                   computed_on: dict | None, replayed_on: dict, coefficient_dtype: str = "float32") -> dict:
+    """Check 2: the cache's fidelity here. live_nll, cache_nll: [n] per-sequence mean NLL of the live run and
+    of Correct-from-cache replay. Raises FidelityError when the cache must be refused."""
+    same_env = same_environment(computed_on, replayed_on)
+    strict = same_env and measure.same_batches
+    tol = tolerances(replayed_on["model_dtype"], coefficient_dtype)
+    seq_diff = np.abs(cache_nll - live_nll)
+    nll_diff = abs(float(cache_nll.mean()) - float(live_nll.mean()))
+    out = {
+        "computed_on": computed_on, "replayed_on": replayed_on,
+        "computed_on_text": describe(computed_on), "replayed_on_text": describe(replayed_on),
+        "same_environment": same_env, "same_batches": measure.same_batches,
+        "max_abs_coefficient_diff": measure.max_abs_coefficient_diff,
+        "max_rel_coefficient_diff": measure.max_rel_coefficient_diff,
+        "differing_coefficients": measure.differing_coefficients, "coefficients_compared": measure.coefficients_compared,
+        "per_site_max_abs_diff": measure.per_site_max_abs_diff,
+        "stored_live_nll_max_diff": measure.stored_live_nll_max_diff,
+        "nll_live": float(live_nll.mean()), "nll_correct_from_cache": float(cache_nll.mean()),
+        "nll_diff": nll_diff, "max_seq_nll_diff": float(seq_diff.max()) if len(seq_diff) else 0.0,
+        "coefficient_dtype": coefficient_dtype,
+        "tolerances": {"bit_identical_required": strict, **({} if strict else tol)},
+    }
+    where = f"computed on {describe(computed_on)}, replayed on {describe(replayed_on)}"
+    if measure.bit_identical:
+        out["verdict"] = "bit-identical"
+        return out
+    if strict:
+        raise FidelityError(
+            f"{cache_path}: cached coefficients differ from those this model computes now in the same environment "
+            f"({where}; max |diff| {measure.max_abs_coefficient_diff:.3g}): the cache is not this model's output on "
+            "these sequences; rebuild it")
+    worst = [(name, value, tol[key]) for name, value, key in (
+        ("max relative coefficient difference", measure.max_rel_coefficient_diff, "coefficient_rel"),
+        ("Correct-from-cache NLL difference", nll_diff, "nll_mean"),
+        ("per-sequence NLL difference", out["max_seq_nll_diff"], "nll_seq")) if not value <= tol[key]]
+    if worst:
+        name, value, limit = worst[0]
+        raise FidelityError(
+            f"{cache_path}: the cache does not match this model here beyond floating-point drift ({name} {value:.3g} > "
+            f"{limit:g}; {where}); rebuild the cache in this environment")
+    out["verdict"] = "within tolerance"
+    return out

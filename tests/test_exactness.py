@@ -1,0 +1,185 @@
+"""Exactness that travels: the replay mechanism check, the cache fidelity check, environments.
+
+The shipped demo is replayed here as a user on this machine would: whatever machine wrote it, the audit
+must reproduce its report. Foreign environments are simulated by rewriting a cache's coefficients and
+its environment record.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import fca
+from fca.cli import main
+from fca.environment import current_environment, describe, same_environment
+from fca.fidelity import FidelityError, check_dtype, tolerances
+from fca.profiles import calibration_profiles
+from fca.replay import check_exactness, run_conditions
+from fca.store import MANIFEST, file_sha256, open_cache
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "cache" / "demo"
+FOREIGN = {"device_type": "cuda", "device_name": "NVIDIA H200", "capability": "sm_90", "model_dtype": "float32",
+           "torch": "2.11.0+cu130", "cuda": "13.0", "threads": None, "batch_size": 4}
+
+
+def rewrite_cache(src: Path, dst: Path, relative_noise: float, environment: dict | None, seed: int = 0) -> Path:
+    """A copy of the cache at `src` whose coefficients are scaled by (1 + relative_noise * u), u uniform in
+    [-1, 1], and whose manifest names `environment`; part hashes are updated so the copy opens cleanly."""
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / MANIFEST).read_text())
+    rng = np.random.default_rng(seed)
+    for part in manifest["parts"]:
+        path = dst / part["file"]
+        table = pq.read_table(path)
+        for name in manifest["sites"]:
+            column = table.column(name).combine_chunks()
+            values = column.flatten().to_numpy().astype(np.float32)
+            noisy = (values * (1 + relative_noise * rng.uniform(-1, 1, values.shape))).astype(np.float32)
+            noisy_column = pa.FixedSizeListArray.from_arrays(pa.array(noisy), column.type.list_size)
+            table = table.set_column(table.schema.get_field_index(name), table.schema.field(name), noisy_column)
+        pq.write_table(table, path, compression="zstd")
+        part["sha256"], part["bytes"] = file_sha256(path), path.stat().st_size
+    manifest["environment"] = environment
+    (dst / MANIFEST).write_text(json.dumps(manifest))
+    return dst
+
+
+def replay_cli(model: Path, cache: Path, calibration: Path, *extra: str) -> int:
+    return main(["replay", "--model", str(model), "--cache", str(cache), "--calibration", str(calibration),
+                 "--conditions", "static_layer", "--num-seqs", "8", "--batch", "4", "--no-save", "--device", "cpu", *extra])
+
+
+# ------------------------------------------------------------------ the shipped demo, replayed here
+
+
+def test_shipped_demo_audit_reproduces_its_report(tmp_path):
+    shipped = json.loads((DEMO / "audit.json").read_text())
+    assert main(["audit", "--model", str(DEMO / "featuregate"), "--cache", str(DEMO / "eval"), "--calibration",
+                 str(DEMO / "calibration"), "--device", "cpu", "--json", str(tmp_path / "audit.json")]) == 0
+    report = json.loads((tmp_path / "audit.json").read_text())
+    for name, row in shipped["conditions"].items():
+        assert report["conditions"][name]["nll"] == pytest.approx(row["nll"], abs=1e-4), name
+        assert report["conditions"][name]["penalty"] == pytest.approx(row["penalty"], abs=1e-4), name
+    assert report["gap_retention"]["static_layer"] == pytest.approx(shipped["gap_retention"]["static_layer"], abs=1e-3)
+    assert report["variance"]["layer_identity_share"] == pytest.approx(shipped["variance"]["layer_identity_share"], abs=1e-6)
+    ex = report["exactness"]
+    assert ex["max_abs_logit_diff"] == 0.0 and ex["nll_live"] == ex["nll_correct"]
+    fidelity = ex["fidelity"]
+    assert fidelity["verdict"] in ("bit-identical", "within tolerance")
+    assert fidelity["max_rel_coefficient_diff"] <= fidelity["tolerances"].get("coefficient_rel", 0.0)
+    assert fidelity["computed_on"] == open_cache(DEMO / "eval").environment
+    assert fidelity["replayed_on_text"] == describe(fidelity["replayed_on"])
+    assert fidelity["replayed_on"]["device_type"] == "cpu"
+
+
+# ------------------------------------------------------------------ simulated foreign environments
+
+
+def test_foreign_cache_within_drift_is_accepted(demo_pair, tmp_path, capsys):
+    model_dir, ev, cal = demo_pair
+    foreign = rewrite_cache(ev, tmp_path / "foreign", 2e-7, FOREIGN)
+    assert replay_cli(model_dir, foreign, cal) == 0
+    out = capsys.readouterr().out
+    assert "computed on cuda NVIDIA H200" in out and "replayed on cpu" in out and "accepted" in out
+    results = run_conditions(fca.load_model(model_dir), open_cache(foreign), [fca.conditions.Condition("correct")], batch_size=4)
+    fidelity = check_exactness(results)["fidelity"]
+    assert fidelity["verdict"] == "within tolerance" and not fidelity["same_environment"]
+    assert 0 < fidelity["max_rel_coefficient_diff"] < 1e-6 and fidelity["differing_coefficients"] > 0
+    assert fidelity["nll_diff"] < 1e-5 and results.max_abs_logit_diff == 0.0
+
+
+def test_foreign_cache_beyond_drift_is_refused(demo_pair, tmp_path, capsys):
+    model_dir, ev, cal = demo_pair
+    wrong = rewrite_cache(ev, tmp_path / "wrong", 1e-3, FOREIGN)
+    assert replay_cli(model_dir, wrong, cal) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fca: error")]
+    assert len(err) == 1 and str(wrong) in err[0]
+    err = err[0]
+    assert "computed on cuda NVIDIA H200" in err and "replayed on cpu" in err and "rebuild the cache" in err
+    with pytest.raises(FidelityError, match="relative coefficient difference"):
+        check_exactness(run_conditions(fca.load_model(model_dir), open_cache(wrong), [fca.conditions.Condition("correct")],
+                                       batch_size=4))
+
+
+def test_same_environment_must_be_bit_identical(demo_pair, tmp_path, capsys):
+    model_dir, ev, cal = demo_pair
+    here = open_cache(ev).environment
+    assert same_environment(here, current_environment(fca.load_model(model_dir)))
+    drifted = rewrite_cache(ev, tmp_path / "drifted", 2e-7, here)  # drift a foreign cache may have, claimed as ours
+    assert replay_cli(model_dir, drifted, cal) == 2
+    err = capsys.readouterr().err
+    assert "same environment" in err and "not this model's output" in err
+    # The very same cache in other batches than the build's is judged by the tolerances instead.
+    assert replay_cli(model_dir, drifted, cal, "--batch", "3") == 0
+
+
+def test_dtype_change_is_refused(demo_pair, capsys):
+    model_dir, ev, cal = demo_pair
+    assert main(["audit", "--model", str(model_dir), "--cache", str(ev), "--calibration", str(cal), "--dtype", "bfloat16",
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "recorded with a float32 model" in err and "bfloat16" in err and str(ev) in err
+    with pytest.raises(FidelityError):
+        check_dtype("x", "bfloat16", "float32")
+
+
+def test_tolerances_by_dtype():
+    assert tolerances("float32", "float32")["coefficient_rel"] == 1e-4
+    assert tolerances("float32", "float16")["coefficient_rel"] > 2.0**-10  # one storage unit more
+    assert tolerances("bfloat16", "float32")["coefficient_rel"] > tolerances("float32", "float32")["coefficient_rel"]
+
+
+def test_new_caches_record_their_environment(demo_pair):
+    model_dir, ev, _ = demo_pair
+    env = open_cache(ev).environment
+    assert env["device_type"] == "cpu" and env["model_dtype"] == "float32" and env["batch_size"] == 4
+    assert env["torch"] == torch.__version__ and env["threads"] == torch.get_num_threads() and env["capability"]
+    assert "cpu" in describe(env) and "threads" in describe(env)
+    assert describe(None).startswith("an unknown environment")
+
+
+# ------------------------------------------------------------------ strided inputs
+
+
+def test_replay_does_not_depend_on_input_layout(demo_pair):
+    model_dir, ev, _ = demo_pair
+    model = fca.load_model(model_dir)
+    ids = open_cache(ev).read_seqs([0, 1, 2], sites=[])["token"]
+    own = fca.capture(model, ids)
+    stacked = np.concatenate(list(own.values()), axis=-1)  # [B, T, sum K]: per-site slices are strided views
+    bounds = np.cumsum([0] + [v.shape[-1] for v in own.values()])
+    strided = {name: stacked[..., lo:hi] for name, lo, hi in zip(own, bounds[:-1], bounds[1:])}
+    assert not any(v.flags["C_CONTIGUOUS"] for v in strided.values())
+    as_tensors = {name: torch.from_numpy(stacked)[..., lo:hi] for name, lo, hi in zip(own, bounds[:-1], bounds[1:])}
+    reference = fca.replay(model, ids, own)
+    assert torch.equal(fca.replay(model, ids, strided), reference)
+    assert torch.equal(fca.replay(model, ids, as_tensors), reference)
+    assert torch.equal(reference, model(torch.from_numpy(ids).long()).logits)
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def demo_pair(tmp_path_factory):
+    """A tiny model with eval and calibration caches built here in batches of 4."""
+    from fca.capture import build_cache
+
+    from .helpers import make_model_dir, write_corpus
+
+    root = tmp_path_factory.mktemp("exactness")
+    corpus = write_corpus(root / "prose.txt")
+    make_model_dir(root / "featuregate", corpus)
+    for split in ("eval", "calibration"):
+        build_cache(root / "featuregate", corpus, split, root / split, num_seqs=8, batch_size=4, device="cpu", show_progress=False)
+    calibration_profiles(open_cache(root / "calibration"))  # the calibration cache opens and profiles cleanly
+    return root / "featuregate", root / "eval", root / "calibration"
