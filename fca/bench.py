@@ -22,9 +22,10 @@ import torch
 from . import data
 from .capture import write_cache
 from .conditions import PAPER_CONDITIONS, Condition, condition_coefficients
+from .environment import current_environment
 from .loading import load_model
 from .profiles import calibration_profiles
-from .replay import _stack_conditions, replay
+from .replay import check_exactness, replay, run_conditions, stack_conditions
 from .sites import capture_tensors, model_logits, site_specs
 from .store import CacheWriter, cache_plan, cache_schema, open_cache, record_batch
 
@@ -50,8 +51,9 @@ def interleaved(a: Callable[[], object], b: Callable[[], object], repeats: int =
     return {"ratio": statistics.median(x / y for x, y in zip(ta, tb)), "a_s": statistics.median(ta), "b_s": statistics.median(tb)}
 
 
-def _plan(model, windows: np.ndarray) -> dict:
-    return cache_plan(site_specs(model), windows.shape[1] - 1, len(windows), model={"path": "bench", "fingerprint": "bench"}, corpus={"split": "bench"})
+def _plan(model, windows: np.ndarray, batch_size: int | None = None) -> dict:
+    return cache_plan(site_specs(model), windows.shape[1] - 1, len(windows), model={"path": "bench", "fingerprint": "bench"},
+                      corpus={"split": "bench"}, environment={**current_environment(model), "batch_size": batch_size})
 
 
 def windows_from_cache(cache, num_seqs: int) -> np.ndarray:
@@ -100,6 +102,66 @@ def _synthetic_cache(out: Path, specs: dict, num_seqs: int, T: int, vocab: int, 
     return writer.finish()
 
 
+def muddpythia_1p4b_specs() -> dict:
+    """Site specs with the coefficient shapes of MUDDPythia-1.4B: 24 layers, layer i has C * (i + 2)
+    channels (C = 4 streams, 1 in the last layer): 1,221 coefficients, 4,884 B/token in float32."""
+    from .models.muddpythia import MUDDPythiaConfig
+    from .spec import SiteSpec
+
+    widths = MUDDPythiaConfig(n_layer=24).coefficients_per_layer()
+    return {f"dense.{i}": SiteSpec(axes=(("channel", k),), family="dense") for i, k in enumerate(widths)}
+
+
+def writer_seconds(specs: dict, workers: int, out: Path, num_seqs: int = 32, seq_len: int = 1024, batch: int = 8,
+                   seed: int = 0) -> float:
+    """Seconds to write `num_seqs` x `seq_len` synthetic tokens through `CacheWriter` with `workers`
+    threads, parts sized as a real build sizes them. Two batches of coefficients (a per-channel offset
+    plus noise, like dynamic plus static weights) are reused, so producing batches costs next to nothing."""
+    from .capture import bytes_per_token, seqs_per_part
+
+    rng = np.random.default_rng(seed)
+    schema = cache_schema(specs)
+    plan = cache_plan(specs, seq_len, num_seqs, model={"path": "synthetic", "fingerprint": "synthetic"},
+                      corpus={"split": "synthetic"})
+    templates = [{k: (rng.standard_normal(s.num_channels) + 0.05 * rng.standard_normal((batch, seq_len, s.num_channels)))
+                  .astype(np.float32) for k, s in specs.items()} for _ in range(2)]
+    tokens = rng.integers(0, 50_000, (batch, seq_len))
+    nll = np.zeros((batch, seq_len), np.float32)
+    start = time.perf_counter()
+    parts = seqs_per_part(bytes_per_token(specs), seq_len, batch)
+    writer = CacheWriter(out, plan, schema, parts, overwrite=True, workers=workers)
+    for i, lo in enumerate(range(0, num_seqs, batch)):
+        n = min(batch, num_seqs - lo)
+        values = {k: v[:n] for k, v in templates[i % 2].items()}
+        writer.write(record_batch(schema, np.arange(lo, lo + n), tokens[:n], tokens[:n], nll[:n], values), n)
+    writer.finish()
+    return time.perf_counter() - start
+
+
+def writer_scaling(workers: list[int], num_seqs: int = 32, seq_len: int = 1024, batch: int = 8,
+                   repeats: int = 3) -> dict:
+    """Raw MB/s of the cache writer for each worker count on MUDDPythia-1.4B-shaped coefficients
+    (median of interleaved repeats), and each count's ratio to the first."""
+    import shutil
+
+    specs = muddpythia_1p4b_specs()
+    from .capture import bytes_per_token
+
+    raw_mb = bytes_per_token(specs) * num_seqs * seq_len / 1e6
+    work = Path(tempfile.mkdtemp(prefix="fca-writer-"))
+    times: dict[int, list[float]] = {w: [] for w in workers}
+    try:
+        writer_seconds(specs, workers[0], work / "warmup", min(num_seqs, 2 * batch), seq_len, batch)
+        for r in range(repeats):
+            for w in (workers if r % 2 == 0 else workers[::-1]):
+                times[w].append(writer_seconds(specs, w, work / f"w{w}", num_seqs, seq_len, batch, seed=r))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    mb_s = {w: raw_mb / statistics.median(t) for w, t in times.items()}
+    return {"raw_mb": raw_mb, "bytes_per_token": bytes_per_token(specs), "mb_s": mb_s,
+            "ratio": {w: mb_s[w] / mb_s[workers[0]] for w in workers}}
+
+
 @torch.no_grad()
 def run_bench(model_dir: str | Path, corpus: str | Path, device: str = "auto", num_seqs: int = 64, capture_seqs: int = 256,
               batch_size: int = 16, repeats: int = 7, big_cache_factor: int = 8, show_progress: bool = False) -> dict:
@@ -128,7 +190,7 @@ def run_bench(model_dir: str | Path, corpus: str | Path, device: str = "auto", n
         forward_over(batches)
 
     def cache_build() -> None:
-        write_cache(model, capture_windows, work / "capture", _plan(model, capture_windows), batch_size, overwrite=True)
+        write_cache(model, capture_windows, work / "capture", _plan(model, capture_windows, batch_size), batch_size, overwrite=True)
 
     r = interleaved(cache_build, lambda: forward_over(capture_batches), repeats)
     result["capture_ratio"] = r["ratio"]
@@ -140,6 +202,9 @@ def run_bench(model_dir: str | Path, corpus: str | Path, device: str = "auto", n
     result["replay_ratio"] = r["ratio"]
 
     cache = open_cache(work / "capture")
+    # Both exactness checks on the cache just built, as the audit runs them (nothing is timed here).
+    exactness = check_exactness(run_conditions(model, cache, [Condition("correct")], seqs=range(len(windows)), batch_size=batch_size))
+    result["exactness"] = {"max_abs_logit_diff": exactness["max_abs_logit_diff"], "fidelity": exactness["fidelity"]["verdict"]}
     raw = sum(4 * s.num_channels for s in site_specs(model).values()) * len(capture_windows) * T
     result["parquet_bytes_ratio"] = sum(p["bytes"] for p in cache.manifest["parts"]) / raw
     # Replay fed from the Parquet cache (reads included) vs live.
@@ -156,7 +221,7 @@ def run_bench(model_dir: str | Path, corpus: str | Path, device: str = "auto", n
         b = len(w)
         index = list(range(i * batch_size, i * batch_size + b))
         other = {k: np.roll(v, 1, axis=0) for k, v in c.items()}
-        stacked.append(_stack_conditions([condition_coefficients(cond, c, index, profiles, other) for cond in conditions], b, T))
+        stacked.append(stack_conditions([condition_coefficients(cond, c, index, profiles, other) for cond in conditions], b, T))
     r = interleaved(lambda: [replay(model, w[:, :-1].repeat(len(conditions), 1), s) for w, s in zip(batches, stacked)],
                     lambda: [replay(model, w[:, :-1], c) for w, c in zip(batches, cached)], repeats)
     result["batched_conditions_ratio"] = r["ratio"]
@@ -194,6 +259,11 @@ def run_bench(model_dir: str | Path, corpus: str | Path, device: str = "auto", n
         result[f"stats_{name}_peak_mem_mb"] = _stats_peak_memory(synthetic)
     result["stats_peak_mem_mb"] = result["stats_big_peak_mem_mb"]
     result["stats_import_baseline_mem_mb"] = _stats_peak_memory(synthetic, baseline=True)
+
+    # The cache writer alone, 1 and 2 worker threads, on MUDDPythia-1.4B-shaped coefficients (80 MB raw).
+    scaling = writer_scaling([1, 2], num_seqs=16, seq_len=1024, batch=4)
+    result["writer_mb_s_1"], result["writer_mb_s_2"] = scaling["mb_s"][1], scaling["mb_s"][2]
+    result["writer_scaling_2"] = scaling["ratio"][2]
     import shutil
 
     shutil.rmtree(work, ignore_errors=True)

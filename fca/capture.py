@@ -1,8 +1,9 @@
 """Record passes: collect every site's coefficients, in memory (`capture`) or into a cache on disk
-(`build_cache`, streaming: a writer thread turns each batch into Parquet while the next one runs)."""
+(`build_cache`, streaming: writer threads turn batches into Parquet while the next one runs)."""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -15,9 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import data
+from .environment import current_environment, model_dtype_name
 from .loading import fingerprint_state, load_model, read_config
 from .sites import capture_tensors, find_sites, site_specs
 from .store import (
+    COEFFICIENT_BYTES,
+    CacheError,
     CacheWriter,
     cache_plan,
     cache_schema,
@@ -47,12 +51,27 @@ def capture(model: nn.Module, input_ids) -> dict[str, np.ndarray]:
 # ---------------------------------------------------------------------------------------------
 # Cache builder: windows -> record passes -> Parquet parts, streamed.
 
-TARGET_PART_BYTES = 128 * 2**20  # raw bytes per part file before compression
+# Raw bytes per part file before compression. Parts are the unit the writer threads share out, so a
+# few tens of MB keeps them balanced on a build of a few hundred MB while files stay a sensible size.
+TARGET_PART_BYTES = 32 * 2**20
+NLL_KEY = "__nll__"
 
 
 def bytes_per_token(specs, coefficient_bytes: int = 4) -> int:
     """Raw bytes one row occupies: four int32 keys, the float32 live NLL, and every site's channels."""
     return 4 * 4 + 4 + coefficient_bytes * sum(s.num_channels for s in specs.values())
+
+
+def seqs_per_part(row_bytes: int, seq_len: int, batch_size: int) -> int:
+    """Sequences per part file: about TARGET_PART_BYTES raw, a multiple of the batch size so that part
+    boundaries fall between record batches (a resumed build redoes whole batches, as a fresh one)."""
+    return max(batch_size, TARGET_PART_BYTES // (row_bytes * seq_len) // batch_size * batch_size)
+
+
+def default_writers(device: torch.device) -> int:
+    """Writer threads for a build: on CUDA the host cores are idle while the GPU computes, so several
+    (at most 4); on CPU one, inline, since the forward pass needs every core."""
+    return min(4, os.cpu_count() or 1) if device.type == "cuda" else 1
 
 
 def _library_versions() -> dict:
@@ -81,41 +100,65 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor, rows_per_chunk: int =
 
 
 class _HostCopies:
-    """Device -> host copies that do not stall the GPU: pinned buffers and non-blocking copies, whose
-    completion a writer thread waits for (on CPU the tensors are used as they are)."""
+    """Device -> host copies that do not stall the GPU: two sets of pinned buffers, reused in turn
+    (double buffering), filled by non-blocking copies whose completion an event reports.
 
-    def __init__(self, device: torch.device) -> None:
+    `start` waits only when both sets are still in flight (not yet `release`d by the writer side); the
+    writer waits on the event, copies the values out and releases the set. On CPU the tensors are
+    used as they are (no copy, no slot)."""
+
+    def __init__(self, device: torch.device, slots: int = 2) -> None:
         self.cuda = device.type == "cuda"
+        self.free: queue.Queue = queue.Queue()
+        for slot in range(slots):
+            self.free.put(slot)
+        self.buffers: list[dict[str, torch.Tensor]] = [{} for _ in range(slots)]
 
-    def start(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], object]:
+    def _buffer(self, slot: int, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A pinned host tensor shaped like `t`: a view of the slot's buffer, grown when too small."""
+        buf = self.buffers[slot].get(name)
+        if buf is None or buf.dtype != t.dtype or buf.numel() < t.numel():
+            buf = self.buffers[slot][name] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+        return buf[: t.numel()].view(t.shape)
+
+    def start(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], object, int | None]:
+        """-> (host tensors, event or None, slot or None). Host tensors are valid once the event completes."""
         if not self.cuda:
-            return tensors, None
+            return tensors, None, None
+        slot = self.free.get()  # blocks only while both sets are in flight
         host = {}
         for name, t in tensors.items():
-            buf = torch.empty(t.shape, dtype=torch.float32, pin_memory=True)
-            buf.copy_(t, non_blocking=True)
-            host[name] = buf
+            host[name] = self._buffer(slot, name, t)
+            host[name].copy_(t, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return host, event
+        return host, event, slot
+
+    def release(self, slot: int | None) -> None:
+        if slot is not None:
+            self.free.put(slot)
 
 
 class _BackgroundWriter:
     """Runs `write(*item)` on a thread, at most two items waiting, so memory stays bounded. The first
-    error is raised in the caller's thread at the next `submit` or at `close`."""
+    error is raised in the caller's thread at the next `submit` or at `close`; after it, items are
+    passed to `discard(*item)` instead (so that, e.g., their pinned buffers are released)."""
 
-    def __init__(self, write: Callable[..., None]) -> None:
+    def __init__(self, write: Callable[..., None], discard: Callable[..., None] | None = None) -> None:
         self.pending: queue.Queue = queue.Queue(maxsize=2)
         self.failure: list[BaseException] = []
         self.write = write
-        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.discard = discard
+        self.thread = threading.Thread(target=self._loop, name="fca-cache-collector", daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
         while (item := self.pending.get()) is not None:
-            if self.failure:
-                continue
             try:
+                if self.failure:
+                    if self.discard is not None:
+                        self.discard(*item)
+                    continue
                 self.write(*item)
             except BaseException as err:
                 self.failure.append(err)
@@ -148,6 +191,7 @@ def build_cache(
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
     show_progress: bool = True,
+    workers: int | None = None,
 ) -> Path:
     """Record every site's coefficients on `num_seqs` windows of one split and write them as a cache.
 
@@ -164,16 +208,17 @@ def build_cache(
     tokenizer = data.load_tokenizer(model_dir)
     windows = data.split_windows(corpus, split, tokenizer, T, split_seed, num_seqs, text_column)  # [N, T + 1]
     N = len(windows)
-    row_bytes = bytes_per_token(specs, 2 if coefficient_dtype == "float16" else 4)
+    row_bytes = bytes_per_token(specs, COEFFICIENT_BYTES[coefficient_dtype])
     plan = cache_plan(
         specs, T, N,
         model={"path": model_dir.name, "model_type": config.get("model_type"), "fingerprint": fingerprint_state(model),
-               "config": config, "dtype": str(next(model.parameters()).dtype).replace("torch.", "")},
+               "config": config, "dtype": model_dtype_name(model)},
         corpus={"name": Path(corpus).name, "fingerprint": file_sha256(Path(corpus)) if Path(corpus).is_file() else None,
                 "split": split, "split_seed": split_seed, "text_column": text_column},
         coefficient_dtype=coefficient_dtype,
         tokenizer={"fingerprint": file_sha256(model_dir / "tokenizer.json"), "vocab_size": tokenizer.get_vocab_size()},
         raw_bytes_per_token=row_bytes,
+        environment={**current_environment(model), "batch_size": batch_size},
     )
     if show_progress:
         from tqdm.auto import tqdm
@@ -181,7 +226,20 @@ def build_cache(
         tqdm.write(f"{out}: {N} sequences x {T} tokens x {row_bytes} B = {row_bytes * N * T / 1e6:.1f} MB raw "
                    f"(about {0.85 * row_bytes * N * T / 1e6:.1f} MB as Parquet)")
     return write_cache(model, windows, out, plan, batch_size, overwrite=overwrite, progress=progress, show_progress=show_progress,
-                       desc=f"cache {split}")
+                       desc=f"cache {split}", workers=workers)
+
+
+def _storage_tensor(t: torch.Tensor, coefficient_dtype: str, site: str) -> torch.Tensor:
+    """A site's coefficients [b, T, K] in the stored type, converted on their device (so a 16-bit cache
+    also halves the device -> host copy). bfloat16 storage keeps the raw bits (as int16), and only of
+    bfloat16 values: it is lossless or refused."""
+    if coefficient_dtype == "bfloat16":
+        if t.dtype != torch.bfloat16:
+            raise CacheError(f"site {site}: bfloat16 storage keeps bfloat16 coefficients bit for bit, but this site "
+                             f"computes {str(t.dtype).replace('torch.', '')} (store float32, or float16 if rounding is "
+                             "acceptable)")
+        return t.view(torch.int16)
+    return t.half() if coefficient_dtype == "float16" else t.float()
 
 
 def write_cache(
@@ -194,48 +252,73 @@ def write_cache(
     progress: Callable[[int, int], None] | None = None,
     show_progress: bool = False,
     desc: str = "cache",
+    workers: int | None = None,
 ) -> Path:
-    """Record passes over `windows` [N, T + 1], written part by part by a background thread.
+    """Record passes over `windows` [N, T + 1], written part by part by `workers` writer threads.
 
     `plan` is the manifest draft (it must hold `sites`, `seq_len`, `num_seqs`, `coefficient_dtype`).
+    `workers`: writer threads (None: `default_writers`; 1 writes in the forward's thread on CPU).
+    The cache's contents do not depend on `workers`. A resumed build redoes the incomplete parts.
+
+    On CUDA the coefficients go to two reused sets of pinned host buffers by non-blocking copies; a
+    collector thread waits for each copy, takes the values out and hands them to the writer, so the
+    forward pass waits on the host only when both buffer sets are still in flight.
     """
     from tqdm.auto import tqdm
 
     specs = site_specs(model)
     N, T = len(windows), windows.shape[1] - 1
-    row_bytes = bytes_per_token(specs, 2 if plan.get("coefficient_dtype") == "float16" else 4)
-    seqs_per_part = max(batch_size, TARGET_PART_BYTES // (row_bytes * T) // batch_size * batch_size)
-    schema = cache_schema(specs, coefficient_arrow_type(plan.get("coefficient_dtype", "float32")))
-    writer = CacheWriter(out, plan, schema, seqs_per_part, overwrite=overwrite)
-    start = writer.done_seqs
-    device_ = next(model.parameters()).device
+    coefficient_dtype = plan.get("coefficient_dtype", "float32")
+    schema = cache_schema(specs, coefficient_arrow_type(coefficient_dtype))
+    parameter = next(model.parameters())
+    device_ = parameter.device
+    if coefficient_dtype == "bfloat16" and parameter.dtype != torch.bfloat16:
+        raise CacheError(f"{out}: bfloat16 coefficient storage is for bfloat16 models (lossless); this model is "
+                         f"{str(parameter.dtype).replace('torch.', '')} (store float32, or float16 if rounding is "
+                         "acceptable)")
+    row_bytes = bytes_per_token(specs, COEFFICIENT_BYTES[coefficient_dtype])
+    workers = default_writers(device_) if workers is None else max(1, int(workers))
+    writer = CacheWriter(out, plan, schema, seqs_per_part(row_bytes, T, batch_size), overwrite=overwrite,
+                         workers=workers)
     copies = _HostCopies(device_)
-    def write_batch(lo: int, hi: int, host: dict[str, torch.Tensor], event) -> None:
-        if event is not None:
-            event.synchronize()  # the non-blocking device -> host copies have landed
-        nll = host.pop("__nll__").numpy()
-        writer.write(record_batch(schema, np.arange(lo, hi), windows[lo:hi, :-1], windows[lo:hi, 1:], nll, {k: v.numpy() for k, v in host.items()}), hi - lo)
 
-    # On CUDA a writer thread turns batch n into Parquet while the GPU runs batch n + 1. On CPU such a
-    # thread would only take a core from the forward pass, so batches are written inline.
-    background = _BackgroundWriter(write_batch) if device_.type == "cuda" else None
-    bar = tqdm(total=N, initial=start, unit="seq", desc=desc, disable=not show_progress)
+    def write_batch(lo: int, hi: int, host: dict[str, torch.Tensor], event, slot) -> None:
+        try:
+            if event is not None:
+                event.synchronize()  # the non-blocking device -> host copies have landed
+            arrays = {k: v.numpy() for k, v in host.items()}
+            if slot is not None:  # pinned buffers are reused for batch n + 2: take the values out first
+                arrays = {k: a.copy() for k, a in arrays.items()}
+        finally:
+            copies.release(slot)
+        nll = arrays.pop(NLL_KEY)
+        rows = record_batch(schema, np.arange(lo, hi), windows[lo:hi, :-1], windows[lo:hi, 1:], nll, arrays)
+        writer.write(rows, hi - lo)
+
+    # On CUDA a collector thread takes batch n off the pinned buffers (and, with one writer, encodes it)
+    # while the GPU runs batch n + 1. On CPU the batch is handed over inline: with one writer it is
+    # encoded in this thread, since a writer thread would only take a core from the forward pass.
+    background = _BackgroundWriter(write_batch, discard=lambda lo, hi, host, event, slot: copies.release(slot)) \
+        if device_.type == "cuda" else None
+    done = writer.done_seqs
+    bar = tqdm(total=N, initial=done, unit="seq", desc=desc, disable=not show_progress)
     try:
-        for lo in range(start, N, batch_size):
-            hi = min(N, lo + batch_size)
-            batch = torch.from_numpy(windows[lo:hi]).to(device_)
-            nll, coefficients = record_windows(model, batch)
-            coefficients = {k: v.float() for k, v in coefficients.items()}
-            coefficients["__nll__"] = nll
-            host, event = copies.start(coefficients)
-            host = {k: v.cpu() for k, v in host.items()}
-            if background is not None:
-                background.submit(lo, hi, host, event)
-            else:
-                write_batch(lo, hi, host, event)
-            bar.update(hi - lo)
-            if progress is not None:
-                progress(hi, N)
+        for first, last in writer.pending_ranges():
+            for lo in range(first, last, batch_size):
+                hi = min(last, lo + batch_size)
+                batch = torch.from_numpy(windows[lo:hi]).to(device_)
+                nll, coefficients = record_windows(model, batch)
+                tensors = {k: _storage_tensor(v, coefficient_dtype, k) for k, v in coefficients.items()}
+                tensors[NLL_KEY] = nll.float()
+                host, event, slot = copies.start(tensors)
+                if background is not None:
+                    background.submit(lo, hi, host, event, slot)
+                else:
+                    write_batch(lo, hi, host, event, slot)
+                done += hi - lo
+                bar.update(hi - lo)
+                if progress is not None:
+                    progress(done, N)
         if background is not None:
             background.close()
     except BaseException:

@@ -7,6 +7,12 @@ Layout of one cache directory (see DESIGN.md):
 A build writes into `<name>.partial/` next to the destination; complete parts are renamed from
 `*.tmp` and listed in `progress.json`, so an interrupted build can resume. Only the final step writes
 `manifest.json` and renames the directory into place: a directory with a manifest is a finished cache.
+Part k always holds sequences [k * S, (k + 1) * S) for the cache's `seqs_per_part` S, so several
+writer threads can fill different parts at once and the files do not depend on how many did.
+`<name>.lock` beside the destination admits one build at a time.
+
+bfloat16 caches store each coefficient's raw bits as uint16 (Parquet has no bfloat16); every reader
+here widens them to float32 exactly (`coefficient_values`).
 """
 
 from __future__ import annotations
@@ -14,7 +20,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import shutil
+import socket
+import threading
+import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import CacheError
+from .fidelity import check_dtype
 from .spec import SiteSpec
 
 SCHEMA_VERSION = 1
@@ -44,7 +56,49 @@ def cache_schema(specs: dict[str, SiteSpec], coefficient_type: pa.DataType = pa.
     return pa.schema(fields)
 
 
-COEFFICIENT_DTYPES = {"float32": pa.float32(), "float16": pa.float16()}
+# Stored coefficient types. bfloat16 has no Parquet type: its raw bits are stored as uint16 and the
+# manifest's `coefficient_dtype` says how to read them; a uint16 column means bfloat16 bits.
+COEFFICIENT_DTYPES = {"float32": pa.float32(), "float16": pa.float16(), "bfloat16": pa.uint16()}
+COEFFICIENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 values that are exactly bfloat16 numbers -> their bfloat16 bits (uint16, same shape).
+
+    Refuses values that would lose bits: bfloat16 storage is lossless or nothing."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    bits = values.view(np.uint32)
+    if np.any(bits & 0xFFFF):
+        raise CacheError("bfloat16 storage takes bfloat16 numbers; these float32 values would be rounded")
+    return (bits >> 16).astype(np.uint16)
+
+
+def coefficient_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A site column (FixedSizeList of K) -> float32 values [rows, K].
+
+    float16 widens exactly; bfloat16 bits (uint16) become the high half of a float32, which is exact too."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    K = column.type.list_size
+    flat = column.flatten().to_numpy(zero_copy_only=False)
+    if pa.types.is_uint16(column.type.value_type):
+        flat = (flat.astype(np.uint32) << 16).view(np.float32)
+    return flat.astype(np.float32, copy=False).reshape(-1, K)
+
+
+def _decoded(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A record batch whose bfloat16-bit (uint16) site columns are replaced by float32 ones."""
+    columns, fields, changed = [], [], False
+    for field, column in zip(batch.schema, batch.columns):
+        if pa.types.is_fixed_size_list(field.type) and pa.types.is_uint16(field.type.value_type):
+            item = field.type.value_field
+            list_type = pa.list_(pa.field(item.name, pa.float32(), nullable=item.nullable), field.type.list_size)
+            column = pa.FixedSizeListArray.from_arrays(pa.array(coefficient_values(column).reshape(-1)), type=list_type)
+            field = pa.field(field.name, list_type, nullable=field.nullable)
+            changed = True
+        columns.append(column)
+        fields.append(field)
+    return pa.RecordBatch.from_arrays(columns, schema=pa.schema(fields)) if changed else batch
 
 
 def coefficient_arrow_type(name: str) -> pa.DataType:
@@ -84,7 +138,10 @@ def cache_plan(specs: dict[str, SiteSpec], seq_len: int, num_seqs: int, model: d
 def record_batch(
     schema: pa.Schema, seq: np.ndarray, tokens: np.ndarray, targets: np.ndarray, live_nll: np.ndarray, coefficients: dict[str, np.ndarray]
 ) -> pa.RecordBatch:
-    """Columns straight from numpy. seq: [n]; tokens, targets, live_nll: [n, T]; coefficients: site -> [n, T, K]."""
+    """Columns straight from numpy. seq: [n]; tokens, targets, live_nll: [n, T]; coefficients: site -> [n, T, K].
+
+    For a bfloat16 schema (uint16 site columns) a site's values are its bfloat16 bits (uint16 or int16),
+    or float32 values that are exactly bfloat16 numbers."""
     n, T = tokens.shape
     columns = [
         pa.array(np.repeat(seq.astype(np.int32), T)),
@@ -100,6 +157,8 @@ def record_batch(
         K = field.type.list_size
         if values.shape != (n, T, K):
             raise CacheError(f"site {field.name}: coefficients of shape {values.shape}, expected {(n, T, K)}")
+        if pa.types.is_uint16(field.type.value_type):  # bfloat16 bits: take bits as they are, floats only if exact
+            values = values.view(np.uint16) if values.dtype in (np.int16, np.uint16) else bfloat16_bits(values)
         flat = pa.array(np.ascontiguousarray(values, dtype=field.type.value_type.to_pandas_dtype()).reshape(-1))
         columns.append(pa.FixedSizeListArray.from_arrays(flat, K))
     return pa.RecordBatch.from_arrays(columns, schema=schema)
@@ -119,89 +178,327 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+class BuildLock:
+    """One build per cache: a lock file created atomically (O_CREAT | O_EXCL) holding the builder's pid,
+    host and start time. A lock whose holder is not alive on this host is stale (a killed build): it is
+    taken over, and the new build resumes from what the dead one left. A holder on another host cannot
+    be checked and is treated as alive."""
+
+    def __init__(self, path: Path, what: Path) -> None:
+        self.path = path
+        self.what = what  # the cache being built, for messages
+        self.held = False
+
+    def _read(self) -> dict | None:
+        try:
+            holder = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        return holder if isinstance(holder, dict) else None
+
+    def _stale(self, holder: dict) -> bool:
+        pid = holder.get("pid")
+        return holder.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid)
+
+    def _take_over(self, holder: dict) -> None:
+        """Remove a stale lock, unless another build replaced it meanwhile (then put that one back)."""
+        aside = self.path.with_name(f"{self.path.name}.stale-{os.getpid()}")
+        try:
+            os.replace(self.path, aside)
+        except FileNotFoundError:
+            return
+        try:
+            if json.loads(aside.read_text()) != holder:
+                os.link(aside, self.path)
+        except (OSError, ValueError):
+            pass
+        aside.unlink(missing_ok=True)
+
+    def acquire(self) -> None:
+        record = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._read()
+                if holder is not None and self._stale(holder):
+                    self._take_over(holder)
+                    continue
+                who = (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}" if holder
+                       else "lock unreadable: delete it if no build is running")
+                raise CacheError(f"{self.what}: another build is writing this cache ({who}); "
+                                 f"lock {self.path}") from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(record, f)
+            self.held = True
+            return
+        raise CacheError(f"{self.what}: could not take the build lock {self.path}")
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+
+@dataclass
+class _OpenPart:
+    """A part file being written: its ParquetWriter on `<file>.tmp` and what it holds so far."""
+
+    index: int
+    file: str
+    writer: pq.ParquetWriter
+    num_seqs: int = 0
+    rows: int = 0
+
+
+class _PartWorker:
+    """A writer thread owning the parts routed to it (k % workers). Its queue is bounded in sequences:
+    `put` waits while more than `max_pending` sequences are queued or being encoded."""
+
+    def __init__(self, owner: CacheWriter, index: int, max_pending: int) -> None:
+        self.owner = owner
+        self.max_pending = max_pending
+        self.items: deque = deque()
+        self.pending = 0
+        self.cond = threading.Condition()
+        self.open: dict[int, _OpenPart] = {}
+        self.thread = threading.Thread(target=self._run, name=f"fca-cache-writer-{index}", daemon=True)
+        self.thread.start()
+
+    def put(self, item: tuple[int, pa.RecordBatch, int] | None) -> None:
+        n = 0 if item is None else item[2]
+        with self.cond:
+            # An empty queue takes any item, so a batch larger than the bound cannot wait forever.
+            while self.pending and self.pending + n > self.max_pending and not self.owner._stopping:
+                self.cond.wait(0.5)
+            self.items.append(item)
+            self.pending += n
+            self.cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.items:
+                    self.cond.wait()
+                item = self.items.popleft()
+            if item is None:
+                break
+            k, batch, n = item
+            try:
+                if not self.owner._stopping:
+                    self.owner._write_piece(self.open, k, batch, n)
+            except BaseException as err:  # raised again in the caller's thread
+                self.owner._fail(err)
+            finally:
+                with self.cond:
+                    self.pending -= n
+                    self.cond.notify_all()
+        self.owner._discard(self.open)
+
+
 class CacheWriter:
     """Writes a cache into `<out>.partial/`, part by part; `finish()` renames it into place.
 
-    `plan` is the manifest draft (everything but the part list). If a `.partial` directory with the
-    same plan exists, the writer resumes after its last complete part (`done_seqs`).
+    `plan` is the manifest draft (everything but the part list; it must hold `num_seqs`). Part k holds
+    sequences [k * S, (k + 1) * S), S = `seqs_per_part`, whatever the number of `workers`: with
+    `workers=1` parts are written in the caller's thread; with more, batches go to worker threads
+    (part k to worker k % workers) and `write` returns once the batch is queued. pyarrow encodes and
+    compresses without the GIL, so the threads scale with cores. Memory: each worker queues at most
+    about one part's sequences (`max_pending_seqs`, default S). After a worker's error, queued
+    batches are dropped and the error is raised in the caller at the next `write` or at `finish`.
+
+    Parts may complete out of order; `progress.json` lists the complete ones. If a `.partial` directory
+    with the same plan and S exists, the writer resumes: `pending_ranges()` are the sequences of the
+    incomplete parts, to be written again in full. A lock beside the destination refuses a second build.
     """
 
-    def __init__(self, out: str | Path, plan: dict, schema: pa.Schema, seqs_per_part: int, overwrite: bool = False) -> None:
+    def __init__(self, out: str | Path, plan: dict, schema: pa.Schema, seqs_per_part: int, overwrite: bool = False,
+                 workers: int = 1, max_pending_seqs: int | None = None) -> None:
         self.out = Path(out)
         self.partial = self.out.with_name(self.out.name + ".partial")
         self.schema = schema
         self.plan = plan
-        self.seqs_per_part = seqs_per_part
-        if self.out.exists():
-            if not overwrite:
+        self.seqs_per_part = int(seqs_per_part)
+        if self.seqs_per_part < 1:
+            raise CacheError(f"{self.out}: seqs_per_part must be at least 1, not {seqs_per_part}")
+        self.num_seqs = int(plan["num_seqs"])
+        self.num_parts = -(-self.num_seqs // self.seqs_per_part)
+        self.lock = BuildLock(self.out.with_name(self.out.name + ".lock"), self.out)
+        self.lock.acquire()
+        try:
+            if self.out.exists() and not overwrite:
                 raise CacheError(f"{self.out}: already exists (pass --overwrite to replace it)")
+            self.parts: dict[int, dict] = self._resume()
+        except BaseException:
+            self.lock.release()
+            raise
+        self._mutex = threading.Lock()  # guards `parts` and progress.json
+        self._stopping = False
+        self._failures: list[BaseException] = []
+        self._open: dict[int, _OpenPart] = {}  # parts written in the caller's thread (workers=1)
+        bound = max_pending_seqs or self.seqs_per_part
+        self._workers = [_PartWorker(self, i, bound) for i in range(workers)] if workers > 1 else []
+
+    def _resume(self) -> dict[int, dict]:
         progress_path = self.partial / PROGRESS
-        self.parts: list[dict] = []
+        parts: dict[int, dict] = {}
         if progress_path.is_file():
-            progress = json.loads(progress_path.read_text())
-            if progress.get("plan") == plan:
-                self.parts = progress["parts"]
+            try:
+                progress = json.loads(progress_path.read_text())
+            except ValueError:
+                progress = {}
+            if progress.get("plan") == self.plan and progress.get("seqs_per_part") == self.seqs_per_part:
+                parts = {int(p["index"]): p for p in progress["parts"] if (self.partial / p["file"]).is_file()}
             else:
                 shutil.rmtree(self.partial)
         elif self.partial.exists():
             shutil.rmtree(self.partial)
         self.partial.mkdir(parents=True, exist_ok=True)
-        for stale in self.partial.glob("*.tmp"):
+        for stale in self.partial.glob("*.tmp"):  # unfinished parts of a build that stopped
             stale.unlink()
-        self._writer: pq.ParquetWriter | None = None
-        self._current: dict | None = None
+        return parts
 
     @property
     def done_seqs(self) -> int:
-        return sum(p["num_seqs"] for p in self.parts)
+        """Sequences in complete parts."""
+        return sum(p["num_seqs"] for p in self.parts.values())
 
-    def _open_part(self) -> None:
-        name = f"part-{len(self.parts):05d}.parquet"
-        self._current = {"file": name, "num_seqs": 0, "rows": 0}
-        self._writer = pq.ParquetWriter(
+    def part_range(self, k: int) -> tuple[int, int]:
+        return k * self.seqs_per_part, min(self.num_seqs, (k + 1) * self.seqs_per_part)
+
+    def pending_ranges(self) -> list[tuple[int, int]]:
+        """(first, last + 1) sequences of every incomplete part, in order: what a build must (re)write."""
+        return [self.part_range(k) for k in range(self.num_parts) if k not in self.parts]
+
+    # -- writing ------------------------------------------------------------------------------------
+
+    def write(self, batch: pa.RecordBatch, num_seqs: int) -> None:
+        """Write `num_seqs` whole consecutive sequences (their `seq` column says which). A batch that
+        crosses a part boundary is split there (zero-copy slices); each piece is one row group."""
+        self._raise_failure()
+        if num_seqs < 1 or batch.num_rows == 0 or batch.num_rows % num_seqs:
+            raise CacheError(f"{self.partial}: a batch of {batch.num_rows} rows is not {num_seqs} whole sequences")
+        rows_per_seq = batch.num_rows // num_seqs
+        first = int(batch.column("seq")[0].as_py())
+        if first < 0 or first + num_seqs > self.num_seqs:
+            raise CacheError(f"{self.partial}: sequences {first}..{first + num_seqs - 1} are outside the plan's "
+                             f"{self.num_seqs}")
+        lo = first
+        while lo < first + num_seqs:
+            k = lo // self.seqs_per_part
+            hi = min(first + num_seqs, self.part_range(k)[1])
+            if k in self.parts:
+                raise CacheError(f"{self.partial}: part {k} is already complete; sequences {lo}..{hi - 1} "
+                                 "written twice")
+            piece = batch.slice((lo - first) * rows_per_seq, (hi - lo) * rows_per_seq)
+            if self._workers:
+                self._workers[k % len(self._workers)].put((k, piece, hi - lo))
+            else:
+                self._write_piece(self._open, k, piece, hi - lo)
+            lo = hi
+
+    def _write_piece(self, open_parts: dict[int, _OpenPart], k: int, piece: pa.RecordBatch, n: int) -> None:
+        part = open_parts.get(k)
+        if part is None:
+            part = open_parts[k] = self._open_part(k)
+        part.writer.write_batch(piece)
+        part.num_seqs += n
+        part.rows += piece.num_rows
+        lo, hi = self.part_range(k)
+        if part.num_seqs >= hi - lo:
+            self._close_part(open_parts.pop(k))
+
+    def _open_part(self, k: int) -> _OpenPart:
+        name = f"part-{k:05d}.parquet"
+        writer = pq.ParquetWriter(
             self.partial / (name + ".tmp"), self.schema, compression="zstd", compression_level=3,
             use_dictionary=False, use_byte_stream_split=[f.name for f in self.schema if f.name not in ("seq", "pos", "token", "target")],
             write_statistics=["seq"],
         )
+        return _OpenPart(k, name, writer)
 
-    def _close_part(self) -> None:
-        self._writer.close()
-        tmp = self.partial / (self._current["file"] + ".tmp")
-        final = self.partial / self._current["file"]
+    def _close_part(self, part: _OpenPart) -> None:
+        part.writer.close()
+        tmp, final = self.partial / (part.file + ".tmp"), self.partial / part.file
         os.replace(tmp, final)
-        self._current["sha256"] = file_sha256(final)
-        self._current["bytes"] = final.stat().st_size
-        self.parts.append(self._current)
-        self._writer, self._current = None, None
-        _write_json_atomic(self.partial / PROGRESS, {"plan": self.plan, "parts": self.parts})
+        record = {"index": part.index, "file": part.file, "first_seq": self.part_range(part.index)[0],
+                  "num_seqs": part.num_seqs, "rows": part.rows, "sha256": file_sha256(final),
+                  "bytes": final.stat().st_size}
+        with self._mutex:
+            self.parts[part.index] = record
+            _write_json_atomic(self.partial / PROGRESS, {"plan": self.plan, "seqs_per_part": self.seqs_per_part,
+                                                        "parts": [self.parts[i] for i in sorted(self.parts)]})
 
-    def write(self, batch: pa.RecordBatch, num_seqs: int) -> None:
-        """Append whole sequences as one row group; a part closes after `seqs_per_part` sequences."""
-        if self._writer is None:
-            self._open_part()
-        self._writer.write_batch(batch)
-        self._current["num_seqs"] += num_seqs
-        self._current["rows"] += batch.num_rows
-        if self._current["num_seqs"] >= self.seqs_per_part:
-            self._close_part()
+    def _discard(self, open_parts: dict[int, _OpenPart]) -> None:
+        """Close unfinished parts without marking them complete (the partial directory stays resumable)."""
+        for part in open_parts.values():
+            try:
+                part.writer.close()
+            except Exception:  # the part is being thrown away; its file goes next
+                pass
+            (self.partial / (part.file + ".tmp")).unlink(missing_ok=True)
+        open_parts.clear()
+
+    def _fail(self, err: BaseException) -> None:
+        with self._mutex:
+            self._failures.append(err)
+        self._stopping = True
+
+    def _raise_failure(self) -> None:
+        if self._failures:
+            raise self._failures[0]
+
+    def _join_workers(self) -> None:
+        for worker in self._workers:
+            worker.put(None)
+        for worker in self._workers:
+            worker.thread.join()
+        self._workers = []
+
+    # -- ending -------------------------------------------------------------------------------------
 
     def finish(self, extra: dict | None = None) -> Path:
-        if self._writer is not None:
-            self._close_part()
-        manifest = {**self.plan, **(extra or {}), "parts": self.parts}
-        (self.partial / PROGRESS).unlink(missing_ok=True)
-        _write_json_atomic(self.partial / MANIFEST, manifest)
-        if self.out.exists():
-            shutil.rmtree(self.out)
-        os.replace(self.partial, self.out)
+        """Wait for the workers, check every part is complete, write the manifest, rename into place."""
+        try:
+            self._join_workers()
+            self._raise_failure()
+            if self._open:
+                missing = sorted(self._open)
+                raise CacheError(f"{self.partial}: parts {missing} are incomplete (sequences missing)")
+            missing = [k for k in range(self.num_parts) if k not in self.parts]
+            if missing:
+                raise CacheError(f"{self.partial}: parts {missing[:5]} were never written")
+            manifest = {**self.plan, **(extra or {}), "seqs_per_part": self.seqs_per_part,
+                        "parts": [self.parts[k] for k in range(self.num_parts)]}
+            (self.partial / PROGRESS).unlink(missing_ok=True)
+            _write_json_atomic(self.partial / MANIFEST, manifest)
+            if self.out.exists():
+                shutil.rmtree(self.out)
+            os.replace(self.partial, self.out)
+        except BaseException:
+            self.abort()
+            raise
+        self.lock.release()
         return self.out
 
     def abort(self) -> None:
-        """Close an open part without marking it complete (the partial directory stays resumable)."""
-        if self._writer is not None:
-            self._writer.close()
-            (self.partial / (self._current["file"] + ".tmp")).unlink(missing_ok=True)
-            self._writer, self._current = None, None
+        """Stop: batches already queued are written (at most about a part per worker; after a worker's
+        error, dropped), unfinished parts deleted, complete parts kept, so the build can resume."""
+        self._join_workers()
+        self._discard(self._open)
+        self.lock.release()
 
 
 @dataclass
@@ -243,11 +540,30 @@ class Cache:
 
         return ds.dataset([str(p) for p in self.part_paths()], format="parquet")
 
-    def iter_batches(self, columns: Sequence[str] | None = None, batch_size: int = 65536) -> Iterator[pa.RecordBatch]:
-        """Stream record batches (one part file, one row group at a time); memory stays bounded."""
+    def _parts_holding(self, seqs: Sequence[int]) -> list[Path]:
+        """The part files that can hold these sequences: those whose range covers one of them where the
+        manifest records the ranges (`first_seq`), else all (a filter on `seq` prunes row groups anyway)."""
+        parts = self.manifest["parts"]
+        if not parts or any("first_seq" not in p for p in parts):
+            return self.part_paths()
+        starts = np.array([p["first_seq"] for p in parts])
+        ends = starts + np.array([p["num_seqs"] for p in parts])
+        s = np.asarray(sorted(seqs))
+        hit = [bool(np.any((s >= a) & (s < b))) for a, b in zip(starts, ends)]
+        return [self.path / p["file"] for p, h in zip(parts, hit) if h] or self.part_paths()
+
+    def iter_batches(self, columns: Sequence[str] | None = None, batch_size: int = 65536,
+                     decode: bool = True) -> Iterator[pa.RecordBatch]:
+        """Stream record batches (one part file, one row group at a time); memory stays bounded.
+
+        With `decode` (the default) site columns come as FixedSizeList<float32> whatever the stored type
+        (bfloat16 bits are widened exactly); without, as stored."""
         for path in self.part_paths():
             try:
-                yield from pq.ParquetFile(path).iter_batches(batch_size=batch_size, columns=list(columns) if columns else None)
+                batches = pq.ParquetFile(path).iter_batches(batch_size=batch_size,
+                                                            columns=list(columns) if columns else None)
+                for batch in batches:
+                    yield _decoded(batch) if decode else batch
             except (pa.ArrowInvalid, OSError) as err:
                 raise CacheError(f"{path}: unreadable part file ({str(err).splitlines()[0]})") from None
 
@@ -266,7 +582,9 @@ class Cache:
         import pyarrow.dataset as ds  # not at module level: see dataset()
 
         try:
-            table = self.dataset().to_table(columns=["seq", "pos", "token", "target", "live_nll", *sites], filter=ds.field("seq").isin(wanted))
+            dataset = ds.dataset([str(p) for p in self._parts_holding(wanted)], format="parquet")
+            table = dataset.to_table(columns=["seq", "pos", "token", "target", "live_nll", *sites],
+                                     filter=ds.field("seq").isin(wanted))
         except (pa.ArrowInvalid, OSError) as err:
             raise CacheError(f"{self.path}: unreadable part file ({str(err).splitlines()[0]})") from None
         T = self.seq_len
@@ -279,9 +597,9 @@ class Cache:
         for key in ("token", "target", "live_nll"):
             out[key] = table.column(key).to_numpy()[order].reshape(len(wanted), T)[pick]
         for name in sites:
-            column = table.column(name).combine_chunks()
+            column = table.column(name)
             K = column.type.list_size
-            values = column.flatten().to_numpy().astype(np.float32, copy=False).reshape(-1, K)[order].reshape(len(wanted), T, K)[pick]
+            values = coefficient_values(column)[order].reshape(len(wanted), T, K)[pick]
             if not np.isfinite(values).all():
                 raise CacheError(f"{self.path}: site {name} holds non-finite coefficients (NaN or inf)")
             out[name] = values
@@ -291,7 +609,48 @@ class Cache:
         data = self.read_seqs(seqs, sites)
         return {name: data[name] for name in (self.sites if sites is None else sites)}
 
-    def check_model(self, model_fingerprint: str) -> None:
+    def prefetch(self, batches: Sequence[Sequence[int]], sites: Sequence[str] | None = None,
+                 depth: int = 1) -> Iterator[dict[str, np.ndarray]]:
+        """`read_seqs(batch, sites)` for each batch in order, read and decoded on a background thread
+        while the caller works on the previous result: up to `depth` results wait ready.
+
+        Results are those of calling `read_seqs` in order; a reading error is raised in the caller at
+        the batch it concerns. Closing the iterator early (break, `close()`, garbage collection) stops
+        the thread."""
+        return _prefetch(self, [list(b) for b in batches], None if sites is None else list(sites), max(1, int(depth)))
+
+    @property
+    def environment(self) -> dict | None:
+        """Where the coefficients were computed (fca.environment), or None for caches that predate the record."""
+        return self.manifest.get("environment")
+
+    @property
+    def model_dtype(self) -> str:
+        return self.manifest["model"].get("dtype") or (self.environment or {}).get("model_dtype") or "float32"
+
+    @property
+    def coefficient_dtype(self) -> str:
+        return self.manifest.get("coefficient_dtype", "float32")
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size from the tokenizer record, else the model config (sizes replay batches of logits)."""
+        tokenizer = self.manifest.get("tokenizer") or {}
+        config = self.manifest["model"].get("config") or {}
+        return int(tokenizer.get("vocab_size") or config.get("vocab_size") or 50_000)
+
+    def build_batches(self) -> set[tuple[int, int]] | None:
+        """The (first, last + 1) sequence ranges of the record passes that wrote this cache, if recorded."""
+        batch = (self.environment or {}).get("batch_size")
+        if not batch:
+            return None
+        return {(lo, min(self.num_seqs, lo + batch)) for lo in range(0, self.num_seqs, batch)}
+
+    def check_model(self, model_fingerprint: str, model_dtype: str | None = None) -> None:
+        """Refuse a cache made by another model, or recorded with another model dtype (checked first: a model
+        loaded in another dtype also has another fingerprint, and the dtype is what the user must change)."""
+        if model_dtype is not None:
+            check_dtype(str(self.path / MANIFEST), self.model_dtype, model_dtype)
         if self.manifest["model"]["fingerprint"] != model_fingerprint:
             raise CacheError(
                 f"{self.path / MANIFEST}: made by a different model (fingerprint {self.manifest['model']['fingerprint'][:12]}, "
@@ -306,6 +665,46 @@ class Cache:
                 raise CacheError(f"{path}: part file missing")
             if file_sha256(path) != part["sha256"]:
                 raise CacheError(f"{path}: contents do not match the manifest's sha256 (corrupt or modified)")
+
+
+def _prefetch(cache: Cache, batches: list[list[int]], sites: list[str] | None,
+              depth: int) -> Iterator[dict[str, np.ndarray]]:
+    """The generator behind `Cache.prefetch`: its `finally` runs when the caller closes it, and stops the reader."""
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def offer(item: tuple) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        for seqs in batches:
+            if stop.is_set():
+                return
+            try:
+                item = ("ok", cache.read_seqs(seqs, sites))
+            except BaseException as err:  # handed to the caller, raised there
+                offer(("error", err))
+                return
+            if not offer(item):
+                return
+
+    reader = threading.Thread(target=read, name="fca-cache-prefetch", daemon=True)
+    reader.start()
+    try:
+        for _ in batches:
+            kind, value = ready.get()
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
+        reader.join()
 
 
 def open_cache(path: str | Path, verify: bool = False) -> Cache:

@@ -1,0 +1,317 @@
+"""The cache writer: parallel parts, resume, one build per cache, bfloat16 storage, prefetching reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import fca
+from fca.capture import build_cache, record_windows, write_cache
+from fca.cli import main
+from fca.profiles import cache_moments
+from fca.sites import site_specs
+from fca.spec import SiteSpec
+from fca.store import (
+    PROGRESS,
+    CacheError,
+    CacheWriter,
+    bfloat16_bits,
+    cache_plan,
+    cache_schema,
+    coefficient_arrow_type,
+    open_cache,
+    record_batch,
+)
+
+from .helpers import make_model_dir, write_corpus
+
+capture_module = sys.modules["fca.capture"]  # the module; `fca.capture` is also the function
+
+N_SEQS = 12
+T = 16
+SEQS_PER_PART = 4  # with batches of 2: three parts of two batches each
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("writer")
+    corpus = write_corpus(root / "prose.txt")
+    make_model_dir(root / "model", corpus)
+    return root
+
+
+@pytest.fixture
+def small_parts(monkeypatch):
+    """Parts of SEQS_PER_PART tiny sequences, so a 12-sequence cache has several parts to share out."""
+    row_bytes = 4 * 4 + 4 + 4 * 8  # keys, live NLL, the tiny model's two 4-channel gates
+    monkeypatch.setattr(capture_module, "TARGET_PART_BYTES", row_bytes * T * SEQS_PER_PART)
+
+
+def _build(artifacts, out, workers, **kw):
+    return build_cache(artifacts / "model", artifacts / "prose.txt", "eval", out, num_seqs=N_SEQS, seq_len=T,
+                       batch_size=2,
+                       device="cpu", show_progress=False, workers=workers, **kw)
+
+
+def _hashes(path):
+    parts = open_cache(path, verify=True).manifest["parts"]
+    return [(p["file"], p["first_seq"], p["num_seqs"], p["sha256"]) for p in parts]
+
+
+def _same_values(a, b):
+    ca, cb = open_cache(a), open_cache(b)
+    ra, rb = ca.read_seqs(range(N_SEQS)), cb.read_seqs(range(N_SEQS))
+    return ra.keys() == rb.keys() and all(np.array_equal(ra[k], rb[k]) for k in ra)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parallel writer: same parts for any number of workers.
+
+def test_three_workers_write_the_same_cache_as_one(artifacts, tmp_path, small_parts):
+    one = _build(artifacts, tmp_path / "one", workers=1)
+    three = _build(artifacts, tmp_path / "three", workers=3)
+    parts = _hashes(one)
+    assert len(parts) == N_SEQS // SEQS_PER_PART
+    assert [(f, s, n) for f, s, n, _ in parts] == [(f"part-0000{k}.parquet", 4 * k, 4) for k in range(3)]
+    assert _hashes(three) == parts
+    assert _same_values(one, three)
+    assert open_cache(three).manifest["seqs_per_part"] == SEQS_PER_PART
+    # Row groups are the record batches: two sequences each, in order.
+    meta = pq.ParquetFile(open_cache(three).part_paths()[1]).metadata
+    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [2 * T, 2 * T]
+
+
+def _synthetic(num_seqs, seqs_per_part, workers, out, batch=3, dtype="float32"):
+    """Random coefficients through CacheWriter directly, batches crossing part boundaries."""
+    specs = {"a": SiteSpec(axes=(("channel", 3),), family="g"),
+             "b": SiteSpec(axes=(("stream", 2), ("source", 2)), family="g")}
+    schema = cache_schema(specs, coefficient_arrow_type(dtype))
+    plan = cache_plan(specs, 5, num_seqs, model={"path": "synthetic", "fingerprint": "synthetic"},
+                      corpus={"split": "x"},
+                      coefficient_dtype=dtype)
+    rng = np.random.default_rng(0)
+    values = {k: rng.standard_normal((num_seqs, 5, s.num_channels)).astype(np.float32) for k, s in specs.items()}
+    tokens = rng.integers(0, 50, (num_seqs, 5))
+    writer = CacheWriter(out, plan, schema, seqs_per_part, workers=workers)
+    for lo in range(0, num_seqs, batch):
+        hi = min(num_seqs, lo + batch)
+        nll = np.zeros((hi - lo, 5), np.float32)
+        writer.write(record_batch(schema, np.arange(lo, hi), tokens[lo:hi], tokens[lo:hi], nll,
+                                  {k: v[lo:hi] for k, v in values.items()}), hi - lo)
+    return writer.finish(), values
+
+
+def test_batches_split_at_part_boundaries_identically(tmp_path):
+    one, values = _synthetic(11, 4, 1, tmp_path / "one")
+    three, _ = _synthetic(11, 4, 3, tmp_path / "three")
+    assert [p["num_seqs"] for p in open_cache(one).manifest["parts"]] == [4, 4, 3]
+    assert _hashes(one) == _hashes(three)
+    got = open_cache(three).read_seqs([10, 0, 5])
+    for k, v in values.items():
+        np.testing.assert_array_equal(got[k], v[[10, 0, 5]])
+
+
+def test_finish_refuses_missing_parts(tmp_path):
+    specs = {"a": SiteSpec(axes=(("channel", 2),), family="g")}
+    schema = cache_schema(specs)
+    plan = cache_plan(specs, 5, 8, model={"path": "s", "fingerprint": "s"}, corpus={"split": "x"})
+    writer = CacheWriter(tmp_path / "c", plan, schema, 4, workers=2)
+    z = np.zeros((4, 5), np.int64)
+    coefficients = {"a": np.zeros((4, 5, 2), np.float32)}
+    writer.write(record_batch(schema, np.arange(4, 8), z, z, z.astype(np.float32), coefficients), 4)
+    with pytest.raises(CacheError, match=r"parts \[0\] were never written"):
+        writer.finish()
+    assert not (tmp_path / "c").exists() and not (tmp_path / "c.lock").exists()
+    # Part 1 completed out of order and is kept: a new writer has only part 0 left to do.
+    assert CacheWriter(tmp_path / "c", plan, schema, 4).pending_ranges() == [(0, 4)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume: an interrupted parallel build redoes exactly the incomplete parts.
+
+def test_interrupted_parallel_build_resumes_to_the_same_cache(artifacts, tmp_path, small_parts):
+    clean = _build(artifacts, tmp_path / "clean", workers=1)
+    out = tmp_path / "cache"
+    calls = {"n": 0}
+
+    def interrupt(done, total):
+        calls["n"] += 1
+        if calls["n"] == 5:  # batch 5 of 6: part 2 is half written
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _build(artifacts, out, workers=3, progress=interrupt)
+    partial = tmp_path / "cache.partial"
+    assert not out.exists() and not (tmp_path / "cache.lock").exists() and not list(partial.glob("*.tmp"))
+    progress = json.loads((partial / PROGRESS).read_text())
+    complete = {p["index"] for p in progress["parts"]}
+    assert complete == {0, 1}  # queued parts are finished on the way out; part 2's second batch was never computed
+
+    written = []
+    _build(artifacts, out, workers=2, progress=lambda done, total: written.append(done))
+    redone = written[-1] - written[0] + 2  # sequences computed on resume (batches of 2)
+    assert redone == N_SEQS - SEQS_PER_PART * len(complete)
+    assert _hashes(out) == _hashes(clean) and _same_values(out, clean)
+    assert not partial.exists()
+
+
+def test_parts_completed_out_of_order_are_kept(tmp_path):
+    """Parts 1 and 2 complete, part 0 half written: a new build must redo part 0 and only part 0."""
+    specs = {"a": SiteSpec(axes=(("channel", 2),), family="g")}
+    schema = cache_schema(specs)
+    plan = cache_plan(specs, 5, 12, model={"path": "s", "fingerprint": "s"}, corpus={"split": "x"})
+    z = np.zeros((2, 5), np.int64)
+
+    def batch(lo):
+        coefficients = {"a": np.full((2, 5, 2), lo, np.float32)}
+        return record_batch(schema, np.arange(lo, lo + 2), z, z, z.astype(np.float32), coefficients)
+
+    writer = CacheWriter(tmp_path / "c", plan, schema, 4, workers=2)
+    for lo in (4, 6, 8, 10, 0):
+        writer.write(batch(lo), 2)
+    writer.abort()
+    resumed = CacheWriter(tmp_path / "c", plan, schema, 4, workers=2)
+    assert resumed.pending_ranges() == [(0, 4)] and resumed.done_seqs == 8
+    with pytest.raises(CacheError, match="part 1 is already complete"):
+        resumed.write(batch(4), 2)
+    for lo in (0, 2):
+        resumed.write(batch(lo), 2)
+    cache = open_cache(resumed.finish(), verify=True)
+    assert cache.read_seqs([0, 5, 11])["a"][:, 0, 0].tolist() == [0, 4, 10]
+
+
+# ---------------------------------------------------------------------------------------------
+# One build per cache.
+
+def _plan_and_schema(n=4):
+    specs = {"a": SiteSpec(axes=(("channel", 2),), family="g")}
+    return cache_plan(specs, 5, n, model={"path": "s", "fingerprint": "s"}, corpus={"split": "x"}), cache_schema(specs)
+
+
+def test_second_writer_is_refused_naming_the_holder(artifacts, tmp_path, capsys):
+    plan, schema = _plan_and_schema()
+    first = CacheWriter(tmp_path / "c", plan, schema, 2)
+    holder = rf"another build is writing this cache \(pid {os.getpid()} on {socket.gethostname()}"
+    with pytest.raises(CacheError, match=holder):
+        CacheWriter(tmp_path / "c", plan, schema, 2)
+    # The same through the CLI: one line, the holder named, and the first build's files untouched.
+    lock = tmp_path / "eval.lock"
+    lock.write_text(json.dumps({"pid": 1, "host": "elsewhere.example", "started": "2025-01-01T00:00:00Z"}))
+    code = main(["build-cache", "--model", str(artifacts / "model"), "--corpus", str(artifacts / "prose.txt"),
+                 "--split", "eval",
+                 "--out", str(tmp_path / "eval"), "--num-seqs", "4", "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and err.startswith("fca: error:") and "\n" not in err
+    assert "pid 1 on elsewhere.example" in err and "eval.lock" in err
+    assert json.loads(lock.read_text())["host"] == "elsewhere.example"
+    first.abort()
+    assert not (tmp_path / "c.lock").exists()
+
+
+def _interrupt_at(seqs_done):
+    def progress(done, total):
+        if done >= seqs_done:
+            raise KeyboardInterrupt
+
+    return progress
+
+
+def test_stale_lock_is_resumed_past(artifacts, tmp_path, small_parts):
+    clean = _build(artifacts, tmp_path / "clean", workers=1)
+    out = tmp_path / "cache"
+    with pytest.raises(KeyboardInterrupt):
+        _build(artifacts, out, workers=1, progress=_interrupt_at(6))
+    done_before = {p["index"] for p in json.loads((tmp_path / "cache.partial" / PROGRESS).read_text())["parts"]}
+    assert done_before == {0}
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is no longer alive: the lock of a killed build
+    (tmp_path / "cache.lock").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "then"}))
+    written = []
+    _build(artifacts, out, workers=2, progress=lambda done, total: written.append(done))
+    assert written[0] == SEQS_PER_PART + 2  # resumed after part 0
+    assert _hashes(out) == _hashes(clean) and not (tmp_path / "cache.lock").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# bfloat16 storage.
+
+def test_bfloat16_model_coefficients_stored_bit_for_bit(artifacts, tmp_path):
+    model = fca.load_model(artifacts / "model", dtype=torch.bfloat16)
+    windows = np.random.default_rng(1).integers(0, 300, (6, T + 1))
+    plan = cache_plan(site_specs(model), T, 6, model={"path": "m", "fingerprint": "m"}, corpus={"split": "x"},
+                      coefficient_dtype="bfloat16")
+    out = write_cache(model, windows, tmp_path / "bf16", plan, batch_size=3)
+    cache = open_cache(out, verify=True)
+    assert cache.manifest["coefficient_dtype"] == "bfloat16"
+    stored = pq.read_schema(cache.part_paths()[0]).field("blocks.0.gate").type
+    assert str(stored) == "fixed_size_list<element: uint16>[4]"
+    got = cache.read_seqs(range(6))
+    for lo in (0, 3):  # the same record passes as the build (same batch composition)
+        _, recorded = record_windows(model, torch.from_numpy(windows[lo : lo + 3]))
+        for name, values in recorded.items():
+            assert values.dtype == torch.bfloat16
+            expected = values.float().numpy()
+            assert got[name].dtype == np.float32
+            np.testing.assert_array_equal(got[name][lo : lo + 3].view(np.uint32), expected.view(np.uint32))
+    # Streaming readers see float32 too: the statistics are those of the decoded values.
+    batch = next(cache.iter_batches(columns=["blocks.1.gate"]))
+    assert str(batch.schema.field("blocks.1.gate").type) == "fixed_size_list<element: float>[4]"
+    moments, layout = cache_moments(cache, with_tokens=False)
+    decoded = np.concatenate([got[s].astype(np.float64) for s in layout.sites], axis=2).reshape(-1, layout.num_slots)
+    assert moments.num_seqs == 6
+    np.testing.assert_allclose(moments.sum, decoded.sum(axis=0), rtol=1e-12)
+    np.testing.assert_array_equal(moments.maximum, decoded.max(axis=0))
+
+
+def test_bfloat16_storage_of_a_float32_model_is_refused(artifacts, tmp_path, capsys):
+    code = main(["build-cache", "--model", str(artifacts / "model"), "--corpus", str(artifacts / "prose.txt"),
+                 "--split", "eval",
+                 "--out", str(tmp_path / "c"), "--num-seqs", "4", "--device", "cpu", "--coefficient-dtype", "bfloat16"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and "\n" not in err and "bfloat16 coefficient storage is for bfloat16 models" in err
+    assert not any(tmp_path.iterdir())  # nothing left behind: no partial directory, no lock
+
+
+def test_bfloat16_bits_only_for_exact_values():
+    as_bf16 = torch.tensor([1.0, -2.5, 0.1, 3.0e38, -1e-30]).bfloat16()
+    exact = as_bf16.float().numpy()
+    bits = bfloat16_bits(exact)
+    np.testing.assert_array_equal(bits, as_bf16.view(torch.int16).numpy().view(np.uint16))
+    np.testing.assert_array_equal((bits.astype(np.uint32) << 16).view(np.float32), exact)
+    with pytest.raises(CacheError, match="would be rounded"):
+        bfloat16_bits(np.array([0.1], np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefetching reads.
+
+def test_prefetch_gives_read_seqs_results_in_order(artifacts, tmp_path, small_parts):
+    cache = open_cache(_build(artifacts, tmp_path / "c", workers=1))
+    batches = [[0, 1, 2], [11, 4], [5], [7, 6, 8, 9]]
+    for depth in (1, 2):
+        got = list(cache.prefetch(batches, sites=["blocks.1.gate"], depth=depth))
+        assert len(got) == len(batches)
+        for seqs, result in zip(batches, got):
+            expected = cache.read_seqs(seqs, sites=["blocks.1.gate"])
+            assert result.keys() == expected.keys() and all(np.array_equal(result[k], expected[k]) for k in result)
+
+
+def test_prefetch_raises_in_the_caller_and_stops_when_closed(artifacts, tmp_path, small_parts):
+    cache = open_cache(_build(artifacts, tmp_path / "c", workers=1))
+    it = cache.prefetch([[0], [99], [1]])
+    assert np.array_equal(next(it)["token"], cache.read_seqs([0])["token"])
+    with pytest.raises(CacheError, match="out of range"):
+        next(it)
+    it = cache.prefetch([[i] for i in range(N_SEQS)], depth=1)
+    next(it)
+    it.close()
+    assert not [t for t in threading.enumerate() if t.name == "fca-cache-prefetch"]
