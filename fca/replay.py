@@ -26,13 +26,35 @@ from .sites import capture_tensors, find_sites, model_logits, site_modes, tensor
 from .store import Cache
 
 
-def _as_tensor(values, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Coefficients as a contiguous tensor on `device` in `dtype`. Host arrays are copied as they are and cast
-    on the device (a cast on the CPU would cost the host time the device does not need). Contiguous always:
-    some kernels (sigmoid, softmax) round differently on strided inputs, and a replay must not depend on
-    the caller's memory layout."""
-    tensor = values if isinstance(values, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(values))
-    return tensor.to(device=device).to(dtype=dtype).contiguous()
+def _host_tensor(values) -> torch.Tensor:
+    return values if isinstance(values, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(values))
+
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def to_device(coefficients: Mapping[str, object], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Coefficients (site -> array or tensor) as contiguous tensors on `device` in `dtype`.
+
+    Host values are copied as they are and cast on the device: a cast on the CPU would cost host time the
+    device does not need. On CUDA the copies leave from pinned memory on a side stream, so they overlap
+    with work still queued on the compute stream, which waits for them only where they are used.
+    Contiguous always: some kernels (sigmoid, softmax) round differently on strided inputs, and a replay
+    must not depend on the caller's memory layout.
+    """
+    tensors = {name: _host_tensor(values) for name, values in coefficients.items()}
+    if device.type == "cuda" and any(t.device.type == "cpu" for t in tensors.values()):
+        compute = torch.cuda.current_stream(device)
+        copy = _COPY_STREAMS.setdefault(device, torch.cuda.Stream(device))
+        copy.wait_stream(compute)  # values the compute stream is still producing (none, for host arrays)
+        with torch.cuda.stream(copy):
+            moved = {name: t.contiguous().pin_memory().to(device, non_blocking=True) if t.device.type == "cpu" else t
+                     for name, t in tensors.items()}
+        compute.wait_stream(copy)
+        for t in moved.values():
+            t.record_stream(compute)  # the copy stream's memory is in use on the compute stream
+        tensors = moved
+    return {name: t.to(device=device).to(dtype=dtype).contiguous() for name, t in tensors.items()}
 
 
 @torch.no_grad()
@@ -49,7 +71,7 @@ def replay(model: nn.Module, input_ids, coefficients: Mapping[str, object], only
     missing = sorted(chosen - set(coefficients))
     if missing:
         raise KeyError(f"no coefficients given for site(s) {missing}")
-    tensors = {name: _as_tensor(coefficients[name], param.device, param.dtype) for name in chosen}
+    tensors = to_device({name: coefficients[name] for name in chosen}, param.device, param.dtype)
     with site_modes(model, "replay", provider=tensor_provider(tensors), only=chosen):
         return model_logits(model(ids))
 
@@ -130,6 +152,37 @@ def _measure_fidelity(measure: FidelityMeasure, recorded: Mapping[str, torch.Ten
     return equal
 
 
+def _is_plain_correct(condition: Condition) -> bool:
+    """Correct at every site (any seed: Correct draws nothing)."""
+    return condition == Condition("correct", seed=condition.seed)
+
+
+@dataclass
+class _BatchCheck:
+    max_abs_logit_diff: float
+    live_nll: np.ndarray  # [b] per-sequence mean NLL of the live pass
+    replayed_nll: np.ndarray  # [b] the same for Correct replay of the recorded coefficients
+    cache_is_recorded: bool  # the cached coefficients equal the recorded ones in float32
+
+
+def _check_batch(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, own: dict[str, np.ndarray], cache: Cache,
+                 batch_seqs: list[int], measure: FidelityMeasure) -> _BatchCheck:
+    """Both exactness checks on one batch. Check 1: the live pass records its coefficients, and replaying
+    exactly those must reproduce it. Check 2 (accumulated in `measure`): how far the cache is from what
+    this model computes here, coefficients and stored per-token live NLL."""
+    live, recorded = capture_tensors(model, ids)
+    replayed = replay(model, ids, recorded)
+    live_tokens = token_nll(live, targets)  # [b, T]
+    measure.same_batches = measure.same_batches and is_build_batch(batch_seqs, cache.build_batches())
+    stored = torch.from_numpy(own["live_nll"].astype(np.float32)).to(live_tokens.device)
+    measure.stored_live_nll_max_diff = max(measure.stored_live_nll_max_diff, float((stored - live_tokens).abs().max()))
+    return _BatchCheck(
+        max_abs_logit_diff=float((live.float() - replayed.float()).abs().max()),
+        live_nll=live_tokens.double().mean(1).cpu().numpy(), replayed_nll=_nll_per_seq(replayed, targets).cpu().numpy(),
+        cache_is_recorded=_measure_fidelity(measure, recorded, {name: own[name] for name in cache.sites},
+                                            cache.coefficient_dtype))
+
+
 @torch.no_grad()
 def run_conditions(
     model: nn.Module,
@@ -166,52 +219,49 @@ def run_conditions(
     live_nll, replayed_nll, cache_nll = np.zeros(len(seqs)), np.zeros(len(seqs)), np.zeros(len(seqs))
     measure = FidelityMeasure()
     max_diff, batches = 0.0, 0
-    plain_correct = Condition("correct")
-    for lo in range(0, len(seqs), batch_size):
-        if should_stop is not None and should_stop():
-            raise Cancelled("replay cancelled")
-        index = list(range(lo, min(len(seqs), lo + batch_size)))
-        batch_seqs = [seqs[i] for i in index]
-        own = cache.read_seqs(batch_seqs)
-        ids = torch.from_numpy(own["token"].astype(np.int64)).to(device)
-        targets = torch.from_numpy(own["target"].astype(np.int64)).to(device)
-        coefficients = {name: own[name] for name in cache.sites}
-        b = len(index)
-        cache_is_recorded = False
-        if check_exactness:
-            # Check 1: the live pass records its coefficients; replaying exactly those must reproduce it.
-            live, recorded = capture_tensors(model, ids)
-            replayed = replay(model, ids, recorded)
-            max_diff = max(max_diff, float((live.float() - replayed.float()).abs().max()))
-            live_tokens = token_nll(live, targets)  # [b, T]
-            live_nll[index] = live_tokens.double().mean(1).cpu().numpy()
-            replayed_nll[index] = _nll_per_seq(replayed, targets).cpu().numpy()
-            batches += 1
-            # Check 2: how far the cache is from what this model computes here.
-            measure.same_batches = measure.same_batches and is_build_batch(batch_seqs, cache.build_batches())
-            stored = torch.from_numpy(own["live_nll"].astype(np.float32)).to(device)
-            measure.stored_live_nll_max_diff = max(measure.stored_live_nll_max_diff, float((stored - live_tokens).abs().max()))
-            cache_is_recorded = _measure_fidelity(measure, recorded, coefficients, cache.coefficient_dtype)
-            if cache_is_recorded:  # Correct-from-cache is the replay just run: reuse its scores
-                cache_nll[index] = replayed_nll[index]
-        other = cache.coefficients([seqs[partner[i]] for i in index]) if partner is not None else None
-        to_run = [c for c in conditions if not (cache_is_recorded and c == Condition("correct", seed=c.seed))]
-        if check_exactness and not cache_is_recorded and not any(c == Condition("correct", seed=c.seed) for c in conditions):
-            to_run.append(plain_correct)  # the fidelity check needs Correct-from-cache even when not asked for
-        scored: dict[Condition, np.ndarray] = {}
-        for start in range(0, len(to_run), per_pass):
-            group = to_run[start : start + per_pass]
-            parts = [condition_coefficients(c, coefficients, index, profiles, other) for c in group]
-            stacked = stack_conditions(parts, b, T)
-            logits = replay(model, ids.repeat(len(group), 1), stacked)  # [len(group) * b, T, V]
-            nll = _nll_per_seq(logits, targets.repeat(len(group), 1)).cpu().numpy().reshape(len(group), b)
-            scored.update(zip(group, nll))
-        for c in conditions:
-            per_seq[c.name][index] = replayed_nll[index] if c not in scored else scored[c]
-        if check_exactness and not cache_is_recorded:
-            cache_nll[index] = next(row for c, row in scored.items() if c == Condition("correct", seed=c.seed))
-        if progress is not None:
-            progress(index[-1] + 1, len(seqs))
+    starts = range(0, len(seqs), batch_size)
+    # The next batch is read and decoded on a background thread while this one runs.
+    reads = cache.prefetch([seqs[lo : lo + batch_size] for lo in starts])
+    try:
+        for lo in starts:
+            if should_stop is not None and should_stop():
+                raise Cancelled("replay cancelled")
+            index = list(range(lo, min(len(seqs), lo + batch_size)))
+            batch_seqs = [seqs[i] for i in index]
+            own = next(reads)
+            ids = torch.from_numpy(own["token"].astype(np.int64)).to(device)
+            targets = torch.from_numpy(own["target"].astype(np.int64)).to(device)
+            coefficients = {name: own[name] for name in cache.sites}
+            b = len(index)
+            cache_is_recorded = False
+            if check_exactness:
+                check = _check_batch(model, ids, targets, own, cache, batch_seqs, measure)
+                max_diff = max(max_diff, check.max_abs_logit_diff)
+                live_nll[index], replayed_nll[index] = check.live_nll, check.replayed_nll
+                batches += 1
+                cache_is_recorded = check.cache_is_recorded
+                if cache_is_recorded:  # Correct-from-cache is the replay just run: reuse its scores
+                    cache_nll[index] = replayed_nll[index]
+            other = cache.coefficients([seqs[partner[i]] for i in index]) if partner is not None else None
+            to_run = [c for c in conditions if not (cache_is_recorded and _is_plain_correct(c))]
+            if check_exactness and not cache_is_recorded and not any(map(_is_plain_correct, conditions)):
+                to_run.append(Condition("correct"))  # the fidelity check needs Correct-from-cache even when not asked for
+            scored: dict[Condition, np.ndarray] = {}
+            for start in range(0, len(to_run), per_pass):
+                group = to_run[start : start + per_pass]
+                parts = [condition_coefficients(c, coefficients, index, profiles, other) for c in group]
+                stacked = stack_conditions(parts, b, T)
+                logits = replay(model, ids.repeat(len(group), 1), stacked)  # [len(group) * b, T, V]
+                nll = _nll_per_seq(logits, targets.repeat(len(group), 1)).cpu().numpy().reshape(len(group), b)
+                scored.update(zip(group, nll))
+            for c in conditions:
+                per_seq[c.name][index] = replayed_nll[index] if c not in scored else scored[c]
+            if check_exactness and not cache_is_recorded:
+                cache_nll[index] = next(row for c, row in scored.items() if _is_plain_correct(c))
+            if progress is not None:
+                progress(index[-1] + 1, len(seqs))
+    finally:
+        reads.close()  # stops the reader thread, also on errors and cancellation
     return ReplayResults(
         seqs=seqs, per_seq_nll=per_seq, conditions={c.name: c for c in conditions},
         max_abs_logit_diff=max_diff, nll_live=float(live_nll.mean()), nll_correct=float(replayed_nll.mean()), batches=batches,

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -507,6 +507,8 @@ class Cache:
 
     path: Path
     manifest: dict
+    _row_group_index: list | None = field(default=None, init=False, repr=False, compare=False)
+    _read_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     @property
     def site_specs(self) -> dict[str, SiteSpec]:
@@ -540,17 +542,47 @@ class Cache:
 
         return ds.dataset([str(p) for p in self.part_paths()], format="parquet")
 
-    def _parts_holding(self, seqs: Sequence[int]) -> list[Path]:
-        """The part files that can hold these sequences: those whose range covers one of them where the
-        manifest records the ranges (`first_seq`), else all (a filter on `seq` prunes row groups anyway)."""
-        parts = self.manifest["parts"]
-        if not parts or any("first_seq" not in p for p in parts):
-            return self.part_paths()
-        starts = np.array([p["first_seq"] for p in parts])
-        ends = starts + np.array([p["num_seqs"] for p in parts])
-        s = np.asarray(sorted(seqs))
-        hit = [bool(np.any((s >= a) & (s < b))) for a, b in zip(starts, ends)]
-        return [self.path / p["file"] for p, h in zip(parts, hit) if h] or self.part_paths()
+    def _row_groups(self) -> list[tuple[Path, pq.ParquetFile, int, int, int]]:
+        """(path, open part file, row group, first seq, last seq) of every row group, from the footers'
+        `seq` statistics; read once per opened cache, so a replay's reads go straight to their row groups."""
+        if self._row_group_index is None:
+            index = []
+            for path in self.part_paths():
+                try:
+                    part = pq.ParquetFile(path)
+                    for i in range(part.metadata.num_row_groups):
+                        stats = part.metadata.row_group(i).column(0).statistics
+                        if stats is None or not stats.has_min_max:
+                            raise CacheError(f"{path}: row group {i} has no `seq` statistics")
+                        index.append((path, part, i, int(stats.min), int(stats.max)))
+                except (pa.ArrowInvalid, OSError) as err:
+                    raise CacheError(f"{path}: unreadable part file ({str(err).splitlines()[0]})") from None
+            self._row_group_index = index
+        return self._row_group_index
+
+    def _read_rows(self, wanted: list[int], columns: list[str]) -> pa.Table:
+        """The rows of the sorted sequences `wanted`: only the row groups whose `seq` range meets them are
+        read (a row group holds whole sequences), then rows of other sequences are dropped."""
+        groups = self._row_groups()
+        lo, hi = np.array([g[3] for g in groups]), np.array([g[4] for g in groups])
+        w = np.asarray(wanted)
+        # a row group is needed when some wanted seq lies in [first, last]
+        needed = np.searchsorted(w, lo, side="left") < np.searchsorted(w, hi, side="right")
+        pieces = []
+        for (path, part, i, _, _), need in zip(groups, needed):
+            if not need:
+                continue
+            try:
+                with self._read_lock:  # one open file, read from the prefetch thread and the caller's
+                    pieces.append(part.read_row_group(i, columns=columns))
+            except (pa.ArrowInvalid, OSError) as err:
+                raise CacheError(f"{path}: unreadable part file ({str(err).splitlines()[0]})") from None
+        if not pieces:
+            return pa.schema([pa.field("seq", pa.int32())]).empty_table()
+        table = pa.concat_tables(pieces)
+        seq = table.column("seq").to_numpy()
+        keep = np.isin(seq, w)
+        return table if keep.all() else table.filter(pa.array(keep))
 
     def iter_batches(self, columns: Sequence[str] | None = None, batch_size: int = 65536,
                      decode: bool = True) -> Iterator[pa.RecordBatch]:
@@ -579,14 +611,7 @@ class Cache:
         if unknown:
             raise CacheError(f"{self.path}: no site column(s) {unknown}")
         wanted = sorted(set(seqs))
-        import pyarrow.dataset as ds  # not at module level: see dataset()
-
-        try:
-            dataset = ds.dataset([str(p) for p in self._parts_holding(wanted)], format="parquet")
-            table = dataset.to_table(columns=["seq", "pos", "token", "target", "live_nll", *sites],
-                                     filter=ds.field("seq").isin(wanted))
-        except (pa.ArrowInvalid, OSError) as err:
-            raise CacheError(f"{self.path}: unreadable part file ({str(err).splitlines()[0]})") from None
+        table = self._read_rows(wanted, ["seq", "pos", "token", "target", "live_nll", *sites])
         T = self.seq_len
         if table.num_rows != len(wanted) * T:
             raise CacheError(f"{self.path}: expected {len(wanted) * T} rows for {len(wanted)} sequences, found {table.num_rows}")
