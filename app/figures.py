@@ -225,3 +225,37 @@ def flops_bar(df: pd.DataFrame) -> go.Figure:
     fig.update_xaxes(title="FLOPs of one forward (GFLOP)")
     fig.update_yaxes(title="")
     return _layout(fig, "Where the forward's FLOPs go", height=240, barmode="stack")
+
+
+def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
+    """One point per model (seed) and condition on the gap-retention scale, where 0 is the global mean
+    profile and 1 is the correct coefficients; beside them the mean over models with its 95% t interval.
+    points: condition, seed (label), retention (None where undefined: left out).
+    summary: condition, mean, lo, hi (lo and hi None for a single model)."""
+    fig = go.Figure()
+    order = list(dict.fromkeys(summary["condition"]))
+    for seed, part in points.groupby("seed", sort=False):
+        part = part[part["retention"].notna()]
+        fig.add_trace(go.Scatter(
+            x=part["condition"], y=part["retention"], mode="markers", name=f"seed {seed}",
+            marker=dict(size=10, opacity=0.8),
+            hovertemplate=f"seed {seed}, " + "%{x}: %{y:.1%}<extra></extra>",
+        ))
+    has_ci = summary["lo"].notna() & summary["hi"].notna()
+    mean = summary["mean"].astype(float)
+    fig.add_trace(go.Scatter(
+        x=summary["condition"], y=mean, mode="markers", name="mean over models (95% t CI)",
+        marker=dict(symbol="line-ew-open", size=28, color="#333", line=dict(width=3)),
+        error_y=dict(type="data", symmetric=False, array=np.where(has_ci, summary["hi"].astype(float) - mean, 0.0),
+                     arrayminus=np.where(has_ci, mean - summary["lo"].astype(float), 0.0), color="#333"),
+        hovertemplate="mean %{x}: %{y:.1%}<extra></extra>",
+    ))
+    for y, label in ((0.0, "global mean (no layer identity)"), (1.0, "correct (per-token control)")):
+        fig.add_hline(y=y, line_dash="dot", line_color="#888", annotation_text=label,
+                      annotation_position="bottom right")
+    values = np.concatenate([points["retention"].dropna().to_numpy(dtype=float), mean.dropna().to_numpy()])
+    lo = min(-0.05, float(values.min()) - 0.05) if values.size else -0.05
+    hi = max(1.05, float(values.max()) + 0.05) if values.size else 1.05
+    fig.update_yaxes(title="gap retention (fraction: 0 = global mean, 1 = correct)", range=[lo, hi], tickformat=".0%")
+    fig.update_xaxes(title="condition", categoryorder="array", categoryarray=order)
+    return _layout(fig, "Gap retention per model across seeds", height=420, legend=dict(orientation="h", y=-0.25))

@@ -31,6 +31,7 @@ PAGES = [
     st.Page("views/profiles.py", title="Profiles", icon=":material/show_chart:", url_path="profiles"),
     st.Page("views/replay_lab.py", title="Replay lab", icon=":material/science:", url_path="replay_lab"),
     st.Page("views/execution.py", title="Execution", icon=":material/speed:", url_path="execution"),
+    st.Page("views/study.py", title="Study", icon=":material/stacked_line_chart:", url_path="study"),
 ]
 DEVICES = ("auto", "cuda", "cpu")
 

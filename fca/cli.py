@@ -47,9 +47,10 @@ def _train_one(args: argparse.Namespace, arch: str, seed: int, out: Path) -> dic
         max_seq_len=args.seq_len, gated=(arch == "featuregate"), controller=args.controller, granularity=args.granularity,
     )
     settings = TrainSettings(steps=args.steps, batch_size=args.batch, lr=args.lr, seed=seed, split_seed=args.split_seed, vocab_size=args.vocab_size)
-    log = train(args.corpus, out, config, settings, text_column=args.text_column)
+    log = train(args.corpus, out, config, settings, text_column=args.text_column, device=args.device)
     print(f"{out}: {arch}, {log['parameters']:,} parameters, held-out NLL {log['final_eval_nll']:.4f} nats/token "
-          f"({log['final_eval_tokens']:,} tokens), {log['train_seconds']:.0f} s")
+          f"({log['final_eval_tokens']:,} tokens), {log['train_seconds']:.0f} s on {log['device_name']} "
+          f"({log['precision']}, {log['tokens_per_second'] or 0:,.0f} tokens/s)")
     return log
 
 
@@ -75,7 +76,7 @@ def cmd_build_cache(args: argparse.Namespace) -> None:
 
     out = build_cache(args.model, args.corpus, args.split, args.out, num_seqs=args.num_seqs, seq_len=args.seq_len, batch_size=args.batch,
                       device=args.device, dtype=_dtype(args.dtype), split_seed=args.split_seed, text_column=args.text_column,
-                      coefficient_dtype=args.coefficient_dtype, overwrite=args.overwrite)
+                      coefficient_dtype=args.coefficient_dtype, overwrite=args.overwrite, workers=args.writers)
     cache = open_cache(out)
     size = sum(p["bytes"] for p in cache.manifest["parts"])
     print(f"wrote {out}: {cache.num_seqs} sequences x {cache.seq_len} tokens, {len(cache.sites)} sites, {size / 1e6:.2f} MB")
@@ -95,6 +96,7 @@ def _progress_bars():
 
 def cmd_audit(args: argparse.Namespace) -> None:
     from .audit import render_markdown, run_audit, write_report
+    from .report import exactness_sentences
 
     progress, bars = _progress_bars()
     try:
@@ -109,6 +111,7 @@ def cmd_audit(args: argparse.Namespace) -> None:
         print(render_markdown(report))
     else:
         c = report["conditions"]
+        print(*exactness_sentences(report["exactness"]), sep="\n")
         print(" ".join(f"{k}={v['nll']:.4f}" for k, v in c.items()), f"| static_layer retention "
               f"{report['gap_retention'].get('static_layer')}", f"| layer-identity share {report['variance']['layer_identity_share']:.3f}")
 
@@ -127,6 +130,7 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
+    from .environment import describe
     from .store import open_cache
 
     cache = open_cache(args.cache, verify=args.verify)
@@ -135,16 +139,22 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(f"{cache.path}: {cache.num_seqs} sequences x {cache.seq_len} tokens ({m['num_tokens']:,} tokens), "
           f"split {m['corpus'].get('split')!r} of {m['corpus'].get('name')}, {len(m['parts'])} part file(s), {size / 1e6:.2f} MB, "
           f"{m.get('coefficient_dtype', 'float32')} coefficients")
-    print(f"model {m['model']['model_type']} {m['model']['fingerprint'][:16]}; {'parts verified' if args.verify else 'parts not hashed (use --verify)'}")
+    print(f"model {m['model']['model_type']} {m['model']['fingerprint'][:16]} ({cache.model_dtype}); "
+          f"{'parts verified' if args.verify else 'parts not hashed (use --verify)'}")
+    batch = (cache.environment or {}).get("batch_size")
+    print(f"coefficients computed on {describe(cache.environment)}" + (f", in batches of {batch}" if batch else ""))
     for name, spec in m["sites"].items():
         print(f"  {name}: K={spec['shape'][0]} axes={spec['axes']} family={spec['family']}")
 
 
 def cmd_replay(args: argparse.Namespace) -> None:
+    from .report import exactness_sentences
     from .runs import run_replay
 
     record = run_replay(args.model, args.cache, args.calibration, args.conditions, num_seqs=args.num_seqs, seed=args.seed,
                         device=args.device, batch_size=args.batch, save=not args.no_save, show_progress=True)
+    for sentence in exactness_sentences(record["results"]["exactness"]):
+        print(sentence)
     for name, row in record["results"]["conditions"].items():
         lo, hi = row["penalty_ci95"]
         print(f"{name:40s} NLL {row['nll']:.4f}  penalty {row['penalty']:+.4f} [{lo:+.4f}, {hi:+.4f}]")
@@ -160,6 +170,41 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.json:
         Path(args.json).write_text(text)
     print(text)
+
+
+def cmd_study(args: argparse.Namespace) -> None:
+    from .study import render_markdown, study_from_files, write_study
+
+    out_dir = Path(args.json).parent if args.json else (Path(args.markdown).parent if args.markdown else None)
+    study = study_from_files(args.audits, relative_to=out_dir)
+    write_study(study, args.json, args.markdown)
+    if not args.json and not args.markdown:
+        print(render_markdown(study), end="")
+    else:
+        static = study["summary"]["conditions"].get("static_layer", {}).get("gap_retention") or {}
+        shown = "n/a" if static.get("mean") is None else f"{100 * static['mean']:.1f}%"
+        written = " and ".join(str(p) for p in (args.json, args.markdown) if p)
+        n = study["num_models"]
+        print(f"{n} model{'s' if n != 1 else ''}, static_layer gap retention mean {shown}; wrote {written}")
+
+
+def cmd_demo_study(args: argparse.Namespace) -> None:
+    from .demo import make_demo_study
+    from .study import render_markdown
+
+    from .train import TrainSettings
+
+    # The size flags default to the demo configuration; other sizes make a study of their own (pass
+    # `--include` with no file then: the shipped demo's audit is of another model size and is refused).
+    config = dict(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, mlp_groups=args.mlp_groups,
+                  max_seq_len=args.seq_len, controller=args.controller, granularity=args.granularity)
+    settings = TrainSettings(steps=args.steps, batch_size=args.batch, lr=args.lr, min_lr=args.lr / 10,
+                             vocab_size=args.vocab_size)
+    study = make_demo_study(Path(args.out), Path(args.corpus), args.seeds, include=[Path(p) for p in args.include],
+                            device=args.device, audit_device=args.audit_device, retrain=args.retrain, config=config,
+                            settings=settings, num_seqs=args.num_seqs)
+    print(render_markdown(study), end="")
+    print(f"wrote {Path(args.out) / 'study.json'} and {Path(args.out) / 'study.md'}")
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -191,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--lr", type=float, default=2e-3)
         p.add_argument("--split-seed", type=int, default=0, help="seed of the train/calibration/eval document split")
         p.add_argument("--text-column", default="text", help="text column of a Parquet/Arrow corpus")
+        p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
+                       help="cpu (default: float32, how the shipped demo was trained) or cuda (bf16 autocast, "
+                            "fused AdamW, float32 weights saved); auto: cuda when available")
         _add_model_size_flags(p)
         p.set_defaults(func=cmd_train if name == "train" else cmd_train_seeds)
 
@@ -204,7 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="model weights dtype")
-    p.add_argument("--coefficient-dtype", choices=["float32", "float16"], default="float32", help="stored coefficient precision")
+    p.add_argument("--coefficient-dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                   help="stored coefficient precision (bfloat16: a bfloat16 model's values, bit for bit, in 16 bits)")
+    p.add_argument("--writers", type=int, default=None, metavar="N",
+                   help="writer threads encoding Parquet parts (default: min(4, cores) on CUDA, 1 on CPU)")
     p.add_argument("--split-seed", type=int, default=0)
     p.add_argument("--text-column", default="text")
     p.add_argument("--overwrite", action="store_true")
@@ -260,6 +311,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("study", help="one table across models (seeds) from their audit reports: mean, SD and 95%% CI")
+    p.add_argument("audits", nargs="+", metavar="AUDIT.json", help="audit reports of independently trained models")
+    p.add_argument("--json", help="write the study here (audit paths are stored relative to its folder)")
+    p.add_argument("--markdown", help="write the study as Markdown here")
+    p.set_defaults(func=cmd_study)
+
+    p = sub.add_parser("demo-study", help="train, cache and audit more seeds of the demo configuration; write a study")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--out", default="cache/demo-study")
+    p.add_argument("--corpus", default="data/kjv.txt", help="extracted first if missing (needs Debian's bible-kjv)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
+                   help="training device (see train --help)")
+    p.add_argument("--audit-device", choices=["auto", "cpu", "cuda"], default="cpu",
+                   help="caches and audit (default cpu, like the shipped demo, so latency ratios compare)")
+    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--include", nargs="*", default=["cache/demo/audit.json"],
+                   help="audits put first in the study (default: the shipped demo, seed 0); none: --include")
+    p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine decay to a tenth of it)")
+    p.add_argument("--num-seqs", type=int, default=256, help="windows in each of the eval and calibration caches")
+    _add_model_size_flags(p)
+    p.set_defaults(func=cmd_demo_study)
     return parser
 
 

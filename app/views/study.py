@@ -1,0 +1,156 @@
+"""Study: one table across independently trained models (seeds), from a study file.
+
+Studies are found at `<root>/study.json` and `<root>/<folder>/study.json` under the sidebar's roots
+(`cache/` and FCA_CACHE_ROOTS), e.g. `cache/demo-study/study.json`; `python -m fca study` and
+`python -m fca demo-study` write them. Audits are named relative to the study's folder.
+
+The seed picker opens a seed in the other pages: when that seed's evaluated cache is on this machine,
+it becomes the sidebar's cache selection (and its model, calibration cache and audit come with it)
+and the Overview opens; when only its audit was committed, its audit report is shown here instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from app import figures, resources
+from app.views.common import download, guard, selection, teach
+from fca import study as studies
+from fca.report import render_markdown
+
+# The sidebar's cache selectbox key (app/main.py): the seed picker sets it to open a seed's cache.
+SIDEBAR_CACHE_KEY = "cache"
+OPEN_REQUEST = "study_open_request"
+
+sel = selection()
+st.title("Study across seeds")
+teach(
+    "A single audit describes one trained model. A **study** puts the audits of independently trained models "
+    "(the same configuration, different seeds) side by side: for each condition the mean over models, the sample "
+    "standard deviation and a 95% Student t interval over models. The figure places every model on the "
+    "**gap-retention** scale: 0 is the global-mean profile (no layer identity), 1 the model's own per-token "
+    "coefficients; a static per-layer profile at 0.42 keeps 42% of what per-token control buys."
+)
+
+# A picked seed's cache was set in the button's callback (a widget's value can be changed only before
+# it is drawn); the page switch happens here, in the script run that follows.
+if st.session_state.pop(OPEN_REQUEST, False):
+    st.switch_page("views/overview.py")
+
+found = studies.find_studies(sel.roots)
+if not found:
+    st.info("No study found under " + ", ".join(f"`{r}`" for r in sel.roots) + ". A study is a `study.json` in a "
+            "root or one folder below it. Make the demo's (trains seeds 1 and 2 of the demo configuration, adds the "
+            "shipped demo as seed 0):")
+    st.code("python -m fca demo-study --seeds 1 2 --device cuda --out cache/demo-study", language="bash")
+    st.markdown("or aggregate audits you already have:")
+    st.code("python -m fca study runs/seed*/audit.json \\\n"
+            "    --json cache/my-study/study.json --markdown cache/my-study/study.md", language="bash")
+    st.stop()
+
+
+def label(path: Path) -> str:
+    for root in sel.roots:
+        if path.is_relative_to(root):
+            return str(path.relative_to(root))
+    return str(path)
+
+
+chosen = st.selectbox("Study", [str(p) for p in found], key="study_file", format_func=lambda p: label(Path(p)))
+study_path = Path(chosen)
+study = None
+with guard("Study"):
+    loaded = resources.report(str(study_path), resources.file_stamp(study_path))
+    if "fca_study_version" not in loaded or "seeds" not in loaded:
+        raise ValueError(f"{study_path}: not an FCA study (no 'fca_study_version' or 'seeds')")
+    study = loaded
+if study is None:
+    st.stop()
+
+rows, summary = study["seeds"], study["summary"]
+conditions = summary["conditions"]
+retained = [c for c, s in conditions.items() if "gap_retention" in s]
+points = pd.DataFrame([{"condition": c, "seed": str(r["seed"]) if r["seed"] is not None else r["name"],
+                        "retention": r["gap_retention"].get(c)} for r in rows for c in retained])
+spreads = pd.DataFrame([{"condition": c, "mean": conditions[c]["gap_retention"]["mean"],
+                         "lo": (conditions[c]["gap_retention"]["ci95"] or [None, None])[0],
+                         "hi": (conditions[c]["gap_retention"]["ci95"] or [None, None])[1]} for c in retained])
+if retained:
+    st.plotly_chart(figures.study_retention(points, spreads), key="study_retention")
+
+
+def cell(s: dict, digits: int = 4, percent: bool = False) -> str:
+    if not s or s["mean"] is None:
+        return "n/a"
+    k, unit = (100.0, "%") if percent else (1.0, "")
+    text = f"{k * s['mean']:.{digits}f}{unit}"
+    if s["sd"] is None:
+        return text
+    lo, hi = s["ci95"]
+    return text + f" ± {k * s['sd']:.{digits}f} [{k * lo:.{digits}f}, {k * hi:.{digits}f}]"
+
+
+st.subheader(f"Across {study['num_models']} models")
+st.caption("mean ± sample SD over models [95% Student t interval over models]")
+st.markdown("| condition | NLL (nats) | penalty vs correct | gap retention |\n|---|---|---|---|\n" + "\n".join(
+    f"| {c} | {cell(s['nll'])} | {'' if c == 'correct' else cell(s['penalty'])} | "
+    f"{cell(s['gap_retention'], 1, percent=True) if 'gap_retention' in s else ''} |" for c, s in conditions.items()))
+st.markdown(
+    f"- **Layer-identity share** of coefficient variance: {cell(summary['layer_identity_share'], 3)}\n"
+    f"- **Latency vs Dense twin**: {cell(summary['latency_ratio_vs_dense'], 3)}x\n"
+    f"- **Blocks executed** per token: {cell(summary['blocks_executed_fraction'], 3, percent=True)}; "
+    f"**controller FLOPs**: {cell(summary['controller_flops_share'], 3, percent=True)} of the forward"
+)
+
+st.subheader("Seeds")
+table = pd.DataFrame([{
+    "seed": r["seed"], "model": r["name"], "fingerprint": r["fingerprint"][:12], "NLL correct": r["nll"].get("correct"),
+    **{f"penalty {c}": r["penalty"].get(c) for c in conditions if c != "correct"},
+    **{f"retention {c}": r["gap_retention"].get(c) for c in retained},
+    "layer-id share": r["layer_identity_share"], "latency x": r["latency_ratio_vs_dense"],
+    "trained on": (r.get("training") or {}).get("device"), "audit": r["audit"],
+} for r in rows])
+st.dataframe(table, hide_index=True, key="study_table")
+
+st.subheader("Open one seed")
+by_path = {str(e.path): e for e in sel.entries if e.error is None}
+
+
+def evaluated_cache(row: dict) -> Path:
+    return (study_path.parent / row["evaluated_cache"]).resolve()
+
+
+def open_seed(index: int) -> None:
+    """Callback of the Open button: select the seed's evaluated cache in the sidebar, then switch pages."""
+    st.session_state[SIDEBAR_CACHE_KEY] = str(evaluated_cache(rows[index]))
+    st.session_state[OPEN_REQUEST] = True
+
+
+def seed_label(i: int) -> str:
+    seed = "?" if rows[i]["seed"] is None else rows[i]["seed"]
+    return f"seed {seed}: {rows[i]['name']} ({rows[i]['fingerprint'][:12]})"
+
+
+index = st.selectbox("Seed", list(range(len(rows))), key="study_seed", format_func=seed_label)
+row = rows[index]
+if str(evaluated_cache(row)) in by_path:
+    st.caption(f"Its evaluated cache `{label(evaluated_cache(row))}` is on this machine: opening it selects it in the "
+               "sidebar (with its model, calibration cache and audit) and shows the Overview.")
+    st.button("Open in the other pages", key="study_open", on_click=open_seed, args=(index,), type="primary")
+else:
+    audit_path = (study_path.parent / row["audit"]).resolve()
+    st.caption(f"Its caches are not on this machine (only its audit, `{label(audit_path)}`, was kept), so the "
+               "other pages cannot open it; its audit report follows. Regenerate models and caches with the study's "
+               "command (for the demo study: `python -m fca demo-study`).")
+    with guard("Audit report"):
+        st.markdown(render_markdown(resources.report(str(audit_path), resources.file_stamp(audit_path))))
+
+d1, d2 = st.columns(2)
+with d1:
+    download(table, "study_seeds.csv", "Seeds (CSV)", key="study_csv")
+with d2:
+    st.download_button("Study (Markdown)", studies.render_markdown(study), file_name="study.md", mime="text/markdown",
+                       key="study_md")

@@ -1,0 +1,378 @@
+"""Multi-seed studies: one table across independently trained models, from their audit reports.
+
+`build_study` takes audit reports (the dicts `fca.audit.run_audit` writes) of models that differ only
+in their training seed, checks that every report was made with the same definitions, and returns per
+quantity the mean, the sample standard deviation and a 95% Student t interval over models, beside the
+per-model rows. Pure functions over dicts plus small JSON/Markdown I/O: no torch, no UI, so the CLI's
+`study` command and the dashboard's Study page read studies without loading a model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+STUDY_VERSION = 1
+# Keys every audit report has (DESIGN.md, "Audit report"); anything else is passed through or optional.
+REPORT_KEYS = ("model", "conditions", "gap_retention", "variance", "execution", "definitions")
+# The fields that must agree for numbers to be averaged: what was evaluated (corpus, split, window
+# length, sizes), how the conditions and statistics are defined (families, permutation seeds,
+# bootstrap settings), and where latency was measured. Dotted paths into the report. Not compared:
+# anything about exactness (its layout may change; every audit passed it or it would not exist) and
+# free text that only describes (e.g. the exactness definition).
+COMPARED_FIELDS = (
+    "fca_report_version",
+    "model.model_type", "model.parameters", "model.controller_parameters", "model.dtype",
+    "cache.split", "cache.corpus", "cache.sequences", "cache.seq_len", "cache.coefficient_dtype",
+    "calibration.split", "calibration.corpus", "calibration.tokens", "calibration.coefficient_dtype",
+    "execution.device", "execution.batch_shape", "execution.runs",
+    "definitions.nll", "definitions.penalty", "definitions.gap_retention", "definitions.conditions",
+    "definitions.condition_specs", "definitions.global_mean_families", "definitions.splits",
+    "definitions.layer_identity_share", "definitions.controller_flops", "definitions.latency",
+    "definitions.coefficient",
+)
+# Compared only when both reports carry them (a training summary is optional in a report).
+OPTIONAL_FIELDS = ("training.split_seed", "training.steps", "training.batch_size", "training.corpus")
+# Scalars of a report aggregated beside the conditions: study key -> dotted path.
+SCALARS = {
+    "layer_identity_share": "variance.layer_identity_share",
+    "latency_ratio_vs_dense": "execution.latency_ratio_vs_dense",
+    "blocks_executed_fraction": "execution.blocks_executed_fraction",
+    "blocks_executed_per_token": "execution.blocks_executed_per_token",
+    "controller_flops_share": "execution.controller_flops_share",
+}
+# Two-sided 95% Student t quantiles t(0.975, df) for df = 1..30 (standard tables, 6 decimals).
+_T975 = (12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004, 2.262157, 2.228139,
+         2.200985, 2.178813, 2.160369, 2.144787, 2.131450, 2.119905, 2.109816, 2.100922, 2.093024, 2.085963,
+         2.079614, 2.073873, 2.068658, 2.063899, 2.059539, 2.055529, 2.051831, 2.048407, 2.045230, 2.042272)
+_Z975 = 1.959963984540054
+
+
+class StudyError(ValueError):
+    """Audits that cannot be put in one study (not reports, different definitions, the same model twice)."""
+
+
+def t_quantile_975(df: int) -> float:
+    """t(0.975, df): from the table up to 30 degrees of freedom, beyond by the Cornish-Fisher expansion
+    around the normal quantile (error below 1e-6 there)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z, v = _Z975, float(df)
+    return (z + (z**3 + z) / (4 * v) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3)
+            + (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * v**4))
+
+
+def spread(values: Sequence[float | None]) -> dict:
+    """Mean, sample SD (n - 1) and 95% t interval of the defined values; `n` counts those used.
+    With one value the SD and interval are None; with none, the mean is None too."""
+    xs = [float(x) for x in values if x is not None and math.isfinite(float(x))]
+    n = len(xs)
+    if n == 0:
+        return {"n": 0, "mean": None, "sd": None, "ci95": None}
+    mean = math.fsum(xs) / n
+    if n == 1:
+        return {"n": 1, "mean": mean, "sd": None, "ci95": None}
+    sd = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (n - 1))
+    half = t_quantile_975(n - 1) * sd / math.sqrt(n)
+    return {"n": n, "mean": mean, "sd": sd, "ci95": [mean - half, mean + half]}
+
+
+def field(report: dict, path: str, default=None):
+    """The value at a dotted path of a report, or `default` where any part is missing."""
+    value = report
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return default
+        value = value[key]
+    return value
+
+
+def load_audit(path: str | Path) -> dict:
+    """An audit report from disk, or a one-line StudyError naming the file."""
+    path = Path(path)
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise StudyError(f"{path}: not a readable audit report ({err})") from None
+    if not isinstance(report, dict):
+        raise StudyError(f"{path}: not an FCA audit report (a JSON {type(report).__name__}, not an object)")
+    missing = [k for k in REPORT_KEYS if k not in report]
+    if missing:
+        raise StudyError(f"{path}: not an FCA audit report (no {', '.join(repr(k) for k in missing)})")
+    if not field(report, "model.fingerprint"):
+        raise StudyError(f"{path}: not an FCA audit report (no model fingerprint)")
+    return report
+
+
+def training_info(report: dict, audit_path: str | Path | None = None) -> dict:
+    """Seed and training summary of the audited model: the report's own `training` entry, else the
+    model directory beside the report (`<audit dir>/<model name>/training_log.json` or `config.json`).
+    Empty when neither is there (a study does not need it; rows then show no seed)."""
+    if isinstance(report.get("training"), dict):
+        return dict(report["training"])
+    if audit_path is None:
+        return {}
+    model_dir = Path(audit_path).parent / str(field(report, "model.name", ""))
+    log = _read_json(model_dir / "training_log.json")
+    if log is not None:
+        return summarize_training_log(log)
+    config = _read_json(model_dir / "config.json") or {}
+    return {"seed": config["init_seed"]} if "init_seed" in config else {}
+
+
+def summarize_training_log(log: dict) -> dict:
+    """The part of a `training_log.json` a study shows (seed, split, steps, device, throughput)."""
+    settings = log.get("settings", {})
+    out = {"seed": settings.get("seed"), "split_seed": settings.get("split_seed"), "steps": settings.get("steps"),
+           "batch_size": settings.get("batch_size"), "corpus": Path(str(log.get("corpus", ""))).name or None,
+           "device": log.get("device", "cpu"), "precision": log.get("precision", "float32"),
+           "tokens_per_second": log.get("tokens_per_second"), "train_seconds": log.get("train_seconds"),
+           "final_eval_nll": log.get("final_eval_nll")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _short(value) -> str:
+    text = "absent" if value is _MISSING else json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= 70 else text[:67] + "..."
+
+
+_MISSING = object()
+
+
+def check_comparable(audits: Sequence[tuple[str, dict]]) -> None:
+    """Raise StudyError (one line, the field and both files) unless every audit was made with the same
+    definitions as the first, and no model appears twice."""
+    if not audits:
+        raise StudyError("a study needs at least one audit report")
+    first_name, first = audits[0]
+    seen: dict[str, str] = {}
+    for name, report in audits:
+        fingerprint = field(report, "model.fingerprint")
+        if fingerprint in seen:
+            raise StudyError(f"{name}: the same model (fingerprint {fingerprint[:16]}) as {seen[fingerprint]}; "
+                             "a study needs independently trained models")
+        seen[fingerprint] = name
+        if sorted(report["conditions"]) != sorted(first["conditions"]):
+            a, b = _short(sorted(first["conditions"])), _short(sorted(report["conditions"]))
+            raise StudyError(f"conditions differ between {first_name} ({a}) and {name} ({b})")
+        if (report.get("dense") is None) != (first.get("dense") is None):
+            raise StudyError(f"dense twin differs between {first_name} and {name}: "
+                             "one was audited with a Dense twin, the other without")
+        checks = [(f, False) for f in COMPARED_FIELDS] + [(f, True) for f in OPTIONAL_FIELDS]
+        for path, optional in checks:
+            a, b = field(first, path, _MISSING), field(report, path, _MISSING)
+            if optional and (a is _MISSING or b is _MISSING):
+                continue
+            if a != b:
+                raise StudyError(f"{path} differs between {first_name} ({_short(a)}) and {name} ({_short(b)}); "
+                                 "a study averages audits made with the same definitions only")
+
+
+def seed_row(report: dict, audit: str, training: dict) -> dict:
+    """One model's line of the study: identity, seed, and the numbers the summary averages."""
+    conditions = report["conditions"]
+    return {
+        "audit": audit,
+        "name": field(report, "model.name"),
+        "fingerprint": field(report, "model.fingerprint"),
+        "seed": training.get("seed"),
+        "parameters": field(report, "model.parameters"),
+        "dense_fingerprint": field(report, "dense.fingerprint"),
+        "evaluated_cache": str(Path(audit).parent / str(field(report, "cache.path", "eval"))),
+        "cache_fingerprint": field(report, "cache.fingerprint"),
+        "nll": {c: row["nll"] for c, row in conditions.items()},
+        "penalty": {c: row["penalty"] for c, row in conditions.items()},
+        "penalty_ci95": {c: row.get("penalty_ci95") for c, row in conditions.items()},
+        "gap_retention": dict(report.get("gap_retention") or {}),
+        **{key: field(report, path) for key, path in SCALARS.items()},
+        "training": training,
+        "exactness": report.get("exactness"),  # passed through as the audit wrote it
+    }
+
+
+def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | None = None) -> dict:
+    """The study of `audits` [(name or path shown in the study, report)], in the given order.
+    `trainings`: each model's training summary (see `training_info`), or None for none."""
+    check_comparable(audits)
+    trainings = list(trainings) if trainings is not None else [training_info(r) for _, r in audits]
+    rows = [seed_row(report, name, training) for (name, report), training in zip(audits, trainings, strict=True)]
+    names = list(audits[0][1]["conditions"])
+    retained = [c for c in names if any(c in r["gap_retention"] for r in rows)]
+    summary = {
+        "conditions": {
+            c: {"nll": spread([r["nll"][c] for r in rows]), "penalty": spread([r["penalty"][c] for r in rows]),
+                **({"gap_retention": spread([r["gap_retention"].get(c) for r in rows])} if c in retained else {})}
+            for c in names
+        },
+        **{key: spread([r[key] for r in rows]) for key in SCALARS},
+    }
+    first = audits[0][1]
+    return {
+        "fca_study_version": STUDY_VERSION,
+        "num_models": len(rows),
+        "summary": summary,
+        "seeds": rows,
+        "definitions": {
+            "unit": "one model (an independent training run, usually one seed) is one observation",
+            "mean": "arithmetic mean over models",
+            "sd": "sample standard deviation over models (denominator n - 1); null for one model",
+            "ci95": "two-sided 95% Student t interval for the mean over models: "
+                    "mean +/- t(0.975, n - 1) * sd / sqrt(n); "
+                    "null for one model. It reflects seed-to-seed variation only; each audit's own bootstrap CI over "
+                    "sequences is in its per-model row",
+            "gap_retention": "averaged over the models where it is defined; n says how many",
+            "compared_fields": "audits are refused unless these agree: " + ", ".join(COMPARED_FIELDS)
+                               + "; and, where both reports have them, " + ", ".join(OPTIONAL_FIELDS),
+            "audit": {path: field(first, path) for path in COMPARED_FIELDS},
+        },
+    }
+
+
+def study_from_files(paths: Sequence[str | Path], relative_to: str | Path | None = None) -> dict:
+    """Load, check and aggregate audit files. Rows name each audit relative to `relative_to` (the
+    study's folder, so the study can be moved with its audits), else as given."""
+    audits, trainings = [], []
+    for path in paths:
+        report = load_audit(path)
+        shown = str(path) if relative_to is None else os.path.relpath(Path(path).resolve(), Path(relative_to).resolve())
+        audits.append((shown, report))
+        trainings.append(training_info(report, path))
+    try:
+        return build_study(audits, trainings)
+    except StudyError as err:
+        if relative_to is None:
+            raise
+        raise StudyError(f"{err} (paths relative to {relative_to})") from None
+
+
+def _pm(s: dict | None, digits: int = 4, percent: bool = False, of: int | None = None) -> str:
+    """'mean ± sd [lo, hi]' of a spread, in percent if asked; '(n=k)' when only k of `of` models count."""
+    if not s or s["mean"] is None:
+        return "n/a"
+    k = 100.0 if percent else 1.0
+    unit = "%" if percent else ""
+    text = f"{k * s['mean']:.{digits}f}{unit}"
+    if s["sd"] is not None:
+        lo, hi = s["ci95"]
+        text += f" ± {k * s['sd']:.{digits}f}{unit} [{k * lo:.{digits}f}{unit}, {k * hi:.{digits}f}{unit}]"
+    return text + (f" (n={s['n']})" if of is not None and s["n"] != of else "")
+
+
+def _num(x, digits: int = 4, percent: bool = False) -> str:
+    if x is None:
+        return "n/a"
+    return f"{100 * x:.{digits}f}%" if percent else f"{x:.{digits}f}"
+
+
+def render_markdown(study: dict) -> str:
+    """The study as a page for papers and READMEs: across-model table, then one row per model."""
+    rows, summary, n = study["seeds"], study["summary"], study["num_models"]
+    audit = study["definitions"]["audit"]
+    lines = [
+        f"# FCA study: {n} model{'s' if n != 1 else ''}",
+        "",
+        f"Model type `{audit.get('model.model_type')}`, {audit.get('model.parameters') or 0:,} parameters each; "
+        f"evaluated on the {audit.get('cache.split')} split of `{audit.get('cache.corpus')}` "
+        f"({audit.get('cache.sequences')} x {audit.get('cache.seq_len')} tokens), static profiles from the "
+        f"{audit.get('calibration.split')} split ({audit.get('calibration.tokens') or 0:,} tokens). "
+        f"Seeds: {', '.join('?' if r['seed'] is None else str(r['seed']) for r in rows)}.",
+        "",
+        "Each cell: mean ± sample SD over models [95% Student t interval over models].",
+        "",
+        "## Functional dependence",
+        "",
+        "| condition | NLL (nats) | penalty vs correct (nats) | gap retention |",
+        "|---|---|---|---|",
+    ]
+    for name, s in summary["conditions"].items():
+        retention = _pm(s["gap_retention"], 1, percent=True, of=n) if "gap_retention" in s else ""
+        penalty = _pm(s["penalty"]) if name != "correct" else ""
+        lines.append(f"| {name} | {_pm(s['nll'])} | {penalty} | {retention} |")
+    lines += [
+        "",
+        "## Variation and execution",
+        "",
+        "| quantity | across models |",
+        "|---|---|",
+        f"| layer-identity share of coefficient variance | {_pm(summary['layer_identity_share'], 3)} |",
+        f"| latency vs Dense twin (x) | {_pm(summary['latency_ratio_vs_dense'], 3, of=n)} |",
+        f"| blocks executed per token (fraction) | {_pm(summary['blocks_executed_fraction'], 3)} |",
+        f"| controller FLOPs (share of forward) | {_pm(summary['controller_flops_share'], 5)} |",
+        "",
+        "## Per model",
+        "",
+    ]
+    conditions = list(summary["conditions"])
+    penalized = [c for c in conditions if c != "correct"]
+    retained = [c for c in conditions if "gap_retention" in summary["conditions"][c]]
+    header = (["seed", "model", "fingerprint", "NLL correct"] + [f"penalty {c}" for c in penalized]
+              + [f"retention {c}" for c in retained] + ["layer-id share", "latency x", "audit"])
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        cells = ([str(r["seed"]) if r["seed"] is not None else "?", str(r["name"]), f"`{r['fingerprint'][:12]}`",
+                  _num(r["nll"].get("correct"))]
+                 + [_num(r["penalty"].get(c)) for c in penalized]
+                 + [_num(r["gap_retention"].get(c), 1, percent=True) for c in retained]
+                 + [_num(r["layer_identity_share"], 3), _num(r["latency_ratio_vs_dense"], 3), f"`{r['audit']}`"])
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Definitions", ""]
+    for key, value in study["definitions"].items():
+        if key != "audit":
+            lines.append(f"- **{key}**: {value}")
+    shared = ("definitions.penalty", "definitions.gap_retention", "definitions.layer_identity_share",
+              "definitions.latency")
+    for key in shared:
+        if audit.get(key):
+            lines.append(f"- **{key.split('.', 1)[1]}** (each audit): {audit[key]}")
+    return "\n".join(lines) + "\n"
+
+
+def write_study(study: dict, json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
+    """Write the study as JSON and/or Markdown, each through a temporary file renamed into place."""
+    outputs = ((json_path, lambda: json.dumps(study, indent=1)), (markdown_path, lambda: render_markdown(study)))
+    for path, render in outputs:
+        if path is None:
+            continue
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(render())
+        tmp.replace(path)
+
+
+def find_studies(roots: Sequence[str | Path]) -> list[Path]:
+    """Study files under the dashboard's roots: `<root>/study.json` and `<root>/<folder>/study.json`
+    (e.g. `cache/demo-study/study.json`), sorted; the layout the Study page documents."""
+    found: set[Path] = set()
+    for root in roots:
+        root = Path(root)
+        for candidate in [root / "study.json", *sorted(root.glob("*/study.json"))]:
+            if candidate.is_file():
+                found.add(candidate.resolve())
+    return sorted(found)
+
+
+def load_study(path: str | Path) -> dict:
+    """A study written by `write_study`, or a one-line StudyError naming the file."""
+    path = Path(path)
+    try:
+        study = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise StudyError(f"{path}: not a readable study ({err})") from None
+    if not isinstance(study, dict) or "fca_study_version" not in study or "seeds" not in study:
+        raise StudyError(f"{path}: not an FCA study (no 'fca_study_version' or 'seeds')")
+    return study

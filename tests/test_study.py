@@ -1,0 +1,303 @@
+"""Multi-seed studies: the aggregation on hand-made audits (means, sample SDs, t intervals computed by
+hand), refusal of audits made with other definitions, the `study` CLI, the Markdown page, the training
+path shared by CPU and CUDA (smoke test: loss falls, a seed gives the same weights twice), and
+`demo-study` end to end on a tiny configuration (real training, caches and audits)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fca import study
+from fca.cli import main
+from fca.study import StudyError, build_study, spread, t_quantile_975
+
+# ------------------------------------------------------------------ hand-made audits
+
+
+def hand_audit(fingerprint: str, correct: float, static: float, global_mean: float, retention: float | None,
+               share: float, latency: float | None, seed: int | None = None) -> dict:
+    """The parts of an audit report a study reads, with the report's real key layout."""
+    conditions = {"correct": correct, "cross_input": global_mean - 0.01, "static_layer": static,
+                  "global_mean": global_mean}
+    report = {
+        "fca_report_version": 1,
+        "model": {"name": "featuregate", "model_type": "featuregate", "fingerprint": fingerprint, "parameters": 1000,
+                  "controller_parameters": 10, "dtype": "float32", "device": "cpu"},
+        "cache": {"path": "eval", "split": "eval", "corpus": "kjv.txt", "sequences": 8, "seq_len": 16, "tokens": 128,
+                  "coefficient_dtype": "float32", "fingerprint": "c" + fingerprint[1:]},
+        "calibration": {"path": "calibration", "split": "calibration", "corpus": "kjv.txt", "sequences": 8,
+                        "seq_len": 16, "tokens": 128, "coefficient_dtype": "float32"},
+        "dense": {"name": "dense", "fingerprint": "d" + fingerprint[1:], "parameters": 990},
+        "exactness": {"max_abs_logit_diff": 0.0, "mechanism": {"whatever": "passed through"}},
+        "conditions": {k: {"nll": v, "penalty": v - correct, "penalty_ci95": [v - correct - 0.01, v - correct + 0.01]}
+                       for k, v in conditions.items()},
+        "gap_retention": {"cross_input": 0.01, "static_layer": retention},
+        "variance": {"layer_identity_share": share, "per_site": {}},
+        "execution": {"blocks_executed_fraction": 1.0, "blocks_executed_per_token": 2.0,
+                      "controller_flops_share": 0.004, "latency_ratio_vs_dense": latency, "device": "cpu",
+                      "batch_shape": [8, 16], "runs": 7},
+        "definitions": {"penalty": "paired percentile bootstrap (2000 resamples, seed 0)",
+                        "splits": {"evaluated": "eval", "calibration": "calibration"},
+                        "global_mean_families": {"gate": ["blocks.0.gate", "blocks.1.gate"]},
+                        "conditions": {"static_layer": "per-site mean"}, "exactness": "free text, not compared"},
+    }
+    if seed is not None:
+        report["training"] = {"seed": seed, "split_seed": 0, "steps": 20, "device": "cpu"}
+    return report
+
+
+THREE = [
+    ("a.json", hand_audit("a" * 64, 3.0, static=3.5, global_mean=4.0, retention=0.5, share=0.2, latency=1.0, seed=0)),
+    ("b.json", hand_audit("b" * 64, 3.2, static=3.6, global_mean=4.2, retention=0.6, share=0.3, latency=1.1, seed=1)),
+    ("c.json", hand_audit("c" * 64, 3.4, static=4.1, global_mean=4.4, retention=0.3, share=0.4, latency=None, seed=2)),
+]
+
+
+def test_study_module_needs_no_torch_and_no_ui():
+    import subprocess
+    import sys
+
+    code = ("import sys, fca.study; bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'streamlit', 'plotly')];"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
+
+
+def test_t_quantiles_match_tables():
+    assert t_quantile_975(1) == pytest.approx(12.7062, abs=1e-4)
+    assert t_quantile_975(2) == pytest.approx(4.3027, abs=1e-4)
+    assert t_quantile_975(30) == pytest.approx(2.0423, abs=1e-4)
+    # Beyond the table: the expansion, against published values (df 40, 60, 120) and the normal limit.
+    assert t_quantile_975(40) == pytest.approx(2.021075, abs=1e-5)
+    assert t_quantile_975(60) == pytest.approx(2.000298, abs=1e-5)
+    assert t_quantile_975(120) == pytest.approx(1.979930, abs=1e-5)
+    assert t_quantile_975(10**6) == pytest.approx(1.959966, abs=1e-5)
+    with pytest.raises(ValueError):
+        t_quantile_975(0)
+
+
+def test_spread_by_hand():
+    s = spread([3.0, 3.2, 3.4])
+    # mean 3.2; SD sqrt((0.2^2 + 0 + 0.2^2) / 2) = 0.2; half-width t(0.975, 2) * 0.2 / sqrt(3) = 0.496827
+    assert s["n"] == 3 and s["mean"] == pytest.approx(3.2) and s["sd"] == pytest.approx(0.2)
+    assert s["ci95"] == pytest.approx([3.2 - 0.496827, 3.2 + 0.496827], abs=1e-6)
+    assert spread([0.7]) == {"n": 1, "mean": 0.7, "sd": None, "ci95": None}
+    assert spread([None, 2.0, 4.0]) == {"n": 2, "mean": 3.0, "sd": pytest.approx(math.sqrt(2)),
+                                        "ci95": pytest.approx([3.0 - 12.706205, 3.0 + 12.706205], abs=1e-5)}
+    assert spread([None])["mean"] is None
+
+
+def test_study_aggregates_hand_made_audits():
+    result = build_study(THREE)
+    summary = result["summary"]
+    assert result["num_models"] == 3 and [r["seed"] for r in result["seeds"]] == [0, 1, 2]
+    nll = summary["conditions"]["correct"]["nll"]
+    assert (nll["mean"], nll["sd"]) == (pytest.approx(3.2), pytest.approx(0.2))
+    # static_layer penalties 0.5, 0.4, 0.7: mean 0.533333, SD sqrt((0.033^2 + 0.133^2 + 0.167^2) / 2) = 0.152753
+    penalty = summary["conditions"]["static_layer"]["penalty"]
+    assert penalty["mean"] == pytest.approx(0.533333, abs=1e-6) and penalty["sd"] == pytest.approx(0.152753, abs=1e-6)
+    half = 4.302653 * 0.152753 / math.sqrt(3)  # 0.379460
+    assert penalty["ci95"] == pytest.approx([0.533333 - half, 0.533333 + half], abs=1e-5)
+    retention = summary["conditions"]["static_layer"]["gap_retention"]  # 0.5, 0.6, 0.3: the same spread shape
+    assert retention["mean"] == pytest.approx(0.466667, abs=1e-6)
+    assert retention["sd"] == pytest.approx(0.152753, abs=1e-6)
+    assert "gap_retention" not in summary["conditions"]["correct"]
+    share = summary["layer_identity_share"]
+    assert share["mean"] == pytest.approx(0.3) and share["sd"] == pytest.approx(0.1)
+    latency = summary["latency_ratio_vs_dense"]  # one audit has no latency: averaged over the other two
+    assert latency["n"] == 2 and latency["mean"] == pytest.approx(1.05)
+    assert latency["sd"] == pytest.approx(math.sqrt(0.005))
+    assert summary["controller_flops_share"]["sd"] == pytest.approx(0.0)
+    row = result["seeds"][1]
+    assert row["fingerprint"] == "b" * 64 and row["nll"]["static_layer"] == 3.6 and row["penalty_ci95"]["static_layer"]
+    assert row["exactness"] == THREE[1][1]["exactness"]  # passed through untouched
+    assert "t(0.975, n - 1)" in result["definitions"]["ci95"]
+    json.dumps(result)  # JSON-ready
+
+
+@pytest.mark.parametrize("path, value", [
+    ("calibration.split", "train"),
+    ("cache.seq_len", 32),
+    ("definitions.global_mean_families", {"gate": ["blocks.0.gate"], "other": ["blocks.1.gate"]}),
+    ("definitions.penalty", "paired percentile bootstrap (1000 resamples, seed 0)"),
+    ("cache.corpus", "other.txt"),
+    ("execution.device", "cuda:0"),
+    ("training.split_seed", 1),
+])
+def test_refuses_audits_with_other_definitions(path, value):
+    other = copy.deepcopy(THREE[1][1])
+    target = other
+    *parents, last = path.split(".")
+    for key in parents:
+        target = target[key]
+    target[last] = value
+    with pytest.raises(StudyError) as err:
+        build_study([THREE[0], ("odd.json", other)])
+    message = str(err.value)
+    assert path in message and "a.json" in message and "odd.json" in message and "\n" not in message
+
+
+def test_refuses_other_conditions_and_the_same_model_twice():
+    fewer = copy.deepcopy(THREE[1][1])
+    del fewer["conditions"]["cross_input"]
+    with pytest.raises(StudyError, match="conditions differ between a.json .* and fewer.json"):
+        build_study([THREE[0], ("fewer.json", fewer)])
+    with pytest.raises(StudyError, match="again.json: the same model .* as a.json"):
+        build_study([THREE[0], ("again.json", copy.deepcopy(THREE[0][1]))])
+    no_training = copy.deepcopy(THREE[1][1])
+    del no_training["training"]  # an optional field missing on one side is not a difference
+    assert build_study([THREE[0], ("b.json", no_training)])["seeds"][1]["seed"] is None
+
+
+def test_markdown_page():
+    text = study.render_markdown(build_study(THREE))
+    assert text.startswith("# FCA study: 3 models")
+    assert "| correct | 3.2000 ± 0.2000 [2.7032, 3.6968] |  |  |" in text
+    assert "| static_layer | 3.7333 ± " in text and "46.7% ± 15.3% [8.7%, 84.6%]" in text
+    assert "| latency vs Dense twin (x) | 1.050 ± 0.071 [0.415, 1.685] (n=2) |" in text
+    assert "| 2 | featuregate | `cccccccccccc` | 3.4000 |" in text and "t(0.975, n - 1)" in text
+
+
+def _write(tmp_path: Path, audits) -> list[str]:
+    paths = []
+    for name, report in audits:
+        (tmp_path / name).write_text(json.dumps(report))
+        paths.append(str(tmp_path / name))
+    return paths
+
+
+def test_cli_study_writes_json_and_markdown(tmp_path, capsys):
+    paths = _write(tmp_path, THREE)
+    out = tmp_path / "study" / "study.json"
+    assert main(["study", *paths, "--json", str(out), "--markdown", str(out.with_suffix(".md"))]) == 0
+    written = json.loads(out.read_text())
+    assert written["summary"] == json.loads(json.dumps(build_study(THREE)["summary"]))
+    assert [r["audit"] for r in written["seeds"]] == ["../a.json", "../b.json", "../c.json"]  # relative to the study
+    assert out.with_suffix(".md").read_text().startswith("# FCA study: 3 models")
+    assert "3 models, static_layer gap retention mean 46.7%" in capsys.readouterr().out
+
+
+def test_cli_study_rejects_a_non_report_in_one_line(tmp_path, capsys):
+    paths = _write(tmp_path, THREE[:1])
+    (tmp_path / "config.json").write_text(json.dumps({"d_model": 32}))
+    assert main(["study", paths[0], str(tmp_path / "config.json"), "--json", str(tmp_path / "s.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fca: error:") and "config.json: not an FCA audit report" in err and "\n" not in err
+    (tmp_path / "broken.json").write_text("{not json")
+    assert main(["study", str(tmp_path / "broken.json")]) == 2
+    assert "broken.json: not a readable audit report" in capsys.readouterr().err
+    assert not (tmp_path / "s.json").exists()
+
+
+# ------------------------------------------------------------------ training: the path CUDA shares
+
+
+def test_training_smoke_is_deterministic_and_learns(tmp_path):
+    from safetensors.torch import load_file
+
+    from fca.models.featuregate import FeatureGateConfig
+    from fca.train import TrainSettings, precision_for, train
+    from tests.helpers import TINY, write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    settings = TrainSettings(steps=25, batch_size=8, lr=3e-3, warmup=5, eval_every=10, eval_windows=8,
+                             final_eval_windows=8, vocab_size=300, seed=7)
+    logs = [train(corpus, tmp_path / name, FeatureGateConfig(**TINY), settings, show_progress=False)
+            for name in ("a", "b")]
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and (a[k] == b[k]).all() for k in a)
+    assert all(t.dtype.is_floating_point and t.dtype.itemsize == 4 for t in a.values())  # float32 checkpoint
+    history = logs[0]["history"]
+    assert len(history) == 25 and history[0]["loss"] > history[-1]["loss"] + 0.5
+    assert [h["loss"] for h in history] == [h["loss"] for h in logs[1]["history"]]
+    log = json.loads((tmp_path / "a" / "training_log.json").read_text())
+    assert log["device"] == "cpu" and log["precision"] == "float32" and log["optimizer"] == "AdamW"
+    assert log["tokens_seen"] == 25 * 8 * TINY["max_seq_len"] and log["tokens_per_second"] > 0
+    cpu = precision_for("cpu")
+    assert cpu.autocast is None and not cpu.fused_optimizer and not cpu.deterministic
+    other_seed = train(corpus, tmp_path / "c", FeatureGateConfig(**TINY), replace(settings, seed=8),
+                       show_progress=False)
+    assert other_seed["history"][0]["loss"] != history[0]["loss"]
+
+
+# ------------------------------------------------------------------ demo-study end to end (tiny)
+
+_BUILT: dict[str, Path] = {}
+
+
+def build_tiny_study(tmp_path_factory) -> Path:
+    """`make_demo_study` on the generated corpus with a 2-layer model: seeds 1 and 2, each trained
+    (gated and dense), cached and audited for real. Built once per test session (also used by the
+    Study page's test)."""
+    if "root" not in _BUILT:
+        from fca.demo import make_demo_study
+        from fca.train import TrainSettings
+        from tests.helpers import TINY, write_corpus
+
+        root = tmp_path_factory.mktemp("tiny_study")
+        corpus = write_corpus(root / "corpus.txt")
+        settings = TrainSettings(steps=15, batch_size=8, lr=3e-3, warmup=3, eval_every=15, eval_windows=8,
+                                 final_eval_windows=8, vocab_size=300)
+        make_demo_study(root / "study", corpus, [1, 2], include=[], config=TINY, settings=settings, num_seqs=8,
+                        show_progress=False)
+        _BUILT["root"] = root
+    return _BUILT["root"] / "study"
+
+
+@pytest.fixture(scope="session")
+def tiny_study(tmp_path_factory) -> Path:
+    return build_tiny_study(tmp_path_factory)
+
+
+def test_demo_study_end_to_end(tiny_study, tiny_demo, tmp_path, capsys):
+    written = json.loads((tiny_study / "study.json").read_text())
+    assert written["num_models"] == 2 and [r["seed"] for r in written["seeds"]] == [1, 2]
+    for seed in (1, 2):
+        seed_dir = tiny_study / f"seed{seed}"
+        report = json.loads((seed_dir / "audit.json").read_text())
+        assert report["training"]["seed"] == seed and report["training"]["device"] == "cpu"
+        assert (seed_dir / "audit.md").is_file() and (seed_dir / "eval" / "manifest.json").is_file()
+        row = written["seeds"][seed - 1]
+        assert row["audit"] == f"seed{seed}/audit.json" and row["evaluated_cache"] == f"seed{seed}/eval"
+        assert row["nll"] == {k: v["nll"] for k, v in report["conditions"].items()}
+    assert written["seeds"][0]["fingerprint"] != written["seeds"][1]["fingerprint"]
+    assert written["summary"]["conditions"]["static_layer"]["penalty"]["n"] == 2
+    assert (tiny_study / "study.md").read_text().startswith("# FCA study: 2 models")
+    # The study command over the same audits gives the same study.
+    out = tmp_path / "again" / "study.json"
+    audits = [str(tiny_study / f"seed{s}" / "audit.json") for s in (1, 2)]
+    assert main(["study", *audits, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["summary"] == written["summary"]
+    # A real audit of another setup (the fixture's demo: another corpus, untrained models) is refused by name.
+    assert main(["study", *audits, str(tiny_demo / "audit.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "differs between" in err and "seed1/audit.json" in err and "audit.json" in err and "\n" not in err
+
+
+def test_demo_study_command_defaults_are_the_demo_configuration(monkeypatch, tmp_path):
+    """`python -m fca demo-study` with no size flags must train exactly what `fca demo` trained (seed 0
+    of the study is the shipped demo); the flags reach `make_demo_study`."""
+    from fca import demo
+    from fca.train import TrainSettings
+
+    seen = {}
+    def fake(*args, **kwargs) -> dict:
+        seen.update(args=args, **kwargs)
+        return build_study(THREE)
+
+    monkeypatch.setattr(demo, "make_demo_study", fake)
+    assert main(["demo-study", "--out", str(tmp_path)]) == 0
+    assert seen["args"][2] == [1, 2] and seen["include"] == [Path("cache/demo/audit.json")]
+    assert {k: seen["config"][k] for k in demo.DEMO_CONFIG} == demo.DEMO_CONFIG
+    assert seen["config"]["controller"] == "linear" and seen["config"]["granularity"] == "group"
+    assert seen["settings"] == TrainSettings() and seen["num_seqs"] == demo.DEMO_SEQS
+    assert seen["device"] == "cpu" and seen["audit_device"] == "cpu"
+    flags = ["--seeds", "4", "--device", "cuda", "--include", "--d-model", "512"]
+    assert main(["demo-study", "--out", str(tmp_path), *flags]) == 0
+    assert seen["args"][2] == [4] and seen["include"] == [] and seen["device"] == "cuda"
+    assert seen["config"]["d_model"] == 512

@@ -1,0 +1,108 @@
+"""The Study page (AppTest, as in tests/test_app.py): a study of real tiny audits shows its table and
+figure; the seed picker opens a seed's cache in the other pages, or shows its audit when only the
+audit was kept; with no study the page says how to make one. Plus the page's pure figure."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tests.test_app import app_for, no_exceptions, render
+from tests.test_study import build_tiny_study
+
+PAGE = "views/study.py"
+
+
+@pytest.fixture(scope="session")
+def tiny_study(tmp_path_factory) -> Path:
+    return build_tiny_study(tmp_path_factory)
+
+
+def pick_study(at, study_dir: Path):
+    """Choose `study_dir`'s study in the page's selectbox (the repository's own cache/ may hold others)."""
+    return at.selectbox(key="study_file").set_value(str((study_dir / "study.json").resolve())).run()
+
+
+def test_study_page_shows_seeds_and_opens_a_seed_in_the_other_pages(tiny_study, monkeypatch):
+    at = render(app_for(monkeypatch, [tiny_study], tiny_study / "seed1" / "eval"), PAGE)
+    no_exceptions(at)
+    pick_study(at, tiny_study)
+    no_exceptions(at)
+    assert not at.error, [e.value for e in at.error]
+    assert at.title[0].value == "Study across seeds"
+    study = json.loads((tiny_study / "study.json").read_text())
+    table = at.dataframe[0].value
+    assert table["seed"].tolist() == [1, 2]
+    assert table["NLL correct"].tolist() == [r["nll"]["correct"] for r in study["seeds"]]
+    chart = json.loads(at.get("plotly_chart")[0].proto.spec)
+    seeds = [t for t in chart["data"] if t["name"].startswith("seed ")]
+    assert [t["name"] for t in seeds] == ["seed 1", "seed 2"]  # one point per seed and condition
+    assert seeds[1]["y"] == [study["seeds"][1]["gap_retention"][c] for c in seeds[1]["x"]]
+    # Pick seed 2 and open it: the sidebar now selects its evaluated cache and the Overview shows it.
+    at.selectbox(key="study_seed").set_value(1).run()
+    at.button(key="study_open").click().run()
+    no_exceptions(at)
+    assert at.session_state["cache"] == str((tiny_study / "seed2" / "eval").resolve())
+    assert at.sidebar.selectbox(key="cache").value == str((tiny_study / "seed2" / "eval").resolve())
+    assert at.title[0].value == "Audit card" and len(at.metric) == 3
+    assert not at.error, [e.value for e in at.error]
+
+
+def test_a_seed_without_caches_shows_its_audit_in_place(tiny_study, tmp_path, monkeypatch):
+    """The committed form of a study: study.json, study.md and each seed's audit, no models or caches."""
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for name in ("study.json", "study.md"):
+        shutil.copy(tiny_study / name, kept / name)
+    for seed in (1, 2):
+        (kept / f"seed{seed}").mkdir()
+        shutil.copy(tiny_study / f"seed{seed}" / "audit.json", kept / f"seed{seed}" / "audit.json")
+    at = render(app_for(monkeypatch, [tmp_path]), PAGE)
+    assert "kept/study.json" in at.selectbox(key="study_file").options  # labelled relative to its root
+    pick_study(at, kept)
+    no_exceptions(at)
+    assert not at.error, [e.value for e in at.error]
+    assert not any(b.key == "study_open" for b in at.button), "nothing to open: no cache of this seed here"
+    shown = "\n".join(m.value for m in at.markdown)
+    fingerprint = json.loads((kept / "seed1" / "audit.json").read_text())["model"]["fingerprint"]
+    assert "# FCA audit: featuregate" in shown and fingerprint[:16] in shown
+
+
+def test_no_study_explains_how_to_make_one(tmp_path, monkeypatch):
+    from fca import study
+
+    monkeypatch.setattr(study, "find_studies", lambda roots: [])  # the repository's cache/ may hold a study
+    at = render(app_for(monkeypatch, [tmp_path]), PAGE)
+    no_exceptions(at)
+    assert any("No study found" in i.value for i in at.info)
+    assert any("python -m fca demo-study" in c.value for c in at.code)
+
+
+def test_a_file_that_is_not_a_study_is_an_error_not_a_crash(tmp_path, monkeypatch):
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "study.json").write_text(json.dumps({"hello": 1}))
+    at = render(app_for(monkeypatch, [tmp_path]), PAGE)
+    pick_study(at, tmp_path / "odd")
+    no_exceptions(at)
+    assert any("not an FCA study" in e.value for e in at.error)
+
+
+def test_study_retention_figure_is_pure_and_titled():
+    from app import figures
+
+    points = pd.DataFrame({"condition": ["static_layer", "cross_input"] * 2, "seed": ["0", "0", "1", "1"],
+                           "retention": [0.42, 0.01, 0.5, None]})
+    summary = pd.DataFrame({"condition": ["cross_input", "static_layer"], "mean": [0.01, 0.46], "lo": [None, 0.2],
+                            "hi": [None, 0.72]})
+    fig = figures.study_retention(points, summary)
+    assert fig.layout.xaxis.title.text and fig.layout.yaxis.title.text
+    assert [t.name for t in fig.data][:2] == ["seed 0", "seed 1"]
+    assert list(fig.data[1].y) == [0.5]  # an undefined retention is left out, not drawn at 0
+    mean = fig.data[2]
+    assert list(mean.error_y.array) == pytest.approx([0.0, 0.26])
+    assert list(mean.error_y.arrayminus) == pytest.approx([0.0, 0.26])
+    assert fig.layout.yaxis.range[0] <= 0 and fig.layout.yaxis.range[1] >= 1
