@@ -1,15 +1,121 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, as one short script (a few minutes on one recent GPU):
-#   bash bench/gpu_checks.sh OUT_DIR
-# 1. the performance ratios on CUDA (batched conditions are a GPU property: on a CPU the forward is
-#    compute-bound and five stacked conditions cost five times one);
-# 2. MUDDPythia at the 1.4B shapes in bfloat16 with random weights: exact Correct replay, capture vs
-#    live, and a streamed cache build (pinned buffers, writer thread) of 64 windows of 1,024 tokens.
-set -euo pipefail
+# Every check that needs a CUDA GPU, as one prepared script (about 13 minutes on one H200: exactness 4,
+# study 6, speed 3; name sections to stay within a shorter limit):
+#   bash bench/gpu_checks.sh OUT_DIR [SECTION ...]      sections: exactness study speed (default: all, in that order)
+# It needs the shipped demo and the corpus (data/kjv.txt, from `python -m fca corpus`).
+# OUT_DIR receives log.txt (everything printed), results.jsonl (one JSON object per measurement) and
+# the study's archives (demo-seedN-ARCH.tar.gz: trained models; big-study.tar.gz: the larger configuration's
+# audits and study). A failing step is logged and the next one runs.
+#
+# exactness  the shipped CPU-built demo audited on CUDA (accepted, fidelity reported); caches built and
+#            audited on CUDA (bit-identical); the drift between this machine's CPU and its GPU, float32
+#            and bfloat16, both ways, and on other batches than the build's (fca.fidelity's tolerances)
+# study      seeds 1 and 2 of the demo configuration trained on CUDA (cached and audited later on a CPU);
+#            a larger configuration trained for three seeds, each with its Dense twin, and audited
+# speed      the performance ratios on CUDA and MUDDPythia at the 1.4B shapes in bfloat16 (capture,
+#            replay and a streamed cache build vs live); the writer's scaling: bench/writer_scale.py
+set -uo pipefail
 out="${1:-gpu-checks}"
+shift || true
+sections="${*:-exactness study speed}"
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
+work=$(mktemp -d)
 export PYTHONUNBUFFERED=1
-python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
-python -m fca bench --device cuda --json "$out/bench_cuda.json"
-python -m bench.muddpythia_scale --device cuda --dtype bfloat16 --batch 8 --seq-len 1024 --rounds 3 --stream-seqs 64 \
-    --json "$out/muddpythia_cuda.json"
+exec > >(tee -a "$out/log.txt") 2>&1
+demo=cache/demo
+corpus=data/kjv.txt
+failed=0
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log its duration, go on after a failure
+  local name=$1 limit=$2 start
+  shift 2
+  start=$(date +%s)
+  echo "== $name"
+  if ! timeout "$limit" "$@"; then echo "!! $name failed or timed out"; failed=$((failed + 1)); fi
+  echo "== $name: $(($(date +%s) - start)) s"
+}
+record() {  # record NAME JSON_FILE: append {"name": NAME, ...file} to results.jsonl
+  [ -f "$2" ] && python -c "import json,sys; print(json.dumps({'name': sys.argv[1], **json.load(open(sys.argv[2]))}))" "$1" "$2" \
+    >>"$out/results.jsonl"
+}
+drift() {  # drift NAME ARGS...: bench.fidelity_drift, recorded
+  step "drift $1" 120 python -m bench.fidelity_drift --json "$work/$1.json" "${@:2}" && record "drift $1" "$work/$1.json"
+}
+build() {  # build DIR SPLIT DEVICE DTYPE NUM_SEQS
+  step "build $1" 240 python -m fca build-cache --model $demo/featuregate --corpus $corpus --split "$2" --out "$work/$1" \
+    --device "$3" --dtype "$4" --num-seqs "$5" --batch 16
+}
+
+# FCA_CHECK_DEVICE=cpu runs the same steps on the CPU: a dry run of this script where there is no GPU.
+gpu="${FCA_CHECK_DEVICE:-cuda}"
+if [ "$gpu" = cuda ]; then
+  python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(), torch.__version__)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+fi
+
+if [[ " $sections " == *" exactness "* ]]; then
+  step "demo audited on cuda" 240 python -m fca audit --model $demo/featuregate --cache $demo/eval --calibration $demo/calibration \
+    --dense $demo/dense --device $gpu --json "$work/demo_cuda.json"
+  record "audit: shipped demo (built on a CPU) on cuda" "$work/demo_cuda.json"
+  build cuda/eval eval $gpu float32 128
+  build cuda/calibration calibration $gpu float32 128
+  step "cuda-built caches audited on cuda" 240 python -m fca audit --model $demo/featuregate --cache "$work/cuda/eval" \
+    --calibration "$work/cuda/calibration" --device $gpu --json "$work/cuda_cuda.json"
+  record "audit: caches built on cuda, on cuda" "$work/cuda_cuda.json"
+  build cpu/eval eval cpu float32 64
+  build cpu-bf16/eval eval cpu bfloat16 64
+  build cuda-bf16/eval eval $gpu bfloat16 64
+  m=$demo/featuregate
+  drift cpu-to-cuda-fp32 --model $m --cache "$work/cpu/eval" --device $gpu
+  drift cuda-to-cpu-fp32 --model $m --cache "$work/cuda/eval" --device cpu
+  drift cpu-to-cuda-bf16 --model $m --cache "$work/cpu-bf16/eval" --device $gpu --dtype bfloat16
+  drift cuda-to-cpu-bf16 --model $m --cache "$work/cuda-bf16/eval" --device cpu --dtype bfloat16
+  drift cuda-other-batches-fp32 --model $m --cache "$work/cuda/eval" --device $gpu --batch 6
+  drift cuda-other-batches-bf16 --model $m --cache "$work/cuda-bf16/eval" --device $gpu --dtype bfloat16 --batch 6
+  drift demo-on-cuda-other-batches --model $m --cache $demo/eval --device $gpu --batch 6
+fi
+
+if [[ " $sections " == *" study "* ]]; then
+  # Seeds 1 and 2 of the demo configuration, trained here (bf16 autocast, fused AdamW). Their caches
+  # and audits are made on a CPU afterwards, like the shipped demo's: `python -m fca demo-study`
+  # finds the models in cache/demo-study/seedN/ (unpack the archives there) and skips training.
+  for seed in 1 2; do
+    for arch in featuregate dense; do
+      step "train demo seed $seed $arch" 150 python -m fca train --arch $arch --seed $seed --device $gpu --corpus $corpus \
+        --out "$work/demo-study/seed$seed/$arch"
+      tar -C "$work/demo-study" -czf "$out/demo-seed$seed-$arch.tar.gz" "seed$seed/$arch"
+    done
+  done
+  # A larger configuration (tens of millions of parameters) for three seeds, each with its Dense twin,
+  # cached and audited here. The corpus is the 4 MB King James Bible: it limits what such a model learns.
+  big=(--d-model 512 --layers 8 --heads 8 --mlp-groups 8 --seq-len 256 --vocab-size 8192 --steps 400)
+  for seed in 0 1 2; do
+    d="$work/big/seed$seed"
+    for arch in featuregate dense; do
+      step "train big seed $seed $arch" 150 python -m fca train --arch $arch --seed $seed --device $gpu --corpus $corpus \
+        --out "$d/$arch" "${big[@]}"
+    done
+    for split in eval calibration; do
+      step "build big seed $seed $split" 120 python -m fca build-cache --model "$d/featuregate" --corpus $corpus --split $split \
+        --out "$d/$split" --num-seqs 128 --device $gpu
+    done
+    step "audit big seed $seed" 150 python -m fca audit --model "$d/featuregate" --cache "$d/eval" --calibration "$d/calibration" \
+      --dense "$d/dense" --device $gpu --json "$d/audit.json" --markdown "$d/audit.md"
+    record "audit: larger configuration, seed $seed" "$d/audit.json"
+  done
+  step "big study" 60 python -m fca study "$work"/big/seed*/audit.json --json "$work/big/study.json" --markdown "$work/big/study.md"
+  record "study: larger configuration" "$work/big/study.json"
+  tar -C "$work" -czf "$out/big-study.tar.gz" --exclude='*.safetensors' --exclude='*.parquet' big
+fi
+
+if [[ " $sections " == *" speed "* ]]; then
+  step "bench on cuda" 300 python -m fca bench --device $gpu --json "$work/bench_cuda.json"
+  record "bench: demo model on cuda" "$work/bench_cuda.json"
+  step "muddpythia 1.4b bf16" 300 python -m bench.muddpythia_scale --device $gpu --dtype bfloat16 --batch 8 --seq-len 1024 \
+    --rounds 3 --stream-seqs 64 --json "$work/mudd.json"
+  record "muddpythia 1.4B shapes, bf16, 8 x 1024" "$work/mudd.json"
+fi
+
+echo "== done: $failed step(s) failed"
+rm -rf "$work"
