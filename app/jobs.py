@@ -1,7 +1,7 @@
 """A replay run in a background thread, so the page stays responsive and a Cancel button can stop it.
 
 The thread never touches Streamlit; the page polls `done`, `total`, `record` and `error`. Cancelling
-sets an event that `fca.runs.run_replay(should_stop=...)` checks between batches.
+sets an event that `fca.jobs.runs.run_replay(should_stop=...)` checks between batches.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fca.errors import Cancelled
+from fca.tables.errors import Cancelled
 
 
 @dataclass

@@ -22,8 +22,8 @@ st.set_page_config(page_title="FCA: Frozen-Controller Auditing", page_icon=":mat
 
 from app import resources  # noqa: E402
 from app.views.common import SELECTION_KEY, Selection  # noqa: E402
-from fca import catalog  # noqa: E402
-from fca.errors import CacheError  # noqa: E402
+from fca.tables import catalog  # noqa: E402
+from fca.tables.errors import CacheError  # noqa: E402
 
 PAGES = [
     st.Page("views/overview.py", title="Overview", icon=":material/fact_check:", url_path="overview", default=True),

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import streamlit as st
 
-from fca import catalog
-from fca.data import load_tokenizer
-from fca.profiles import cache_moments, profiles_from_moments, quantile_band
-from fca.stats import variance_decomposition
-from fca.store import Cache
-from fca.store import open_cache as _open_cache
+from fca.tables import catalog
+from fca.tables.data import load_tokenizer
+from fca.tables.profiles import cache_moments, profiles_from_moments, quantile_band
+from fca.tables.stats import variance_decomposition
+from fca.tables.store import Cache
+from fca.tables.store import open_cache as _open_cache
 
 if TYPE_CHECKING:  # pandas is imported where a DataFrame is built (the sidebar and Overview do without it)
     import pandas as pd
@@ -117,7 +117,7 @@ def decode_tokens(model_dir: str, ids: tuple[int, ...]) -> list[str]:
 def model(model_dir: str, device: str, stamp: str):
     """(model, weights fingerprint, lock). The lock serialises uses of one model object, since a replay
     changes its site modes for the duration of a forward."""
-    from fca.loading import (  # torch: only when a page needs the model
+    from fca.engine.loading import (  # torch: only when a page needs the model
         fingerprint_state,
         load_model,
     )
@@ -128,7 +128,7 @@ def model(model_dir: str, device: str, stamp: str):
 
 def model_bytes(model_dir: str | Path) -> int:
     """Size of a model's weights on disk (a sharded checkpoint: the total its index states)."""
-    from fca.loading import weights_path
+    from fca.engine.loading import weights_path
 
     path = weights_path(Path(model_dir))
     if path.name.endswith(".index.json"):
@@ -137,7 +137,7 @@ def model_bytes(model_dir: str | Path) -> int:
 
 
 def model_for(model_dir: str | Path, device: str):
-    from fca.loading import weights_path
+    from fca.engine.loading import weights_path
 
     return model(str(model_dir), device, file_stamp(weights_path(Path(model_dir))))
 

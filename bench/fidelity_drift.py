@@ -6,7 +6,7 @@
 Runs both exactness checks on the first sequences of the cache and prints the measured drift (cached vs
 recorded coefficients, Correct-from-cache vs live NLL) and the verdict, or the refusal with its reason.
 Unlike the audit it does not stop at a refusal: its purpose is to measure the drift that the fidelity
-tolerances (fca.fidelity.FOREIGN_TOLERANCES) are derived from.
+tolerances (fca.tables.fidelity.FOREIGN_TOLERANCES) are derived from.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 import fca
-from fca.conditions import Condition
-from fca.fidelity import FidelityError
-from fca.replay import check_exactness, run_conditions
-from fca.store import open_cache
+from fca.tables.conditions import Condition
+from fca.tables.fidelity import FidelityError
+from fca.engine.replay import check_exactness, run_conditions
+from fca.tables.store import open_cache
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 import fca
-from fca.models.muddpythia import MUDDPythiaConfig, build_random_model
+from fca.engine.models.muddpythia import MUDDPythiaConfig, build_random_model
 
 # The released MUDDPythia-1.4B config.json (Caiyun-AI/MUDDFormer, pytorch/muddpythia/config_1p4b.json):
 # the fields that set the shapes and the computation.
@@ -48,9 +48,9 @@ def timed(fn) -> tuple[float, object]:
 
 def stream_cache(model: torch.nn.Module, vocab: int, num_seqs: int, seq_len: int, batch: int, seed: int) -> dict:
     """Build a cache of random windows through the real writer; time it against plain forwards."""
-    from fca.capture import write_cache
-    from fca.sites import site_specs
-    from fca.store import cache_plan, open_cache
+    from fca.engine.capture import write_cache
+    from fca.engine.sites import site_specs
+    from fca.tables.store import cache_plan, open_cache
 
     windows = np.random.default_rng(seed).integers(0, vocab, (num_seqs, seq_len + 1))
     plan = cache_plan(site_specs(model), seq_len, num_seqs, model={"path": "random-1.4b", "fingerprint": "random"}, corpus={"split": "random"})

@@ -19,7 +19,7 @@ import argparse
 import json
 import os
 
-from fca.bench import writer_scaling
+from fca.jobs.bench import writer_scaling
 
 
 def main() -> None:

@@ -11,9 +11,9 @@ import os
 import sys
 from pathlib import Path
 
-from . import data
-from .loading import ModelLoadError
-from .store import CacheError
+from fca.tables import data
+from fca.engine.loading import ModelLoadError
+from fca.tables.store import CacheError
 
 # Errors that are the user's input, not our bug: reported as one line, exit code 2 (FCA_DEBUG=1 shows
 # the traceback instead).
@@ -39,8 +39,8 @@ def cmd_corpus(args: argparse.Namespace) -> None:
 
 
 def _train_one(args: argparse.Namespace, arch: str, seed: int, out: Path) -> dict:
-    from .models.featuregate import FeatureGateConfig
-    from .train import TrainSettings, train
+    from fca.engine.models.featuregate import FeatureGateConfig
+    from fca.jobs.train import TrainSettings, train
 
     config = FeatureGateConfig(
         d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, mlp_groups=args.mlp_groups,
@@ -71,8 +71,8 @@ def _dtype(name: str | None):
 
 
 def cmd_build_cache(args: argparse.Namespace) -> None:
-    from .capture import build_cache
-    from .store import open_cache
+    from fca.engine.capture import build_cache
+    from fca.tables.store import open_cache
 
     out = build_cache(args.model, args.corpus, args.split, args.out, num_seqs=args.num_seqs, seq_len=args.seq_len, batch_size=args.batch,
                       device=args.device, dtype=_dtype(args.dtype), split_seed=args.split_seed, text_column=args.text_column,
@@ -95,8 +95,8 @@ def _progress_bars():
 
 
 def cmd_audit(args: argparse.Namespace) -> None:
-    from .audit import render_markdown, run_audit, write_report
-    from .report import exactness_sentences
+    from fca.jobs.audit import render_markdown, run_audit, write_report
+    from fca.tables.report import exactness_sentences
 
     progress, bars = _progress_bars()
     try:
@@ -117,7 +117,7 @@ def cmd_audit(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from .audit import render_markdown, write_report
+    from fca.jobs.audit import render_markdown, write_report
 
     try:
         report = json.loads(Path(args.json).read_text())
@@ -130,8 +130,8 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
-    from .environment import describe
-    from .store import open_cache
+    from fca.tables.environment import describe
+    from fca.tables.store import open_cache
 
     cache = open_cache(args.cache, verify=args.verify)
     m = cache.manifest
@@ -148,8 +148,8 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 
 def cmd_replay(args: argparse.Namespace) -> None:
-    from .report import exactness_sentences
-    from .runs import run_replay
+    from fca.tables.report import exactness_sentences
+    from fca.jobs.runs import run_replay
 
     record = run_replay(args.model, args.cache, args.calibration, args.conditions, num_seqs=args.num_seqs, seed=args.seed,
                         device=args.device, batch_size=args.batch, save=not args.no_save, show_progress=True)
@@ -163,7 +163,7 @@ def cmd_replay(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from .bench import run_bench
+    from fca.jobs.bench import run_bench
 
     result = run_bench(args.model, args.corpus, device=args.device, show_progress=True)
     text = json.dumps(result, indent=1)
@@ -173,7 +173,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_study(args: argparse.Namespace) -> None:
-    from .study import render_markdown, study_from_files, write_study
+    from fca.tables.study import render_markdown, study_from_files, write_study
 
     out_dir = Path(args.json).parent if args.json else (Path(args.markdown).parent if args.markdown else None)
     study = study_from_files(args.audits, relative_to=out_dir)
@@ -189,10 +189,10 @@ def cmd_study(args: argparse.Namespace) -> None:
 
 
 def cmd_demo_study(args: argparse.Namespace) -> None:
-    from .demo import make_demo_study
-    from .study import render_markdown
+    from fca.jobs.demo import make_demo_study
+    from fca.tables.study import render_markdown
 
-    from .train import TrainSettings
+    from fca.jobs.train import TrainSettings
 
     # The size flags default to the demo configuration; other sizes make a study of their own (pass
     # `--include` with no file then: the shipped demo's audit is of another model size and is refused).
@@ -208,7 +208,7 @@ def cmd_demo_study(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from .demo import make_demo
+    from fca.jobs.demo import make_demo
 
     make_demo(Path(args.out), Path(args.corpus), steps=args.steps, retrain=args.retrain)
 
@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .replay import ExactnessError
+    from fca.engine.replay import ExactnessError
 
     try:
         args.func(args)

@@ -36,11 +36,11 @@ def _corpus(path: Path, paragraphs: int = 400, seed: int = 0) -> Path:
 def tiny_demo(tmp_path_factory) -> Path:
     import torch
 
-    from fca import data
-    from fca.audit import run_audit, write_report
-    from fca.capture import build_cache
-    from fca.loading import save_model
-    from fca.models.featuregate import FeatureGateConfig, build_featuregate
+    from fca.tables import data
+    from fca.jobs.audit import run_audit, write_report
+    from fca.engine.capture import build_cache
+    from fca.engine.loading import save_model
+    from fca.engine.models.featuregate import FeatureGateConfig, build_featuregate
 
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("tiny_demo")

@@ -16,15 +16,15 @@ import transformers
 from torch import nn
 
 import fca
-from fca.adapters import (
+from fca.engine.adapters import (
     SiteDeclaration,
     SiteDeclarationError,
     attach_sites,
     detach_sites,
 )
-from fca.loading import fingerprint_state
-from fca.models import expert_execution
-from fca.sites import find_sites, model_logits
+from fca.engine.loading import fingerprint_state
+from fca.engine.models import expert_execution
+from fca.engine.sites import find_sites, model_logits
 
 B, T, E, TOP_K, VOCAB = 2, 8, 4, 2, 100
 COMMON = dict(
@@ -123,7 +123,7 @@ def test_conditions_change_outputs_and_routing(moe, ids):
     for condition in (cross_input, static):
         assert (fca.replay(model, ids, condition) - correct).abs().max().item() > 1e-4
     # Top-k selection follows the replayed logits: one static profile routes every token alike.
-    from fca.sites import site_modes, tensor_provider
+    from fca.engine.sites import site_modes, tensor_provider
 
     with site_modes(model, "replay", provider=tensor_provider({k: torch.as_tensor(v) for k, v in static.items()})):
         frozen = expert_execution(model, ids)

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fca import catalog
+from fca.tables import catalog
 
 REPO = Path(__file__).resolve().parent.parent
 MAIN = str(REPO / "app" / "main.py")
@@ -46,7 +46,7 @@ def no_exceptions(at) -> None:
 
 
 def test_fca_imports_neither_streamlit_nor_plotly():
-    code = ("import sys, fca, fca.catalog, fca.runs, fca.audit, fca.profiles, fca.stats, fca.store, fca.execution;"
+    code = ("import sys, fca, fca.tables.catalog, fca.jobs.runs, fca.jobs.audit, fca.tables.profiles, fca.tables.stats, fca.tables.store, fca.engine.execution;"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('streamlit', 'plotly')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
@@ -173,8 +173,8 @@ def test_profiles_token_by_index(tiny_demo, monkeypatch):
 def _ragged_caches(root: Path) -> Path:
     """MUDD-like sites of different widths (stream x source, per-channel families q/k/v/r) and an MoE
     router site, written with the library's own writer; no model beside them."""
-    from fca.sites import SiteSpec
-    from fca.store import CacheWriter, cache_schema, record_batch, spec_to_json
+    from fca.engine.sites import SiteSpec
+    from fca.tables.store import CacheWriter, cache_schema, record_batch, spec_to_json
 
     specs = {f"layers.{i}": SiteSpec(axes=(("stream", 4), ("source", i + 2)), family="mudd",
                                      channel_families=tuple(s for s in "qkvr" for _ in range(i + 2))) for i in range(3)}
@@ -216,7 +216,7 @@ def test_warm_up_fills_the_caches_once_in_the_background(tiny_demo, tmp_path, mo
     import threading
 
     from app import resources
-    from fca.store import open_cache
+    from fca.tables.store import open_cache
 
     for name in ("eval", "calibration"):  # copies: no other test's warm-up touches these paths
         shutil.copytree(tiny_demo / name, tmp_path / name)
@@ -250,7 +250,7 @@ def test_warm_up_fills_the_caches_once_in_the_background(tiny_demo, tmp_path, mo
 
 
 def test_ui_replay_equals_python_api(tiny_demo, monkeypatch):
-    from fca.runs import run_replay
+    from fca.jobs.runs import run_replay
 
     at = render(app_for(monkeypatch, [tiny_demo], tiny_demo / "eval"), "views/replay_lab.py")
     at.sidebar.selectbox(key="device").set_value("cpu")
@@ -299,7 +299,7 @@ def test_lab_replays_the_shipped_demo(tmp_path, monkeypatch):
 
 def test_cancel_stops_a_run(tiny_demo):
     from app.jobs import ReplayJob
-    from fca.runs import run_replay
+    from fca.jobs.runs import run_replay
 
     settings = dict(model_dir=str(tiny_demo / "featuregate"), cache_dir=str(tiny_demo / "eval"), calibration_dir=str(tiny_demo / "calibration"),
                     conditions=["static_layer"], num_seqs=8, seed=0, device="cpu", batch_size=1, save=False)

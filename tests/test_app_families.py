@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
-from fca import data
-from fca.capture import build_cache
-from fca.models.muddpythia import (
+from fca.tables import data
+from fca.engine.capture import build_cache
+from fca.engine.models.muddpythia import (
     MUDDPythiaConfig,
     dense_twin_config,
     write_random_checkpoint,

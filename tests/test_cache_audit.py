@@ -14,20 +14,20 @@ import pytest
 import torch
 
 import fca
-from fca.audit import gap_retention
-from fca.capture import build_cache
+from fca.jobs.audit import gap_retention
+from fca.engine.capture import build_cache
 from fca.cli import main
-from fca.conditions import (
+from fca.tables.conditions import (
     Condition,
     condition_coefficients,
     derangement,
     parse_condition,
     position_permutation,
 )
-from fca.profiles import calibration_profiles
-from fca.replay import ExactnessError, ReplayResults, check_exactness, run_conditions
-from fca.stats import Moments, SlotLayout, paired_bootstrap_ci, variance_decomposition
-from fca.store import MANIFEST, CacheError, open_cache
+from fca.tables.profiles import calibration_profiles
+from fca.engine.replay import ExactnessError, ReplayResults, check_exactness, run_conditions
+from fca.tables.stats import Moments, SlotLayout, paired_bootstrap_ci, variance_decomposition
+from fca.tables.store import MANIFEST, CacheError, open_cache
 
 from .helpers import make_model_dir, write_corpus
 
@@ -53,7 +53,7 @@ def test_cache_layout_and_round_trip(demo):
     assert list(m["sites"]) == ["blocks.0.gate", "blocks.1.gate"] and m["sites"]["blocks.0.gate"]["shape"] == [4]
     assert m["corpus"]["split"] == "eval" and len(m["model"]["fingerprint"]) == 64
     model = fca.load_model(demo / "featuregate")
-    cache.check_model(fca.loading.fingerprint_state(model))
+    cache.check_model(fca.engine.loading.fingerprint_state(model))
     got = cache.read_seqs([7, 2])
     fresh = fca.capture(model, got["token"])
     for site in cache.sites:
@@ -157,7 +157,7 @@ def test_nan_coefficients(demo, tmp_path, capsys):
     table = table.set_column(table.schema.get_field_index("blocks.0.gate"), table.schema.field("blocks.0.gate"), pa.FixedSizeListArray.from_arrays(pa.array(flat), 4))
     pq.write_table(table, part, compression="zstd")
     manifest = json.loads((bad / MANIFEST).read_text())
-    manifest["parts"][0]["sha256"] = fca.store.file_sha256(part)  # a consistent cache that holds NaN
+    manifest["parts"][0]["sha256"] = fca.tables.store.file_sha256(part)  # a consistent cache that holds NaN
     (bad / MANIFEST).write_text(json.dumps(manifest))
     before = _snapshot(bad)
     with pytest.raises(CacheError, match="non-finite"):
@@ -289,9 +289,9 @@ def test_audit_refuses_when_correct_is_not_exact(demo, tmp_path, monkeypatch, ca
                          nll_correct=1.0)
     with pytest.raises(ExactnessError):
         check_exactness(fake)
-    import fca.audit
+    import fca.jobs.audit
 
-    monkeypatch.setattr(fca.audit, "run_conditions", lambda *a, **k: fake)
+    monkeypatch.setattr(fca.jobs.audit, "run_conditions", lambda *a, **k: fake)
     code = main(["audit", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval"), "--calibration", str(demo / "calibration"), "--json", str(tmp_path / "r.json")])
     assert code == 3 and "does not reproduce" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
@@ -310,7 +310,7 @@ def test_gap_retention_undefined_without_gap():
 
 
 def test_replay_cli_saves_runs(demo, capsys):
-    from fca.runs import list_runs, run_replay
+    from fca.jobs.runs import list_runs, run_replay
 
     assert main(["replay", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval"), "--calibration", str(demo / "calibration"),
                  "--conditions", "static_layer", "interpolate:0.5", "--num-seqs", "6", "--seed", "2"]) == 0

@@ -19,11 +19,11 @@ import torch
 
 import fca
 from fca.cli import main
-from fca.environment import current_environment, describe, same_environment
-from fca.fidelity import FidelityError, check_dtype, tolerances
-from fca.profiles import calibration_profiles
-from fca.replay import check_exactness, run_conditions
-from fca.store import MANIFEST, file_sha256, open_cache
+from fca.tables.environment import current_environment, describe, same_environment
+from fca.tables.fidelity import FidelityError, check_dtype, tolerances
+from fca.tables.profiles import calibration_profiles
+from fca.engine.replay import check_exactness, run_conditions
+from fca.tables.store import MANIFEST, file_sha256, open_cache
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "cache" / "demo"
@@ -90,7 +90,7 @@ def test_foreign_cache_within_drift_is_accepted(demo_pair, tmp_path, capsys):
     assert replay_cli(model_dir, foreign, cal) == 0
     out = capsys.readouterr().out
     assert "computed on cuda NVIDIA H200" in out and "replayed on cpu" in out and "accepted" in out
-    results = run_conditions(fca.load_model(model_dir), open_cache(foreign), [fca.conditions.Condition("correct")], batch_size=4)
+    results = run_conditions(fca.load_model(model_dir), open_cache(foreign), [fca.tables.conditions.Condition("correct")], batch_size=4)
     fidelity = check_exactness(results)["fidelity"]
     assert fidelity["verdict"] == "within tolerance" and not fidelity["same_environment"]
     assert 0 < fidelity["max_rel_coefficient_diff"] < 1e-6 and fidelity["differing_coefficients"] > 0
@@ -106,7 +106,7 @@ def test_foreign_cache_beyond_drift_is_refused(demo_pair, tmp_path, capsys):
     err = err[0]
     assert "computed on cuda NVIDIA H200" in err and "replayed on cpu" in err and "rebuild the cache" in err
     with pytest.raises(FidelityError, match="relative coefficient difference"):
-        check_exactness(run_conditions(fca.load_model(model_dir), open_cache(wrong), [fca.conditions.Condition("correct")],
+        check_exactness(run_conditions(fca.load_model(model_dir), open_cache(wrong), [fca.tables.conditions.Condition("correct")],
                                        batch_size=4))
 
 
@@ -172,7 +172,7 @@ def test_replay_does_not_depend_on_input_layout(demo_pair):
 @pytest.fixture(scope="module")
 def demo_pair(tmp_path_factory):
     """A tiny model with eval and calibration caches built here in batches of 4."""
-    from fca.capture import build_cache
+    from fca.engine.capture import build_cache
 
     from .helpers import make_model_dir, write_corpus
 

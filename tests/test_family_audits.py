@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
-from fca import data
+from fca.tables import data
 from fca.cli import main
-from fca.models.muddpythia import (
+from fca.engine.models.muddpythia import (
     MUDDPythiaConfig,
     dense_twin_config,
     write_random_checkpoint,

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 import fca
-from fca import data
+from fca.tables import data
 from fca.cli import main
-from fca.loading import ModelLoadError
-from fca.models.featuregate import (
+from fca.engine.loading import ModelLoadError
+from fca.engine.models.featuregate import (
     FeatureGateConfig,
     FeatureGateModel,
     build_featuregate,
 )
-from fca.sites import find_sites, site_modes
-from fca.train import TrainSettings, heldout_nll, train
+from fca.engine.sites import find_sites, site_modes
+from fca.jobs.train import TrainSettings, heldout_nll, train
 
 from .helpers import TINY, make_model_dir, write_corpus
 

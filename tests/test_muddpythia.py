@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import fca
-from fca.loading import ModelLoadError
-from fca.models.muddpythia import (
+from fca.engine.loading import ModelLoadError
+from fca.engine.models.muddpythia import (
     FAMILY_DEFINITION,
     MUDDPythia,
     MUDDPythiaConfig,
@@ -24,7 +24,7 @@ from fca.models.muddpythia import (
     write_dense_twin_checkpoint,
     write_random_checkpoint,
 )
-from fca.sites import find_sites
+from fca.engine.sites import find_sites
 
 # The settings of the released 1.4B model (expand_last, round64, qk-norm, parallel residual, sepln).
 TINY = MUDDPythiaConfig(
@@ -182,7 +182,7 @@ def test_bad_config_names_the_file(ckpt, tmp_path):
 def test_tokenizer_from_local_tokenizer_json(ckpt, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from fca.data import load_tokenizer
+    from fca.tables.data import load_tokenizer
 
     tok = Tokenizer(models.BPE(vocab={"<|endoftext|>": 0, "a": 1, "b": 2, "ab": 3}, merges=[("a", "b")]))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -212,7 +212,7 @@ def test_coefficients_are_dynamic_plus_static(model, captured, ids):
     # The site value is the dynamic weights plus dense_bs, the tensor the layer mix consumes.
     static = model.dense_bs[0].detach().flatten().numpy()
     x = model.tok_embeddings(ids)  # layer 0 reads the embeddings only
-    from fca.models.muddpythia import Positions, rotary_table
+    from fca.engine.models.muddpythia import Positions, rotary_table
 
     T = ids.shape[1]
     pos = Positions(*rotary_table(T, TINY.rotary_ndims, TINY.rope_base, torch.device("cpu")), torch.ones(T, T, dtype=torch.bool).tril())

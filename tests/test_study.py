@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from fca import study
+from fca.tables import study
 from fca.cli import main
-from fca.study import StudyError, build_study, spread, t_quantile_975
+from fca.tables.study import StudyError, build_study, spread, t_quantile_975
 
 # ------------------------------------------------------------------ hand-made audits
 
@@ -63,7 +63,7 @@ def test_study_module_needs_no_torch_and_no_ui():
     import subprocess
     import sys
 
-    code = ("import sys, fca.study; bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'streamlit', 'plotly')];"
+    code = ("import sys, fca.tables.study; bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'streamlit', 'plotly')];"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
 
@@ -200,8 +200,8 @@ def test_cli_study_rejects_a_non_report_in_one_line(tmp_path, capsys):
 def test_training_smoke_is_deterministic_and_learns(tmp_path):
     from safetensors.torch import load_file
 
-    from fca.models.featuregate import FeatureGateConfig
-    from fca.train import TrainSettings, precision_for, train
+    from fca.engine.models.featuregate import FeatureGateConfig
+    from fca.jobs.train import TrainSettings, precision_for, train
     from tests.helpers import TINY, write_corpus
 
     corpus = write_corpus(tmp_path / "corpus.txt")
@@ -235,8 +235,8 @@ def build_tiny_study(tmp_path_factory) -> Path:
     (gated and dense), cached and audited for real. Built once per test session (also used by the
     Study page's test)."""
     if "root" not in _BUILT:
-        from fca.demo import make_demo_study
-        from fca.train import TrainSettings
+        from fca.jobs.demo import make_demo_study
+        from fca.jobs.train import TrainSettings
         from tests.helpers import TINY, write_corpus
 
         root = tmp_path_factory.mktemp("tiny_study")
@@ -282,8 +282,8 @@ def test_demo_study_end_to_end(tiny_study, tiny_demo, tmp_path, capsys):
 def test_demo_study_command_defaults_are_the_demo_configuration(monkeypatch, tmp_path):
     """`python -m fca demo-study` with no size flags must train exactly what `fca demo` trained (seed 0
     of the study is the shipped demo); the flags reach `make_demo_study`."""
-    from fca import demo
-    from fca.train import TrainSettings
+    from fca.jobs import demo
+    from fca.jobs.train import TrainSettings
 
     seen = {}
     def fake(*args, **kwargs) -> dict:

@@ -73,7 +73,7 @@ def test_a_seed_without_caches_shows_its_audit_in_place(tiny_study, tmp_path, mo
 
 
 def test_no_study_explains_how_to_make_one(tmp_path, monkeypatch):
-    from fca import study
+    from fca.tables import study
 
     monkeypatch.setattr(study, "find_studies", lambda roots: [])  # the repository's cache/ may hold a study
     at = render(app_for(monkeypatch, [tmp_path]), PAGE)

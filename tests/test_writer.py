@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import fca
-from fca.capture import build_cache, record_windows, write_cache
+from fca.engine.capture import build_cache, record_windows, write_cache
 from fca.cli import main
-from fca.profiles import cache_moments
-from fca.sites import site_specs
-from fca.spec import SiteSpec
-from fca.store import (
+from fca.tables.profiles import cache_moments
+from fca.engine.sites import site_specs
+from fca.tables.spec import SiteSpec
+from fca.tables.store import (
     PROGRESS,
     CacheError,
     CacheWriter,
@@ -34,7 +34,7 @@ from fca.store import (
 
 from .helpers import make_model_dir, write_corpus
 
-capture_module = sys.modules["fca.capture"]  # the module; `fca.capture` is also the function
+capture_module = sys.modules["fca.engine.capture"]  # the module; `fca.capture` is also the function
 
 N_SEQS = 12
 T = 16

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 import streamlit as st
 
-from fca.catalog import CacheEntry
-from fca.errors import CacheError, ExactnessError, ModelLoadError
-from fca.store import Cache
+from fca.tables.catalog import CacheEntry
+from fca.tables.errors import CacheError, ExactnessError, ModelLoadError
+from fca.tables.store import Cache
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -9,7 +9,7 @@ import torch
 
 from app import figures, resources
 from app.views.common import download, guard, require_cache, teach
-from fca.execution import execution_audit
+from fca.engine.execution import execution_audit
 
 MEASURED_KEY = "execution_measured"
 PROBE_SEQS = 8  # sequences of the cache in the timing batch (as in `python -m fca audit`)

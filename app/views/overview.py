@@ -14,7 +14,7 @@ import streamlit as st
 
 from app import figures, resources
 from app.views.common import download, guard, require_cache, teach
-from fca.report import exactness_sentences, render_markdown
+from fca.tables.report import exactness_sentences, render_markdown
 
 sel = require_cache()
 cache = sel.cache

@@ -12,9 +12,9 @@ import streamlit as st
 from app import figures, resources
 from app.jobs import ReplayJob
 from app.views.common import download, guard, require_cache, teach
-from fca.environment import model_dtype_name
-from fca.report import exactness_sentences
-from fca.runs import list_runs, run_replay
+from fca.tables.environment import model_dtype_name
+from fca.tables.report import exactness_sentences
+from fca.jobs.runs import list_runs, run_replay
 
 JOB_KEY = "replay_job"
 KINDS = {

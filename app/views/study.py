@@ -18,8 +18,8 @@ import streamlit as st
 
 from app import figures, resources
 from app.views.common import download, guard, selection, teach
-from fca import study as studies
-from fca.report import render_markdown
+from fca.tables import study as studies
+from fca.tables.report import render_markdown
 
 # The sidebar's cache selectbox key (app/main.py): the seed picker sets it to open a seed's cache.
 SIDEBAR_CACHE_KEY = "cache"

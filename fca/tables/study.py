@@ -1,6 +1,6 @@
 """Multi-seed studies: one table across independently trained models, from their audit reports.
 
-`build_study` takes audit reports (the dicts `fca.audit.run_audit` writes) of models that differ only
+`build_study` takes audit reports (the dicts `fca.jobs.audit.run_audit` writes) of models that differ only
 in their training seed, checks that every report was made with the same definitions, and returns per
 quantity the mean, the sample standard deviation and a 95% Student t interval over models, beside the
 per-model rows. Pure functions over dicts plus small JSON/Markdown I/O: no torch, no UI, so the CLI's

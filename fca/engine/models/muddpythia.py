@@ -58,14 +58,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..loading import (
+from fca.engine.loading import (
     ModelLoadError,
     load_strict,
     read_config,
     read_state_dict,
     weights_path,
 )
-from ..sites import Site, SiteSpec, assign_site_names
+from fca.engine.sites import Site, SiteSpec, assign_site_names
 
 MODEL_TYPE = "muddpythia"
 STREAMS = ("q", "k", "v", "r")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import ModelLoadError
+from fca.tables.errors import ModelLoadError
 
 # model_type -> loader(path) returning an nn.Module on CPU in float32. Families register here.
 _LOADERS: dict[str, Callable[[Path], nn.Module]] = {}
@@ -94,7 +94,7 @@ def load_strict(model: nn.Module, state: dict[str, torch.Tensor], where: Path, a
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
     """Any supported family, detected from `config.json`; returned in eval mode on `device`."""
-    from . import models  # noqa: F401  (registers the built-in families)
+    from fca.engine import models  # noqa: F401  (registers the built-in families)
 
     path = Path(path)
     model_type = read_config(path).get("model_type")

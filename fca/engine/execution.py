@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .sites import find_sites
+from fca.engine.sites import find_sites
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
@@ -111,7 +111,7 @@ def latency_ratio(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor, r
 def execution_audit(model: nn.Module, input_ids: torch.Tensor, dense: nn.Module | None = None, runs: int = 7) -> dict:
     report = {**blocks_executed(model, input_ids), **controller_flops(model, input_ids)}
     if getattr(model, "fca_expert_paths", None):
-        from .models.hf_moe import (
+        from fca.engine.models.hf_moe import (
             expert_execution,  # conditional execution happens at expert level
         )
 

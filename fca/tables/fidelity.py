@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .environment import describe, same_environment
-from .errors import CacheError, ExactnessError
+from fca.tables.environment import describe, same_environment
+from fca.tables.errors import CacheError, ExactnessError
 
 MECHANISM_TOLERANCE = 1e-6
 

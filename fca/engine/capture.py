@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import data
-from .environment import current_environment, model_dtype_name
-from .loading import fingerprint_state, load_model, read_config
-from .sites import capture_tensors, find_sites, site_specs
-from .store import (
+from fca.tables import data
+from fca.tables.environment import current_environment, model_dtype_name
+from fca.engine.loading import fingerprint_state, load_model, read_config
+from fca.engine.sites import capture_tensors, find_sites, site_specs
+from fca.tables.store import (
     COEFFICIENT_BYTES,
     CacheError,
     CacheWriter,

@@ -9,11 +9,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from .capture import as_input_ids, token_nll
-from .conditions import Condition, condition_coefficients, derangement
-from .environment import current_environment
-from .errors import Cancelled, ExactnessError  # noqa: F401  (ExactnessError re-exported)
-from .fidelity import (
+from fca.engine.capture import as_input_ids, token_nll
+from fca.tables.conditions import Condition, condition_coefficients, derangement
+from fca.tables.environment import current_environment
+from fca.tables.errors import Cancelled, ExactnessError  # noqa: F401  (ExactnessError re-exported)
+from fca.tables.fidelity import (
     MECHANISM_TOLERANCE,
     FidelityMeasure,
     check_dtype,
@@ -21,9 +21,9 @@ from .fidelity import (
     judge_fidelity,
     judge_mechanism,
 )
-from .profiles import Profiles
-from .sites import capture_tensors, find_sites, model_logits, site_modes, tensor_provider
-from .store import Cache
+from fca.tables.profiles import Profiles
+from fca.engine.sites import capture_tensors, find_sites, model_logits, site_modes, tensor_provider
+from fca.tables.store import Cache
 
 
 def _host_tensor(values) -> torch.Tensor:
@@ -105,7 +105,7 @@ class ReplayResults:
 
 
 def check_exactness(results: ReplayResults) -> dict:
-    """Judge both checks of a run (fca.fidelity): raises ExactnessError if replaying the recorded coefficients
+    """Judge both checks of a run (fca.tables.fidelity): raises ExactnessError if replaying the recorded coefficients
     did not reproduce the live run, FidelityError if the cache is not this model's output here; else returns
     the report's `exactness` section. The audit, `fca replay`, the Replay lab and the bench all call this."""
     mechanism = judge_mechanism(results.max_abs_logit_diff, results.nll_live, results.nll_correct, results.batches)

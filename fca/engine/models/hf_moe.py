@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..adapters import SiteDeclaration, attach_sites, match_modules
-from ..capture import as_input_ids
-from ..loading import ModelLoadError
+from fca.engine.adapters import SiteDeclaration, attach_sites, match_modules
+from fca.engine.capture import as_input_ids
+from fca.engine.loading import ModelLoadError
 
 ROUTER_FAMILY = "router"
 SHARED_GATE_FAMILY = "shared_expert_gate"

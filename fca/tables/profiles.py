@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from .stats import Moments, SlotLayout, family_grand_means
-from .store import Cache, CacheError
+from fca.tables.stats import Moments, SlotLayout, family_grand_means
+from fca.tables.store import Cache, CacheError
 
 
 def slot_layout(cache: Cache) -> SlotLayout:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .profiles import Profiles
+from fca.tables.profiles import Profiles
 
 KINDS = ("correct", "cross_input", "token_shuffle", "static_layer", "global_mean", "interpolate", "position_profile")
 PAPER_CONDITIONS = ("correct", "cross_input", "token_shuffle", "static_layer", "global_mean")

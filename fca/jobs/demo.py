@@ -21,12 +21,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from . import data
-from .audit import render_markdown, run_audit, write_report
-from .capture import build_cache
-from .models.featuregate import FeatureGateConfig
-from .study import study_from_files, summarize_training_log, write_study
-from .train import TrainSettings, train
+from fca.tables import data
+from fca.jobs.audit import render_markdown, run_audit, write_report
+from fca.engine.capture import build_cache
+from fca.engine.models.featuregate import FeatureGateConfig
+from fca.tables.study import study_from_files, summarize_training_log, write_study
+from fca.jobs.train import TrainSettings, train
 
 DEMO_CONFIG = dict(d_model=192, n_layers=6, n_heads=6, mlp_groups=6, max_seq_len=128)
 DEMO_SEQS = 256

@@ -1,15 +1,15 @@
 """Model families FCA knows how to audit. Each file holds one architecture, top to bottom; importing
-this package registers each family's loader with `fca.loading`."""
+this package registers each family's loader with `fca.engine.loading`."""
 
 from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ..loading import load_strict, read_config, read_state_dict, register_loader
-from .featuregate import FeatureGateConfig, FeatureGateModel, build_featuregate
-from .hf_moe import MOE_MODEL_TYPES, adapt_moe, expert_execution, load_hf_moe
-from .muddpythia import MODEL_TYPE as MUDDPYTHIA_TYPE
-from .muddpythia import MUDDPythia, MUDDPythiaConfig, load_muddpythia
+from fca.engine.loading import load_strict, read_config, read_state_dict, register_loader
+from fca.engine.models.featuregate import FeatureGateConfig, FeatureGateModel, build_featuregate
+from fca.engine.models.hf_moe import MOE_MODEL_TYPES, adapt_moe, expert_execution, load_hf_moe
+from fca.engine.models.muddpythia import MODEL_TYPE as MUDDPYTHIA_TYPE
+from fca.engine.models.muddpythia import MUDDPythia, MUDDPythiaConfig, load_muddpythia
 
 
 def _load_featuregate(path: Path) -> FeatureGateModel:

@@ -4,7 +4,7 @@ A `SiteDeclaration` names modules by path (a glob per dotted component: `model.l
 and says which part of each module's output is the coefficient tensor, how that tensor lays out its
 tokens, and how to rebuild the module's output from coefficients alone. `attach_sites` swaps every
 matched module for a `ModuleSite` that holds it as its controller, so the record / replay machinery
-of `fca.sites` (and `fca.capture`, `fca.replay` on top of it) works unchanged. In replay the original
+of `fca.engine.sites` (and `fca.capture`, `fca.replay` on top of it) works unchanged. In replay the original
 module is never called: it is swapped out, not run and overwritten.
 
 Shape legend: B = batch, T = positions, N = B * T tokens (a "flat" layout), K = channels of a site.
@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .sites import Site, SiteSpec, assign_site_names
+from fca.engine.sites import Site, SiteSpec, assign_site_names
 
 TokenLayout = Literal["batched", "flat"]
 Axes = tuple[tuple[str, int], ...]

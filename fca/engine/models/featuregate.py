@@ -21,7 +21,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
-from ..sites import Site, SiteSpec, assign_site_names
+from fca.engine.sites import Site, SiteSpec, assign_site_names
 
 GATE_FAMILY = "gate"
 

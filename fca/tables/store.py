@@ -34,9 +34,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import CacheError
-from .fidelity import check_dtype
-from .spec import SiteSpec
+from fca.tables.errors import CacheError
+from fca.tables.fidelity import check_dtype
+from fca.tables.spec import SiteSpec
 
 SCHEMA_VERSION = 1
 KEY_COLUMNS = ("seq", "pos", "token", "target", "live_nll")
@@ -646,7 +646,7 @@ class Cache:
 
     @property
     def environment(self) -> dict | None:
-        """Where the coefficients were computed (fca.environment), or None for caches that predate the record."""
+        """Where the coefficients were computed (fca.tables.environment), or None for caches that predate the record."""
         return self.manifest.get("environment")
 
     @property

@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .spec import SiteSpec
+from fca.tables.spec import SiteSpec
 
 Mode = Literal["live", "record", "replay"]
 # A provider gives the replay coefficients of one site for the current batch: (site, B, T) -> [B, T, K]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CorpusError
+from fca.tables.errors import CorpusError
 
 SPLITS = ("train", "calibration", "eval")
 DEFAULT_SPLIT_FRACTIONS = {"train": 0.9, "calibration": 0.05, "eval": 0.05}

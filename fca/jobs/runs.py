@@ -15,13 +15,13 @@ from pathlib import Path
 
 from torch import nn
 
-from .audit import summarize_conditions
-from .conditions import parse_condition
-from .environment import model_dtype_name
-from .loading import fingerprint_state, load_model
-from .profiles import Profiles, calibration_profiles
-from .replay import check_exactness, run_conditions
-from .store import open_cache
+from fca.jobs.audit import summarize_conditions
+from fca.tables.conditions import parse_condition
+from fca.tables.environment import model_dtype_name
+from fca.engine.loading import fingerprint_state, load_model
+from fca.tables.profiles import Profiles, calibration_profiles
+from fca.engine.replay import check_exactness, run_conditions
+from fca.tables.store import open_cache
 
 
 def runs_dir(cache_dir: str | Path) -> Path:

@@ -1,7 +1,7 @@
 """The three-property audit: coefficient variation, functional dependence, actual execution.
 
 `run_audit` checks Correct exactness first and refuses to report anything else if it fails. The
-report is one JSON-ready dict; `fca.report.render_markdown` turns it into a page.
+report is one JSON-ready dict; `fca.tables.report.render_markdown` turns it into a page.
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .conditions import PAPER_CONDITIONS, Condition, parse_condition
-from .execution import execution_audit
-from .loading import fingerprint_state, load_model
-from .profiles import cache_moments, calibration_profiles
-from .environment import model_dtype_name
-from .fidelity import FOREIGN_TOLERANCES, MECHANISM_TOLERANCE, STORAGE_ULP
-from .replay import ReplayResults, check_exactness, run_conditions
-from .report import render_markdown, write_report  # noqa: F401  (re-exported: the audit's outputs)
-from .sites import find_sites
-from .stats import paired_bootstrap_ci, variance_decomposition
-from .store import Cache, CacheError, open_cache
+from fca.tables.conditions import PAPER_CONDITIONS, Condition, parse_condition
+from fca.engine.execution import execution_audit
+from fca.engine.loading import fingerprint_state, load_model
+from fca.tables.profiles import cache_moments, calibration_profiles
+from fca.tables.environment import model_dtype_name
+from fca.tables.fidelity import FOREIGN_TOLERANCES, MECHANISM_TOLERANCE, STORAGE_ULP
+from fca.engine.replay import ReplayResults, check_exactness, run_conditions
+from fca.tables.report import render_markdown, write_report  # noqa: F401  (re-exported: the audit's outputs)
+from fca.engine.sites import find_sites
+from fca.tables.stats import paired_bootstrap_ci, variance_decomposition
+from fca.tables.store import Cache, CacheError, open_cache
 
 BOOTSTRAP_RESAMPLES = 2000
 

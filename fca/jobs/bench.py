@@ -19,15 +19,15 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import data
-from .capture import write_cache
-from .conditions import PAPER_CONDITIONS, Condition, condition_coefficients
-from .environment import current_environment
-from .loading import load_model
-from .profiles import calibration_profiles
-from .replay import check_exactness, replay, run_conditions, stack_conditions
-from .sites import capture_tensors, model_logits, site_specs
-from .store import CacheWriter, cache_plan, cache_schema, open_cache, record_batch
+from fca.tables import data
+from fca.engine.capture import write_cache
+from fca.tables.conditions import PAPER_CONDITIONS, Condition, condition_coefficients
+from fca.tables.environment import current_environment
+from fca.engine.loading import load_model
+from fca.tables.profiles import calibration_profiles
+from fca.engine.replay import check_exactness, replay, run_conditions, stack_conditions
+from fca.engine.sites import capture_tensors, model_logits, site_specs
+from fca.tables.store import CacheWriter, cache_plan, cache_schema, open_cache, record_batch
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -77,8 +77,8 @@ def _stats_peak_memory(cache_dir: Path, baseline: bool = False) -> float:
     `baseline`, only imports the same modules)."""
     work = "" if baseline else "m, l = cache_moments(open_cache(sys.argv[1])); variance_decomposition(m, l); "
     code = (
-        "import sys; from fca.store import open_cache; from fca.profiles import cache_moments; "
-        f"from fca.stats import variance_decomposition; {work}"
+        "import sys; from fca.tables.store import open_cache; from fca.tables.profiles import cache_moments; "
+        f"from fca.tables.stats import variance_decomposition; {work}"
         # VmHWM, not ru_maxrss: the latter can carry the parent's size across fork + exec.
         "print([int(l.split()[1]) / 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
     )
@@ -105,8 +105,8 @@ def _synthetic_cache(out: Path, specs: dict, num_seqs: int, T: int, vocab: int, 
 def muddpythia_1p4b_specs() -> dict:
     """Site specs with the coefficient shapes of MUDDPythia-1.4B: 24 layers, layer i has C * (i + 2)
     channels (C = 4 streams, 1 in the last layer): 1,221 coefficients, 4,884 B/token in float32."""
-    from .models.muddpythia import MUDDPythiaConfig
-    from .spec import SiteSpec
+    from fca.engine.models.muddpythia import MUDDPythiaConfig
+    from fca.tables.spec import SiteSpec
 
     widths = MUDDPythiaConfig(n_layer=24).coefficients_per_layer()
     return {f"dense.{i}": SiteSpec(axes=(("channel", k),), family="dense") for i, k in enumerate(widths)}
@@ -117,7 +117,7 @@ def writer_seconds(specs: dict, workers: int, out: Path, num_seqs: int = 32, seq
     """Seconds to write `num_seqs` x `seq_len` synthetic tokens through `CacheWriter` with `workers`
     threads, parts sized as a real build sizes them. Two batches of coefficients (a per-channel offset
     plus noise, like dynamic plus static weights) are reused, so producing batches costs next to nothing."""
-    from .capture import bytes_per_token, seqs_per_part
+    from fca.engine.capture import bytes_per_token, seqs_per_part
 
     rng = np.random.default_rng(seed)
     schema = cache_schema(specs)
@@ -145,7 +145,7 @@ def writer_scaling(workers: list[int], num_seqs: int = 32, seq_len: int = 1024, 
     import shutil
 
     specs = muddpythia_1p4b_specs()
-    from .capture import bytes_per_token
+    from fca.engine.capture import bytes_per_token
 
     raw_mb = bytes_per_token(specs) * num_seqs * seq_len / 1e6
     work = Path(tempfile.mkdtemp(prefix="fca-writer-"))

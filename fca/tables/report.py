@@ -1,4 +1,4 @@
-"""An audit report (the dict `fca.audit.run_audit` returns) as Markdown, and both written to disk.
+"""An audit report (the dict `fca.jobs.audit.run_audit` returns) as Markdown, and both written to disk.
 Torch-free, so the dashboard can show reports without loading a model."""
 
 from __future__ import annotations
