@@ -116,4 +116,5 @@ if selection.cache_error:
     st.error(f"This cache cannot be used: {selection.cache_error}")
 page.run()
 if selection.cache is not None:  # after the page: fill the caches the next pages will need
-    resources.warm_up(selection.cache, selection.model_dir, selection.device, selection.calibration_cache)
+    resources.warm_up(selection.cache, selection.model_dir, selection.device, selection.calibration_cache,
+                      selection.dense_dir)

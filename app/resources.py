@@ -19,6 +19,7 @@ import numpy as np
 import streamlit as st
 
 from fca.tables import catalog
+from fca.tables.catalog import weights_path
 from fca.tables.data import load_tokenizer
 from fca.tables.profiles import cache_moments, profiles_from_moments, quantile_band
 from fca.tables.stats import variance_decomposition
@@ -114,32 +115,31 @@ def decode_tokens(model_dir: str, ids: tuple[int, ...]) -> list[str]:
 
 
 @st.cache_resource(show_spinner="Loading the model...", max_entries=4)
-def model(model_dir: str, device: str, stamp: str):
-    """(model, weights fingerprint, lock). The lock serialises uses of one model object, since a replay
-    changes its site modes for the duration of a forward."""
-    from fca.engine.loading import (  # torch: only when a page needs the model
-        fingerprint_state,
-        load_model,
+def _experiment(model_dir: str, device: str, model_stamp: str, cache: str, cache_fingerprint: str, calibration: str,
+                calibration_fingerprint: str, dense_dir: str):
+    """(experiment, lock), keyed on the weights' file stamp and both caches' fingerprints. The lock
+    serialises uses of one model object, since a replay changes its site modes for a forward."""
+    from fca.jobs.experiment import (
+        Experiment,  # torch: only when a page needs the model
     )
 
-    loaded = load_model(model_dir, device=device)
-    return loaded, fingerprint_state(loaded), threading.Lock()
+    experiment = Experiment.open(model_dir, cache, calibration or None, dense=dense_dir or None, device=device)
+    return experiment, threading.Lock()
 
 
 def model_bytes(model_dir: str | Path) -> int:
     """Size of a model's weights on disk (a sharded checkpoint: the total its index states)."""
-    from fca.engine.loading import weights_path
-
     path = weights_path(Path(model_dir))
     if path.name.endswith(".index.json"):
         return int(json.loads(path.read_text()).get("metadata", {}).get("total_size", 1 << 62))
     return path.stat().st_size
 
 
-def model_for(model_dir: str | Path, device: str):
-    from fca.engine.loading import weights_path
-
-    return model(str(model_dir), device, file_stamp(weights_path(Path(model_dir))))
+def experiment(model_dir: str | Path, device: str, cache: Cache, calibration: Cache | None, dense_dir: str | Path | None):
+    """The selection as one opened and checked experiment (model, caches, Dense twin loaded when needed)."""
+    return _experiment(str(model_dir), device, file_stamp(weights_path(Path(model_dir))), str(cache.path), cache.fingerprint,
+                       str(calibration.path) if calibration else "", calibration.fingerprint if calibration else "",
+                       str(dense_dir or ""))
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
@@ -167,7 +167,8 @@ _warm_started: set[tuple[str, ...]] = set()
 _warm_guard = threading.Lock()
 
 
-def warm_up(cache: Cache, model_dir: Path | None, device: str, calibration: Cache | None) -> None:
+def warm_up(cache: Cache, model_dir: Path | None, device: str, calibration: Cache | None,
+            dense_dir: Path | None = None) -> None:
     """Fill, in a background thread, the caches that the other pages will ask for: the statistics of the
     selected cache and of its calibration cache (Variance, Profiles) and the model (Replay lab,
     Execution; importing torch and loading it takes ~3 s on 2 CPU cores). Started once per selection
@@ -186,7 +187,7 @@ def warm_up(cache: Cache, model_dir: Path | None, device: str, calibration: Cach
     if model_dir is not None:
         def small_model() -> None:
             if model_bytes(model_dir) <= WARM_UP_MAX_MODEL_BYTES:
-                model_for(model_dir, device)
+                experiment(model_dir, device, cache, calibration, dense_dir)
 
         steps.append(small_model)
 

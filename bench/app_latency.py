@@ -21,7 +21,15 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.browser import CHROMIUM, CHROMIUM_ARGS, new_page, run_mark, start_server, stop_server, wait_settled
+from bench.browser import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    new_page,
+    run_mark,
+    start_server,
+    stop_server,
+    wait_settled,
+)
 
 PAGES = {"variance": "Variance", "profiles": "Profiles", "replay_lab": "Replay lab", "execution": "Execution", "overview": "Overview"}
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 import fca
+from fca.engine.replay import check_exactness, run_conditions
 from fca.tables.conditions import Condition
 from fca.tables.fidelity import FidelityError
-from fca.engine.replay import check_exactness, run_conditions
 from fca.tables.store import open_cache
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 import fca
-from fca.engine.models.muddpythia import MUDDPythiaConfig, build_random_model
+from fca.engine.models.muddpythia import MUDDPythiaConfig
+from fca.testing import build_random_model
 
 # The released MUDDPythia-1.4B config.json (Caiyun-AI/MUDDFormer, pytorch/muddpythia/config_1p4b.json):
 # the fields that set the shapes and the computation.
@@ -64,7 +65,7 @@ def stream_cache(model: torch.nn.Module, vocab: int, num_seqs: int, seq_len: int
 
         forward_s, _ = timed(forwards)
         build_s, _ = timed(lambda: write_cache(model, windows, out, plan, batch, overwrite=True))
-        size = sum(p["bytes"] for p in open_cache(out).manifest["parts"])
+        size = open_cache(out).manifest.total_bytes
     finally:
         shutil.rmtree(out.parent, ignore_errors=True)
     return {"stream_seqs": num_seqs, "stream_build_over_forward": build_s / forward_s, "stream_tokens_per_s": num_seqs * seq_len / build_s,

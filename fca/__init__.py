@@ -6,21 +6,37 @@ Three layers, imports pointing down only (a test checks it):
     fca.jobs    what users run: build caches, audits, replay runs, benches, training, the demo
 `fca.cli` and the dashboard (`app/`) sit on top.
 
-The public API (`load_model`, `capture`, `replay`, `open_cache`) is loaded on first use, so tools that
-only read caches and reports (the dashboard's first page, say) never pay for importing torch.
+The public API is loaded on first use, so tools that only read caches and reports (the dashboard's
+first page, say) never pay for importing torch:
+    load_model(path)                       a model directory of any supported family
+    attach_sites(model, ...)               declare the controller sites of your own model
+    capture(model, ids), replay(model, ids, coefficients)
+    build_cache(model, windows, out)       a cache of any adapted model held in memory
+    open_cache(path)
+    audit(model, cache, calibration)       the three-property report (model: a directory or a module)
+    Experiment.open(model, cache, calibration)  replay runs (`fca.jobs.runs.run_replay(..., experiment=)`)
 """
 
 import importlib
 
-# name -> module that defines it
-_API = {"load_model": "fca.engine.loading", "capture": "fca.engine.capture", "replay": "fca.engine.replay",
-        "open_cache": "fca.tables.store"}
+# name -> (module, attribute)
+_API = {
+    "load_model": ("fca.engine.loading", "load_model"),
+    "attach_sites": ("fca.engine.adapters", "attach_sites"),
+    "capture": ("fca.engine.capture", "capture"),
+    "replay": ("fca.engine.replay", "replay"),
+    "build_cache": ("fca.jobs.build", "build_cache"),
+    "open_cache": ("fca.tables.store", "open_cache"),
+    "audit": ("fca.jobs.audit", "run_audit"),
+    "Experiment": ("fca.jobs.experiment", "Experiment"),
+}
 __all__ = list(_API)
 
 
 def __getattr__(name: str):
     if name in _API:
-        value = getattr(importlib.import_module(_API[name]), name)
+        module, attribute = _API[name]
+        value = getattr(importlib.import_module(module), attribute)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,13 +11,13 @@ import os
 import sys
 from pathlib import Path
 
-from fca.tables import data
-from fca.engine.loading import ModelLoadError
-from fca.tables.store import CacheError
+# Only torch-free modules at module level, so `fca --help` stays fast; each subcommand imports what it runs.
+from fca.tables.errors import CacheError, CorpusError, ExactnessError, ModelLoadError
 
 # Errors that are the user's input, not our bug: reported as one line, exit code 2 (FCA_DEBUG=1 shows
 # the traceback instead).
-USER_ERRORS: tuple[type[BaseException], ...] = (data.CorpusError, ModelLoadError, CacheError, FileNotFoundError, KeyError, ValueError)
+USER_ERRORS: tuple[type[BaseException], ...] = (CorpusError, ModelLoadError, CacheError, FileNotFoundError, KeyError,
+                                                ValueError)
 EXIT_INEXACT = 3
 
 
@@ -33,6 +33,8 @@ def _add_model_size_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_corpus(args: argparse.Namespace) -> None:
+    from fca.tables import data
+
     out = data.extract_kjv(args.out)
     docs = data.load_documents(out)
     print(f"wrote {out}: {len(docs)} documents, {out.stat().st_size / 1e6:.1f} MB")
@@ -71,14 +73,14 @@ def _dtype(name: str | None):
 
 
 def cmd_build_cache(args: argparse.Namespace) -> None:
-    from fca.engine.capture import build_cache
+    from fca.jobs.build import build_cache_from_corpus
     from fca.tables.store import open_cache
 
-    out = build_cache(args.model, args.corpus, args.split, args.out, num_seqs=args.num_seqs, seq_len=args.seq_len, batch_size=args.batch,
+    out = build_cache_from_corpus(args.model, args.corpus, args.split, args.out, num_seqs=args.num_seqs, seq_len=args.seq_len, batch_size=args.batch,
                       device=args.device, dtype=_dtype(args.dtype), split_seed=args.split_seed, text_column=args.text_column,
                       coefficient_dtype=args.coefficient_dtype, overwrite=args.overwrite, workers=args.writers)
     cache = open_cache(out)
-    size = sum(p["bytes"] for p in cache.manifest["parts"])
+    size = cache.manifest.total_bytes
     print(f"wrote {out}: {cache.num_seqs} sequences x {cache.seq_len} tokens, {len(cache.sites)} sites, {size / 1e6:.2f} MB")
 
 
@@ -95,8 +97,8 @@ def _progress_bars():
 
 
 def cmd_audit(args: argparse.Namespace) -> None:
-    from fca.jobs.audit import render_markdown, run_audit, write_report
-    from fca.tables.report import exactness_sentences
+    from fca.jobs.audit import run_audit
+    from fca.tables.report import exactness_sentences, render_markdown, write_report
 
     progress, bars = _progress_bars()
     try:
@@ -117,12 +119,9 @@ def cmd_audit(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from fca.jobs.audit import render_markdown, write_report
+    from fca.tables.report import read_report, render_markdown, write_report
 
-    try:
-        report = json.loads(Path(args.json).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{args.json}: not a readable audit report ({err})") from None
+    report = read_report(args.json)
     if args.markdown:
         write_report(report, markdown_path=args.markdown)
     else:
@@ -135,21 +134,21 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
     cache = open_cache(args.cache, verify=args.verify)
     m = cache.manifest
-    size = sum(p["bytes"] for p in m["parts"])
-    print(f"{cache.path}: {cache.num_seqs} sequences x {cache.seq_len} tokens ({m['num_tokens']:,} tokens), "
-          f"split {m['corpus'].get('split')!r} of {m['corpus'].get('name')}, {len(m['parts'])} part file(s), {size / 1e6:.2f} MB, "
-          f"{m.get('coefficient_dtype', 'float32')} coefficients")
-    print(f"model {m['model']['model_type']} {m['model']['fingerprint'][:16]} ({cache.model_dtype}); "
+    print(f"{cache.path}: {cache.num_seqs} sequences x {cache.seq_len} tokens ({m.num_tokens:,} tokens), "
+          f"split {m.corpus.split!r} of {m.corpus.name}, {len(m.parts)} part file(s), {m.total_bytes / 1e6:.2f} MB, "
+          f"{m.coefficient_dtype} coefficients")
+    print(f"model {m.model.model_type} {m.model.fingerprint[:16]} ({cache.model_dtype}); "
           f"{'parts verified' if args.verify else 'parts not hashed (use --verify)'}")
     batch = (cache.environment or {}).get("batch_size")
     print(f"coefficients computed on {describe(cache.environment)}" + (f", in batches of {batch}" if batch else ""))
-    for name, spec in m["sites"].items():
-        print(f"  {name}: K={spec['shape'][0]} axes={spec['axes']} family={spec['family']}")
+    for name, spec in m.sites.items():
+        axes = [[axis, size] for axis, size in spec.axes]  # printed as the manifest writes them
+        print(f"  {name}: K={spec.num_channels} axes={axes} family={spec.family}")
 
 
 def cmd_replay(args: argparse.Namespace) -> None:
-    from fca.tables.report import exactness_sentences
     from fca.jobs.runs import run_replay
+    from fca.tables.report import exactness_sentences
 
     record = run_replay(args.model, args.cache, args.calibration, args.conditions, num_seqs=args.num_seqs, seed=args.seed,
                         device=args.device, batch_size=args.batch, save=not args.no_save, show_progress=True)
@@ -190,9 +189,8 @@ def cmd_study(args: argparse.Namespace) -> None:
 
 def cmd_demo_study(args: argparse.Namespace) -> None:
     from fca.jobs.demo import make_demo_study
-    from fca.tables.study import render_markdown
-
     from fca.jobs.train import TrainSettings
+    from fca.tables.study import render_markdown
 
     # The size flags default to the demo configuration; other sizes make a study of their own (pass
     # `--include` with no file then: the shipped demo's audit is of another model size and is refused).
@@ -340,8 +338,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from fca.engine.replay import ExactnessError
-
     try:
         args.func(args)
     except ExactnessError as err:

@@ -36,11 +36,12 @@ def _corpus(path: Path, paragraphs: int = 400, seed: int = 0) -> Path:
 def tiny_demo(tmp_path_factory) -> Path:
     import torch
 
-    from fca.tables import data
-    from fca.jobs.audit import run_audit, write_report
-    from fca.engine.capture import build_cache
     from fca.engine.loading import save_model
     from fca.engine.models.featuregate import FeatureGateConfig, build_featuregate
+    from fca.jobs.audit import run_audit
+    from fca.jobs.build import build_cache_from_corpus
+    from fca.tables import data
+    from fca.tables.report import write_report
 
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("tiny_demo")
@@ -51,7 +52,7 @@ def tiny_demo(tmp_path_factory) -> Path:
     save_model(build_featuregate(FeatureGateConfig(**sizes)), root / "featuregate", tokenizer)
     save_model(build_featuregate(FeatureGateConfig(**sizes, gated=False)), root / "dense", tokenizer)
     for split in ("eval", "calibration"):
-        build_cache(root / "featuregate", corpus, split, root / split, num_seqs=8, seq_len=16, batch_size=4, device="cpu", show_progress=False)
+        build_cache_from_corpus(root / "featuregate", corpus, split, root / split, num_seqs=8, seq_len=16, batch_size=4, device="cpu", show_progress=False)
     report = run_audit(root / "featuregate", root / "eval", root / "calibration", root / "dense", device="cpu", latency_runs=2)
     write_report(report, root / "audit.json", root / "audit.md")
     return root

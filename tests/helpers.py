@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fca.tables import data
 from fca.engine.loading import save_model
 from fca.engine.models.featuregate import FeatureGateConfig, build_featuregate
+from fca.tables import data
 
 SUBJECTS = ["the king", "a shepherd", "the people", "my brother", "the prophet", "a stranger", "the elders", "his servant"]
 VERBS = ["went up to", "spoke unto", "looked upon", "dwelt in", "came down from", "built", "remembered", "sought"]

@@ -22,6 +22,7 @@ from fca.engine.adapters import (
     attach_sites,
     detach_sites,
 )
+from fca.engine.families import family_of
 from fca.engine.loading import fingerprint_state
 from fca.engine.models import expert_execution
 from fca.engine.sites import find_sites, model_logits
@@ -83,7 +84,7 @@ def routers(model: nn.Module) -> dict[str, nn.Module]:
 def test_correct_replay_is_exact(moe, moe_dir, ids):
     model = moe
     assert fingerprint_state(model) == moe_dir[1]  # the wrapper is invisible in the weights
-    assert model.fca_coefficient_kind == "router logits"
+    assert family_of(model).coefficient_kind == "router logits"
     live = model_logits(model(ids))
     coefficients = fca.capture(model, ids)
     router_sites = [n for n, s in find_sites(model).items() if s.spec.family == "router"]

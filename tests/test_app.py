@@ -224,7 +224,7 @@ def test_warm_up_fills_the_caches_once_in_the_background(tiny_demo, tmp_path, mo
     real_moments = resources.cache_moments
     mine = (tmp_path / "eval", tmp_path / "calibration")
     monkeypatch.setattr(resources, "cache_moments", lambda cache: (cache.path in mine and streamed.append(cache.path)) or real_moments(cache))
-    monkeypatch.setattr(resources, "model_for", lambda model_dir, device: models.append((model_dir, device)))
+    monkeypatch.setattr(resources, "experiment", lambda model_dir, device, *caches: models.append((model_dir, device)))
     monkeypatch.setattr(resources, "WARM_UP_DELAY_S", 0.0)
     shutil.copytree(tiny_demo / "featuregate", tmp_path / "featuregate")
     assert 0 < resources.model_bytes(tmp_path / "featuregate") <= resources.WARM_UP_MAX_MODEL_BYTES
@@ -301,7 +301,7 @@ def test_cancel_stops_a_run(tiny_demo):
     from app.jobs import ReplayJob
     from fca.jobs.runs import run_replay
 
-    settings = dict(model_dir=str(tiny_demo / "featuregate"), cache_dir=str(tiny_demo / "eval"), calibration_dir=str(tiny_demo / "calibration"),
+    settings = dict(model=str(tiny_demo / "featuregate"), cache=str(tiny_demo / "eval"), calibration=str(tiny_demo / "calibration"),
                     conditions=["static_layer"], num_seqs=8, seed=0, device="cpu", batch_size=1, save=False)
     job = ReplayJob(settings)
     job.stop.set()  # what the Cancel button does
@@ -336,7 +336,7 @@ def test_mismatched_model_fingerprint_shows_error(tiny_demo, tmp_path, monkeypat
     assert any("different model" in e.value or "do not describe this cache" in e.value for e in at.error)
     render(at, "views/replay_lab.py")
     no_exceptions(at)
-    assert any("made by a different model" in e.value for e in at.error)
+    assert any("made by a different model" in e.value for e in at.error), [e.value for e in at.error]
     render(at, "views/variance.py")  # the statistics do not need the model: still shown
     no_exceptions(at)
     assert len(at.get("plotly_chart")) >= 1

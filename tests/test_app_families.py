@@ -9,13 +9,13 @@ import pytest
 import torch
 import transformers
 
-from fca.tables import data
-from fca.engine.capture import build_cache
 from fca.engine.models.muddpythia import (
     MUDDPythiaConfig,
     dense_twin_config,
-    write_random_checkpoint,
 )
+from fca.jobs.build import build_cache_from_corpus
+from fca.tables import data
+from fca.testing import write_random_checkpoint
 
 from .helpers import write_corpus
 from .test_app import PAGES, app_for, no_exceptions, render
@@ -45,7 +45,7 @@ def family_root(request, tmp_path_factory):
         tokenizer = data.train_tokenizer(data.split_documents(data.load_documents(corpus), 0)["train"], 300)
         model_dir = _model_dirs(root, request.param, tokenizer)
         for split in ("eval", "calibration"):
-            build_cache(model_dir, corpus, split, root / split, num_seqs=6, seq_len=16, batch_size=3, device="cpu", show_progress=False)
+            build_cache_from_corpus(model_dir, corpus, split, root / split, num_seqs=6, seq_len=16, batch_size=3, device="cpu", show_progress=False)
     return root
 
 

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.browser import CHROMIUM, CHROMIUM_ARGS, new_page, start_server, stop_server, wait_settled
+from bench.browser import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    new_page,
+    start_server,
+    stop_server,
+    wait_settled,
+)
 
 # url path ("" is the default page, the overview) -> does the page draw a chart before any interaction (the replay lab draws after a run)
 PAGES = {"": True, "variance": True, "profiles": True, "replay_lab": False, "execution": True}

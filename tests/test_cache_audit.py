@@ -14,9 +14,14 @@ import pytest
 import torch
 
 import fca
-from fca.jobs.audit import gap_retention
-from fca.engine.capture import build_cache
 from fca.cli import main
+from fca.engine.replay import (
+    ExactnessError,
+    ReplayResults,
+    check_exactness,
+    run_conditions,
+)
+from fca.jobs.build import build_cache_from_corpus
 from fca.tables.conditions import (
     Condition,
     condition_coefficients,
@@ -25,8 +30,13 @@ from fca.tables.conditions import (
     position_permutation,
 )
 from fca.tables.profiles import calibration_profiles
-from fca.engine.replay import ExactnessError, ReplayResults, check_exactness, run_conditions
-from fca.tables.stats import Moments, SlotLayout, paired_bootstrap_ci, variance_decomposition
+from fca.tables.scoring import gap_retention
+from fca.tables.stats import (
+    Moments,
+    SlotLayout,
+    paired_bootstrap_ci,
+    variance_decomposition,
+)
 from fca.tables.store import MANIFEST, CacheError, open_cache
 
 from .helpers import make_model_dir, write_corpus
@@ -42,13 +52,13 @@ def demo(tmp_path_factory):
     make_model_dir(root / "featuregate", corpus)
     make_model_dir(root / "dense", corpus, gated=False)
     for split in ("eval", "calibration"):
-        build_cache(root / "featuregate", corpus, split, root / split, num_seqs=N_SEQS, batch_size=5, device="cpu", show_progress=False)
+        build_cache_from_corpus(root / "featuregate", corpus, split, root / split, num_seqs=N_SEQS, batch_size=5, device="cpu", show_progress=False)
     return root
 
 
 def test_cache_layout_and_round_trip(demo):
     cache = open_cache(demo / "eval", verify=True)
-    m = cache.manifest
+    m = cache.manifest.raw  # the file as written
     assert m["num_seqs"] == N_SEQS and m["seq_len"] == 16 and m["num_tokens"] == N_SEQS * 16
     assert list(m["sites"]) == ["blocks.0.gate", "blocks.1.gate"] and m["sites"]["blocks.0.gate"]["shape"] == [4]
     assert m["corpus"]["split"] == "eval" and len(m["model"]["fingerprint"]) == 64
@@ -75,8 +85,8 @@ def test_part_files_readable_without_fca(demo):
 
 
 def test_same_inputs_give_same_cache(demo, tmp_path):
-    build_cache(demo / "featuregate", demo / "prose.txt", "eval", tmp_path / "again", num_seqs=N_SEQS, batch_size=5, device="cpu", show_progress=False)
-    assert [p["sha256"] for p in open_cache(tmp_path / "again").manifest["parts"]] == [p["sha256"] for p in open_cache(demo / "eval").manifest["parts"]]
+    build_cache_from_corpus(demo / "featuregate", demo / "prose.txt", "eval", tmp_path / "again", num_seqs=N_SEQS, batch_size=5, device="cpu", show_progress=False)
+    assert [p.sha256 for p in open_cache(tmp_path / "again").manifest.parts] == [p.sha256 for p in open_cache(demo / "eval").manifest.parts]
 
 
 def test_interrupted_build_leaves_no_manifest_and_resumes(demo, tmp_path):
@@ -89,12 +99,12 @@ def test_interrupted_build_leaves_no_manifest_and_resumes(demo, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        build_cache(demo / "featuregate", demo / "prose.txt", "eval", out, num_seqs=N_SEQS, batch_size=2, device="cpu",
+        build_cache_from_corpus(demo / "featuregate", demo / "prose.txt", "eval", out, num_seqs=N_SEQS, batch_size=2, device="cpu",
                     progress=interrupt, show_progress=False)
     assert not out.exists() and not (out.with_name("cache.partial") / MANIFEST).exists()
     with pytest.raises(CacheError, match="missing; not a finished cache"):
         open_cache(out.with_name("cache.partial"))
-    build_cache(demo / "featuregate", demo / "prose.txt", "eval", out, num_seqs=N_SEQS, batch_size=2, device="cpu", show_progress=False)
+    build_cache_from_corpus(demo / "featuregate", demo / "prose.txt", "eval", out, num_seqs=N_SEQS, batch_size=2, device="cpu", show_progress=False)
     resumed, clean = open_cache(out, verify=True), open_cache(demo / "eval")
     for seqs in ([0, 5, 11],):
         a, b = resumed.read_seqs(seqs), clean.read_seqs(seqs)
@@ -194,7 +204,7 @@ def test_derangement_and_shuffle():
     assert not np.array_equal(independent["b"], shared["b"])
     frozen = condition_coefficients(parse_condition("token_shuffle@b", 1), own, [0, 1])
     assert frozen["a"] is own["a"] and np.array_equal(frozen["b"], shared["b"])
-    assert parse_condition("interpolate:0.25@a,b").name == "interpolate(0.25)@a,b"
+    assert parse_condition("interpolate:0.25@a,b").name == "interpolate:0.25@a,b"
     with pytest.raises(ValueError):
         parse_condition("wobble")
 
@@ -255,8 +265,8 @@ def test_replay_runner_conditions(demo):
     assert fidelity["tolerances"]["bit_identical_required"] and fidelity["nll_diff"] == 0.0
     nll = {name: results.nll(name) for name in results.per_seq_nll}
     assert nll["correct"] == pytest.approx(results.nll_live, abs=1e-6)
-    assert nll["interpolate(1)"] == pytest.approx(nll["correct"], abs=1e-6)
-    assert nll["interpolate(0)"] == pytest.approx(nll["static_layer"], abs=1e-6)
+    assert nll["interpolate:1"] == pytest.approx(nll["correct"], abs=1e-6)
+    assert nll["interpolate:0"] == pytest.approx(nll["static_layer"], abs=1e-6)
     assert len({round(nll[k], 7) for k in ("correct", "cross_input", "token_shuffle", "static_layer", "global_mean")}) == 5
     # Batch composition does not change per-sequence NLL of a condition beyond float noise.
     again = run_conditions(model, ev, conditions[:2], calibration_profiles(cal), batch_size=3)
@@ -289,9 +299,9 @@ def test_audit_refuses_when_correct_is_not_exact(demo, tmp_path, monkeypatch, ca
                          nll_correct=1.0)
     with pytest.raises(ExactnessError):
         check_exactness(fake)
-    import fca.jobs.audit
+    from fca.jobs.experiment import Experiment
 
-    monkeypatch.setattr(fca.jobs.audit, "run_conditions", lambda *a, **k: fake)
+    monkeypatch.setattr(Experiment, "run", lambda *a, **k: fake)
     code = main(["audit", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval"), "--calibration", str(demo / "calibration"), "--json", str(tmp_path / "r.json")])
     assert code == 3 and "does not reproduce" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()

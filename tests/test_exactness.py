@@ -19,10 +19,11 @@ import torch
 
 import fca
 from fca.cli import main
-from fca.tables.environment import current_environment, describe, same_environment
+from fca.engine.environment import current_environment
+from fca.engine.replay import check_exactness, run_conditions
+from fca.tables.environment import describe, same_environment
 from fca.tables.fidelity import FidelityError, check_dtype, tolerances
 from fca.tables.profiles import calibration_profiles
-from fca.engine.replay import check_exactness, run_conditions
 from fca.tables.store import MANIFEST, file_sha256, open_cache
 
 REPO = Path(__file__).resolve().parent.parent
@@ -172,7 +173,7 @@ def test_replay_does_not_depend_on_input_layout(demo_pair):
 @pytest.fixture(scope="module")
 def demo_pair(tmp_path_factory):
     """A tiny model with eval and calibration caches built here in batches of 4."""
-    from fca.engine.capture import build_cache
+    from fca.jobs.build import build_cache_from_corpus
 
     from .helpers import make_model_dir, write_corpus
 
@@ -180,6 +181,6 @@ def demo_pair(tmp_path_factory):
     corpus = write_corpus(root / "prose.txt")
     make_model_dir(root / "featuregate", corpus)
     for split in ("eval", "calibration"):
-        build_cache(root / "featuregate", corpus, split, root / split, num_seqs=8, batch_size=4, device="cpu", show_progress=False)
+        build_cache_from_corpus(root / "featuregate", corpus, split, root / split, num_seqs=8, batch_size=4, device="cpu", show_progress=False)
     calibration_profiles(open_cache(root / "calibration"))  # the calibration cache opens and profiles cleanly
     return root / "featuregate", root / "eval", root / "calibration"

@@ -8,13 +8,13 @@ import pytest
 import torch
 import transformers
 
-from fca.tables import data
 from fca.cli import main
 from fca.engine.models.muddpythia import (
     MUDDPythiaConfig,
     dense_twin_config,
-    write_random_checkpoint,
 )
+from fca.tables import data
+from fca.testing import write_random_checkpoint
 
 from .helpers import write_corpus
 

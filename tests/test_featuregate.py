@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import fca
-from fca.tables import data
 from fca.cli import main
 from fca.engine.loading import ModelLoadError
 from fca.engine.models.featuregate import (
@@ -19,6 +18,7 @@ from fca.engine.models.featuregate import (
 )
 from fca.engine.sites import find_sites, site_modes
 from fca.jobs.train import TrainSettings, heldout_nll, train
+from fca.tables import data
 
 from .helpers import TINY, make_model_dir, write_corpus
 

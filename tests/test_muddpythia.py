@@ -14,17 +14,21 @@ import pytest
 import torch
 
 import fca
+from fca.engine.execution import model_blocks
+from fca.engine.families import family_of
 from fca.engine.loading import ModelLoadError
 from fca.engine.models.muddpythia import (
     FAMILY_DEFINITION,
     MUDDPythia,
     MUDDPythiaConfig,
-    build_random_model,
     dense_twin_config,
+)
+from fca.engine.sites import find_sites
+from fca.testing import (
+    build_random_model,
     write_dense_twin_checkpoint,
     write_random_checkpoint,
 )
-from fca.engine.sites import find_sites
 
 # The settings of the released 1.4B model (expand_last, round64, qk-norm, parallel residual, sepln).
 TINY = MUDDPythiaConfig(
@@ -112,8 +116,8 @@ def test_head_dim_recomputed_and_bad_configs():
 def test_load_model_detects_family(model, ckpt):
     assert isinstance(model, MUDDPythia) and not model.training
     assert json.loads((ckpt / "config.json").read_text())["model_type"] == "muddpythia"
-    assert len(model.fca_blocks()) == TINY.n_layer
-    assert model.fca_definitions()["global_mean_families"] == FAMILY_DEFINITION
+    assert len(model_blocks(model)) == TINY.n_layer
+    assert family_of(model).definitions(model)["global_mean_families"] == FAMILY_DEFINITION
     assert "q, k, v, r" in FAMILY_DEFINITION
 
 
@@ -293,15 +297,16 @@ def test_dense_twin(ckpt, tmp_path, ids):
     assert json.loads((path / "config.json").read_text())["dense"] is False
     names = set(twin.state_dict())
     assert "layers.1.attention.wqkv.weight" in names and not any(n.startswith(("dense_bs", "dynamic_dense")) for n in names)
-    assert [b.feed_forward.w1.out_features for b in twin.fca_blocks()] == list(TINY.ffn_widths)
+    assert [b.feed_forward.w1.out_features for b in model_blocks(twin)] == list(TINY.ffn_widths)
     with torch.no_grad():
         assert twin(ids).shape == (*ids.shape, TINY.vocab_size)
 
 
 def test_block_hooks_see_one_residual_tensor(model, ids):
-    # The execution audit hooks fca_blocks(); every block's first argument is the residual [B, T, D].
+    # The execution audit hooks the family's blocks; every block's first argument is the residual [B, T, D].
     seen = []
-    hooks = [b.register_forward_pre_hook(lambda m, args: seen.append(tuple(args[0].shape))) for b in model.fca_blocks()]
+    hooks = [b.register_forward_pre_hook(lambda m, args: seen.append(tuple(args[0].shape)))
+             for b in model_blocks(model)]
     try:
         with torch.no_grad():
             model(ids)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fca.tables import study
 from fca.cli import main
+from fca.tables import study
 from fca.tables.study import StudyError, build_study, spread, t_quantile_975
 
 # ------------------------------------------------------------------ hand-made audits

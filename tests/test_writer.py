@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import fca
-from fca.engine.capture import build_cache, record_windows, write_cache
 from fca.cli import main
-from fca.tables.profiles import cache_moments
+from fca.engine.capture import record_windows, write_cache
 from fca.engine.sites import site_specs
+from fca.jobs.build import build_cache_from_corpus
+from fca.tables.profiles import cache_moments
 from fca.tables.spec import SiteSpec
 from fca.tables.store import (
     PROGRESS,
@@ -57,14 +58,14 @@ def small_parts(monkeypatch):
 
 
 def _build(artifacts, out, workers, **kw):
-    return build_cache(artifacts / "model", artifacts / "prose.txt", "eval", out, num_seqs=N_SEQS, seq_len=T,
+    return build_cache_from_corpus(artifacts / "model", artifacts / "prose.txt", "eval", out, num_seqs=N_SEQS, seq_len=T,
                        batch_size=2,
                        device="cpu", show_progress=False, workers=workers, **kw)
 
 
 def _hashes(path):
-    parts = open_cache(path, verify=True).manifest["parts"]
-    return [(p["file"], p["first_seq"], p["num_seqs"], p["sha256"]) for p in parts]
+    parts = open_cache(path, verify=True).manifest.parts
+    return [(p.file, p.first_seq, p.num_seqs, p.sha256) for p in parts]
 
 
 def _same_values(a, b):
@@ -84,7 +85,7 @@ def test_three_workers_write_the_same_cache_as_one(artifacts, tmp_path, small_pa
     assert [(f, s, n) for f, s, n, _ in parts] == [(f"part-0000{k}.parquet", 4 * k, 4) for k in range(3)]
     assert _hashes(three) == parts
     assert _same_values(one, three)
-    assert open_cache(three).manifest["seqs_per_part"] == SEQS_PER_PART
+    assert open_cache(three).manifest.seqs_per_part == SEQS_PER_PART
     # Row groups are the record batches: two sequences each, in order.
     meta = pq.ParquetFile(open_cache(three).part_paths()[1]).metadata
     assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [2 * T, 2 * T]
@@ -113,7 +114,7 @@ def _synthetic(num_seqs, seqs_per_part, workers, out, batch=3, dtype="float32"):
 def test_batches_split_at_part_boundaries_identically(tmp_path):
     one, values = _synthetic(11, 4, 1, tmp_path / "one")
     three, _ = _synthetic(11, 4, 3, tmp_path / "three")
-    assert [p["num_seqs"] for p in open_cache(one).manifest["parts"]] == [4, 4, 3]
+    assert [p.num_seqs for p in open_cache(one).manifest.parts] == [4, 4, 3]
     assert _hashes(one) == _hashes(three)
     got = open_cache(three).read_seqs([10, 0, 5])
     for k, v in values.items():
@@ -251,7 +252,7 @@ def test_bfloat16_model_coefficients_stored_bit_for_bit(artifacts, tmp_path):
                       coefficient_dtype="bfloat16")
     out = write_cache(model, windows, tmp_path / "bf16", plan, batch_size=3)
     cache = open_cache(out, verify=True)
-    assert cache.manifest["coefficient_dtype"] == "bfloat16"
+    assert cache.manifest.coefficient_dtype == "bfloat16"
     stored = pq.read_schema(cache.part_paths()[0]).field("blocks.0.gate").type
     assert str(stored) == "fixed_size_list<element: uint16>[4]"
     got = cache.read_seqs(range(6))

@@ -5,11 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import streamlit as st
-import torch
 
 from app import figures, resources
 from app.views.common import download, guard, require_cache, teach
-from fca.engine.execution import execution_audit
 
 MEASURED_KEY = "execution_measured"
 PROBE_SEQS = 8  # sequences of the cache in the timing batch (as in `python -m fca audit`)
@@ -35,12 +33,9 @@ with right:
                         help=f"times {PROBE_SEQS} sequences of this cache through the model and its Dense twin (5 interleaved runs)")
 if measure:
     with guard("Measurement"), st.spinner("Timing the model and its Dense twin…"):
-        model, _, lock = resources.model_for(sel.model_dir, sel.device)
-        dense = resources.model_for(sel.dense_dir, sel.device)[0] if sel.dense_dir else None
-        device = next(model.parameters()).device
-        ids = cache.read_seqs(list(range(min(PROBE_SEQS, cache.num_seqs))), sites=[])["token"]
+        experiment, lock = resources.experiment(sel.model_dir, sel.device, cache, sel.calibration_cache, sel.dense_dir)
         with lock:
-            st.session_state[MEASURED_KEY] = execution_audit(model, torch.from_numpy(ids.astype(np.int64)).to(device), dense, runs=5)
+            st.session_state[MEASURED_KEY] = experiment.measure_execution(runs=5)
 
 measured = st.session_state.get(MEASURED_KEY)
 exe = measured or report_exe

@@ -52,9 +52,9 @@ if report is None:
     st.stop()
 
 # Stale or foreign reports are shown, with the mismatch stated (they are still worth reading).
-if report["model"]["fingerprint"] != manifest["model"]["fingerprint"]:
+if report["model"]["fingerprint"] != manifest.model.fingerprint:
     st.error(f"This report is about model {report['model']['fingerprint'][:12]}, but the cache was made by "
-             f"{manifest['model']['fingerprint'][:12]}: the numbers below do not describe this cache.")
+             f"{manifest.model.fingerprint[:12]}: the numbers below do not describe this cache.")
 elif report["cache"].get("fingerprint") not in (None, cache.fingerprint):
     st.warning("The cache changed since this report was written (its fingerprint differs); rerun `python -m fca audit`.")
 

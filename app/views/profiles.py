@@ -45,15 +45,15 @@ with guard("Profiles"):
     offsets = dict(zip(ref_stats["sites"], np.cumsum([0, *ref_stats["widths"][:-1]])))
     live, static, sd, lo, hi, slots = [], [], [], [], [], []
     for site in chosen_sites:
-        spec = cache.manifest["sites"][site]
-        K = spec["shape"][0]
+        spec = cache.manifest.sites[site]
+        K = spec.num_channels
         start = int(offsets[site])
         live.append(data[site])  # [T, K]
         static.append(ref_stats["slot_mean"][start:start + K])
         sd.append(ref_stats["slot_sd"][start:start + K])
         lo.append(band[site][0])
         hi.append(band[site][1])
-        slots += [f"{site}/{label}" for label in (spec.get("channel_labels") or range(K))]
+        slots += [f"{site}/{label}" for label in (spec.channel_labels or range(K))]
     live_m, static_v, sd_v = np.concatenate(live, axis=1), np.concatenate(static), np.concatenate(sd)
     deviation = (live_m - static_v) / np.where(sd_v > 0, sd_v, 1.0)  # [T, C] in calibration SDs
     tokens = resources.decode_tokens(str(sel.model_dir) if sel.model_dir else "", tuple(int(t) for t in data["token"]))

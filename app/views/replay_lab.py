@@ -12,9 +12,9 @@ import streamlit as st
 from app import figures, resources
 from app.jobs import ReplayJob
 from app.views.common import download, guard, require_cache, teach
-from fca.tables.environment import model_dtype_name
-from fca.tables.report import exactness_sentences
 from fca.jobs.runs import list_runs, run_replay
+from fca.tables.conditions import Condition
+from fca.tables.report import exactness_sentences
 
 JOB_KEY = "replay_job"
 KINDS = {
@@ -41,17 +41,16 @@ if sel.model_dir is None:
     st.error("The replay lab needs the model directory the cache names, beside the cache; none was found.")
     st.stop()
 
-loaded = None
+opened = None
 with guard("Model"):
-    loaded = resources.model_for(sel.model_dir, sel.device)
-    model, fingerprint, lock = loaded
-    cache.check_model(fingerprint, model_dtype_name(model))
-if loaded is None or fingerprint != cache.manifest["model"]["fingerprint"]:
+    opened = resources.experiment(sel.model_dir, sel.device, cache, sel.calibration_cache, sel.dense_dir)
+if opened is None:
     st.stop()
 if sel.calibration is None:
     st.error("The replay lab needs a calibration cache of the same model (a different split) beside this one; none was found.")
     st.stop()
-st.caption(f"Model `{sel.model_dir.name}` (fingerprint `{fingerprint[:12]}`) on **{next(model.parameters()).device}** "
+experiment, lock = opened
+st.caption(f"Model `{sel.model_dir.name}` (fingerprint `{experiment.model_fingerprint[:12]}`) on **{experiment.device}** "
            f"matches the cache; calibration: `{sel.calibration.label}`.")
 
 job: ReplayJob | None = st.session_state.get(JOB_KEY)
@@ -71,11 +70,9 @@ with st.form("replay_settings", border=True):
     submitted = st.form_submit_button("Run", type="primary", disabled=busy)
 
 st.caption("  \n".join(f"**{k}**: {KINDS[k]}" for k in kinds))
-specs = []
-for kind in kinds:
-    spec = kind + (f":{alpha:g}" if kind == "interpolate" else "") + ("+independent" if kind == "token_shuffle" and independent else "")
-    specs.append(spec + ("@" + ",".join(freeze) if freeze else ""))
-settings = dict(model_dir=str(sel.model_dir), cache_dir=str(cache.path), calibration_dir=str(sel.calibration.path),
+specs = [Condition(kind, alpha if kind == "interpolate" else None, tuple(freeze) or None,
+                   kind == "token_shuffle" and independent, seed).spec for kind in kinds]
+settings = dict(model=str(sel.model_dir), cache=str(cache.path), calibration=str(sel.calibration.path),
                 conditions=specs, num_seqs=num_seqs, seed=seed, device=sel.device, batch_size=batch)
 
 
@@ -88,14 +85,13 @@ def _rel(p: str) -> str:
 
 st.caption("The same run from the command line:")
 st.code("python -m fca replay " + " ".join([
-    f"--model {shlex.quote(_rel(settings['model_dir']))}", f"--cache {shlex.quote(_rel(settings['cache_dir']))}",
-    f"--calibration {shlex.quote(_rel(settings['calibration_dir']))}", "--conditions " + " ".join(shlex.quote(s) for s in ["correct", *specs]),
+    f"--model {shlex.quote(_rel(settings['model']))}", f"--cache {shlex.quote(_rel(settings['cache']))}",
+    f"--calibration {shlex.quote(_rel(settings['calibration']))}", "--conditions " + " ".join(shlex.quote(s) for s in ["correct", *specs]),
     f"--num-seqs {num_seqs}", f"--seed {seed}", f"--batch {batch}", f"--device {sel.device}"]), language="bash", wrap_lines=True)
 
 if submitted and not busy:
     with guard("Replay"):
-        profiles = resources.profiles(str(sel.calibration.path), sel.calibration_cache.fingerprint)
-        job = ReplayJob(settings, total=num_seqs).start(lambda **kw: run_replay(**kw, model=model, profiles=profiles), lock)
+        job = ReplayJob(settings, total=num_seqs).start(lambda **kw: run_replay(**kw, experiment=experiment), lock)
         st.session_state[JOB_KEY] = job
 
 
@@ -151,7 +147,7 @@ else:
     table = pd.DataFrame([{
         "run": Path(r["path"]).stem, "created": r.get("created"), "conditions": ", ".join(r["spec"]["conditions"]),
         "sequences": r["spec"]["num_seqs"], "seed": r["spec"]["seed"], "device": r.get("device"),
-        "model ok": r["spec"].get("model_fingerprint") == cache.manifest["model"]["fingerprint"],
+        "model ok": r["spec"].get("model_fingerprint") == cache.manifest.model.fingerprint,
     } for r in runs])
     st.dataframe(table, hide_index=True, key="lab_runs")
     chosen = st.multiselect("Compare runs", table["run"].tolist(), default=table["run"].tolist()[:2], key="lab_compare")

@@ -52,23 +52,23 @@ with guard("Cache statistics"):
               "layer-identity share": np.array([np.nan if s is None else s for s in dec["per_slot_share"]], dtype=float)}[quantity]
     rows, structured = [], []
     offset = 0
-    for site, spec in cache.manifest["sites"].items():
-        K = spec["shape"][0]
-        labels = spec.get("channel_labels") or [str(k) for k in range(K)]
-        fams = spec.get("channel_families") or [spec["family"]] * K
-        axes = spec.get("axes", [])
+    for site, spec in cache.manifest.sites.items():
+        K = spec.num_channels
+        labels = spec.channel_labels or [str(k) for k in range(K)]
+        fams = spec.families_per_channel()
+        axes = spec.axes
         for k in range(K):
             rows.append({"site": site, "channel": k, "label": labels[k], "family": fams[k], "value": float(values[offset + k])})
             if len(axes) == 2:  # row-major flattening (DESIGN.md): k = a * size_1 + b
                 a, b = divmod(k, int(axes[1][1]))
-                group = fams[k] if spec.get("channel_families") else f"{axes[0][0]} {a}"
+                group = fams[k] if spec.channel_families else f"{axes[0][0]} {a}"
                 structured.append({"site": site, "group": group, "index": b, "value": float(values[offset + k])})
         offset += K
     slots = pd.DataFrame(rows)
     unit = "share (fraction)" if quantity == "layer-identity share" else "coefficient (unitless)"
     view = "flat channels"
     if structured:
-        first_axes = next(spec["axes"] for spec in cache.manifest["sites"].values() if len(spec.get("axes", [])) == 2)
+        first_axes = next(spec.axes for spec in cache.manifest.sites.values() if len(spec.axes) == 2)
         view = st.radio("Layout", ["flat channels", f"one panel per {first_axes[0][0]} (x = {first_axes[1][0]})"], horizontal=True, key="var_view")
     if view == "flat channels":
         st.plotly_chart(figures.slot_heatmap(slots, unit, f"{quantity.capitalize()} of each site's channels"), key="var_heatmap")

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fca.engine.sites import Site, SiteSpec, assign_site_names
+from fca.engine.sites import OutputSelector, Site, SiteSpec, assign_site_names
 
 TokenLayout = Literal["batched", "flat"]
 Axes = tuple[tuple[str, int], ...]
@@ -181,13 +181,56 @@ def match_modules(model: nn.Module, pattern: str) -> list[str]:
     ]
 
 
+def _matches(path: list[str], parts: list[str]) -> bool:
+    return all(fnmatchcase(n, p) for n, p in zip(path, parts))
+
+
 def candidate_paths(model: nn.Module, pattern: str, limit: int = 8) -> list[str]:
-    """Module paths a user probably meant: close spellings of `pattern`, then controller-like names."""
+    """Module paths a user probably meant by `pattern`, nearest in structure first, then in spelling.
+
+    1. Every module of the pattern's depth that matches all its components but one, one path per
+       differing name (`blocks.*.gate` -> `blocks.0.controller`); these are never cut by `limit`, since
+       a controller misnamed in the pattern is exactly such a module.
+    2. The children of the deepest prefix of the pattern that does match (the alternatives at the first
+       component that fails), then the children of the prefix one shorter (the failing component's
+       parent's siblings), one path per child name, from the first matching parent.
+    3. Close spellings of the whole pattern, then modules named like controllers (gate, router, controller).
+    Groups 2 and 3 fill up to `limit` entries in all, one path per shape: `blocks.9.gate` adds nothing
+    after `blocks.0.gate`, since a number component is an index into a module list.
+    """
+    parts = pattern.split(".")
     names = [name for name, _ in model.named_modules() if name]
+    split = {name: name.split(".") for name in names}
+
+    fits: dict[tuple[int, str], str] = {}  # (differing position, name there) -> first such path
+    for name, path in split.items():
+        if len(path) == len(parts):
+            misses = [i for i, (n, p) in enumerate(zip(path, parts)) if not fnmatchcase(n, p)]
+            if len(misses) == 1:
+                fits.setdefault((misses[0], path[misses[0]]), name)
+
+    depth = max((m for m in range(len(parts)) if any(len(path) > m and _matches(path[:m], parts[:m])
+                                                     for path in split.values())), default=0)
+    siblings: dict[tuple[int, str], str] = {}  # (level, child name) -> first path
+    for level in (depth, depth - 1):
+        for name, path in split.items():
+            if level >= 0 and len(path) == level + 1 and _matches(path[:level], parts[:level]):
+                siblings.setdefault((level, path[-1]), name)
+
     close = difflib.get_close_matches(pattern.replace("*", "0"), names, n=limit, cutoff=0.6)
-    controller_like = [n for n in names if re.search(r"gate|router|controller", n.rsplit(".", 1)[-1], re.IGNORECASE)]
-    ordered = list(dict.fromkeys(close + controller_like))
-    return ordered[:limit] or [name for name, _ in model.named_children()]
+    controller_like = [n for n in names if re.search(r"gate|router|controller", split[n][-1], re.IGNORECASE)]
+    kept = list(fits.values())
+    shapes = {_shape(split[n]) for n in kept}
+    extra = []
+    for name in [*siblings.values(), *close, *controller_like]:
+        if _shape(split[name]) not in shapes:
+            shapes.add(_shape(split[name]))
+            extra.append(name)
+    return kept + extra[: max(limit - len(kept), 0)]
+
+
+def _shape(path: list[str]) -> tuple[str, ...]:
+    return tuple("#" if n.isdigit() else n for n in path)
 
 
 def _resolve_axes(declaration: SiteDeclaration, module: nn.Module, path: str) -> Axes:
@@ -213,12 +256,18 @@ def _forget_batch_shape(sites: Sequence[ModuleSite], *_: Any) -> None:
         site.batch_shape = None
 
 
-def attach_sites(model: nn.Module, declarations: Sequence[SiteDeclaration], *, blocks: str | None = None) -> nn.Module:
+def attach_sites(
+    model: nn.Module, declarations: Sequence[SiteDeclaration], *, blocks: str | None = None,
+    output: OutputSelector | None = None,
+) -> nn.Module:
     """Swap every module matched by a declaration for a `ModuleSite` wrapping it; returns `model`.
 
     `blocks` optionally names the module list of the model's blocks (e.g. `model.layers`); the model
-    then offers `model.fca_blocks()` for the execution audit. A declaration that matches nothing, or
-    matches a module inside another matched module, raises `SiteDeclarationError` listing candidates.
+    then offers `model.fca_blocks()` for the execution audit. `output` says where the logits sit when
+    the model returns neither a tensor nor an object with `.logits`: an index into a tuple (`0`), a key
+    or attribute name (`"logits"`), or a function of the output; it is kept as `model.fca_output` and
+    read by `fca.engine.sites.model_logits`. A declaration that matches nothing, or matches a module
+    inside another matched module, raises `SiteDeclarationError` listing candidates.
     """
     # Every declaration is checked before any module is swapped, so an error leaves the model as it was.
     planned: dict[str, tuple[nn.Module, SiteDeclaration, SiteSpec]] = {}
@@ -251,6 +300,8 @@ def attach_sites(model: nn.Module, declarations: Sequence[SiteDeclaration], *, b
     model.fca_adapter_hooks = hooks
     if blocks is not None:
         model.fca_blocks = partial(_blocks, model, blocks)
+    if output is not None:
+        model.fca_output = output
     assign_site_names(model)
     return model
 
@@ -268,4 +319,5 @@ def detach_sites(model: nn.Module) -> nn.Module:
     for hook in getattr(model, "fca_adapter_hooks", []):
         hook.remove()
     model.fca_adapter_hooks = []
+    vars(model).pop("fca_output", None)  # only the instance's: a selector the class declares stays
     return model

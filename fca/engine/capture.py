@@ -1,5 +1,5 @@
 """Record passes: collect every site's coefficients, in memory (`capture`) or into a cache on disk
-(`build_cache`, streaming: writer threads turn batches into Parquet while the next one runs)."""
+(`build_cache_from_corpus`, streaming: writer threads turn batches into Parquet while the next one runs)."""
 
 from __future__ import annotations
 
@@ -15,29 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fca.tables import data
-from fca.tables.environment import current_environment, model_dtype_name
-from fca.engine.loading import fingerprint_state, load_model, read_config
-from fca.engine.sites import capture_tensors, find_sites, site_specs
+from fca.engine.sites import as_input_ids, capture_tensors, find_sites, site_specs
 from fca.tables.store import (
     COEFFICIENT_BYTES,
     CacheError,
     CacheWriter,
-    cache_plan,
     cache_schema,
     coefficient_arrow_type,
-    file_sha256,
     record_batch,
 )
-
-
-def as_input_ids(input_ids, model: nn.Module) -> torch.Tensor:
-    """Token ids [B, T] as a long tensor on the model's device."""
-    device = next(model.parameters()).device
-    ids = torch.as_tensor(np.asarray(input_ids) if not isinstance(input_ids, torch.Tensor) else input_ids)
-    if ids.dim() != 2:
-        raise ValueError(f"input_ids must be [batch, positions], got shape {tuple(ids.shape)}")
-    return ids.to(device=device, dtype=torch.long)
 
 
 def capture(model: nn.Module, input_ids) -> dict[str, np.ndarray]:
@@ -173,60 +159,6 @@ class _BackgroundWriter:
         self.thread.join()
         if raise_errors and self.failure:
             raise self.failure[0]
-
-
-def build_cache(
-    model_dir: str | Path,
-    corpus: str | Path,
-    split: str,
-    out: str | Path,
-    num_seqs: int | None = 256,
-    seq_len: int | None = None,
-    batch_size: int = 16,
-    device: str = "auto",
-    dtype: torch.dtype | None = None,
-    split_seed: int = 0,
-    text_column: str = "text",
-    coefficient_dtype: str = "float32",
-    overwrite: bool = False,
-    progress: Callable[[int, int], None] | None = None,
-    show_progress: bool = True,
-    workers: int | None = None,
-) -> Path:
-    """Record every site's coefficients on `num_seqs` windows of one split and write them as a cache.
-
-    Memory does not grow with `num_seqs`: one batch is in flight while the previous one is written.
-    Deterministic: the same model, corpus, split seed and sizes give the same cache contents.
-    """
-    model_dir = Path(model_dir)
-    model = load_model(model_dir, device=device, dtype=dtype)
-    specs = site_specs(model)
-    if not specs:
-        raise ValueError(f"{model_dir}: the model has no controller sites (a Dense twin cannot be cached)")
-    config = read_config(model_dir)
-    T = seq_len or int(config.get("max_seq_len", config.get("block_size", 1024)))
-    tokenizer = data.load_tokenizer(model_dir)
-    windows = data.split_windows(corpus, split, tokenizer, T, split_seed, num_seqs, text_column)  # [N, T + 1]
-    N = len(windows)
-    row_bytes = bytes_per_token(specs, COEFFICIENT_BYTES[coefficient_dtype])
-    plan = cache_plan(
-        specs, T, N,
-        model={"path": model_dir.name, "model_type": config.get("model_type"), "fingerprint": fingerprint_state(model),
-               "config": config, "dtype": model_dtype_name(model)},
-        corpus={"name": Path(corpus).name, "fingerprint": file_sha256(Path(corpus)) if Path(corpus).is_file() else None,
-                "split": split, "split_seed": split_seed, "text_column": text_column},
-        coefficient_dtype=coefficient_dtype,
-        tokenizer={"fingerprint": file_sha256(model_dir / "tokenizer.json"), "vocab_size": tokenizer.get_vocab_size()},
-        raw_bytes_per_token=row_bytes,
-        environment={**current_environment(model), "batch_size": batch_size},
-    )
-    if show_progress:
-        from tqdm.auto import tqdm
-
-        tqdm.write(f"{out}: {N} sequences x {T} tokens x {row_bytes} B = {row_bytes * N * T / 1e6:.1f} MB raw "
-                   f"(about {0.85 * row_bytes * N * T / 1e6:.1f} MB as Parquet)")
-    return write_cache(model, windows, out, plan, batch_size, overwrite=overwrite, progress=progress, show_progress=show_progress,
-                       desc=f"cache {split}", workers=workers)
 
 
 def _storage_tensor(t: torch.Tensor, coefficient_dtype: str, site: str) -> torch.Tensor:

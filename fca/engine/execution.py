@@ -16,18 +16,13 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from fca.engine.families import family_of
 from fca.engine.sites import find_sites
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks in order: `model.fca_blocks()` where a family defines it, else the
-    longest `nn.ModuleList` in the module tree."""
-    if hasattr(model, "fca_blocks"):
-        return list(model.fca_blocks())
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
-        raise ValueError(f"{type(model).__name__}: cannot find its blocks (define fca_blocks())")
-    return list(max(lists, key=len))
+    """The model's repeated blocks in execution order, as its family (`fca.engine.families`) names them."""
+    return list(family_of(model).blocks(model))
 
 
 def _tokens_in(args: tuple, kwargs: dict) -> int:
@@ -109,15 +104,14 @@ def latency_ratio(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor, r
 
 
 def execution_audit(model: nn.Module, input_ids: torch.Tensor, dense: nn.Module | None = None, runs: int = 7) -> dict:
+    family = family_of(model)
     report = {**blocks_executed(model, input_ids), **controller_flops(model, input_ids)}
-    if getattr(model, "fca_expert_paths", None):
-        from fca.engine.models.hf_moe import (
-            expert_execution,  # conditional execution happens at expert level
-        )
+    if family.expert_paths:  # conditional execution happens at expert level: count the experts run
+        from fca.engine.models.hf_moe import expert_execution
 
         report["experts"] = expert_execution(model, input_ids)
-    if getattr(model, "fca_execution_note", None):
-        report["note"] = model.fca_execution_note
+    if family.execution_note:
+        report["note"] = family.execution_note
     if dense is not None:
         report.update(latency_ratio(model, dense, input_ids, runs=runs))
     else:

@@ -1,7 +1,7 @@
 """Load and save model directories. Device, dtype and eval mode are applied once, here.
 
-A model directory holds `config.json` (its `model_type` names the family), the weights
-(`model.safetensors`, a sharded safetensors index, or a `pytorch_model.bin` read with
+A model directory holds `config.json` (its `model_type` names the family, see `fca.engine.families`),
+the weights (`model.safetensors`, a sharded safetensors index, or a `pytorch_model.bin` read with
 `weights_only=True`) and, beside them, `tokenizer.json`.
 """
 
@@ -9,20 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from fca.engine.families import family_for_type, registered_families
 from fca.tables.errors import ModelLoadError
-
-# model_type -> loader(path) returning an nn.Module on CPU in float32. Families register here.
-_LOADERS: dict[str, Callable[[Path], nn.Module]] = {}
-
-
-def register_loader(model_type: str, loader: Callable[[Path], nn.Module]) -> None:
-    _LOADERS[model_type] = loader
 
 
 def read_config(path: Path) -> dict:
@@ -35,14 +28,6 @@ def read_config(path: Path) -> dict:
         return json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ModelLoadError(f"{config_path}: not valid JSON ({err})") from None
-
-
-def weights_path(path: Path) -> Path:
-    """The file the weights of a model directory are read from (for the sharded form, the index)."""
-    for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"):
-        if (path / name).is_file():
-            return path / name
-    return path
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -93,14 +78,15 @@ def load_strict(model: nn.Module, state: dict[str, torch.Tensor], where: Path, a
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
-    """Any supported family, detected from `config.json`; returned in eval mode on `device`."""
-    from fca.engine import models  # noqa: F401  (registers the built-in families)
-
+    """Any registered family with a loader, detected from `config.json`; returned in eval mode on `device`."""
     path = Path(path)
     model_type = read_config(path).get("model_type")
-    if model_type not in _LOADERS:
-        raise ModelLoadError(f"{path / 'config.json'}: unsupported model_type {model_type!r} (known: {', '.join(sorted(_LOADERS))})")
-    model = _LOADERS[model_type](path)
+    family = family_for_type(model_type)
+    if family is None or family.load is None:
+        known = sorted(t for t, f in registered_families().items() if f.load is not None)
+        raise ModelLoadError(f"{path / 'config.json'}: unsupported model_type {model_type!r} "
+                             f"(known: {', '.join(known)})")
+    model = family.load(path)
     if dtype is not None:
         model = model.to(dtype)
     model = model.to(resolve_device(device)).eval()

@@ -10,8 +10,15 @@ import torch
 from torch import nn
 
 from fca.engine.capture import as_input_ids, token_nll
+from fca.engine.environment import current_environment
+from fca.engine.sites import (
+    capture_tensors,
+    find_sites,
+    model_logits,
+    site_modes,
+    tensor_provider,
+)
 from fca.tables.conditions import Condition, condition_coefficients, derangement
-from fca.tables.environment import current_environment
 from fca.tables.errors import Cancelled, ExactnessError  # noqa: F401  (ExactnessError re-exported)
 from fca.tables.fidelity import (
     MECHANISM_TOLERANCE,
@@ -22,7 +29,6 @@ from fca.tables.fidelity import (
     judge_mechanism,
 )
 from fca.tables.profiles import Profiles
-from fca.engine.sites import capture_tensors, find_sites, model_logits, site_modes, tensor_provider
 from fca.tables.store import Cache
 
 
@@ -73,7 +79,7 @@ def replay(model: nn.Module, input_ids, coefficients: Mapping[str, object], only
         raise KeyError(f"no coefficients given for site(s) {missing}")
     tensors = to_device({name: coefficients[name] for name in chosen}, param.device, param.dtype)
     with site_modes(model, "replay", provider=tensor_provider(tensors), only=chosen):
-        return model_logits(model(ids))
+        return model_logits(model(ids), model)
 
 
 
@@ -214,7 +220,10 @@ def run_conditions(
     partner = derangement(len(seqs), cross_seed) if any(c.kind == "cross_input" for c in conditions) else None
     device = next(model.parameters()).device
     T = cache.seq_len
-    per_pass = max(1, max_logit_bytes // max(1, batch_size * T * cache.vocab_size * 4))
+    # Conditions stacked per forward while their logits fit the budget (one at a time when the vocabulary
+    # is not recorded).
+    vocab = cache.vocab_size
+    per_pass = max(1, max_logit_bytes // (batch_size * T * vocab * 4)) if vocab else 1
     per_seq = {name: np.zeros(len(seqs)) for name in names}
     live_nll, replayed_nll, cache_nll = np.zeros(len(seqs)), np.zeros(len(seqs)), np.zeros(len(seqs))
     measure = FidelityMeasure()

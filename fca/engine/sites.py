@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
-from typing import Literal
+from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -115,9 +116,48 @@ def site_modes(
             site.mode, site._sink, site._provider = "live", None, None
 
 
-def model_logits(output) -> torch.Tensor:
-    """Logits from a model output: a tensor, or an object with `.logits`."""
-    return output if isinstance(output, torch.Tensor) else output.logits
+def as_input_ids(input_ids, model: nn.Module) -> torch.Tensor:
+    """Token ids [B, T] as a long tensor on the model's device."""
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(np.asarray(input_ids) if not isinstance(input_ids, torch.Tensor) else input_ids)
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, positions], got shape {tuple(ids.shape)}")
+    return ids.to(device=device, dtype=torch.long)
+
+
+# Where the logits sit in a model's output when it is neither a tensor nor has `.logits`: an index
+# into a tuple, a key or attribute name, or a function of the output. Declared once per model, as the
+# attribute `fca_output` (`attach_sites(..., output=0)` sets it; a model class may set it itself).
+OutputSelector = int | str | Callable[[Any], torch.Tensor]
+
+
+def model_logits(output: Any, model: nn.Module | None = None) -> torch.Tensor:
+    """Logits [B, T, V] from `model`'s output: a tensor, an object with `.logits`, or whatever the
+    model's declared selector (`model.fca_output`) picks out of a tuple, list or dict."""
+    selector = getattr(model, "fca_output", None)
+    if selector is None:
+        if isinstance(output, torch.Tensor):
+            return output
+        if hasattr(output, "logits"):
+            return output.logits
+        raise TypeError(
+            f"the model returned a {type(output).__name__}, not logits; declare where they are: "
+            "attach_sites(model, ..., output=0) for a tuple's first item, output='logits' for a key or attribute"
+        )
+    try:
+        if callable(selector):
+            picked = selector(output)
+        elif isinstance(selector, str) and not isinstance(output, Mapping):
+            picked = getattr(output, selector)
+        else:
+            picked = output[selector]
+    except (AttributeError, IndexError, KeyError, TypeError) as err:
+        raise TypeError(f"the model's output selector {selector!r} does not fit its {type(output).__name__} output "
+                        f"({err})") from None
+    if not isinstance(picked, torch.Tensor):
+        raise TypeError(f"the model's output selector {selector!r} picked a {type(picked).__name__}, "
+                        "not a logits tensor")
+    return picked
 
 
 @torch.no_grad()
@@ -125,7 +165,7 @@ def capture_tensors(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Te
     """One record pass. Returns (logits [B, T, V], site name -> coefficients [B, T, K_s])."""
     sink: dict[str, torch.Tensor] = {}
     with site_modes(model, "record", sink=sink):
-        logits = model_logits(model(input_ids))
+        logits = model_logits(model(input_ids), model)
     return logits, sink
 
 

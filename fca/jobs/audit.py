@@ -1,125 +1,102 @@
 """The three-property audit: coefficient variation, functional dependence, actual execution.
 
-`run_audit` checks Correct exactness first and refuses to report anything else if it fails. The
-report is one JSON-ready dict; `fca.tables.report.render_markdown` turns it into a page.
+`run_audit` (also `fca.audit`) opens and checks an `Experiment`, runs both exactness checks first and
+refuses to report anything else if either fails. The report is one JSON-ready dict;
+`fca.tables.report.render_markdown` turns it into a page, `write_report` writes both.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-import numpy as np
 import torch
 
-from fca.tables.conditions import PAPER_CONDITIONS, Condition, parse_condition
-from fca.engine.execution import execution_audit
-from fca.engine.loading import fingerprint_state, load_model
-from fca.tables.profiles import cache_moments, calibration_profiles
-from fca.tables.environment import model_dtype_name
-from fca.tables.fidelity import FOREIGN_TOLERANCES, MECHANISM_TOLERANCE, STORAGE_ULP
-from fca.engine.replay import ReplayResults, check_exactness, run_conditions
-from fca.tables.report import render_markdown, write_report  # noqa: F401  (re-exported: the audit's outputs)
+from fca.engine.environment import model_dtype_name
+from fca.engine.families import family_of
+from fca.engine.loading import fingerprint_state
+from fca.engine.replay import check_exactness
 from fca.engine.sites import find_sites
-from fca.tables.stats import paired_bootstrap_ci, variance_decomposition
-from fca.tables.store import Cache, CacheError, open_cache
-
-BOOTSTRAP_RESAMPLES = 2000
-
-
-def summarize_conditions(results: ReplayResults, seed: int = 0, reference: str = "correct") -> dict:
-    """condition -> NLL, penalty vs `reference` and its paired bootstrap 95% CI over sequences."""
-    base = results.per_seq_nll[reference]
-    table = {}
-    for name, per_seq in results.per_seq_nll.items():
-        diff = per_seq - base
-        lo, hi = paired_bootstrap_ci(diff, BOOTSTRAP_RESAMPLES, seed) if name != reference else (0.0, 0.0)
-        table[name] = {"nll": float(per_seq.mean()), "penalty": float(diff.mean()), "penalty_ci95": [lo, hi],
-                       "nll_sd_over_sequences": float(per_seq.std(ddof=1)) if len(per_seq) > 1 else 0.0}
-    return table
-
-
-def gap_retention(table: dict) -> dict:
-    """(NLL_global - NLL_X) / (NLL_global - NLL_correct) for every condition; None when the gap is not
-    clearly positive (its bootstrap CI reaches zero)."""
-    if "global_mean" not in table or "correct" not in table:
-        return {}
-    gap = table["global_mean"]["nll"] - table["correct"]["nll"]
-    clearly_positive = table["global_mean"]["penalty_ci95"][0] > 0
-    out = {}
-    for name, row in table.items():
-        if name in ("correct", "global_mean"):
-            continue
-        out[name] = (table["global_mean"]["nll"] - row["nll"]) / gap if clearly_positive else None
-    return out
-
-
-def _check_pair(model_fp: str, model_dtype: str, evaluated: Cache, calibration: Cache) -> None:
-    evaluated.check_model(model_fp, model_dtype)
-    calibration.check_model(model_fp, model_dtype)
-    a, b = evaluated.manifest.get("corpus", {}), calibration.manifest.get("corpus", {})
-    if a.get("split") == b.get("split") and a.get("fingerprint") == b.get("fingerprint") and a.get("split_seed") == b.get("split_seed"):
-        raise CacheError(f"{calibration.path}: the calibration cache comes from the same split ({a.get('split')!r}) as the evaluated cache; "
-                         "static profiles must be estimated on an independent split")
-    if set(evaluated.sites) != set(calibration.sites):
-        raise CacheError(f"{calibration.path}: its sites differ from {evaluated.path}'s")
+from fca.jobs.experiment import CacheSource, Experiment, ModelSource
+from fca.tables.conditions import PAPER_CONDITIONS, Condition, parse_condition
+from fca.tables.fidelity import FOREIGN_TOLERANCES, MECHANISM_TOLERANCE, STORAGE_ULP
+from fca.tables.profiles import cache_moments
+from fca.tables.scoring import BOOTSTRAP_RESAMPLES, gap_retention, summarize_conditions
+from fca.tables.stats import variance_decomposition
+from fca.tables.store import Cache
 
 
 def run_audit(
-    model_dir: str | Path,
-    cache_dir: str | Path,
-    calibration_dir: str | Path,
-    dense_dir: str | Path | None = None,
+    model: ModelSource,
+    cache: CacheSource,
+    calibration: CacheSource,
+    dense: ModelSource | None = None,
     device: str = "auto",
     dtype: torch.dtype | None = None,
     batch_size: int = 16,
     num_seqs: int | None = None,
     seed: int = 0,
-    extra_conditions: Sequence[str] = (),
+    extra_conditions: Sequence[str | Condition] = (),
     latency_runs: int = 7,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> dict:
+    """The three-property report of `model` (a directory, or a module held in memory: `fca.audit`) on an
+    evaluated and a calibration cache (directories or opened caches), with its Dense twin's latency when
+    `dense` is given. Cache part hashes are verified first."""
+    experiment = Experiment.open(model, cache, calibration, dense, device=device, dtype=dtype, verify=True)
+    return audit_experiment(experiment, batch_size=batch_size, num_seqs=num_seqs, seed=seed, extra_conditions=extra_conditions,
+                            latency_runs=latency_runs, progress=progress)
+
+
+def audit_experiment(
+    experiment: Experiment,
+    batch_size: int = 16,
+    num_seqs: int | None = None,
+    seed: int = 0,
+    extra_conditions: Sequence[str | Condition] = (),
+    latency_runs: int = 7,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict:
+    """The report of an opened experiment. Nothing is reported unless both exactness checks pass."""
     started = time.perf_counter()
     step = (lambda stage: (lambda i, n: progress(stage, i, n))) if progress else (lambda stage: None)
-    model = load_model(model_dir, device=device, dtype=dtype)
-    model_fp = fingerprint_state(model)
-    evaluated, calibration = open_cache(cache_dir, verify=True), open_cache(calibration_dir, verify=True)
-    _check_pair(model_fp, model_dtype_name(model), evaluated, calibration)
-    profiles = calibration_profiles(calibration, progress=step("calibration profiles"))
-    conditions = [Condition(kind, seed=seed) for kind in PAPER_CONDITIONS] + [parse_condition(c, seed) for c in extra_conditions]
-    seqs = None if num_seqs is None else list(range(min(num_seqs, evaluated.num_seqs)))
-    results = run_conditions(model, evaluated, conditions, profiles, seqs=seqs, batch_size=batch_size, cross_seed=seed, progress=step("replay"))
+    model, evaluated, calibration = experiment.model, experiment.evaluated, experiment.calibration
+    conditions = [Condition(kind, seed=seed) for kind in PAPER_CONDITIONS]
+    conditions += [c if isinstance(c, Condition) else parse_condition(c, seed) for c in extra_conditions]
+    results = experiment.run(conditions, num_seqs, batch_size, seed, progress=step("replay"),
+                             profile_progress=step("calibration profiles"))
     exactness = check_exactness(results)
-    table = summarize_conditions(results, seed)
+    table = summarize_conditions(results.per_seq_nll, seed)
     moments, layout = cache_moments(evaluated, progress=step("variance"))
     variance = variance_decomposition(moments, layout)
-    probe = torch.from_numpy(evaluated.read_seqs(list(range(min(8, evaluated.num_seqs))), sites=[])["token"].astype(np.int64)).to(next(model.parameters()).device)
-    dense = load_model(dense_dir, device=device, dtype=dtype) if dense_dir else None
-    execution = execution_audit(model, probe, dense, runs=latency_runs)
+    execution = experiment.measure_execution(latency_runs)
     params = sum(p.numel() for p in model.parameters())
     controller_params = sum(p.numel() for site in find_sites(model).values() for p in site.parameters())
+    dense = experiment.dense
     return {
         "fca_report_version": 1,
-        "model": {"name": Path(model_dir).name, "model_type": model.config.model_type if hasattr(model, "config") else type(model).__name__,
-                  "fingerprint": model_fp, "parameters": params, "controller_parameters": controller_params,
-                  "dtype": model_dtype_name(model), "device": str(next(model.parameters()).device)},
+        "model": {"name": experiment.name,
+                  "model_type": model.config.model_type if hasattr(model, "config") else type(model).__name__,
+                  "fingerprint": experiment.model_fingerprint, "parameters": params, "controller_parameters": controller_params,
+                  "dtype": model_dtype_name(model), "device": str(experiment.device)},
         "cache": _cache_entry(evaluated, len(results.seqs)),
         "calibration": _cache_entry(calibration, calibration.num_seqs),
-        "dense": {"name": Path(dense_dir).name, "fingerprint": fingerprint_state(dense), "parameters": sum(p.numel() for p in dense.parameters())} if dense else None,
+        "dense": {"name": experiment.dense_name, "fingerprint": fingerprint_state(dense),
+                  "parameters": sum(p.numel() for p in dense.parameters())} if dense is not None else None,
         "exactness": exactness,
         "conditions": table,
         "gap_retention": gap_retention(table),
         "variance": variance,
         "execution": execution,
-        "definitions": {**_definitions(evaluated, layout, seed, conditions), **(model.fca_definitions() if hasattr(model, "fca_definitions") else {})},
+        "definitions": {**_definitions(evaluated, layout, seed, conditions),
+                        **family_of(model).definitions(model)},
         "seconds": round(time.perf_counter() - started, 1),
     }
 
 
 def _cache_entry(cache: Cache, evaluated_seqs: int) -> dict:
-    corpus = cache.manifest.get("corpus", {})
-    return {"path": cache.path.name, "fingerprint": cache.fingerprint, "split": corpus.get("split"), "corpus": corpus.get("name"),
+    corpus = cache.manifest.corpus
+    return {"path": cache.path.name, "fingerprint": cache.fingerprint, "split": corpus.split, "corpus": corpus.name,
             "sequences": evaluated_seqs, "seq_len": cache.seq_len, "tokens": evaluated_seqs * cache.seq_len,
             "coefficient_dtype": cache.coefficient_dtype, "environment": cache.environment}
 
@@ -147,7 +124,7 @@ def _definitions(cache: Cache, layout, seed: int, conditions: Sequence[Condition
                                 "pooled over families as sum SS_between / sum SS_total, on the evaluated cache",
         "variance_factors": "site, channel within site: parts of the slot effect; position, token id and sequence: group means within each slot, "
                             "each as a share of SS_total (they overlap and do not add up); residual_after_slot = 1 - layer_identity_share",
-        "splits": {"evaluated": cache.manifest.get("corpus", {}).get("split"), "calibration": "calibration"},
+        "splits": {"evaluated": cache.manifest.corpus.split, "calibration": "calibration"},
         "exactness": f"mechanism: in every evaluated batch, live logits vs Correct replay of the coefficients recorded in that same "
                      f"pass, same batch composition; max |diff| <= {MECHANISM_TOLERANCE:g} and identical NLL",
         "cache_fidelity": "cached coefficients of the evaluated sequences vs those recorded now (max |diff|; relative: "

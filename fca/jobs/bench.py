@@ -19,15 +19,21 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fca.tables import data
 from fca.engine.capture import write_cache
-from fca.tables.conditions import PAPER_CONDITIONS, Condition, condition_coefficients
-from fca.tables.environment import current_environment
+from fca.engine.environment import current_environment
 from fca.engine.loading import load_model
-from fca.tables.profiles import calibration_profiles
 from fca.engine.replay import check_exactness, replay, run_conditions, stack_conditions
 from fca.engine.sites import capture_tensors, model_logits, site_specs
-from fca.tables.store import CacheWriter, cache_plan, cache_schema, open_cache, record_batch
+from fca.tables import data
+from fca.tables.conditions import PAPER_CONDITIONS, Condition, condition_coefficients
+from fca.tables.profiles import calibration_profiles
+from fca.tables.store import (
+    CacheWriter,
+    cache_plan,
+    cache_schema,
+    open_cache,
+    record_batch,
+)
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -184,7 +190,7 @@ def run_bench(model_dir: str | Path, corpus: str | Path, device: str = "auto", n
 
     def forward_over(chunks: list[torch.Tensor]) -> None:
         for w in chunks:
-            model_logits(model(w[:, :-1]))
+            model_logits(model(w[:, :-1]), model)
 
     def plain_forward() -> None:
         forward_over(batches)
@@ -206,7 +212,7 @@ def run_bench(model_dir: str | Path, corpus: str | Path, device: str = "auto", n
     exactness = check_exactness(run_conditions(model, cache, [Condition("correct")], seqs=range(len(windows)), batch_size=batch_size))
     result["exactness"] = {"max_abs_logit_diff": exactness["max_abs_logit_diff"], "fidelity": exactness["fidelity"]["verdict"]}
     raw = sum(4 * s.num_channels for s in site_specs(model).values()) * len(capture_windows) * T
-    result["parquet_bytes_ratio"] = sum(p["bytes"] for p in cache.manifest["parts"]) / raw
+    result["parquet_bytes_ratio"] = cache.manifest.total_bytes / raw
     # Replay fed from the Parquet cache (reads included) vs live.
     r = interleaved(lambda: [replay(model, w[:, :-1], cache.coefficients(list(range(i * batch_size, i * batch_size + len(w)))))
                              for i, w in enumerate(batches)], plain_forward, repeats)
@@ -249,13 +255,14 @@ def run_bench(model_dir: str | Path, corpus: str | Path, device: str = "auto", n
 
     r = interleaved(ours, lambda: long_format_write(all_coefficients, work / "long.parquet"), max(3, repeats // 2))
     result["long_format_ratio"] = r["ratio"]
-    result["long_format_bytes_ratio"] = (work / "long.parquet").stat().st_size / sum(p["bytes"] for p in open_cache(work / "ours").manifest["parts"])
+    ours_bytes = open_cache(work / "ours").manifest.total_bytes
+    result["long_format_bytes_ratio"] = (work / "long.parquet").stat().st_size / ours_bytes
 
     # Streaming statistics: peak memory over a demo-sized cache and one `big_cache_factor` times larger.
     # Flat memory is the claim; the import baseline shows what Python, numpy and pyarrow alone take.
     for name, seqs in (("demo", 256), ("big", 256 * big_cache_factor)):
         synthetic = _synthetic_cache(work / name, site_specs(model), seqs, T, int(model.config.vocab_size))
-        result[f"stats_{name}_cache_mb"] = sum(p["bytes"] for p in open_cache(synthetic).manifest["parts"]) / 1e6
+        result[f"stats_{name}_cache_mb"] = open_cache(synthetic).manifest.total_bytes / 1e6
         result[f"stats_{name}_peak_mem_mb"] = _stats_peak_memory(synthetic)
     result["stats_peak_mem_mb"] = result["stats_big_peak_mem_mb"]
     result["stats_import_baseline_mem_mb"] = _stats_peak_memory(synthetic, baseline=True)

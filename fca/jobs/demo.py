@@ -21,12 +21,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from fca.tables import data
-from fca.jobs.audit import render_markdown, run_audit, write_report
-from fca.engine.capture import build_cache
 from fca.engine.models.featuregate import FeatureGateConfig
-from fca.tables.study import study_from_files, summarize_training_log, write_study
+from fca.jobs.audit import run_audit
+from fca.jobs.build import build_cache_from_corpus
 from fca.jobs.train import TrainSettings, train
+from fca.tables import data
+from fca.tables.report import render_markdown, write_report
+from fca.tables.study import study_from_files, summarize_training_log, write_study
 
 DEMO_CONFIG = dict(d_model=192, n_layers=6, n_heads=6, mlp_groups=6, max_seq_len=128)
 DEMO_SEQS = 256
@@ -42,7 +43,7 @@ def make_demo(out: Path, corpus: Path, steps: int = 800, retrain: bool = False, 
             config = FeatureGateConfig(**DEMO_CONFIG, gated=(arch == "featuregate"))
             train(corpus, model_dir, config, TrainSettings(steps=steps, seed=seed))
     for split in ("eval", "calibration"):
-        build_cache(out / "featuregate", corpus, split, out / split, num_seqs=DEMO_SEQS, batch_size=16, device="cpu", overwrite=True)
+        build_cache_from_corpus(out / "featuregate", corpus, split, out / split, num_seqs=DEMO_SEQS, batch_size=16, device="cpu", overwrite=True)
     report = run_audit(out / "featuregate", out / "eval", out / "calibration", out / "dense", device="cpu")
     write_report(report, out / "audit.json", out / "audit.md")
     print(render_markdown(report))
@@ -63,7 +64,7 @@ def audit_seed(out: Path, corpus: Path, seed: int, config: dict, settings: Train
             model_config = FeatureGateConfig(**config, gated=(arch == "featuregate"))
             train(corpus, model_dir, model_config, settings, device=device, show_progress=show_progress)
     for split in ("eval", "calibration"):
-        build_cache(out / "featuregate", corpus, split, out / split, num_seqs=num_seqs, batch_size=16,
+        build_cache_from_corpus(out / "featuregate", corpus, split, out / split, num_seqs=num_seqs, batch_size=16,
                     device=audit_device, split_seed=settings.split_seed, overwrite=True, show_progress=show_progress)
     report = run_audit(out / "featuregate", out / "eval", out / "calibration", out / "dense", device=audit_device)
     log = json.loads((out / "featuregate" / "training_log.json").read_text())

@@ -13,15 +13,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from torch import nn
-
-from fca.jobs.audit import summarize_conditions
-from fca.tables.conditions import parse_condition
-from fca.tables.environment import model_dtype_name
-from fca.engine.loading import fingerprint_state, load_model
-from fca.tables.profiles import Profiles, calibration_profiles
-from fca.engine.replay import check_exactness, run_conditions
-from fca.tables.store import open_cache
+from fca.engine.replay import check_exactness
+from fca.jobs.experiment import CacheSource, Experiment, ModelSource
+from fca.tables.conditions import Condition, parse_condition
+from fca.tables.scoring import summarize_conditions
 
 
 def runs_dir(cache_dir: str | Path) -> Path:
@@ -30,56 +25,52 @@ def runs_dir(cache_dir: str | Path) -> Path:
 
 
 def run_replay(
-    model_dir: str | Path,
-    cache_dir: str | Path,
-    calibration_dir: str | Path,
-    conditions: Sequence[str],
+    model: ModelSource | None,
+    cache: CacheSource | None,
+    calibration: CacheSource | None,
+    conditions: Sequence[str | Condition],
     num_seqs: int = 32,
     seed: int = 0,
     device: str = "auto",
     batch_size: int = 16,
     save: bool = True,
-    model: nn.Module | None = None,
-    profiles: Profiles | None = None,
+    experiment: Experiment | None = None,
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     show_progress: bool = False,
 ) -> dict:
-    """Replay `conditions` (spec strings, `correct` added if missing) on the first `num_seqs` sequences."""
-    specs = list(dict.fromkeys(["correct", *conditions]))
-    parsed = [parse_condition(c, seed) for c in specs]
-    model = load_model(model_dir, device=device) if model is None else model
-    evaluated, calibration = open_cache(cache_dir), open_cache(calibration_dir)
-    fingerprint = fingerprint_state(model)
-    dtype = model_dtype_name(model)
-    evaluated.check_model(fingerprint, dtype)
-    calibration.check_model(fingerprint, dtype)
-    if profiles is None and any(c.needs_profiles for c in parsed):
-        profiles = calibration_profiles(calibration)
-    seqs = list(range(min(num_seqs, evaluated.num_seqs)))
+    """Replay `conditions` (specs or Conditions; `correct` added if missing) on the first `num_seqs`
+    sequences of the evaluated cache, and save the run beside it. Give an opened `experiment` (the
+    dashboard keeps one per model and caches) or the model and both caches, as paths or objects."""
+    parsed = [c if isinstance(c, Condition) else parse_condition(c, seed) for c in conditions]
+    parsed = list(dict.fromkeys([Condition("correct", seed=seed), *parsed]))
+    if experiment is None:
+        experiment = Experiment.open(model, cache, calibration, device=device)
+    n = min(num_seqs, experiment.evaluated.num_seqs)
     bar = None
     if show_progress and progress is None:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(seqs), desc="replay", unit="seq")
+        bar = tqdm(total=n, desc="replay", unit="seq")
         progress = lambda done, total: bar.update(done - bar.n)  # noqa: E731
     try:
-        results = run_conditions(model, evaluated, parsed, profiles, seqs=seqs, batch_size=batch_size, cross_seed=seed,
-                                 progress=progress, should_stop=should_stop)
+        results = experiment.run(parsed, n, batch_size, seed, progress=progress, should_stop=should_stop)
     finally:
         if bar is not None:
             bar.close()
-    spec = {"model": Path(model_dir).name, "model_fingerprint": fingerprint, "cache": evaluated.path.name, "cache_fingerprint": evaluated.fingerprint,
-            "calibration": calibration.path.name, "conditions": specs, "num_seqs": len(seqs), "seed": seed, "batch_size": batch_size}
+    evaluated, calibrated = experiment.evaluated, experiment.calibration
+    spec = {"model": experiment.name, "model_fingerprint": experiment.model_fingerprint, "cache": evaluated.path.name,
+            "cache_fingerprint": evaluated.fingerprint, "calibration": calibrated.path.name if calibrated else None,
+            "conditions": [c.name for c in parsed], "num_seqs": n, "seed": seed, "batch_size": batch_size}
     record = {
         "spec": spec,
-        "results": {"exactness": check_exactness(results), "conditions": summarize_conditions(results, seed),
+        "results": {"exactness": check_exactness(results), "conditions": summarize_conditions(results.per_seq_nll, seed),
                     "per_sequence_nll": {k: v.tolist() for k, v in results.per_seq_nll.items()}},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "device": str(next(model.parameters()).device),
+        "device": str(experiment.device),
     }
     if save:
-        record["path"] = str(save_run(cache_dir, record))
+        record["path"] = str(save_run(evaluated.path, record))
     return record
 
 

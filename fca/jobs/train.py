@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from fca.tables import data
 from fca.engine.loading import resolve_device, save_model
 from fca.engine.models.featuregate import FeatureGateConfig, build_featuregate
+from fca.tables import data
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ audit report that belong to each. Only manifests and config files are read (neve
 fresh scan is cheap enough to run on every interaction and caches built later simply appear.
 
 Layout convention (DESIGN.md): a cache's manifest names its model by directory name
-(`manifest["model"]["path"]`) and weights fingerprint; model directories sit beside their caches,
+(`Manifest.model.path`) and weights fingerprint; model directories sit beside their caches,
 and the audit report `audit.json` sits beside the caches it describes:
 
     cache/demo/featuregate/   model (config.json, weights, tokenizer.json)
@@ -22,12 +22,34 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-MANIFEST = "manifest.json"
+from fca.tables.errors import CacheError
+from fca.tables.store import MANIFEST, Manifest
+
 REPORT = "audit.json"
 ROOTS_ENV = "FCA_CACHE_ROOTS"
-# A config key that, set to false, turns a dynamic model into its Dense twin, per family:
-# FeatureGate `gated`, MUDDPythia `dense` (the public config's own switch).
-DENSE_SWITCHES = ("gated", "dense")
+
+
+@dataclass(frozen=True)
+class DenseTwin:
+    """How a family's Dense twin differs from the dynamic model, in its config: `switch` (and every key
+    in `also_off`) set to false. The same sizes otherwise (see `is_dense_twin`)."""
+
+    switch: str
+    also_off: tuple[str, ...] = ()
+
+    def config(self, config: dict) -> dict:
+        """The twin's config dict of a dynamic model's config dict."""
+        return {**config, **{key: False for key in (self.switch, *self.also_off)}}
+
+
+# model_type -> its Dense twin, per family. Kept here, free of torch, so the dashboard finds twins
+# without importing the models; `fca.engine.families` reads the built-in entries from this table and
+# adds those of families registered later, so there is one source. FeatureGate's switch is `gated`,
+# MUDDPythia's `dense` (the public config's own switch; its twin also drops `dynamic_dense`).
+DENSE_TWINS: dict[str, DenseTwin] = {
+    "featuregate": DenseTwin("gated"),
+    "muddpythia": DenseTwin("dense", ("dynamic_dense",)),
+}
 # Integer config keys that say nothing about a model's size (seeds, controller internals), ignored
 # when checking that a Dense twin has the same sizes.
 _NOT_SIZES = ("seed", "controller", "dense", "gate", "expert", "router")
@@ -69,15 +91,14 @@ def read_entry(cache_dir: str | Path, root: str | Path | None = None) -> CacheEn
     label = str(cache_dir.relative_to(root)) if root is not None and cache_dir.is_relative_to(root) else str(cache_dir)
     try:
         raw = (cache_dir / MANIFEST).read_bytes()
-        manifest = json.loads(raw)
-        model = manifest.get("model", {})
+        manifest = Manifest.from_json(json.loads(raw), str(cache_dir / MANIFEST))
         return CacheEntry(
-            path=cache_dir, label=label, split=manifest.get("corpus", {}).get("split"),
-            model_name=model.get("path"), model_fingerprint=model.get("fingerprint"),
-            num_seqs=int(manifest.get("num_seqs", 0)), seq_len=int(manifest.get("seq_len", 0)),
-            num_sites=len(manifest.get("sites", {})), manifest_hash=hashlib.sha256(raw).hexdigest(),
+            path=cache_dir, label=label, split=manifest.corpus.split,
+            model_name=manifest.model.path, model_fingerprint=manifest.model.fingerprint or None,
+            num_seqs=manifest.num_seqs, seq_len=manifest.seq_len,
+            num_sites=len(manifest.sites), manifest_hash=hashlib.sha256(raw).hexdigest(),
         )
-    except (OSError, ValueError, AttributeError, TypeError) as err:
+    except (OSError, ValueError, CacheError) as err:
         return CacheEntry(path=cache_dir, label=label, error=f"{cache_dir / MANIFEST}: unreadable manifest ({err})")
 
 
@@ -112,11 +133,22 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
+def weights_path(model_dir: Path) -> Path:
+    """The file a model directory's weights are read from (for the sharded form, the index)."""
+    for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"):
+        if (model_dir / name).is_file():
+            return model_dir / name
+    return model_dir
+
+
 def find_model_dir(cache_path: str | Path) -> Path | None:
     """The model directory the cache's manifest names, looked up beside the cache; None if absent."""
     cache_path = Path(cache_path)
-    manifest = _read_json(cache_path / MANIFEST) or {}
-    name = (manifest.get("model") or {}).get("path")
+    raw = _read_json(cache_path / MANIFEST)
+    try:
+        name = Manifest.from_json(raw).model.path if raw is not None else None
+    except CacheError:
+        return None
     if not name:
         return None
     candidate = cache_path.parent / Path(name).name
@@ -146,11 +178,13 @@ def _sizes(config: dict) -> dict:
 
 
 def is_dense_twin(config: dict, dense_config: dict) -> bool:
-    """Same family and sizes, with the family's dynamic switch off in `dense_config` and on in `config`."""
-    if config.get("model_type") != dense_config.get("model_type"):
+    """Same family and sizes, with the family's dynamic switch (`DENSE_TWINS`) off in `dense_config` and on
+    in `config`. A family without a Dense twin has none."""
+    twin = DENSE_TWINS.get(config.get("model_type"))
+    if twin is None or config.get("model_type") != dense_config.get("model_type"):
         return False
-    switched = [k for k in DENSE_SWITCHES if dense_config.get(k) is False and config.get(k, True) is not False]
-    return bool(switched) and _sizes(config) == _sizes(dense_config)
+    switched = dense_config.get(twin.switch) is False and config.get(twin.switch, True) is not False
+    return switched and _sizes(config) == _sizes(dense_config)
 
 
 def find_dense_twin(model_dir: str | Path) -> Path | None:

@@ -14,20 +14,28 @@ For evaluated sequences `n` (indices into the evaluated list), positions `t`, ch
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fca.tables.profiles import Profiles
+if TYPE_CHECKING:  # the annotation only: profiles pulls in the Parquet store, which conditions never need
+    from fca.tables.profiles import Profiles
 
 KINDS = ("correct", "cross_input", "token_shuffle", "static_layer", "global_mean", "interpolate", "position_profile")
 PAPER_CONDITIONS = ("correct", "cross_input", "token_shuffle", "static_layer", "global_mean")
+GRAMMAR = "kind[:alpha][+independent][@site,site,...]"
 
 
 @dataclass(frozen=True)
 class Condition:
+    """One replay condition. Its text form (`spec`, also its `name` in reports) is
+    `kind[:alpha][+independent][@site,site,...]`, and `parse_condition(c.spec, c.seed) == c` for every
+    condition: the seed is not part of the text, it is the run's."""
+
     kind: str
     alpha: float | None = None  # interpolate only
     sites: tuple[str, ...] | None = None  # None: every site
@@ -39,34 +47,64 @@ class Condition:
             raise ValueError(f"unknown condition {self.kind!r}; choose one of {', '.join(KINDS)}")
         if (self.kind == "interpolate") != (self.alpha is not None):
             raise ValueError("interpolate needs alpha (e.g. interpolate:0.5), and only interpolate takes one")
+        if self.alpha is not None:
+            if not math.isfinite(self.alpha):
+                raise ValueError(f"interpolate needs a finite alpha, not {self.alpha!r}")
+            object.__setattr__(self, "alpha", float(self.alpha))  # so interpolate:1 equals interpolate:1.0
+        if self.sites is not None:
+            object.__setattr__(self, "sites", tuple(self.sites))
+            bad = [s for s in self.sites if not s or re.search(r"[\s,@]", s)]
+            if not self.sites or bad:
+                raise ValueError(f"sites must be non-empty names without spaces, ',' or '@' (None: every site), "
+                                 f"not {self.sites!r}")
+
+    @property
+    def spec(self) -> str:
+        """The canonical text form, e.g. `interpolate:0.5@blocks.0.gate`, `token_shuffle+independent`."""
+        return format_condition(self)
 
     @property
     def name(self) -> str:
-        name = self.kind
-        if self.alpha is not None:
-            name += f"({self.alpha:g})"
-        if self.independent:
-            name += "[independent]"
-        if self.sites is not None:
-            name += "@" + ",".join(self.sites)
-        return name
+        """The condition's key in results and reports: its canonical text form."""
+        return format_condition(self)
 
     @property
     def needs_profiles(self) -> bool:
         return self.kind in ("static_layer", "global_mean", "interpolate", "position_profile")
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "alpha": self.alpha, "sites": list(self.sites) if self.sites else None, "independent": self.independent, "seed": self.seed}
+        return {"kind": self.kind, "alpha": self.alpha, "sites": list(self.sites) if self.sites else None,
+                "independent": self.independent, "seed": self.seed}
 
 
-_SPEC = re.compile(r"^(?P<kind>[a-z_]+)(?::(?P<alpha>[-+0-9.eE]+))?(?P<ind>\+independent)?(?:@(?P<sites>.+))?$")
+def _format_alpha(alpha: float) -> str:
+    # repr is the shortest text that reads back as the same float (0.1 + 0.2 -> 0.30000000000000004);
+    # whole numbers drop the ".0" so `interpolate:1` stays as users type it.
+    text = repr(float(alpha))
+    return text[:-2] if text.endswith(".0") else text
+
+
+def format_condition(condition: Condition) -> str:
+    """`kind[:alpha][+independent][@site,site,...]`: the inverse of `parse_condition`."""
+    text = condition.kind
+    if condition.alpha is not None:
+        text += ":" + _format_alpha(condition.alpha)
+    if condition.independent:
+        text += "+independent"
+    if condition.sites is not None:
+        text += "@" + ",".join(condition.sites)
+    return text
+
+
+_FLOAT = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_SPEC = re.compile(rf"^(?P<kind>[a-z_]+)(?::(?P<alpha>{_FLOAT}))?(?P<ind>\+independent)?(?:@(?P<sites>.+))?$")
 
 
 def parse_condition(text: str, seed: int = 0) -> Condition:
     """`kind[:alpha][+independent][@site,site,...]`, e.g. `interpolate:0.5@blocks.0.gate`."""
     match = _SPEC.match(text.strip())
     if not match:
-        raise ValueError(f"cannot read condition {text!r}; form: kind[:alpha][+independent][@site,site]")
+        raise ValueError(f"cannot read condition {text!r}; form: {GRAMMAR}")
     alpha = float(match["alpha"]) if match["alpha"] is not None else None
     sites = tuple(s for s in match["sites"].split(",") if s) if match["sites"] else None
     return Condition(match["kind"], alpha, sites, bool(match["ind"]), seed)

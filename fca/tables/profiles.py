@@ -40,8 +40,7 @@ def cache_moments(cache: Cache, with_tokens: bool = True, progress: Callable[[in
     """Stream the cache once (a few thousand rows at a time) into mergeable moments."""
     layout = slot_layout(cache)
     T = cache.seq_len
-    vocab = int(cache.manifest.get("tokenizer", {}).get("vocab_size") or 0) or None
-    m = Moments(layout.num_slots, T, vocab if with_tokens else None)
+    m = Moments(layout.num_slots, T, cache.manifest.vocab_size if with_tokens else None)  # None: no token-id factor
     seqs_per_batch = max(1, 8192 // T)  # ~8k rows at a time: memory stays flat however big the cache
     for batch in cache.iter_batches(columns=["token", *layout.sites], batch_size=seqs_per_batch * T):
         if batch.num_rows % T:

@@ -6,6 +6,34 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# The sections every audit report has (DESIGN.md, "Audit report"); a JSON without them is some other file.
+REQUIRED_KEYS = ("model", "cache", "calibration", "exactness", "conditions", "gap_retention", "variance", "execution",
+                 "definitions")
+
+
+class ReportError(ValueError):
+    """A file that is not a readable FCA audit report; the message is one line naming the file."""
+
+
+def check_report(report: object, source: str | Path = "report") -> dict:
+    """`report` itself if it has every section of an audit report, else a `ReportError` naming `source`."""
+    if not isinstance(report, dict):
+        raise ReportError(f"{source}: not an FCA audit report (a JSON {type(report).__name__}, not an object)")
+    missing = [key for key in REQUIRED_KEYS if key not in report]
+    if missing:
+        raise ReportError(f"{source}: not an FCA audit report (no {', '.join(repr(k) for k in missing)}); "
+                          "write one with `fca audit ... --json PATH`")
+    return report
+
+
+def read_report(path: str | Path) -> dict:
+    """An audit report from its JSON file, checked up front so that rendering never fails halfway."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ReportError(f"{path}: not a readable audit report ({err})") from None
+    return check_report(report, path)
+
 
 def _fmt(x, digits: int = 4) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"

@@ -89,15 +89,15 @@ def coefficient_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
 def _decoded(batch: pa.RecordBatch) -> pa.RecordBatch:
     """A record batch whose bfloat16-bit (uint16) site columns are replaced by float32 ones."""
     columns, fields, changed = [], [], False
-    for field, column in zip(batch.schema, batch.columns):
-        if pa.types.is_fixed_size_list(field.type) and pa.types.is_uint16(field.type.value_type):
-            item = field.type.value_field
-            list_type = pa.list_(pa.field(item.name, pa.float32(), nullable=item.nullable), field.type.list_size)
+    for column_field, column in zip(batch.schema, batch.columns):
+        if pa.types.is_fixed_size_list(column_field.type) and pa.types.is_uint16(column_field.type.value_type):
+            item = column_field.type.value_field
+            list_type = pa.list_(pa.field(item.name, pa.float32(), nullable=item.nullable), column_field.type.list_size)
             column = pa.FixedSizeListArray.from_arrays(pa.array(coefficient_values(column).reshape(-1)), type=list_type)
-            field = pa.field(field.name, list_type, nullable=field.nullable)
+            column_field = pa.field(column_field.name, list_type, nullable=column_field.nullable)
             changed = True
         columns.append(column)
-        fields.append(field)
+        fields.append(column_field)
     return pa.RecordBatch.from_arrays(columns, schema=pa.schema(fields)) if changed else batch
 
 
@@ -150,16 +150,16 @@ def record_batch(
         pa.array(targets.reshape(-1).astype(np.int32)),
         pa.array(live_nll.reshape(-1).astype(np.float32)),
     ]
-    for field in schema:
-        if field.name in KEY_COLUMNS:
+    for column_field in schema:
+        if column_field.name in KEY_COLUMNS:
             continue
-        values = coefficients[field.name]
-        K = field.type.list_size
+        values = coefficients[column_field.name]
+        K = column_field.type.list_size
         if values.shape != (n, T, K):
-            raise CacheError(f"site {field.name}: coefficients of shape {values.shape}, expected {(n, T, K)}")
-        if pa.types.is_uint16(field.type.value_type):  # bfloat16 bits: take bits as they are, floats only if exact
+            raise CacheError(f"site {column_field.name}: coefficients of shape {values.shape}, expected {(n, T, K)}")
+        if pa.types.is_uint16(column_field.type.value_type):  # bfloat16 bits: take bits as they are, floats only if exact
             values = values.view(np.uint16) if values.dtype in (np.int16, np.uint16) else bfloat16_bits(values)
-        flat = pa.array(np.ascontiguousarray(values, dtype=field.type.value_type.to_pandas_dtype()).reshape(-1))
+        flat = pa.array(np.ascontiguousarray(values, dtype=column_field.type.value_type.to_pandas_dtype()).reshape(-1))
         columns.append(pa.FixedSizeListArray.from_arrays(flat, K))
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
@@ -501,38 +501,192 @@ class CacheWriter:
         self.lock.release()
 
 
+# ------------------------------------------------------------------------------------------ manifest
+# The manifest is read once into typed records; `Manifest.raw` keeps the JSON as written, for writing
+# copies and for keys a later FCA adds. Writers (`cache_plan`, `CacheWriter`) still write plain JSON.
+
+REQUIRED_KEYS = ("schema_version", "sites", "parts", "num_seqs", "seq_len", "model")
+
+
+def _record(raw: dict, key: str, where: str) -> dict:
+    value = raw.get(key) or {}
+    if not isinstance(value, dict):
+        raise CacheError(f"{where}: {key!r} is not an object")
+    return value
+
+
+def _optional_int(value) -> int | None:
+    return None if value is None else int(value)
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """The model that computed the coefficients. `path` is its directory's name (caches sit beside it)."""
+
+    path: str | None
+    model_type: str | None
+    fingerprint: str
+    config: dict  # the model's config.json, {} when not recorded
+    dtype: str | None  # the model's parameter dtype when recorded; see `Manifest.model_dtype`
+
+
+@dataclass(frozen=True)
+class TokenizerRecord:
+    fingerprint: str | None
+    vocab_size: int | None
+
+
+@dataclass(frozen=True)
+class CorpusRecord:
+    """Which windows the cache holds: corpus file, split and how it was drawn (None when not recorded)."""
+
+    name: str | None
+    fingerprint: str | None
+    split: str | None
+    split_seed: int | None
+    text_column: str | None
+
+
+@dataclass(frozen=True)
+class PartRecord:
+    """One part file. Part `index` holds sequences from `first_seq` on (None in caches written before
+    they were recorded: parts were then listed in order)."""
+
+    file: str
+    num_seqs: int
+    rows: int
+    sha256: str
+    bytes: int
+    index: int | None = None
+    first_seq: int | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A cache's `manifest.json`, typed. Built once by `Manifest.from_json` (which `open_cache` and the
+    catalog call), so every reader agrees on defaults and on what is required."""
+
+    schema_version: int
+    model: ModelRecord
+    tokenizer: TokenizerRecord
+    corpus: CorpusRecord
+    seq_len: int
+    num_seqs: int
+    num_tokens: int
+    coefficient_dtype: str
+    sites: dict[str, SiteSpec]  # in execution order
+    parts: tuple[PartRecord, ...]
+    seqs_per_part: int | None  # None for caches written before it was recorded
+    environment: dict | None  # fca.tables.environment's record; None for caches that predate it
+    created: str | None
+    library_versions: dict
+    raw: dict  # the JSON as read: for writing copies and for extra keys (e.g. `raw_bytes_per_token`)
+
+    @classmethod
+    def from_json(cls, raw: dict, where: str = MANIFEST) -> Manifest:
+        """Parse a manifest's JSON object; `CacheError` naming `where` if it is not a readable manifest."""
+        if not isinstance(raw, dict):
+            raise CacheError(f"{where}: not a JSON object")
+        for key in REQUIRED_KEYS:
+            if key not in raw:
+                raise CacheError(f"{where}: no {key!r} entry")
+        if raw["schema_version"] != SCHEMA_VERSION:
+            raise CacheError(f"{where}: schema version {raw['schema_version']}, this FCA reads {SCHEMA_VERSION}")
+        model, tokenizer, corpus = (_record(raw, key, where) for key in ("model", "tokenizer", "corpus"))
+        try:
+            num_seqs, seq_len = int(raw["num_seqs"]), int(raw["seq_len"])
+            return cls(
+                schema_version=int(raw["schema_version"]),
+                model=ModelRecord(path=model.get("path"), model_type=model.get("model_type"),
+                                  fingerprint=str(model.get("fingerprint", "")), config=model.get("config") or {},
+                                  dtype=model.get("dtype")),
+                tokenizer=TokenizerRecord(fingerprint=tokenizer.get("fingerprint"),
+                                          vocab_size=_optional_int(tokenizer.get("vocab_size"))),
+                corpus=CorpusRecord(name=corpus.get("name"), fingerprint=corpus.get("fingerprint"),
+                                    split=corpus.get("split"), split_seed=_optional_int(corpus.get("split_seed")),
+                                    text_column=corpus.get("text_column")),
+                seq_len=seq_len,
+                num_seqs=num_seqs,
+                num_tokens=int(raw.get("num_tokens", num_seqs * seq_len)),
+                coefficient_dtype=raw.get("coefficient_dtype", "float32"),
+                sites={name: spec_from_json(d) for name, d in raw["sites"].items()},
+                parts=tuple(PartRecord(file=p["file"], num_seqs=int(p["num_seqs"]), rows=int(p["rows"]),
+                                       sha256=p["sha256"], bytes=int(p["bytes"]), index=_optional_int(p.get("index")),
+                                       first_seq=_optional_int(p.get("first_seq"))) for p in raw["parts"]),
+                seqs_per_part=_optional_int(raw.get("seqs_per_part")),
+                environment=raw.get("environment"),
+                created=raw.get("created"),
+                library_versions=raw.get("library_versions") or {},
+                raw=raw,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise CacheError(f"{where}: malformed manifest ({type(err).__name__}: {err})") from None
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The one vocabulary rule: the tokenizer record, else the model config's `vocab_size`, else None
+        (unknown: statistics then skip the token-id factor; callers that need a size choose their own)."""
+        size = self.tokenizer.vocab_size or self.model.config.get("vocab_size")
+        return int(size) if size else None
+
+    @property
+    def model_dtype(self) -> str:
+        """The model dtype the coefficients were computed in; float32 for caches that predate the record."""
+        return self.model.dtype or (self.environment or {}).get("model_dtype") or "float32"
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all part files on disk."""
+        return sum(p.bytes for p in self.parts)
+
+    @property
+    def contents_fingerprint(self) -> str:
+        """Identity of the cache contents: the hash of its part hashes."""
+        return hashlib.sha256("".join(p.sha256 for p in self.parts).encode()).hexdigest()
+
+
+def read_manifest(cache_dir: str | Path) -> Manifest:
+    """The typed manifest of a cache directory (only `manifest.json` is read; parts are not checked)."""
+    path = Path(cache_dir) / MANIFEST
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CacheError(f"{path}: not valid JSON ({err})") from None
+    return Manifest.from_json(raw, str(path))
+
+
 @dataclass
 class Cache:
     """A finished cache opened for reading. Nothing but the manifest and part footers is read here."""
 
     path: Path
-    manifest: dict
+    manifest: Manifest
     _row_group_index: list | None = field(default=None, init=False, repr=False, compare=False)
     _read_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     @property
     def site_specs(self) -> dict[str, SiteSpec]:
-        return {name: spec_from_json(d) for name, d in self.manifest["sites"].items()}
+        return dict(self.manifest.sites)  # a copy: callers may reorder or filter it
 
     @property
     def sites(self) -> list[str]:
-        return list(self.manifest["sites"])
+        return list(self.manifest.sites)
 
     @property
     def num_seqs(self) -> int:
-        return int(self.manifest["num_seqs"])
+        return self.manifest.num_seqs
 
     @property
     def seq_len(self) -> int:
-        return int(self.manifest["seq_len"])
+        return self.manifest.seq_len
 
     @property
     def fingerprint(self) -> str:
         """Identity of the cache contents: the hash of its part hashes."""
-        return hashlib.sha256("".join(p["sha256"] for p in self.manifest["parts"]).encode()).hexdigest()
+        return self.manifest.contents_fingerprint
 
     def part_paths(self) -> list[Path]:
-        return [self.path / p["file"] for p in self.manifest["parts"]]
+        return [self.path / p.file for p in self.manifest.parts]
 
     def dataset(self):
         """A pyarrow Dataset over the part files. pyarrow.dataset is imported here, not with this
@@ -647,22 +801,20 @@ class Cache:
     @property
     def environment(self) -> dict | None:
         """Where the coefficients were computed (fca.tables.environment), or None for caches that predate the record."""
-        return self.manifest.get("environment")
+        return self.manifest.environment
 
     @property
     def model_dtype(self) -> str:
-        return self.manifest["model"].get("dtype") or (self.environment or {}).get("model_dtype") or "float32"
+        return self.manifest.model_dtype
 
     @property
     def coefficient_dtype(self) -> str:
-        return self.manifest.get("coefficient_dtype", "float32")
+        return self.manifest.coefficient_dtype
 
     @property
-    def vocab_size(self) -> int:
-        """Vocabulary size from the tokenizer record, else the model config (sizes replay batches of logits)."""
-        tokenizer = self.manifest.get("tokenizer") or {}
-        config = self.manifest["model"].get("config") or {}
-        return int(tokenizer.get("vocab_size") or config.get("vocab_size") or 50_000)
+    def vocab_size(self) -> int | None:
+        """`Manifest.vocab_size`: the tokenizer record, else the model config, else None."""
+        return self.manifest.vocab_size
 
     def build_batches(self) -> set[tuple[int, int]] | None:
         """The (first, last + 1) sequence ranges of the record passes that wrote this cache, if recorded."""
@@ -676,19 +828,19 @@ class Cache:
         loaded in another dtype also has another fingerprint, and the dtype is what the user must change)."""
         if model_dtype is not None:
             check_dtype(str(self.path / MANIFEST), self.model_dtype, model_dtype)
-        if self.manifest["model"]["fingerprint"] != model_fingerprint:
+        if self.manifest.model.fingerprint != model_fingerprint:
             raise CacheError(
-                f"{self.path / MANIFEST}: made by a different model (fingerprint {self.manifest['model']['fingerprint'][:12]}, "
-                f"this model {model_fingerprint[:12]})"
+                f"{self.path / MANIFEST}: made by a different model (fingerprint "
+                f"{self.manifest.model.fingerprint[:12]}, this model {model_fingerprint[:12]})"
             )
 
     def verify(self) -> None:
         """Recompute every part's sha256 against the manifest."""
-        for part in self.manifest["parts"]:
-            path = self.path / part["file"]
+        for part in self.manifest.parts:
+            path = self.path / part.file
             if not path.is_file():
                 raise CacheError(f"{path}: part file missing")
-            if file_sha256(path) != part["sha256"]:
+            if file_sha256(path) != part.sha256:
                 raise CacheError(f"{path}: contents do not match the manifest's sha256 (corrupt or modified)")
 
 
@@ -742,17 +894,8 @@ def open_cache(path: str | Path, verify: bool = False) -> Cache:
     if not manifest_path.is_file():
         hint = " (an unfinished build: rerun build-cache to resume)" if path.with_name(path.name + ".partial").exists() or path.name.endswith(".partial") else ""
         raise CacheError(f"{manifest_path}: missing; not a finished cache{hint}")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CacheError(f"{manifest_path}: not valid JSON ({err})") from None
-    for key in ("schema_version", "sites", "parts", "num_seqs", "seq_len", "model"):
-        if key not in manifest:
-            raise CacheError(f"{manifest_path}: no {key!r} entry")
-    if manifest["schema_version"] != SCHEMA_VERSION:
-        raise CacheError(f"{manifest_path}: schema version {manifest['schema_version']}, this FCA reads {SCHEMA_VERSION}")
-    cache = Cache(path, manifest)
-    expected = cache_schema(cache.site_specs, coefficient_arrow_type(manifest.get("coefficient_dtype", "float32")))
+    cache = Cache(path, read_manifest(path))
+    expected = cache_schema(cache.site_specs, coefficient_arrow_type(cache.coefficient_dtype))
     for part in cache.part_paths():
         if not part.is_file():
             raise CacheError(f"{part}: part file missing")
@@ -760,11 +903,11 @@ def open_cache(path: str | Path, verify: bool = False) -> Cache:
             schema = pq.read_schema(part)
         except (pa.ArrowInvalid, OSError) as err:
             raise CacheError(f"{part}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
-        for field in expected:
-            if field.name not in schema.names:
-                raise CacheError(f"{part}: column {field.name!r} is missing")
-            if not schema.field(field.name).type.equals(field.type):
-                raise CacheError(f"{part}: column {field.name!r} has type {schema.field(field.name).type}, expected {field.type}")
+        for column_field in expected:
+            if column_field.name not in schema.names:
+                raise CacheError(f"{part}: column {column_field.name!r} is missing")
+            if not schema.field(column_field.name).type.equals(column_field.type):
+                raise CacheError(f"{part}: column {column_field.name!r} has type {schema.field(column_field.name).type}, expected {column_field.type}")
     if verify:
         cache.verify()
     return cache

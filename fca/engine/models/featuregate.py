@@ -14,6 +14,7 @@ K = gate channels of a block, V = vocabulary.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,10 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
+from fca.engine.families import Family, register_family
+from fca.engine.loading import load_strict, read_config, read_state_dict
 from fca.engine.sites import Site, SiteSpec, assign_site_names
+from fca.tables.catalog import DENSE_TWINS
 
 GATE_FAMILY = "gate"
 
@@ -207,13 +211,24 @@ class FeatureGateModel(PreTrainedModel):
             loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
         return CausalLMOutput(loss=loss, logits=logits)
 
-    def fca_blocks(self) -> list[nn.Module]:
-        """The blocks in execution order (the execution audit hooks them)."""
-        return list(self.blocks)
-
 
 def build_featuregate(config: FeatureGateConfig) -> FeatureGateModel:
     """A freshly initialised model, deterministic in `config.init_seed`."""
     model = FeatureGateModel(config)
     model.init_weights_seeded(config.init_seed)
     return model
+
+
+def load_featuregate(path: Path) -> FeatureGateModel:
+    """A FeatureGate (or Dense twin) directory -> the model on CPU in float32."""
+    config = FeatureGateConfig.from_dict(read_config(path))
+    return load_strict(FeatureGateModel(config), read_state_dict(path), path)
+
+
+FAMILY = register_family(Family(
+    FeatureGateConfig.model_type,
+    load=load_featuregate,
+    dense_twin=DENSE_TWINS[FeatureGateConfig.model_type],  # `gated: false`
+    blocks=lambda model: list(model.blocks),  # in execution order; the execution audit hooks them
+    coefficient_kind="gate values 2 * sigmoid(logits), scaling attention heads and MLP feature groups",
+))

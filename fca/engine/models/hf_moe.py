@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fca.engine.adapters import SiteDeclaration, attach_sites, match_modules
-from fca.engine.capture import as_input_ids
+from fca.engine.families import Family, family_of, register_family
 from fca.engine.loading import ModelLoadError
+from fca.engine.sites import as_input_ids
 
 ROUTER_FAMILY = "router"
 SHARED_GATE_FAMILY = "shared_expert_gate"
@@ -98,9 +99,6 @@ def adapt_moe(model: nn.Module) -> nn.Module:
     """Attach the built-in sites to a transformers MoE causal LM (`...ForCausalLM`); returns it."""
     model_type = model.config.model_type
     attach_sites(model, moe_declarations(model_type), blocks=BLOCKS_PATH)
-    model.fca_coefficient_kind = "router logits"
-    model.fca_expert_paths = (EXPERTS_PATH,)
-    model.fca_execution_note = EXECUTION_NOTE
     return model
 
 
@@ -125,9 +123,11 @@ def expert_execution(model: nn.Module, input_ids) -> dict:
     `experts_run_per_token_mean` and `expert_fraction` (= run / available); plus `experts_hit`,
     the distinct experts that ran for at least one token of the batch.
     """
-    patterns = getattr(model, "fca_expert_paths", None)
+    family = family_of(model)
+    patterns = family.expert_paths
     if not patterns:
-        raise ValueError(f"{type(model).__name__} declares no expert modules (fca_expert_paths); adapt it with adapt_moe")
+        raise ValueError(f"{type(model).__name__}: its family {family.model_type!r} declares no expert modules "
+                         "(expert_paths)")
     modules = {n: model.get_submodule(n) for p in patterns for n in match_modules(model, p)}
     seen: dict[str, dict] = {}
 
@@ -161,6 +161,16 @@ def expert_execution(model: nn.Module, input_ids) -> dict:
         "top_k": max((v["top_k"] for v in seen.values()), default=0),
         "experts_run_per_token_mean": run / max(len(seen), 1),  # per MoE layer
         "expert_fraction": run / available if available else 0.0,
-        "note": getattr(model, "fca_execution_note", ""),
+        "note": family.execution_note,
     }
 
+
+for _model_type in MOE_MODEL_TYPES:  # no Dense twin: a dense model of the same sizes is another model
+    register_family(Family(
+        _model_type,
+        load=load_hf_moe,
+        blocks=lambda model: list(model.get_submodule(BLOCKS_PATH)),
+        coefficient_kind="router logits",
+        expert_paths=(EXPERTS_PATH,),
+        execution_note=EXECUTION_NOTE,
+    ))

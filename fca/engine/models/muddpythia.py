@@ -58,14 +58,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fca.engine.families import Family, register_family
 from fca.engine.loading import (
     ModelLoadError,
     load_strict,
     read_config,
     read_state_dict,
-    weights_path,
 )
 from fca.engine.sites import Site, SiteSpec, assign_site_names
+from fca.tables.catalog import DENSE_TWINS, weights_path
 
 MODEL_TYPE = "muddpythia"
 STREAMS = ("q", "k", "v", "r")
@@ -184,7 +185,8 @@ class MUDDPythiaConfig:
 
 def dense_twin_config(config: MUDDPythiaConfig) -> MUDDPythiaConfig:
     """The Pythia-style Dense twin: the same sizes, no dense connections, no controller."""
-    return replace(config, dense=False, dynamic_dense=False)
+    twin = DENSE_TWINS[MODEL_TYPE]  # dense=False, dynamic_dense=False
+    return replace(config, **{key: False for key in (twin.switch, *twin.also_off)})
 
 
 # ------------------------------------------------------------------------------------------------ parts
@@ -396,14 +398,6 @@ class MUDDPythia(nn.Module):
             qkv, x = streams[:-1], streams[-1]  # q, k, v for the next attention; r (the last layer mixes only r)
         return self.output(self.norm(x))  # [B, T, V]
 
-    def fca_blocks(self) -> list[nn.Module]:
-        """The transformer blocks in execution order (the execution audit hooks them)."""
-        return list(self.layers)
-
-    def fca_definitions(self) -> dict[str, str]:
-        """Definitions an audit report should carry for this family."""
-        return {"global_mean_families": FAMILY_DEFINITION} if self.config.dense else {}
-
 
 def site_spec(config: MUDDPythiaConfig, i: int) -> SiteSpec:
     """Site `dense.i`: axes (stream C, source i + 2); one family per stream."""
@@ -437,81 +431,16 @@ def load_muddpythia(path: Path) -> MUDDPythia:
     return load_strict(model, state, weights_path(path), assign=True)
 
 
-def random_state_dict(config: MUDDPythiaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random float32 weights under the public key names, deterministic in `seed`.
-
-    Every parameter is perturbed (norm scales and biases included) so that tests exercise them; the
-    static dense weights start near "take the newest hidden state" so activations stay tame.
-    """
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in MUDDPythia(config).state_dict().items()}
-    gen = torch.Generator().manual_seed(seed)
-    state = {}
-    for key in sorted(shapes):
-        shape, noise = shapes[key], lambda std: torch.randn(shapes[key], generator=gen) * std  # noqa: B023
-        if key.startswith("dense_bs."):
-            value = noise(0.1)
-            value[:, -1] += 1.0
-        elif key.startswith("dynamic_dense."):
-            value = noise(1.0 / math.sqrt(shape[1]))
-        elif "norm" in key and key.endswith(".weight"):  # LayerNorm and qk-norm scales
-            value = 1.0 + noise(0.1)
-        else:
-            value = noise(0.02)
-        state[key] = value.contiguous()
-    return state
+def _definitions(model: MUDDPythia) -> dict[str, str]:
+    """Definitions an audit report should carry: the per-stream global-mean families (none for the twin)."""
+    return {"global_mean_families": FAMILY_DEFINITION} if model.config.dense else {}
 
 
-def build_random_model(config: MUDDPythiaConfig, seed: int = 0) -> MUDDPythia:
-    """A random-weight model in float32 on CPU, without writing a checkpoint."""
-    with torch.device("meta"):
-        model = MUDDPythia(config)
-    model.load_state_dict(random_state_dict(config, seed), strict=True, assign=True)
-    return model.eval()
-
-
-def write_random_checkpoint(
-    directory: str | Path, config: MUDDPythiaConfig, seed: int = 0, fmt: str = "safetensors", dtype: torch.dtype = torch.float32
-) -> Path:
-    """Write config.json and random weights in the public format.
-
-    fmt: "safetensors" (model.safetensors), "sharded" (two shards + model.safetensors.index.json) or
-    "bin" (pytorch_model.bin, a plain state dict).
-    """
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    config.to_json_file(directory / "config.json")
-    state = {k: v.to(dtype) for k, v in random_state_dict(config, seed).items()}
-    if fmt == "safetensors":
-        save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
-    elif fmt == "sharded":
-        keys = sorted(state)
-        shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2], "model-00002-of-00002.safetensors": keys[len(keys) // 2 :]}
-        for name, names in shards.items():
-            save_file({k: state[k] for k in names}, directory / name, metadata={"format": "pt"})
-        weight_map = {k: name for name, names in shards.items() for k in names}
-        total = sum(v.numel() * v.element_size() for v in state.values())
-        (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    elif fmt == "bin":
-        torch.save(state, directory / "pytorch_model.bin")
-    else:
-        raise ValueError(f"fmt must be 'safetensors', 'sharded' or 'bin', not {fmt!r}")
-    return directory
-
-
-def write_dense_twin_checkpoint(model_dir: str | Path, out: str | Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """A random-weight Dense twin of the MUDDPythia checkpoint in `model_dir`, for the latency ratio.
-
-    Latency depends on the shapes only, so the twin needs no training; its tokenizer.json (if any) is
-    copied so the directory is a complete model directory.
-    """
-    import shutil
-
-    model_dir = Path(model_dir)
-    twin = dense_twin_config(MUDDPythiaConfig.from_dict(read_config(model_dir)))
-    out = write_random_checkpoint(out, twin, seed=seed, dtype=dtype)
-    if (model_dir / "tokenizer.json").is_file():
-        shutil.copyfile(model_dir / "tokenizer.json", out / "tokenizer.json")
-    return out
+FAMILY = register_family(Family(
+    MODEL_TYPE,
+    load=load_muddpythia,
+    dense_twin=DENSE_TWINS[MODEL_TYPE],
+    blocks=lambda model: list(model.layers),  # in execution order; the execution audit hooks them
+    definitions=_definitions,
+    coefficient_kind="dense-connection weights: the dynamic dw plus the static dense_bs, per stream and source",
+))

@@ -1,0 +1,44 @@
+"""The environment a model computes in now, read off the torch module: the engine half of
+`fca.tables.environment`, which describes and compares recorded environments without torch."""
+
+from __future__ import annotations
+
+import platform
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from fca.tables.environment import IDENTITY_FIELDS
+
+
+@lru_cache(maxsize=1)
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def model_dtype_name(model: nn.Module) -> str:
+    """'float32', 'bfloat16', ...: the dtype of a torch module's parameters, as manifests write it."""
+    return str(next(model.parameters()).dtype).replace("torch.", "")
+
+
+def current_environment(model: nn.Module) -> dict:
+    """The environment `model` computes in now: device, its name and capability, dtype, torch, threads."""
+    param = next(model.parameters())
+    device = param.device
+    env = {"device_type": device.type, "model_dtype": model_dtype_name(model), "torch": torch.__version__,
+           "cuda": torch.version.cuda if device.type == "cuda" else None}
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        env.update(device_name=torch.cuda.get_device_name(device), capability=f"sm_{major}{minor}", threads=None)
+    else:
+        env.update(device_name=_cpu_name(), capability=torch.backends.cpu.get_cpu_capability(),
+                   threads=torch.get_num_threads())
+    return {key: env[key] for key in IDENTITY_FIELDS}

@@ -1,0 +1,141 @@
+"""Build coefficient caches: record passes of a model over token windows, written as a Parquet cache."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from fca.engine.capture import bytes_per_token, write_cache
+from fca.engine.environment import current_environment, model_dtype_name
+from fca.engine.loading import fingerprint_state, load_model, read_config
+from fca.engine.sites import model_logits, site_specs
+from fca.tables import data
+from fca.tables.store import COEFFICIENT_BYTES, cache_plan, file_sha256
+
+
+def build_cache_from_corpus(
+    model_dir: str | Path,
+    corpus: str | Path,
+    split: str,
+    out: str | Path,
+    num_seqs: int | None = 256,
+    seq_len: int | None = None,
+    batch_size: int = 16,
+    device: str = "auto",
+    dtype: torch.dtype | None = None,
+    split_seed: int = 0,
+    text_column: str = "text",
+    coefficient_dtype: str = "float32",
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    show_progress: bool = True,
+    workers: int | None = None,
+) -> Path:
+    """Record every site's coefficients on `num_seqs` windows of one split and write them as a cache.
+
+    Memory does not grow with `num_seqs`: one batch is in flight while the previous one is written.
+    Deterministic: the same model, corpus, split seed and sizes give the same cache contents.
+    """
+    model_dir = Path(model_dir)
+    model = load_model(model_dir, device=device, dtype=dtype)
+    specs = site_specs(model)
+    if not specs:
+        raise ValueError(f"{model_dir}: the model has no controller sites (a Dense twin cannot be cached)")
+    config = read_config(model_dir)
+    T = seq_len or int(config.get("max_seq_len", config.get("block_size", 1024)))
+    tokenizer = data.load_tokenizer(model_dir)
+    windows = data.split_windows(corpus, split, tokenizer, T, split_seed, num_seqs, text_column)  # [N, T + 1]
+    N = len(windows)
+    row_bytes = bytes_per_token(specs, COEFFICIENT_BYTES[coefficient_dtype])
+    plan = cache_plan(
+        specs, T, N,
+        model={"path": model_dir.name, "model_type": config.get("model_type"), "fingerprint": fingerprint_state(model),
+               "config": config, "dtype": model_dtype_name(model)},
+        corpus={"name": Path(corpus).name, "fingerprint": file_sha256(Path(corpus)) if Path(corpus).is_file() else None,
+                "split": split, "split_seed": split_seed, "text_column": text_column},
+        coefficient_dtype=coefficient_dtype,
+        tokenizer={"fingerprint": file_sha256(model_dir / "tokenizer.json"), "vocab_size": tokenizer.get_vocab_size()},
+        raw_bytes_per_token=row_bytes,
+        environment={**current_environment(model), "batch_size": batch_size},
+    )
+    if show_progress:
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"{out}: {N} sequences x {T} tokens x {row_bytes} B = {row_bytes * N * T / 1e6:.1f} MB raw "
+                   f"(about {0.85 * row_bytes * N * T / 1e6:.1f} MB as Parquet)")
+    return write_cache(model, windows, out, plan, batch_size, overwrite=overwrite, progress=progress, show_progress=show_progress,
+                       desc=f"cache {split}", workers=workers)
+
+
+def build_cache(
+    model: nn.Module,
+    windows,
+    out: str | Path,
+    seq_len: int | None = None,
+    split: str = "eval",
+    corpus_name: str = "in-memory",
+    model_name: str | None = None,
+    batch_size: int = 16,
+    coefficient_dtype: str = "float32",
+    overwrite: bool = False,
+    workers: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    show_progress: bool = False,
+) -> Path:
+    """A cache of any model with controller sites, held in memory (`fca.build_cache`).
+
+    windows: token windows [N, T + 1] (each row's first T tokens are the input, its last T the targets),
+    or a 1-D token stream cut into windows of `seq_len` + 1. `split` and `corpus_name` describe where
+    the windows come from: an evaluated and a calibration cache must come from different splits.
+    """
+    windows = as_windows(windows, seq_len)  # [N, T + 1]
+    specs = site_specs(model)
+    if not specs:
+        raise ValueError(f"{type(model).__name__}: the model has no controller sites (declare them with attach_sites)")
+    N, T = windows.shape[0], windows.shape[1] - 1
+    row_bytes = bytes_per_token(specs, COEFFICIENT_BYTES[coefficient_dtype])
+    config = model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None
+    plan = cache_plan(
+        specs, T, N,
+        model={"path": model_name or type(model).__name__, "model_type": (config or {}).get("model_type", type(model).__name__),
+               "fingerprint": fingerprint_state(model), "config": config, "dtype": model_dtype_name(model)},
+        corpus={"name": corpus_name, "fingerprint": hashlib.sha256(windows.tobytes()).hexdigest(), "split": split},
+        coefficient_dtype=coefficient_dtype,
+        tokenizer={"fingerprint": None, "vocab_size": _vocab_size(model, windows)},
+        raw_bytes_per_token=row_bytes,
+        environment={**current_environment(model), "batch_size": batch_size},
+    )
+    return write_cache(model, windows, out, plan, batch_size, overwrite=overwrite, progress=progress,
+                       show_progress=show_progress, desc=f"cache {split}", workers=workers)
+
+
+def as_windows(tokens, seq_len: int | None = None) -> np.ndarray:
+    """Token windows [N, T + 1] as int64: given as such, or cut from a 1-D stream (seq_len + 1 per window)."""
+    array = np.asarray(tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"token windows must be integers, got {array.dtype}")
+    if array.ndim == 1:
+        if not seq_len:
+            raise ValueError("a 1-D token stream needs seq_len to be cut into windows")
+        n = (len(array) - 1) // seq_len
+        if n < 1:
+            raise ValueError(f"a stream of {len(array)} tokens holds no window of {seq_len} + 1")
+        array = np.stack([array[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)])
+    if array.ndim != 2 or array.shape[1] < 2:
+        raise ValueError(f"token windows must be [N, T + 1] with T >= 1, got shape {array.shape}")
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+@torch.no_grad()
+def _vocab_size(model: nn.Module, windows: np.ndarray) -> int:
+    """The model's vocabulary: its config's, else the width of its logits on one short window."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if size:
+        return int(size)
+    device = next(model.parameters()).device
+    return int(model_logits(model(torch.from_numpy(windows[:1, :2]).to(device)), model).shape[-1])

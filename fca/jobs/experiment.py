@@ -1,0 +1,133 @@
+"""An experiment: a model with its evaluated and calibration caches, opened and checked once.
+
+Every job that replays (the audit, saved replay runs, the dashboard's Replay lab, the benches) starts
+from an `Experiment`, so they all accept and refuse the same inputs: the caches must be this model's
+(fingerprint), recorded in its dtype, of the same sites, and the calibration cache must come from an
+independent split. The model may be a directory or a module held in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fca.engine.environment import model_dtype_name
+from fca.engine.execution import execution_audit
+from fca.engine.loading import fingerprint_state, load_model
+from fca.engine.replay import ReplayResults, run_conditions
+from fca.tables.conditions import Condition
+from fca.tables.errors import CacheError
+from fca.tables.profiles import Profiles, calibration_profiles
+from fca.tables.store import Cache, open_cache
+
+ModelSource = str | Path | nn.Module
+CacheSource = str | Path | Cache
+
+
+def _model(source: ModelSource | None, device: str, dtype: torch.dtype | None) -> nn.Module | None:
+    if source is None or isinstance(source, nn.Module):
+        return source
+    return load_model(source, device=device, dtype=dtype)
+
+
+def _cache(source: CacheSource, verify: bool) -> Cache:
+    return source if isinstance(source, Cache) else open_cache(source, verify=verify)
+
+
+def model_name(source: ModelSource) -> str:
+    """A model's name in reports: its directory's name, or its class name when held in memory."""
+    return type(source).__name__ if isinstance(source, nn.Module) else Path(source).name
+
+
+def check_independent(evaluated: Cache, calibration: Cache) -> None:
+    """Static profiles must be estimated on another split than the one they are evaluated on."""
+    a, b = evaluated.manifest.corpus, calibration.manifest.corpus
+    if (a.split, a.fingerprint, a.split_seed) == (b.split, b.fingerprint, b.split_seed):
+        raise CacheError(f"{calibration.path}: the calibration cache comes from the same split ({a.split!r}) as the "
+                         "evaluated cache; static profiles must be estimated on an independent split")
+    if set(evaluated.sites) != set(calibration.sites):
+        raise CacheError(f"{calibration.path}: its sites differ from {evaluated.path}'s")
+
+
+@dataclass
+class Experiment:
+    model: nn.Module
+    evaluated: Cache
+    calibration: Cache | None  # None: no static or global profiles (execution and Correct replay only)
+    name: str  # the model's name in reports
+    model_fingerprint: str
+    dense_source: ModelSource | None = None  # the Dense twin, loaded on first use (`dense`)
+    device_name: str = "auto"
+    dtype: torch.dtype | None = None
+    _dense: nn.Module | None = field(default=None, repr=False)
+    _profiles: Profiles | None = field(default=None, repr=False)
+
+    @classmethod
+    def open(cls, model: ModelSource, cache: CacheSource, calibration: CacheSource | None, dense: ModelSource | None = None,
+             device: str = "auto", dtype: torch.dtype | None = None, verify: bool = False) -> Experiment:
+        """Load the model if given as a path, open the caches (`verify`: re-hash their parts) and check they
+        belong together. Raises CacheError / ModelLoadError with a one-line reason."""
+        loaded = _model(model, device, dtype)
+        evaluated = _cache(cache, verify)
+        calibrated = None if calibration is None else _cache(calibration, verify)
+        fingerprint = fingerprint_state(loaded)
+        for c in (evaluated, calibrated):
+            if c is not None:
+                c.check_model(fingerprint, model_dtype_name(loaded))
+        if calibrated is not None:
+            check_independent(evaluated, calibrated)
+        return cls(loaded, evaluated, calibrated, model_name(model), fingerprint, dense, device, dtype)
+
+    @property
+    def dense(self) -> nn.Module | None:
+        """The Dense twin (for the latency ratio), loaded on first use on the model's device and dtype."""
+        if self._dense is None and self.dense_source is not None:
+            self._dense = _model(self.dense_source, str(self.device), self.dtype)
+        return self._dense
+
+    @property
+    def dense_name(self) -> str | None:
+        return None if self.dense_source is None else model_name(self.dense_source)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the experiment: model weights and the caches' contents."""
+        parts = (self.model_fingerprint, self.evaluated.fingerprint, self.calibration.fingerprint if self.calibration else "")
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+    def profiles(self, progress: Callable[[int, int], None] | None = None) -> Profiles:
+        """Static and global profiles of the calibration cache, computed once."""
+        if self.calibration is None:
+            raise CacheError(f"{self.evaluated.path}: static and global profiles need a calibration cache (an "
+                             "independent split of the same model); none was given")
+        if self._profiles is None:
+            self._profiles = calibration_profiles(self.calibration, progress=progress)
+        return self._profiles
+
+    def probe_ids(self, num_seqs: int = 8) -> torch.Tensor:
+        """Token ids [n, T] of the first evaluated sequences, on the model's device: the execution probe."""
+        ids = self.evaluated.read_seqs(list(range(min(num_seqs, self.evaluated.num_seqs))), sites=[])["token"]
+        return torch.from_numpy(ids.astype("int64")).to(self.device)
+
+    def measure_execution(self, runs: int = 7) -> dict:
+        """Blocks executed, controller FLOPs and latency against the Dense twin (when there is one)."""
+        return execution_audit(self.model, self.probe_ids(), self.dense, runs=runs)
+
+    def run(self, conditions: Sequence[Condition], num_seqs: int | None = None, batch_size: int = 16, seed: int = 0,
+            progress: Callable[[int, int], None] | None = None, should_stop: Callable[[], bool] | None = None,
+            profile_progress: Callable[[int, int], None] | None = None) -> ReplayResults:
+        """Replay `conditions` on the first `num_seqs` evaluated sequences (all by default), with both
+        exactness checks on every batch (judge them with `fca.engine.replay.check_exactness`)."""
+        profiles = self.profiles(profile_progress) if any(c.needs_profiles for c in conditions) else None
+        n = self.evaluated.num_seqs if num_seqs is None else min(num_seqs, self.evaluated.num_seqs)
+        return run_conditions(self.model, self.evaluated, conditions, profiles, seqs=list(range(n)), batch_size=batch_size,
+                              cross_seed=seed, progress=progress, should_stop=should_stop)

@@ -1,0 +1,155 @@
+"""One condition grammar (text in, the same text out), a command line that starts without torch, a
+clear answer for a JSON that is not an audit report, and a package whose declared dependencies agree
+with requirements.txt."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tomllib
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fca.cli import main
+from fca.tables.conditions import KINDS, Condition, format_condition, parse_condition
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# ------------------------------------------------------------------------------------ condition grammar
+
+site_names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,6}(\.[A-Za-z0-9_]{1,6}){0,3}", fullmatch=True)
+
+
+@st.composite
+def conditions(draw) -> Condition:
+    kind = draw(st.sampled_from(KINDS))
+    alpha = draw(st.floats(allow_nan=False, allow_infinity=False)) if kind == "interpolate" else None
+    sites = draw(st.none() | st.lists(site_names, min_size=1, max_size=4).map(tuple))
+    return Condition(kind, alpha, sites, draw(st.booleans()), draw(st.integers(0, 2**31 - 1)))
+
+
+@settings(database=None)  # no example database left in the working tree
+@given(conditions())
+def test_parse_reads_back_what_format_writes(condition: Condition) -> None:
+    text = format_condition(condition)
+    assert parse_condition(text, condition.seed) == condition
+    assert condition.spec == condition.name == text
+
+
+EDGE_ALPHAS = [0.0, 1.0, 1e-9, 0.1 + 0.2, -0.5, -0.0, 5e-324, 1e300, 123456789.0, 2.5e16]
+
+
+@pytest.mark.parametrize("alpha", EDGE_ALPHAS)
+@pytest.mark.parametrize("independent", [False, True])
+@pytest.mark.parametrize("sites", [None, ("blocks.0.gate",), ("dense.3", "dense.10")])
+def test_round_trip_at_the_edges(alpha: float, independent: bool, sites) -> None:
+    for kind in KINDS:
+        condition = Condition(kind, alpha if kind == "interpolate" else None, sites, independent, seed=7)
+        back = parse_condition(condition.spec, seed=7)
+        assert back == condition
+        assert back.alpha is None or repr(back.alpha) == repr(condition.alpha)  # bit-exact, sign of zero too
+
+
+def test_canonical_text_forms() -> None:
+    assert Condition("interpolate", 0.5).name == "interpolate:0.5"
+    assert Condition("interpolate", 1).name == "interpolate:1"  # as users type it; alpha is still the float 1.0
+    assert Condition("interpolate", 0.1 + 0.2).name == "interpolate:0.30000000000000004"
+    assert Condition("token_shuffle", independent=True, sites=("a", "b.c")).name == "token_shuffle+independent@a,b.c"
+    assert parse_condition(" interpolate:5e-1 ").name == "interpolate:0.5"
+
+
+@pytest.mark.parametrize("text", ["interpolate(0.5)", "token_shuffle[independent]", "interpolate:nan",
+                                  "interpolate:inf", "interpolate", "correct:0.5", "wobble", "static_layer@",
+                                  "static_layer@,"])
+def test_other_spellings_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_condition(text)
+
+
+def test_sites_that_would_not_read_back_are_refused() -> None:
+    for sites in [(), ("a,b",), ("a b",), ("",), ("x@y",)]:
+        with pytest.raises(ValueError):
+            Condition("static_layer", sites=sites)
+
+
+# ------------------------------------------------------------------------------------ command line
+
+HEAVY = ("torch", "pyarrow", "pandas", "transformers")
+PROBE = """
+import sys, time
+start = time.perf_counter()
+{body}
+print(sorted(m for m in {heavy!r} if m in sys.modules), round(time.perf_counter() - start, 3))
+"""
+
+
+def _fresh(body: str) -> tuple[list[str], float]:
+    code = PROBE.format(body=body, heavy=HEAVY)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    loaded, seconds = out.strip().splitlines()[-1].rsplit(" ", 1)
+    return eval(loaded), float(seconds)  # noqa: S307  (our own probe's output)
+
+
+def test_help_does_not_import_torch() -> None:
+    loaded, _ = _fresh("import fca.cli\nfca.cli.build_parser()")
+    assert loaded == []
+    body = ("import runpy\nsys.argv = ['fca', '--help']\n"
+            "try:\n    runpy.run_module('fca', run_name='__main__')\nexcept SystemExit:\n    pass")
+    loaded, _ = _fresh(body)
+    assert loaded == []
+
+
+def test_help_is_quick() -> None:
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "fca", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and "audit" in done.stdout
+    assert time.perf_counter() - start < 2.0  # about 0.1 s; generous for a busy machine
+
+
+@pytest.mark.parametrize("content", [{"schema_version": 1, "sites": {}, "parts": []}, [1, 2], {"exactness": {}}])
+def test_report_of_another_json_is_one_line(tmp_path, capsys, content) -> None:
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps(content))
+    assert main(["report", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and "not an FCA audit report" in err
+
+
+def test_report_of_the_shipped_audit_still_renders(capsys) -> None:
+    assert main(["report", str(ROOT / "cache/demo/audit.json")]) == 0
+    assert capsys.readouterr().out.startswith("# FCA audit")
+
+
+# ------------------------------------------------------------------------------------ packaging
+
+
+def _requirement(line: str) -> tuple[str, str]:
+    name, pin = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)\s*==\s*([^\s;#]+)\s*", line).groups()
+    return name.lower().replace("_", "-"), pin
+
+
+def test_declared_dependencies_agree_with_requirements() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project = pyproject["project"]
+    declared = [*project["dependencies"], *(d for extra in project["optional-dependencies"].values() for d in extra)]
+    text = (ROOT / "requirements.txt").read_text()
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    declared_pins = dict(_requirement(d) for d in declared)
+    assert len(declared_pins) == len(declared)  # no package in two places
+    assert declared_pins == dict(_requirement(line) for line in lines)
+    assert project["scripts"] == {"fca": "fca.cli:main"}
+
+
+def test_the_package_ships_every_layer() -> None:
+    from setuptools import find_packages
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    found = set(find_packages(where=str(ROOT), include=include))
+    assert {"fca", "fca.tables", "fca.engine", "fca.engine.models", "fca.jobs"} <= found
+    assert not {p for p in found if not p.startswith("fca")}
