@@ -56,15 +56,27 @@ def sidebar() -> Selection:
         entries = resources.caches(tuple(str(r) for r in roots))
         sel.entries = entries
         if not entries:
-            st.warning("No cache found under " + ", ".join(str(r) for r in roots) + ". Build one with `python -m fca build-cache`.")
+            st.warning(
+                "No cache found under "
+                + ", ".join(str(r) for r in roots)
+                + ". Build one with `python -m fca build-cache`."
+            )
         by_path = {str(e.path): e for e in entries}
         # One widget both picks a found cache and takes a typed path (accept_new_options); a second
         # input widget would cost the first page another ~20 browser chunks before its first chart.
         choice = st.selectbox(
-            "Cache", list(by_path), index=default_cache(entries) if entries else None, key="cache", accept_new_options=True,
-            format_func=lambda p: f"{by_path[p].label} ({by_path[p].split or '?'}, {by_path[p].num_seqs} seq)" if p in by_path else p,
-            placeholder="type a cache directory", help="Pick a cache, or type the path of one inside a configured root: "
-            + ", ".join(str(r) for r in roots) + " (add more with FCA_CACHE_ROOTS)",
+            "Cache",
+            list(by_path),
+            index=default_cache(entries) if entries else None,
+            key="cache",
+            accept_new_options=True,
+            format_func=lambda p: (
+                f"{by_path[p].label} ({by_path[p].split or '?'}, {by_path[p].num_seqs} seq)" if p in by_path else p
+            ),
+            placeholder="type a cache directory",
+            help="Pick a cache, or type the path of one inside a configured root: "
+            + ", ".join(str(r) for r in roots)
+            + " (add more with FCA_CACHE_ROOTS)",
         )
         typed = (choice or "").strip()
         if choice in by_path:
@@ -87,8 +99,15 @@ def sidebar() -> Selection:
         named = catalog.find_model_dir(entry.path)
         if models:
             default = models.index(named) if named in models else 0
-            chosen = st.selectbox("Model", [str(m) for m in models], index=default, key=f"model::{entry.path}",
-                                  format_func=lambda p: Path(p).name + ("" if named and Path(p) == named else " (not named by the cache)"))
+            chosen = st.selectbox(
+                "Model",
+                [str(m) for m in models],
+                index=default,
+                key=f"model::{entry.path}",
+                format_func=lambda p: (
+                    Path(p).name + ("" if named and Path(p) == named else " (not named by the cache)")
+                ),
+            )
             sel.model_dir = Path(chosen)
         else:
             st.caption("No model directory beside this cache: replay and execution are unavailable.")
@@ -116,5 +135,6 @@ if selection.cache_error:
     st.error(f"This cache cannot be used: {selection.cache_error}")
 page.run()
 if selection.cache is not None:  # after the page: fill the caches the next pages will need
-    resources.warm_up(selection.cache, selection.model_dir, selection.device, selection.calibration_cache,
-                      selection.dense_dir)
+    resources.warm_up(
+        selection.cache, selection.model_dir, selection.device, selection.calibration_cache, selection.dense_dir
+    )

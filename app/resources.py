@@ -61,8 +61,14 @@ def cache_stats(path: str, fingerprint: str) -> dict:
     m, layout = moments(path, fingerprint)
     return {
         "decomposition": variance_decomposition(m, layout),
-        "slot_mean": m.slot_mean, "slot_sd": np.sqrt(m.slot_var), "minimum": m.minimum, "maximum": m.maximum,
-        "position_mean": m.position_mean, "sites": layout.sites, "widths": layout.widths, "families": layout.families,
+        "slot_mean": m.slot_mean,
+        "slot_sd": np.sqrt(m.slot_var),
+        "minimum": m.minimum,
+        "maximum": m.maximum,
+        "position_mean": m.position_mean,
+        "sites": layout.sites,
+        "widths": layout.widths,
+        "families": layout.families,
         "num_tokens": m.count,
     }
 
@@ -84,8 +90,14 @@ def site_quantiles(path: str, fingerprint: str) -> pd.DataFrame:
     rows = []
     for site, v in values.items():
         q = np.quantile(v, [0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99])
-        rows.append({"site": site, **{f"q{int(round(p * 100)):02d}": x for p, x in zip([0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99], q)},
-                     "mean": float(v.mean()), "sampled_tokens": v.shape[0] * v.shape[1]})
+        rows.append(
+            {
+                "site": site,
+                **{f"q{int(round(p * 100)):02d}": x for p, x in zip([0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99], q)},
+                "mean": float(v.mean()),
+                "sampled_tokens": v.shape[0] * v.shape[1],
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -115,8 +127,16 @@ def decode_tokens(model_dir: str, ids: tuple[int, ...]) -> list[str]:
 
 
 @st.cache_resource(show_spinner="Loading the model...", max_entries=4)
-def _experiment(model_dir: str, device: str, model_stamp: str, cache: str, cache_fingerprint: str, calibration: str,
-                calibration_fingerprint: str, dense_dir: str):
+def _experiment(
+    model_dir: str,
+    device: str,
+    model_stamp: str,
+    cache: str,
+    cache_fingerprint: str,
+    calibration: str,
+    calibration_fingerprint: str,
+    dense_dir: str,
+):
     """(experiment, lock), keyed on the weights' file stamp and both caches' fingerprints. The lock
     serialises uses of one model object, since a replay changes its site modes for a forward."""
     from fca.jobs.experiment import (
@@ -135,11 +155,20 @@ def model_bytes(model_dir: str | Path) -> int:
     return path.stat().st_size
 
 
-def experiment(model_dir: str | Path, device: str, cache: Cache, calibration: Cache | None, dense_dir: str | Path | None):
+def experiment(
+    model_dir: str | Path, device: str, cache: Cache, calibration: Cache | None, dense_dir: str | Path | None
+):
     """The selection as one opened and checked experiment (model, caches, Dense twin loaded when needed)."""
-    return _experiment(str(model_dir), device, file_stamp(weights_path(Path(model_dir))), str(cache.path), cache.fingerprint,
-                       str(calibration.path) if calibration else "", calibration.fingerprint if calibration else "",
-                       str(dense_dir or ""))
+    return _experiment(
+        str(model_dir),
+        device,
+        file_stamp(weights_path(Path(model_dir))),
+        str(cache.path),
+        cache.fingerprint,
+        str(calibration.path) if calibration else "",
+        calibration.fingerprint if calibration else "",
+        str(dense_dir or ""),
+    )
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
@@ -167,8 +196,9 @@ _warm_started: set[tuple[str, ...]] = set()
 _warm_guard = threading.Lock()
 
 
-def warm_up(cache: Cache, model_dir: Path | None, device: str, calibration: Cache | None,
-            dense_dir: Path | None = None) -> None:
+def warm_up(
+    cache: Cache, model_dir: Path | None, device: str, calibration: Cache | None, dense_dir: Path | None = None
+) -> None:
     """Fill, in a background thread, the caches that the other pages will ask for: the statistics of the
     selected cache and of its calibration cache (Variance, Profiles) and the model (Replay lab,
     Execution; importing torch and loading it takes ~3 s on 2 CPU cores). Started once per selection
@@ -181,10 +211,14 @@ def warm_up(cache: Cache, model_dir: Path | None, device: str, calibration: Cach
         if key in _warm_started:
             return
         _warm_started.add(key)
-    steps = [lambda: cache_stats(str(cache.path), cache.fingerprint), lambda: site_quantiles(str(cache.path), cache.fingerprint)]
+    steps = [
+        lambda: cache_stats(str(cache.path), cache.fingerprint),
+        lambda: site_quantiles(str(cache.path), cache.fingerprint),
+    ]
     if calibration is not None:
         steps.append(lambda: profiles(str(calibration.path), calibration.fingerprint))
     if model_dir is not None:
+
         def small_model() -> None:
             if model_bytes(model_dir) <= WARM_UP_MAX_MODEL_BYTES:
                 experiment(model_dir, device, cache, calibration, dense_dir)

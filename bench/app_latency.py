@@ -31,7 +31,13 @@ from bench.browser import (
     wait_settled,
 )
 
-PAGES = {"variance": "Variance", "profiles": "Profiles", "replay_lab": "Replay lab", "execution": "Execution", "overview": "Overview"}
+PAGES = {
+    "variance": "Variance",
+    "profiles": "Profiles",
+    "replay_lab": "Replay lab",
+    "execution": "Execution",
+    "overview": "Overview",
+}
 
 
 def timed(page, action) -> float:
@@ -82,7 +88,9 @@ def one_server(browser, cache: Path, pause_s: float = 0.0) -> dict[str, float]:
         open_page("Variance")
         box = page.get_by_role("spinbutton", name="Sequence")
         out["variance_change_sequence_s"] = timed(page, lambda: (box.fill("3"), box.press("Enter")))
-        out["variance_change_quantity_s"] = timed(page, lambda: page.get_by_text("standard deviation", exact=True).click())
+        out["variance_change_quantity_s"] = timed(
+            page, lambda: page.get_by_text("standard deviation", exact=True).click()
+        )
         open_page("Profiles")
         box = page.get_by_role("spinbutton", name="Token index (or click a point below)")
         out["profiles_change_token_s"] = timed(page, lambda: (box.fill("5"), box.press("Enter")))
@@ -98,7 +106,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cache", default="cache/demo/eval", type=Path)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--pause", type=float, default=0.0, help="seconds on the Overview before opening the other pages")
+    parser.add_argument(
+        "--pause", type=float, default=0.0, help="seconds on the Overview before opening the other pages"
+    )
     args = parser.parse_args()
     results: dict[str, list[float]] = {}
     with sync_playwright() as p:
@@ -112,7 +122,15 @@ def main() -> None:
     summary = {}
     for key, values in results.items():
         measured = [v for v in values if not math.isnan(v)]
-        summary[key] = {"median": round(statistics.median(measured), 3), "min": round(min(measured), 3), "max": round(max(measured), 3)} if measured else {}
+        summary[key] = (
+            {
+                "median": round(statistics.median(measured), 3),
+                "min": round(min(measured), 3),
+                "max": round(max(measured), 3),
+            }
+            if measured
+            else {}
+        )
         if len(measured) < len(values):
             summary[key]["unmeasured"] = len(values) - len(measured)
     print(json.dumps(summary, indent=1))

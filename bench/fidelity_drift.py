@@ -29,16 +29,24 @@ DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 def measure(model_dir: str, cache_dir: str, device: str, dtype: str, num_seqs: int, batch: int) -> dict:
     model = fca.load_model(model_dir, device=device, dtype=DTYPES[dtype])
     cache = open_cache(cache_dir)
-    results = run_conditions(model, cache, [Condition("correct")], seqs=range(min(num_seqs, cache.num_seqs)), batch_size=batch)
+    results = run_conditions(
+        model, cache, [Condition("correct")], seqs=range(min(num_seqs, cache.num_seqs)), batch_size=batch
+    )
     row = {"cache": Path(cache_dir).name, "num_seqs": len(results.seqs), "batch": batch}
     f = results.fidelity
-    row.update(max_abs_logit_diff=results.max_abs_logit_diff, max_abs_coefficient_diff=f.max_abs_coefficient_diff,
-               max_rel_coefficient_diff=f.max_rel_coefficient_diff, stored_live_nll_max_diff=f.stored_live_nll_max_diff,
-               nll_diff=abs(float(results.cache_correct_per_seq.mean() - results.live_per_seq.mean())),
-               max_seq_nll_diff=float(abs(results.cache_correct_per_seq - results.live_per_seq).max()))
+    row.update(
+        max_abs_logit_diff=results.max_abs_logit_diff,
+        max_abs_coefficient_diff=f.max_abs_coefficient_diff,
+        max_rel_coefficient_diff=f.max_rel_coefficient_diff,
+        stored_live_nll_max_diff=f.stored_live_nll_max_diff,
+        nll_diff=abs(float(results.cache_correct_per_seq.mean() - results.live_per_seq.mean())),
+        max_seq_nll_diff=float(abs(results.cache_correct_per_seq - results.live_per_seq).max()),
+    )
     try:
         judged = check_exactness(results)["fidelity"]
-        row.update(verdict=judged["verdict"], computed_on=judged["computed_on_text"], replayed_on=judged["replayed_on_text"])
+        row.update(
+            verdict=judged["verdict"], computed_on=judged["computed_on_text"], replayed_on=judged["replayed_on_text"]
+        )
     except FidelityError as err:
         row.update(verdict="refused", reason=str(err))
     return row

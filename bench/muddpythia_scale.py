@@ -32,10 +32,26 @@ from fca.testing import build_random_model
 # The released MUDDPythia-1.4B config.json (Caiyun-AI/MUDDFormer, pytorch/muddpythia/config_1p4b.json):
 # the fields that set the shapes and the computation.
 MUDDPYTHIA_1P4B = dict(
-    vocab_size=50432, dim=2048, n_layer=24, n_head=16, intermediate_size=8192, block_size=2048,
-    rope_base=10000, rotary_pct=0.25, norm_eps=1e-5, use_qk_norm=True, use_parallel_residual=True,
-    use_linear_bias=True, dense=True, dynamic_dense=True, dense_type="qkvr", sepln=True,
-    expand_last=True, round64=True, bos_token_id=0, eos_token_id=0,
+    vocab_size=50432,
+    dim=2048,
+    n_layer=24,
+    n_head=16,
+    intermediate_size=8192,
+    block_size=2048,
+    rope_base=10000,
+    rotary_pct=0.25,
+    norm_eps=1e-5,
+    use_qk_norm=True,
+    use_parallel_residual=True,
+    use_linear_bias=True,
+    dense=True,
+    dynamic_dense=True,
+    dense_type="qkvr",
+    sepln=True,
+    expand_last=True,
+    round64=True,
+    bos_token_id=0,
+    eos_token_id=0,
 )
 
 
@@ -54,10 +70,17 @@ def stream_cache(model: torch.nn.Module, vocab: int, num_seqs: int, seq_len: int
     from fca.tables.store import cache_plan, open_cache
 
     windows = np.random.default_rng(seed).integers(0, vocab, (num_seqs, seq_len + 1))
-    plan = cache_plan(site_specs(model), seq_len, num_seqs, model={"path": "random-1.4b", "fingerprint": "random"}, corpus={"split": "random"})
+    plan = cache_plan(
+        site_specs(model),
+        seq_len,
+        num_seqs,
+        model={"path": "random-1.4b", "fingerprint": "random"},
+        corpus={"split": "random"},
+    )
     device = next(model.parameters()).device
     out = Path(tempfile.mkdtemp(prefix="fca-mudd-")) / "cache"
     try:
+
         def forwards() -> None:
             with torch.no_grad():
                 for i in range(0, num_seqs, batch):
@@ -68,8 +91,13 @@ def stream_cache(model: torch.nn.Module, vocab: int, num_seqs: int, seq_len: int
         size = open_cache(out).manifest.total_bytes
     finally:
         shutil.rmtree(out.parent, ignore_errors=True)
-    return {"stream_seqs": num_seqs, "stream_build_over_forward": build_s / forward_s, "stream_tokens_per_s": num_seqs * seq_len / build_s,
-            "stream_cache_mb": size / 1e6, "stream_bytes_per_token_on_disk": size / (num_seqs * seq_len)}
+    return {
+        "stream_seqs": num_seqs,
+        "stream_build_over_forward": build_s / forward_s,
+        "stream_tokens_per_s": num_seqs * seq_len / build_s,
+        "stream_cache_mb": size / 1e6,
+        "stream_bytes_per_token_on_disk": size / (num_seqs * seq_len),
+    }
 
 
 def main() -> None:
@@ -90,15 +118,21 @@ def main() -> None:
     build_s, model = timed(lambda: build_random_model(config, seed=args.seed))
     model = model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
     params = sum(p.numel() for p in model.parameters())
-    controller_params = sum(p.numel() for p in model.dynamic_dense.parameters()) + sum(p.numel() for p in model.dense_bs.parameters())
-    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(args.seed)).to(args.device)
+    controller_params = sum(p.numel() for p in model.dynamic_dense.parameters()) + sum(
+        p.numel() for p in model.dense_bs.parameters()
+    )
+    ids = torch.randint(
+        0, config.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(args.seed)
+    ).to(args.device)
     tokens = ids.numel()
 
     with torch.no_grad():
         live = model(ids)  # warm-up at full size: the first call pays for allocations
     # Interleaved rounds, best of each: the CPU is shared, so the minimum is the least noisy figure.
     coefficients = fca.capture(model, ids)  # host float32 arrays, as a cache read gives them
-    on_device = {k: torch.from_numpy(v).to(device=args.device, dtype=getattr(torch, args.dtype)) for k, v in coefficients.items()}
+    on_device = {
+        k: torch.from_numpy(v).to(device=args.device, dtype=getattr(torch, args.dtype)) for k, v in coefficients.items()
+    }
     fca.replay(model, ids, coefficients)  # warm-up of the replay path (pinned buffers, copy stream)
     times: dict[str, list[float]] = {"live": [], "capture": [], "replay_host": [], "replay_device": []}
     for _ in range(args.rounds):

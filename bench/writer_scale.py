@@ -32,13 +32,21 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures as JSON here")
     args = parser.parse_args()
 
-    result = writer_scaling(args.workers, num_seqs=args.seqs, seq_len=args.seq_len, batch=args.batch,
-                            repeats=args.repeats)
-    figures = {"config": "MUDDPythia-1.4B coefficient shapes, synthetic values, float32", "cpu_count": os.cpu_count(),
-               "seqs": args.seqs, "seq_len": args.seq_len, "batch": args.batch, "repeats": args.repeats,
-               "raw_mb_per_run": result["raw_mb"], "bytes_per_token": result["bytes_per_token"],
-               **{f"writer_mb_s_{w}": v for w, v in result["mb_s"].items()},
-               **{f"writer_scaling_{w}": v for w, v in result["ratio"].items()}}
+    result = writer_scaling(
+        args.workers, num_seqs=args.seqs, seq_len=args.seq_len, batch=args.batch, repeats=args.repeats
+    )
+    figures = {
+        "config": "MUDDPythia-1.4B coefficient shapes, synthetic values, float32",
+        "cpu_count": os.cpu_count(),
+        "seqs": args.seqs,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "repeats": args.repeats,
+        "raw_mb_per_run": result["raw_mb"],
+        "bytes_per_token": result["bytes_per_token"],
+        **{f"writer_mb_s_{w}": v for w, v in result["mb_s"].items()},
+        **{f"writer_scaling_{w}": v for w, v in result["ratio"].items()},
+    }
     for key, value in figures.items():
         print(f"{key:24s} {value:,.4g}" if isinstance(value, float) else f"{key:24s} {value}")
     if args.json:

@@ -16,8 +16,14 @@ from fca.tables.errors import CacheError, CorpusError, ExactnessError, ModelLoad
 
 # Errors that are the user's input, not our bug: reported as one line, exit code 2 (FCA_DEBUG=1 shows
 # the traceback instead).
-USER_ERRORS: tuple[type[BaseException], ...] = (CorpusError, ModelLoadError, CacheError, FileNotFoundError, KeyError,
-                                                ValueError)
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    CorpusError,
+    ModelLoadError,
+    CacheError,
+    FileNotFoundError,
+    KeyError,
+    ValueError,
+)
 EXIT_INEXACT = 3
 
 
@@ -45,14 +51,29 @@ def _train_one(args: argparse.Namespace, arch: str, seed: int, out: Path) -> dic
     from fca.jobs.train import TrainSettings, train
 
     config = FeatureGateConfig(
-        d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, mlp_groups=args.mlp_groups,
-        max_seq_len=args.seq_len, gated=(arch == "featuregate"), controller=args.controller, granularity=args.granularity,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        mlp_groups=args.mlp_groups,
+        max_seq_len=args.seq_len,
+        gated=(arch == "featuregate"),
+        controller=args.controller,
+        granularity=args.granularity,
     )
-    settings = TrainSettings(steps=args.steps, batch_size=args.batch, lr=args.lr, seed=seed, split_seed=args.split_seed, vocab_size=args.vocab_size)
+    settings = TrainSettings(
+        steps=args.steps,
+        batch_size=args.batch,
+        lr=args.lr,
+        seed=seed,
+        split_seed=args.split_seed,
+        vocab_size=args.vocab_size,
+    )
     log = train(args.corpus, out, config, settings, text_column=args.text_column, device=args.device)
-    print(f"{out}: {arch}, {log['parameters']:,} parameters, held-out NLL {log['final_eval_nll']:.4f} nats/token "
-          f"({log['final_eval_tokens']:,} tokens), {log['train_seconds']:.0f} s on {log['device_name']} "
-          f"({log['precision']}, {log['tokens_per_second'] or 0:,.0f} tokens/s)")
+    print(
+        f"{out}: {arch}, {log['parameters']:,} parameters, held-out NLL {log['final_eval_nll']:.4f} nats/token "
+        f"({log['final_eval_tokens']:,} tokens), {log['train_seconds']:.0f} s on {log['device_name']} "
+        f"({log['precision']}, {log['tokens_per_second'] or 0:,.0f} tokens/s)"
+    )
     return log
 
 
@@ -76,12 +97,27 @@ def cmd_build_cache(args: argparse.Namespace) -> None:
     from fca.jobs.build import build_cache_from_corpus
     from fca.tables.store import open_cache
 
-    out = build_cache_from_corpus(args.model, args.corpus, args.split, args.out, num_seqs=args.num_seqs, seq_len=args.seq_len, batch_size=args.batch,
-                      device=args.device, dtype=_dtype(args.dtype), split_seed=args.split_seed, text_column=args.text_column,
-                      coefficient_dtype=args.coefficient_dtype, overwrite=args.overwrite, workers=args.writers)
+    out = build_cache_from_corpus(
+        args.model,
+        args.corpus,
+        args.split,
+        args.out,
+        num_seqs=args.num_seqs,
+        seq_len=args.seq_len,
+        batch_size=args.batch,
+        device=args.device,
+        dtype=_dtype(args.dtype),
+        split_seed=args.split_seed,
+        text_column=args.text_column,
+        coefficient_dtype=args.coefficient_dtype,
+        overwrite=args.overwrite,
+        workers=args.writers,
+    )
     cache = open_cache(out)
     size = cache.manifest.total_bytes
-    print(f"wrote {out}: {cache.num_seqs} sequences x {cache.seq_len} tokens, {len(cache.sites)} sites, {size / 1e6:.2f} MB")
+    print(
+        f"wrote {out}: {cache.num_seqs} sequences x {cache.seq_len} tokens, {len(cache.sites)} sites, {size / 1e6:.2f} MB"
+    )
 
 
 def _progress_bars():
@@ -102,9 +138,19 @@ def cmd_audit(args: argparse.Namespace) -> None:
 
     progress, bars = _progress_bars()
     try:
-        report = run_audit(args.model, args.cache, args.calibration, args.dense, device=args.device, dtype=_dtype(args.dtype),
-                           batch_size=args.batch, num_seqs=args.num_seqs, seed=args.seed, extra_conditions=args.extra_conditions,
-                           progress=progress)
+        report = run_audit(
+            args.model,
+            args.cache,
+            args.calibration,
+            args.dense,
+            device=args.device,
+            dtype=_dtype(args.dtype),
+            batch_size=args.batch,
+            num_seqs=args.num_seqs,
+            seed=args.seed,
+            extra_conditions=args.extra_conditions,
+            progress=progress,
+        )
     finally:
         for bar in bars.values():
             bar.close()
@@ -114,8 +160,11 @@ def cmd_audit(args: argparse.Namespace) -> None:
     else:
         c = report["conditions"]
         print(*exactness_sentences(report["exactness"]), sep="\n")
-        print(" ".join(f"{k}={v['nll']:.4f}" for k, v in c.items()), f"| static_layer retention "
-              f"{report['gap_retention'].get('static_layer')}", f"| layer-identity share {report['variance']['layer_identity_share']:.3f}")
+        print(
+            " ".join(f"{k}={v['nll']:.4f}" for k, v in c.items()),
+            f"| static_layer retention {report['gap_retention'].get('static_layer')}",
+            f"| layer-identity share {report['variance']['layer_identity_share']:.3f}",
+        )
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -134,11 +183,15 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
     cache = open_cache(args.cache, verify=args.verify)
     m = cache.manifest
-    print(f"{cache.path}: {cache.num_seqs} sequences x {cache.seq_len} tokens ({m.num_tokens:,} tokens), "
-          f"split {m.corpus.split!r} of {m.corpus.name}, {len(m.parts)} part file(s), {m.total_bytes / 1e6:.2f} MB, "
-          f"{m.coefficient_dtype} coefficients")
-    print(f"model {m.model.model_type} {m.model.fingerprint[:16]} ({cache.model_dtype}); "
-          f"{'parts verified' if args.verify else 'parts not hashed (use --verify)'}")
+    print(
+        f"{cache.path}: {cache.num_seqs} sequences x {cache.seq_len} tokens ({m.num_tokens:,} tokens), "
+        f"split {m.corpus.split!r} of {m.corpus.name}, {len(m.parts)} part file(s), {m.total_bytes / 1e6:.2f} MB, "
+        f"{m.coefficient_dtype} coefficients"
+    )
+    print(
+        f"model {m.model.model_type} {m.model.fingerprint[:16]} ({cache.model_dtype}); "
+        f"{'parts verified' if args.verify else 'parts not hashed (use --verify)'}"
+    )
     batch = (cache.environment or {}).get("batch_size")
     print(f"coefficients computed on {describe(cache.environment)}" + (f", in batches of {batch}" if batch else ""))
     for name, spec in m.sites.items():
@@ -150,8 +203,18 @@ def cmd_replay(args: argparse.Namespace) -> None:
     from fca.jobs.runs import run_replay
     from fca.tables.report import exactness_sentences
 
-    record = run_replay(args.model, args.cache, args.calibration, args.conditions, num_seqs=args.num_seqs, seed=args.seed,
-                        device=args.device, batch_size=args.batch, save=not args.no_save, show_progress=True)
+    record = run_replay(
+        args.model,
+        args.cache,
+        args.calibration,
+        args.conditions,
+        num_seqs=args.num_seqs,
+        seed=args.seed,
+        device=args.device,
+        batch_size=args.batch,
+        save=not args.no_save,
+        show_progress=True,
+    )
     for sentence in exactness_sentences(record["results"]["exactness"]):
         print(sentence)
     for name, row in record["results"]["conditions"].items():
@@ -194,13 +257,30 @@ def cmd_demo_study(args: argparse.Namespace) -> None:
 
     # The size flags default to the demo configuration; other sizes make a study of their own (pass
     # `--include` with no file then: the shipped demo's audit is of another model size and is refused).
-    config = dict(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, mlp_groups=args.mlp_groups,
-                  max_seq_len=args.seq_len, controller=args.controller, granularity=args.granularity)
-    settings = TrainSettings(steps=args.steps, batch_size=args.batch, lr=args.lr, min_lr=args.lr / 10,
-                             vocab_size=args.vocab_size)
-    study = make_demo_study(Path(args.out), Path(args.corpus), args.seeds, include=[Path(p) for p in args.include],
-                            device=args.device, audit_device=args.audit_device, retrain=args.retrain, config=config,
-                            settings=settings, num_seqs=args.num_seqs)
+    config = dict(
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        mlp_groups=args.mlp_groups,
+        max_seq_len=args.seq_len,
+        controller=args.controller,
+        granularity=args.granularity,
+    )
+    settings = TrainSettings(
+        steps=args.steps, batch_size=args.batch, lr=args.lr, min_lr=args.lr / 10, vocab_size=args.vocab_size
+    )
+    study = make_demo_study(
+        Path(args.out),
+        Path(args.corpus),
+        args.seeds,
+        include=[Path(p) for p in args.include],
+        device=args.device,
+        audit_device=args.audit_device,
+        retrain=args.retrain,
+        config=config,
+        settings=settings,
+        num_seqs=args.num_seqs,
+    )
     print(render_markdown(study), end="")
     print(f"wrote {Path(args.out) / 'study.json'} and {Path(args.out) / 'study.md'}")
 
@@ -212,14 +292,21 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fca", description="Frozen-Controller Auditing of dynamic neural networks.")
+    parser = argparse.ArgumentParser(
+        prog="python -m fca", description="Frozen-Controller Auditing of dynamic neural networks."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("corpus", help="extract the default corpus (King James Bible, Debian's bible-kjv) to a text file")
+    p = sub.add_parser(
+        "corpus", help="extract the default corpus (King James Bible, Debian's bible-kjv) to a text file"
+    )
     p.add_argument("--out", default="data/kjv.txt")
     p.set_defaults(func=cmd_corpus)
 
-    for name, helptext in (("train", "train a FeatureGate model or its Dense twin"), ("train-seeds", "train several seeds (gated and dense) for multi-seed studies")):
+    for name, helptext in (
+        ("train", "train a FeatureGate model or its Dense twin"),
+        ("train-seeds", "train several seeds (gated and dense) for multi-seed studies"),
+    ):
         p = sub.add_parser(name, help=helptext)
         if name == "train":
             p.add_argument("--arch", choices=["featuregate", "dense"], default="featuregate")
@@ -227,16 +314,28 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--arch", nargs="+", choices=["featuregate", "dense"], default=["featuregate", "dense"])
             p.add_argument("--seeds", type=int, nargs="+", required=True)
-        p.add_argument("--corpus", required=True, help="text file, folder of .txt files, or Parquet/Arrow with a 'text' column")
-        p.add_argument("--out", required=True, help="output model directory" if name == "train" else "parent directory: one subdirectory per arch and seed")
+        p.add_argument(
+            "--corpus", required=True, help="text file, folder of .txt files, or Parquet/Arrow with a 'text' column"
+        )
+        p.add_argument(
+            "--out",
+            required=True,
+            help="output model directory"
+            if name == "train"
+            else "parent directory: one subdirectory per arch and seed",
+        )
         p.add_argument("--steps", type=int, default=800)
         p.add_argument("--batch", type=int, default=32)
         p.add_argument("--lr", type=float, default=2e-3)
         p.add_argument("--split-seed", type=int, default=0, help="seed of the train/calibration/eval document split")
         p.add_argument("--text-column", default="text", help="text column of a Parquet/Arrow corpus")
-        p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
-                       help="cpu (default: float32, how the shipped demo was trained) or cuda (bf16 autocast, "
-                            "fused AdamW, float32 weights saved); auto: cuda when available")
+        p.add_argument(
+            "--device",
+            choices=["auto", "cpu", "cuda"],
+            default="cpu",
+            help="cpu (default: float32, how the shipped demo was trained) or cuda (bf16 autocast, "
+            "fused AdamW, float32 weights saved); auto: cuda when available",
+        )
         _add_model_size_flags(p)
         p.set_defaults(func=cmd_train if name == "train" else cmd_train_seeds)
 
@@ -250,10 +349,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="model weights dtype")
-    p.add_argument("--coefficient-dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-                   help="stored coefficient precision (bfloat16: a bfloat16 model's values, bit for bit, in 16 bits)")
-    p.add_argument("--writers", type=int, default=None, metavar="N",
-                   help="writer threads encoding Parquet parts (default: min(4, cores) on CUDA, 1 on CPU)")
+    p.add_argument(
+        "--coefficient-dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default="float32",
+        help="stored coefficient precision (bfloat16: a bfloat16 model's values, bit for bit, in 16 bits)",
+    )
+    p.add_argument(
+        "--writers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="writer threads encoding Parquet parts (default: min(4, cores) on CUDA, 1 on CPU)",
+    )
     p.add_argument("--split-seed", type=int, default=0)
     p.add_argument("--text-column", default="text")
     p.add_argument("--overwrite", action="store_true")
@@ -288,7 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True)
     p.add_argument("--cache", required=True)
     p.add_argument("--calibration", required=True)
-    p.add_argument("--conditions", nargs="+", default=["correct", "static_layer"], help="kind[:alpha][+independent][@site,site]")
+    p.add_argument(
+        "--conditions", nargs="+", default=["correct", "static_layer"], help="kind[:alpha][+independent][@site,site]"
+    )
     p.add_argument("--num-seqs", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=16)
@@ -298,7 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="performance ratios measured in one run (capture, replay, batching, Parquet)")
     p.add_argument("--model", default="cache/demo/featuregate")
-    p.add_argument("--corpus", default="data/kjv.txt", help="eval windows from here; if it is missing, from cache/demo/eval")
+    p.add_argument(
+        "--corpus", default="data/kjv.txt", help="eval windows from here; if it is missing, from cache/demo/eval"
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--json")
     p.set_defaults(func=cmd_bench)
@@ -320,13 +432,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--out", default="cache/demo-study")
     p.add_argument("--corpus", default="data/kjv.txt", help="extracted first if missing (needs Debian's bible-kjv)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
-                   help="training device (see train --help)")
-    p.add_argument("--audit-device", choices=["auto", "cpu", "cuda"], default="cpu",
-                   help="caches and audit (default cpu, like the shipped demo, so latency ratios compare)")
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="cpu", help="training device (see train --help)"
+    )
+    p.add_argument(
+        "--audit-device",
+        choices=["auto", "cpu", "cuda"],
+        default="cpu",
+        help="caches and audit (default cpu, like the shipped demo, so latency ratios compare)",
+    )
     p.add_argument("--steps", type=int, default=800)
-    p.add_argument("--include", nargs="*", default=["cache/demo/audit.json"],
-                   help="audits put first in the study (default: the shipped demo, seed 0); none: --include")
+    p.add_argument(
+        "--include",
+        nargs="*",
+        default=["cache/demo/audit.json"],
+        help="audits put first in the study (default: the shipped demo, seed 0); none: --include",
+    )
     p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine decay to a tenth of it)")

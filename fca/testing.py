@@ -48,7 +48,11 @@ def build_random_model(config: MUDDPythiaConfig, seed: int = 0) -> MUDDPythia:
 
 
 def write_random_checkpoint(
-    directory: str | Path, config: MUDDPythiaConfig, seed: int = 0, fmt: str = "safetensors", dtype: torch.dtype = torch.float32
+    directory: str | Path,
+    config: MUDDPythiaConfig,
+    seed: int = 0,
+    fmt: str = "safetensors",
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Write config.json and random weights in the public format.
 
@@ -65,12 +69,17 @@ def write_random_checkpoint(
         save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     elif fmt == "sharded":
         keys = sorted(state)
-        shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2], "model-00002-of-00002.safetensors": keys[len(keys) // 2 :]}
+        shards = {
+            "model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+            "model-00002-of-00002.safetensors": keys[len(keys) // 2 :],
+        }
         for name, names in shards.items():
             save_file({k: state[k] for k in names}, directory / name, metadata={"format": "pt"})
         weight_map = {k: name for name, names in shards.items() for k in names}
         total = sum(v.numel() * v.element_size() for v in state.values())
-        (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (directory / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
     elif fmt == "bin":
         torch.save(state, directory / "pytorch_model.bin")
     else:
@@ -78,7 +87,9 @@ def write_random_checkpoint(
     return directory
 
 
-def write_dense_twin_checkpoint(model_dir: str | Path, out: str | Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
+def write_dense_twin_checkpoint(
+    model_dir: str | Path, out: str | Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16
+) -> Path:
     """A random-weight Dense twin of the MUDDPythia checkpoint in `model_dir`, for the latency ratio.
 
     Latency depends on the shapes only, so the twin needs no training; its tokenizer.json (if any) is

@@ -16,8 +16,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-WORDS = ("the lord said unto moses and aaron speak children israel land water light darkness day night "
-         "heaven earth king people house city gold silver bread wine shepherd sheep river mountain").split()
+WORDS = (
+    "the lord said unto moses and aaron speak children israel land water light darkness day night "
+    "heaven earth king people house city gold silver bread wine shepherd sheep river mountain"
+).split()
 
 
 def _corpus(path: Path, paragraphs: int = 400, seed: int = 0) -> Path:
@@ -26,7 +28,9 @@ def _corpus(path: Path, paragraphs: int = 400, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
     docs = []
     for _ in range(paragraphs):
-        sentences = [" ".join(rng.choice(WORDS, size=rng.integers(5, 12))).capitalize() + "." for _ in range(rng.integers(2, 4))]
+        sentences = [
+            " ".join(rng.choice(WORDS, size=rng.integers(5, 12))).capitalize() + "." for _ in range(rng.integers(2, 4))
+        ]
         docs.append(" ".join(sentences))
     path.write_text("\n\n".join(docs) + "\n")
     return path
@@ -52,7 +56,19 @@ def tiny_demo(tmp_path_factory) -> Path:
     save_model(build_featuregate(FeatureGateConfig(**sizes)), root / "featuregate", tokenizer)
     save_model(build_featuregate(FeatureGateConfig(**sizes, gated=False)), root / "dense", tokenizer)
     for split in ("eval", "calibration"):
-        build_cache_from_corpus(root / "featuregate", corpus, split, root / split, num_seqs=8, seq_len=16, batch_size=4, device="cpu", show_progress=False)
-    report = run_audit(root / "featuregate", root / "eval", root / "calibration", root / "dense", device="cpu", latency_runs=2)
+        build_cache_from_corpus(
+            root / "featuregate",
+            corpus,
+            split,
+            root / split,
+            num_seqs=8,
+            seq_len=16,
+            batch_size=4,
+            device="cpu",
+            show_progress=False,
+        )
+    report = run_audit(
+        root / "featuregate", root / "eval", root / "calibration", root / "dense", device="cpu", latency_runs=2
+    )
     write_report(report, root / "audit.json", root / "audit.md")
     return root

@@ -29,14 +29,24 @@ from fca.engine.sites import find_sites, model_logits
 
 B, T, E, TOP_K, VOCAB = 2, 8, 4, 2, 100
 COMMON = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, num_experts_per_tok=TOP_K, max_position_embeddings=64, pad_token_id=0,
-    bos_token_id=1, eos_token_id=2,
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts_per_tok=TOP_K,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 CONFIGS = {
     "mixtral": lambda: transformers.MixtralConfig(num_local_experts=E, **COMMON),
     "olmoe": lambda: transformers.OlmoeConfig(num_experts=E, **COMMON),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(num_experts=E, moe_intermediate_size=32, shared_expert_intermediate_size=32, **COMMON),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        num_experts=E, moe_intermediate_size=32, shared_expert_intermediate_size=32, **COMMON
+    ),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(num_experts=E, moe_intermediate_size=32, head_dim=8, **COMMON),
 }
 
@@ -143,8 +153,12 @@ def test_expert_execution_and_blocks(moe, ids):
 
 def test_wrong_path_lists_candidates():
     model = transformers.AutoModelForCausalLM.from_config(CONFIGS["mixtral"]())
-    declaration = SiteDeclaration(path="model.layers.*.mlp.router", axes=(("expert", E),), family="router", token_layout="flat")
-    with pytest.raises(SiteDeclarationError, match=r"model\.layers\.\*\.mlp\.router.*candidates: .*model\.layers\.0\.mlp\.gate") as err:
+    declaration = SiteDeclaration(
+        path="model.layers.*.mlp.router", axes=(("expert", E),), family="router", token_layout="flat"
+    )
+    with pytest.raises(
+        SiteDeclarationError, match=r"model\.layers\.\*\.mlp\.router.*candidates: .*model\.layers\.0\.mlp\.gate"
+    ) as err:
         attach_sites(model, [declaration])
     assert "\n" not in str(err.value)
 
@@ -152,10 +166,18 @@ def test_wrong_path_lists_candidates():
 def test_spec_that_does_not_fit_is_a_clear_error(ids):
     model = transformers.AutoModelForCausalLM.from_config(CONFIGS["mixtral"]())
     wrong_axes = SiteDeclaration(
-        path="model.layers.*.mlp.gate", axes=(("expert", E + 1),), family="router", output=0, token_layout="flat", rebuild=lambda c, m: c
+        path="model.layers.*.mlp.gate",
+        axes=(("expert", E + 1),),
+        family="router",
+        output=0,
+        token_layout="flat",
+        rebuild=lambda c, m: c,
     )
     attach_sites(model, [wrong_axes])
-    with pytest.raises(SiteDeclarationError, match=r"Tensor\[16, 4\] does not fit .*K=5.*returned tuple\(Tensor\[16, 4\], Tensor\[16, 2\], Tensor\[16, 2\]\)") as err:
+    with pytest.raises(
+        SiteDeclarationError,
+        match=r"Tensor\[16, 4\] does not fit .*K=5.*returned tuple\(Tensor\[16, 4\], Tensor\[16, 2\], Tensor\[16, 2\]\)",
+    ) as err:
         fca.capture(model, ids)
     assert "\n" not in str(err.value)
     with pytest.raises(SiteDeclarationError, match="needs rebuild"):
@@ -197,7 +219,11 @@ def test_user_model_with_glob_path_end_to_end(layout, ids):
     torch.manual_seed(0)
     model = TinyUserModel(flat=layout == "flat").eval()
     plain = model(ids).detach()
-    attach_sites(model, [SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate", token_layout=layout)], blocks="blocks")
+    attach_sites(
+        model,
+        [SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate", token_layout=layout)],
+        blocks="blocks",
+    )
     assert list(find_sites(model)) == ["blocks.0.gate", "blocks.1.gate"] and len(model.fca_blocks()) == 2
     coefficients = fca.capture(model, ids)
     assert coefficients["blocks.0.gate"].shape == (B, T, 4)

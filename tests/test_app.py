@@ -46,8 +46,10 @@ def no_exceptions(at) -> None:
 
 
 def test_fca_imports_neither_streamlit_nor_plotly():
-    code = ("import sys, fca, fca.tables.catalog, fca.jobs.runs, fca.jobs.audit, fca.tables.profiles, fca.tables.stats, fca.tables.store, fca.engine.execution;"
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('streamlit', 'plotly')]; assert not bad, bad")
+    code = (
+        "import sys, fca, fca.tables.catalog, fca.jobs.runs, fca.jobs.audit, fca.tables.profiles, fca.tables.stats, fca.tables.store, fca.engine.execution;"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('streamlit', 'plotly')]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
@@ -87,22 +89,45 @@ def test_dense_twin_needs_same_sizes():
 def test_figures_are_pure_and_titled():
     from app import figures
 
-    ragged = pd.DataFrame({"site": ["a", "a", "b", "b", "b"], "channel": [0, 1, 0, 1, 2], "value": [1.0, 2, 3, 4, 5], "label": list("xyzuv")})
+    ragged = pd.DataFrame(
+        {
+            "site": ["a", "a", "b", "b", "b"],
+            "channel": [0, 1, 0, 1, 2],
+            "value": [1.0, 2, 3, 4, 5],
+            "label": list("xyzuv"),
+        }
+    )
     fig = figures.slot_heatmap(ragged, "coefficient", "t")
     z = np.array(fig.data[0].z, dtype=float)
     assert z.shape == (2, 3) and np.isnan(z[0, 2]) and z[1, 2] == 5  # the narrow site is padded, not stretched
-    conditions = pd.DataFrame({"condition": ["x", "y"], "nll": [1.0, 1.1], "ci_lo": [0.9, 1.0], "ci_hi": [1.1, 1.2],
-                               "penalty": [0.0, 0.1], "lo": [0.0, 0.05], "hi": [0.0, 0.15]})
-    for fig in (fig, figures.nll_bars(conditions), figures.penalty_bars(conditions),
-                figures.factor_bars(pd.DataFrame({"factor": ["site", "token"], "share": [0.2, None]}))):
+    conditions = pd.DataFrame(
+        {
+            "condition": ["x", "y"],
+            "nll": [1.0, 1.1],
+            "ci_lo": [0.9, 1.0],
+            "ci_hi": [1.1, 1.2],
+            "penalty": [0.0, 0.1],
+            "lo": [0.0, 0.05],
+            "hi": [0.0, 0.15],
+        }
+    )
+    for fig in (
+        fig,
+        figures.nll_bars(conditions),
+        figures.penalty_bars(conditions),
+        figures.factor_bars(pd.DataFrame({"factor": ["site", "token"], "share": [0.2, None]})),
+    ):
         assert fig.layout.xaxis.title.text and fig.layout.yaxis.title.text
+
     # The Overview passes plain dicts of columns (it draws before pandas is imported): same figures.
     def same(a, b) -> bool:
         def arrays(trace):
             errors = [trace.error_y.array, trace.error_y.arrayminus] if trace.error_y.array is not None else []
             return [np.asarray(trace.x).astype(str), *(np.asarray(v, dtype=float) for v in [trace.y, *errors])]
 
-        return a.layout == b.layout and all(np.array_equal(u, v) for u, v in zip(arrays(a.data[0]), arrays(b.data[0]), strict=True))
+        return a.layout == b.layout and all(
+            np.array_equal(u, v) for u, v in zip(arrays(a.data[0]), arrays(b.data[0]), strict=True)
+        )
 
     columns = {k: conditions[k].tolist() for k in ("condition", "penalty", "lo", "hi")}
     assert same(figures.penalty_bars(columns), figures.penalty_bars(conditions))
@@ -132,7 +157,10 @@ def test_csv_download_of_rows_matches_dataframe():
 
     from app.views.common import csv_bytes
 
-    rows = [{"condition": "correct", "nll": 3.5, "gap_retention": None}, {"condition": "static_layer", "nll": 3.9, "gap_retention": 0.42}]
+    rows = [
+        {"condition": "correct", "nll": 3.5, "gap_retention": None},
+        {"condition": "static_layer", "nll": 3.9, "gap_retention": 0.42},
+    ]
     assert csv_bytes(rows) == csv_bytes(pd.DataFrame(rows))
     back = pd.read_csv(io.BytesIO(csv_bytes(rows)))
     assert list(back.columns) == ["condition", "nll", "gap_retention"] and back["nll"].tolist() == [3.5, 3.9]
@@ -143,9 +171,15 @@ def test_csv_download_of_rows_matches_dataframe():
 
 KEY_WIDGETS = {
     "views/overview.py": lambda at: len(at.metric) == 3 and len(at.download_button) >= 2,
-    "views/variance.py": lambda at: at.radio(key="var_quantity") is not None and at.number_input(key="var_seq") is not None,
-    "views/profiles.py": lambda at: at.number_input(key="prof_token") is not None and at.selectbox(key="prof_band") is not None,
-    "views/replay_lab.py": lambda at: at.multiselect(key="lab_kinds") is not None and at.slider(key="lab_alpha") is not None,
+    "views/variance.py": lambda at: (
+        at.radio(key="var_quantity") is not None and at.number_input(key="var_seq") is not None
+    ),
+    "views/profiles.py": lambda at: (
+        at.number_input(key="prof_token") is not None and at.selectbox(key="prof_band") is not None
+    ),
+    "views/replay_lab.py": lambda at: (
+        at.multiselect(key="lab_kinds") is not None and at.slider(key="lab_alpha") is not None
+    ),
     "views/execution.py": lambda at: at.button(key="exec_measure") is not None and len(at.metric) == 3,
 }
 
@@ -176,15 +210,29 @@ def _ragged_caches(root: Path) -> Path:
     from fca.engine.sites import SiteSpec
     from fca.tables.store import CacheWriter, cache_schema, record_batch, spec_to_json
 
-    specs = {f"layers.{i}": SiteSpec(axes=(("stream", 4), ("source", i + 2)), family="mudd",
-                                     channel_families=tuple(s for s in "qkvr" for _ in range(i + 2))) for i in range(3)}
+    specs = {
+        f"layers.{i}": SiteSpec(
+            axes=(("stream", 4), ("source", i + 2)),
+            family="mudd",
+            channel_families=tuple(s for s in "qkvr" for _ in range(i + 2)),
+        )
+        for i in range(3)
+    }
     specs["moe.router"] = SiteSpec(axes=(("expert", 5),), family="router")
     rng = np.random.default_rng(0)
     n, T = 4, 8
     for split in ("eval", "calibration"):
-        plan = {"schema_version": 1, "model": {"path": "mudd", "model_type": "muddpythia", "fingerprint": "f" * 64},
-                "tokenizer": {"vocab_size": 50}, "corpus": {"name": "synthetic", "split": split}, "seq_len": T, "num_seqs": n,
-                "num_tokens": n * T, "coefficient_dtype": "float32", "sites": {k: spec_to_json(s) for k, s in specs.items()}}
+        plan = {
+            "schema_version": 1,
+            "model": {"path": "mudd", "model_type": "muddpythia", "fingerprint": "f" * 64},
+            "tokenizer": {"vocab_size": 50},
+            "corpus": {"name": "synthetic", "split": split},
+            "seq_len": T,
+            "num_seqs": n,
+            "num_tokens": n * T,
+            "coefficient_dtype": "float32",
+            "sites": {k: spec_to_json(s) for k, s in specs.items()},
+        }
         schema = cache_schema(specs)
         writer = CacheWriter(root / split, plan, schema, seqs_per_part=2)
         for lo in (0, 2):
@@ -223,12 +271,17 @@ def test_warm_up_fills_the_caches_once_in_the_background(tiny_demo, tmp_path, mo
     streamed, models = [], []
     real_moments = resources.cache_moments
     mine = (tmp_path / "eval", tmp_path / "calibration")
-    monkeypatch.setattr(resources, "cache_moments", lambda cache: (cache.path in mine and streamed.append(cache.path)) or real_moments(cache))
+    monkeypatch.setattr(
+        resources,
+        "cache_moments",
+        lambda cache: (cache.path in mine and streamed.append(cache.path)) or real_moments(cache),
+    )
     monkeypatch.setattr(resources, "experiment", lambda model_dir, device, *caches: models.append((model_dir, device)))
     monkeypatch.setattr(resources, "WARM_UP_DELAY_S", 0.0)
     shutil.copytree(tiny_demo / "featuregate", tmp_path / "featuregate")
     assert 0 < resources.model_bytes(tmp_path / "featuregate") <= resources.WARM_UP_MAX_MODEL_BYTES
     cache, calibration = open_cache(tmp_path / "eval"), open_cache(tmp_path / "calibration")
+
     def warm_up_and_wait(device: str) -> None:
         resources.warm_up(cache, tmp_path / "featuregate", device, calibration)
         for thread in [t for t in threading.enumerate() if t.name == "fca-warm-up"]:
@@ -267,8 +320,17 @@ def test_ui_replay_equals_python_api(tiny_demo, monkeypatch):
     at.run()
     no_exceptions(at)
     assert len(at.get("plotly_chart")) >= 2 and at.success
-    api = run_replay(tiny_demo / "featuregate", tiny_demo / "eval", tiny_demo / "calibration",
-                     ["cross_input", "static_layer", "interpolate:0.25"], num_seqs=4, seed=3, device="cpu", batch_size=2, save=False)
+    api = run_replay(
+        tiny_demo / "featuregate",
+        tiny_demo / "eval",
+        tiny_demo / "calibration",
+        ["cross_input", "static_layer", "interpolate:0.25"],
+        num_seqs=4,
+        seed=3,
+        device="cpu",
+        batch_size=2,
+        save=False,
+    )
     ui = job.record
     assert ui["spec"]["conditions"] == api["spec"]["conditions"]
     assert ui["results"]["per_sequence_nll"] == api["results"]["per_sequence_nll"]  # identical, not merely close
@@ -301,8 +363,17 @@ def test_cancel_stops_a_run(tiny_demo):
     from app.jobs import ReplayJob
     from fca.jobs.runs import run_replay
 
-    settings = dict(model=str(tiny_demo / "featuregate"), cache=str(tiny_demo / "eval"), calibration=str(tiny_demo / "calibration"),
-                    conditions=["static_layer"], num_seqs=8, seed=0, device="cpu", batch_size=1, save=False)
+    settings = dict(
+        model=str(tiny_demo / "featuregate"),
+        cache=str(tiny_demo / "eval"),
+        calibration=str(tiny_demo / "calibration"),
+        conditions=["static_layer"],
+        num_seqs=8,
+        seed=0,
+        device="cpu",
+        batch_size=1,
+        save=False,
+    )
     job = ReplayJob(settings)
     job.stop.set()  # what the Cancel button does
     job.start(run_replay).wait(60)

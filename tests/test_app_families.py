@@ -28,8 +28,17 @@ def _model_dirs(root: Path, family: str, tokenizer) -> Path:
         write_random_checkpoint(root / "mudd-dense", dense_twin_config(config), seed=0)
     else:
         torch.manual_seed(0)
-        config = transformers.MixtralConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+        config = transformers.MixtralConfig(
+            vocab_size=300,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+        )
         model_dir = root / "mixtral"
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     tokenizer.save(str(model_dir / "tokenizer.json"))
@@ -45,7 +54,17 @@ def family_root(request, tmp_path_factory):
         tokenizer = data.train_tokenizer(data.split_documents(data.load_documents(corpus), 0)["train"], 300)
         model_dir = _model_dirs(root, request.param, tokenizer)
         for split in ("eval", "calibration"):
-            build_cache_from_corpus(model_dir, corpus, split, root / split, num_seqs=6, seq_len=16, batch_size=3, device="cpu", show_progress=False)
+            build_cache_from_corpus(
+                model_dir,
+                corpus,
+                split,
+                root / split,
+                num_seqs=6,
+                seq_len=16,
+                batch_size=3,
+                device="cpu",
+                show_progress=False,
+            )
     return root
 
 

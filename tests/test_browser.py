@@ -19,7 +19,9 @@ from bench.browser import (
 # url path ("" is the default page, the overview) -> does the page draw a chart before any interaction (the replay lab draws after a run)
 PAGES = {"": True, "variance": True, "profiles": True, "replay_lab": False, "execution": True}
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"{CHROMIUM} is absent (apt-get install chromium; .ci/run does)")
+pytestmark = pytest.mark.skipif(
+    not Path(CHROMIUM).is_file(), reason=f"{CHROMIUM} is absent (apt-get install chromium; .ci/run does)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,9 @@ def test_every_page_in_chromium(server):
                 else:
                     page.get_by_role("button", name="Run", exact=True).wait_for(timeout=45_000)
                 wait_settled(page)
-                assert page.locator('[data-testid="stException"]').count() == 0, f"{path}: {page.locator('[data-testid=stException]').first.inner_text()}"
+                assert page.locator('[data-testid="stException"]').count() == 0, (
+                    f"{path}: {page.locator('[data-testid=stException]').first.inner_text()}"
+                )
                 if has_chart:
                     assert page.locator(".js-plotly-plot").count() >= 1, path
                 assert page.locator('[data-testid="stSidebar"]').count() == 1
@@ -85,7 +89,9 @@ def test_typed_cache_path_in_chromium(server, tiny_demo):
                 page.wait_for_function("text => document.body.innerText.includes(text)", arg=expected, timeout=30_000)
 
             type_cache(tiny_demo / "featuregate", "This cache cannot be used")
-            assert "outside the configured roots" not in sidebar.inner_text() and "manifest.json" in page.inner_text("body")
+            assert "outside the configured roots" not in sidebar.inner_text() and "manifest.json" in page.inner_text(
+                "body"
+            )
             type_cache(tiny_demo.parent, "outside the configured roots")
             assert "outside the configured roots" in sidebar.inner_text()
             assert page.locator('[data-testid="stException"]').count() == 0

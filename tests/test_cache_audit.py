@@ -52,7 +52,16 @@ def demo(tmp_path_factory):
     make_model_dir(root / "featuregate", corpus)
     make_model_dir(root / "dense", corpus, gated=False)
     for split in ("eval", "calibration"):
-        build_cache_from_corpus(root / "featuregate", corpus, split, root / split, num_seqs=N_SEQS, batch_size=5, device="cpu", show_progress=False)
+        build_cache_from_corpus(
+            root / "featuregate",
+            corpus,
+            split,
+            root / split,
+            num_seqs=N_SEQS,
+            batch_size=5,
+            device="cpu",
+            show_progress=False,
+        )
     return root
 
 
@@ -68,8 +77,11 @@ def test_cache_layout_and_round_trip(demo):
     fresh = fca.capture(model, got["token"])
     for site in cache.sites:
         np.testing.assert_array_equal(got[site], fresh[site])
-    live = torch.nn.functional.cross_entropy(model(torch.from_numpy(got["token"]).long()).logits.flatten(0, 1),
-                                             torch.from_numpy(got["target"]).long().flatten(), reduction="none")
+    live = torch.nn.functional.cross_entropy(
+        model(torch.from_numpy(got["token"]).long()).logits.flatten(0, 1),
+        torch.from_numpy(got["target"]).long().flatten(),
+        reduction="none",
+    )
     np.testing.assert_allclose(got["live_nll"].reshape(-1), live.detach().numpy(), rtol=1e-6, atol=1e-6)
 
 
@@ -85,8 +97,19 @@ def test_part_files_readable_without_fca(demo):
 
 
 def test_same_inputs_give_same_cache(demo, tmp_path):
-    build_cache_from_corpus(demo / "featuregate", demo / "prose.txt", "eval", tmp_path / "again", num_seqs=N_SEQS, batch_size=5, device="cpu", show_progress=False)
-    assert [p.sha256 for p in open_cache(tmp_path / "again").manifest.parts] == [p.sha256 for p in open_cache(demo / "eval").manifest.parts]
+    build_cache_from_corpus(
+        demo / "featuregate",
+        demo / "prose.txt",
+        "eval",
+        tmp_path / "again",
+        num_seqs=N_SEQS,
+        batch_size=5,
+        device="cpu",
+        show_progress=False,
+    )
+    assert [p.sha256 for p in open_cache(tmp_path / "again").manifest.parts] == [
+        p.sha256 for p in open_cache(demo / "eval").manifest.parts
+    ]
 
 
 def test_interrupted_build_leaves_no_manifest_and_resumes(demo, tmp_path):
@@ -99,12 +122,30 @@ def test_interrupted_build_leaves_no_manifest_and_resumes(demo, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        build_cache_from_corpus(demo / "featuregate", demo / "prose.txt", "eval", out, num_seqs=N_SEQS, batch_size=2, device="cpu",
-                    progress=interrupt, show_progress=False)
+        build_cache_from_corpus(
+            demo / "featuregate",
+            demo / "prose.txt",
+            "eval",
+            out,
+            num_seqs=N_SEQS,
+            batch_size=2,
+            device="cpu",
+            progress=interrupt,
+            show_progress=False,
+        )
     assert not out.exists() and not (out.with_name("cache.partial") / MANIFEST).exists()
     with pytest.raises(CacheError, match="missing; not a finished cache"):
         open_cache(out.with_name("cache.partial"))
-    build_cache_from_corpus(demo / "featuregate", demo / "prose.txt", "eval", out, num_seqs=N_SEQS, batch_size=2, device="cpu", show_progress=False)
+    build_cache_from_corpus(
+        demo / "featuregate",
+        demo / "prose.txt",
+        "eval",
+        out,
+        num_seqs=N_SEQS,
+        batch_size=2,
+        device="cpu",
+        show_progress=False,
+    )
     resumed, clean = open_cache(out, verify=True), open_cache(demo / "eval")
     for seqs in ([0, 5, 11],):
         a, b = resumed.read_seqs(seqs), clean.read_seqs(seqs)
@@ -136,7 +177,20 @@ def test_corrupt_part_file(demo, tmp_path, capsys):
     before = _snapshot(bad)
     with pytest.raises(CacheError, match="part-00000.parquet"):
         open_cache(bad)
-    err = _cli_error(["audit", "--model", str(demo / "featuregate"), "--cache", str(bad), "--calibration", str(demo / "calibration"), "--json", str(tmp_path / "r.json")], capsys)
+    err = _cli_error(
+        [
+            "audit",
+            "--model",
+            str(demo / "featuregate"),
+            "--cache",
+            str(bad),
+            "--calibration",
+            str(demo / "calibration"),
+            "--json",
+            str(tmp_path / "r.json"),
+        ],
+        capsys,
+    )
     assert "part-00000.parquet" in err
     assert _snapshot(bad) == before and not (tmp_path / "r.json").exists()
 
@@ -151,7 +205,20 @@ def test_modified_part_fails_verification(demo, tmp_path):
 
 def test_fingerprint_mismatch(demo, tmp_path, capsys):
     other = make_model_dir(tmp_path / "other", demo / "prose.txt", seed=1)
-    err = _cli_error(["audit", "--model", str(other), "--cache", str(demo / "eval"), "--calibration", str(demo / "calibration"), "--json", str(tmp_path / "r.json")], capsys)
+    err = _cli_error(
+        [
+            "audit",
+            "--model",
+            str(other),
+            "--cache",
+            str(demo / "eval"),
+            "--calibration",
+            str(demo / "calibration"),
+            "--json",
+            str(tmp_path / "r.json"),
+        ],
+        capsys,
+    )
     assert "different model" in err and "manifest.json" in err
 
 
@@ -164,7 +231,11 @@ def test_nan_coefficients(demo, tmp_path, capsys):
     flat[3] = np.nan
     import pyarrow as pa
 
-    table = table.set_column(table.schema.get_field_index("blocks.0.gate"), table.schema.field("blocks.0.gate"), pa.FixedSizeListArray.from_arrays(pa.array(flat), 4))
+    table = table.set_column(
+        table.schema.get_field_index("blocks.0.gate"),
+        table.schema.field("blocks.0.gate"),
+        pa.FixedSizeListArray.from_arrays(pa.array(flat), 4),
+    )
     pq.write_table(table, part, compression="zstd")
     manifest = json.loads((bad / MANIFEST).read_text())
     manifest["parts"][0]["sha256"] = fca.tables.store.file_sha256(part)  # a consistent cache that holds NaN
@@ -172,7 +243,20 @@ def test_nan_coefficients(demo, tmp_path, capsys):
     before = _snapshot(bad)
     with pytest.raises(CacheError, match="non-finite"):
         open_cache(bad).read_seqs([0])
-    err = _cli_error(["audit", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval"), "--calibration", str(bad), "--json", str(tmp_path / "r.json")], capsys)
+    err = _cli_error(
+        [
+            "audit",
+            "--model",
+            str(demo / "featuregate"),
+            "--cache",
+            str(demo / "eval"),
+            "--calibration",
+            str(bad),
+            "--json",
+            str(tmp_path / "r.json"),
+        ],
+        capsys,
+    )
     assert "non-finite" in err
     assert _snapshot(bad) == before
 
@@ -195,7 +279,10 @@ def test_derangement_and_shuffle():
     sigma = position_permutation(4, 16, seed=9)
     assert sorted(sigma) == list(range(16)) and np.array_equal(sigma, position_permutation(4, 16, seed=9))
     assert not np.array_equal(sigma, position_permutation(5, 16, seed=9))
-    own = {"a": np.arange(2 * 16 * 3, dtype=np.float32).reshape(2, 16, 3), "b": np.arange(2 * 16 * 2, dtype=np.float32).reshape(2, 16, 2)}
+    own = {
+        "a": np.arange(2 * 16 * 3, dtype=np.float32).reshape(2, 16, 3),
+        "b": np.arange(2 * 16 * 2, dtype=np.float32).reshape(2, 16, 2),
+    }
     shared = condition_coefficients(Condition("token_shuffle", seed=1), own, [0, 1])
     for n in range(2):
         p = position_permutation(n, 16, 1)
@@ -256,7 +343,18 @@ def test_bootstrap_ci():
 def test_replay_runner_conditions(demo):
     model = fca.load_model(demo / "featuregate")
     ev, cal = open_cache(demo / "eval"), open_cache(demo / "calibration")
-    conditions = [parse_condition(c) for c in ("correct", "cross_input", "token_shuffle", "static_layer", "global_mean", "interpolate:1", "interpolate:0")]
+    conditions = [
+        parse_condition(c)
+        for c in (
+            "correct",
+            "cross_input",
+            "token_shuffle",
+            "static_layer",
+            "global_mean",
+            "interpolate:1",
+            "interpolate:0",
+        )
+    ]
     results = run_conditions(model, ev, conditions, calibration_profiles(cal), batch_size=5)
     assert results.max_abs_logit_diff == 0.0 and results.nll_live == results.nll_correct
     # Built here in batches of 5 and replayed in the same batches: the cache is what this model computes now.
@@ -267,7 +365,9 @@ def test_replay_runner_conditions(demo):
     assert nll["correct"] == pytest.approx(results.nll_live, abs=1e-6)
     assert nll["interpolate:1"] == pytest.approx(nll["correct"], abs=1e-6)
     assert nll["interpolate:0"] == pytest.approx(nll["static_layer"], abs=1e-6)
-    assert len({round(nll[k], 7) for k in ("correct", "cross_input", "token_shuffle", "static_layer", "global_mean")}) == 5
+    assert (
+        len({round(nll[k], 7) for k in ("correct", "cross_input", "token_shuffle", "static_layer", "global_mean")}) == 5
+    )
     # Batch composition does not change per-sequence NLL of a condition beyond float noise.
     again = run_conditions(model, ev, conditions[:2], calibration_profiles(cal), batch_size=3)
     np.testing.assert_allclose(again.per_seq_nll["cross_input"], results.per_seq_nll["cross_input"], atol=1e-5)
@@ -276,15 +376,36 @@ def test_replay_runner_conditions(demo):
 
 
 def test_audit_report(demo, tmp_path):
-    assert main(["audit", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval"), "--calibration", str(demo / "calibration"),
-                 "--dense", str(demo / "dense"), "--json", str(tmp_path / "a.json"), "--markdown", str(tmp_path / "a.md")]) == 0
+    assert (
+        main(
+            [
+                "audit",
+                "--model",
+                str(demo / "featuregate"),
+                "--cache",
+                str(demo / "eval"),
+                "--calibration",
+                str(demo / "calibration"),
+                "--dense",
+                str(demo / "dense"),
+                "--json",
+                str(tmp_path / "a.json"),
+                "--markdown",
+                str(tmp_path / "a.md"),
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "a.json").read_text())
     assert report["exactness"]["max_abs_logit_diff"] == 0.0
     assert report["exactness"]["nll_live"] == report["exactness"]["nll_correct"]
     assert set(report["conditions"]) >= {"correct", "cross_input", "token_shuffle", "static_layer", "global_mean"}
     for row in report["conditions"].values():
         assert row["penalty_ci95"][0] <= row["penalty"] <= row["penalty_ci95"][1]
-    assert 0.0 <= report["variance"]["layer_identity_share"] <= 1.0 and set(report["variance"]["per_site"]) == {"blocks.0.gate", "blocks.1.gate"}
+    assert 0.0 <= report["variance"]["layer_identity_share"] <= 1.0 and set(report["variance"]["per_site"]) == {
+        "blocks.0.gate",
+        "blocks.1.gate",
+    }
     assert report["execution"]["blocks_executed_fraction"] == 1.0
     assert 0 < report["execution"]["controller_flops_share"] < 0.2
     assert report["execution"]["latency_ratio_vs_dense"] > 0
@@ -295,25 +416,60 @@ def test_audit_report(demo, tmp_path):
 
 
 def test_audit_refuses_when_correct_is_not_exact(demo, tmp_path, monkeypatch, capsys):
-    fake = ReplayResults(seqs=[0, 1], per_seq_nll={"correct": np.zeros(2)}, conditions={}, max_abs_logit_diff=1e-3, nll_live=1.0,
-                         nll_correct=1.0)
+    fake = ReplayResults(
+        seqs=[0, 1],
+        per_seq_nll={"correct": np.zeros(2)},
+        conditions={},
+        max_abs_logit_diff=1e-3,
+        nll_live=1.0,
+        nll_correct=1.0,
+    )
     with pytest.raises(ExactnessError):
         check_exactness(fake)
     from fca.jobs.experiment import Experiment
 
     monkeypatch.setattr(Experiment, "run", lambda *a, **k: fake)
-    code = main(["audit", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval"), "--calibration", str(demo / "calibration"), "--json", str(tmp_path / "r.json")])
+    code = main(
+        [
+            "audit",
+            "--model",
+            str(demo / "featuregate"),
+            "--cache",
+            str(demo / "eval"),
+            "--calibration",
+            str(demo / "calibration"),
+            "--json",
+            str(tmp_path / "r.json"),
+        ]
+    )
     assert code == 3 and "does not reproduce" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
 
 
 def test_calibration_must_be_independent(demo, tmp_path, capsys):
-    err = _cli_error(["audit", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval"), "--calibration", str(demo / "eval"), "--json", str(tmp_path / "r.json")], capsys)
+    err = _cli_error(
+        [
+            "audit",
+            "--model",
+            str(demo / "featuregate"),
+            "--cache",
+            str(demo / "eval"),
+            "--calibration",
+            str(demo / "eval"),
+            "--json",
+            str(tmp_path / "r.json"),
+        ],
+        capsys,
+    )
     assert "same split" in err
 
 
 def test_gap_retention_undefined_without_gap():
-    table = {"correct": {"nll": 2.0, "penalty_ci95": [0, 0]}, "global_mean": {"nll": 2.001, "penalty_ci95": [-0.01, 0.01]}, "static_layer": {"nll": 2.0005, "penalty_ci95": [0, 0]}}
+    table = {
+        "correct": {"nll": 2.0, "penalty_ci95": [0, 0]},
+        "global_mean": {"nll": 2.001, "penalty_ci95": [-0.01, 0.01]},
+        "static_layer": {"nll": 2.0005, "penalty_ci95": [0, 0]},
+    }
     assert gap_retention(table) == {"static_layer": None}
     table["global_mean"]["penalty_ci95"] = [0.0005, 0.0015]
     assert gap_retention(table)["static_layer"] == pytest.approx(0.5)
@@ -322,10 +478,38 @@ def test_gap_retention_undefined_without_gap():
 def test_replay_cli_saves_runs(demo, capsys):
     from fca.jobs.runs import list_runs, run_replay
 
-    assert main(["replay", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval"), "--calibration", str(demo / "calibration"),
-                 "--conditions", "static_layer", "interpolate:0.5", "--num-seqs", "6", "--seed", "2"]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                "--model",
+                str(demo / "featuregate"),
+                "--cache",
+                str(demo / "eval"),
+                "--calibration",
+                str(demo / "calibration"),
+                "--conditions",
+                "static_layer",
+                "interpolate:0.5",
+                "--num-seqs",
+                "6",
+                "--seed",
+                "2",
+            ]
+        )
+        == 0
+    )
     runs = list_runs(demo / "eval")
     assert runs and runs[0]["spec"]["conditions"] == ["correct", "static_layer", "interpolate:0.5"]
-    again = run_replay(demo / "featuregate", demo / "eval", demo / "calibration", ["static_layer", "interpolate:0.5"], num_seqs=6, seed=2, device="cpu", save=False)
+    again = run_replay(
+        demo / "featuregate",
+        demo / "eval",
+        demo / "calibration",
+        ["static_layer", "interpolate:0.5"],
+        num_seqs=6,
+        seed=2,
+        device="cpu",
+        save=False,
+    )
     assert again["results"]["conditions"] == runs[0]["results"]["conditions"]
     assert not (demo / "eval" / "runs").exists()  # runs live beside the cache, never inside it

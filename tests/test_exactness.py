@@ -28,8 +28,16 @@ from fca.tables.store import MANIFEST, file_sha256, open_cache
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "cache" / "demo"
-FOREIGN = {"device_type": "cuda", "device_name": "NVIDIA H200", "capability": "sm_90", "model_dtype": "float32",
-           "torch": "2.11.0+cu130", "cuda": "13.0", "threads": None, "batch_size": 4}
+FOREIGN = {
+    "device_type": "cuda",
+    "device_name": "NVIDIA H200",
+    "capability": "sm_90",
+    "model_dtype": "float32",
+    "torch": "2.11.0+cu130",
+    "cuda": "13.0",
+    "threads": None,
+    "batch_size": 4,
+}
 
 
 def rewrite_cache(src: Path, dst: Path, relative_noise: float, environment: dict | None, seed: int = 0) -> Path:
@@ -55,8 +63,27 @@ def rewrite_cache(src: Path, dst: Path, relative_noise: float, environment: dict
 
 
 def replay_cli(model: Path, cache: Path, calibration: Path, *extra: str) -> int:
-    return main(["replay", "--model", str(model), "--cache", str(cache), "--calibration", str(calibration),
-                 "--conditions", "static_layer", "--num-seqs", "8", "--batch", "4", "--no-save", "--device", "cpu", *extra])
+    return main(
+        [
+            "replay",
+            "--model",
+            str(model),
+            "--cache",
+            str(cache),
+            "--calibration",
+            str(calibration),
+            "--conditions",
+            "static_layer",
+            "--num-seqs",
+            "8",
+            "--batch",
+            "4",
+            "--no-save",
+            "--device",
+            "cpu",
+            *extra,
+        ]
+    )
 
 
 # ------------------------------------------------------------------ the shipped demo, replayed here
@@ -64,14 +91,32 @@ def replay_cli(model: Path, cache: Path, calibration: Path, *extra: str) -> int:
 
 def test_shipped_demo_audit_reproduces_its_report(tmp_path):
     shipped = json.loads((DEMO / "audit.json").read_text())
-    assert main(["audit", "--model", str(DEMO / "featuregate"), "--cache", str(DEMO / "eval"), "--calibration",
-                 str(DEMO / "calibration"), "--device", "cpu", "--json", str(tmp_path / "audit.json")]) == 0
+    assert (
+        main(
+            [
+                "audit",
+                "--model",
+                str(DEMO / "featuregate"),
+                "--cache",
+                str(DEMO / "eval"),
+                "--calibration",
+                str(DEMO / "calibration"),
+                "--device",
+                "cpu",
+                "--json",
+                str(tmp_path / "audit.json"),
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "audit.json").read_text())
     for name, row in shipped["conditions"].items():
         assert report["conditions"][name]["nll"] == pytest.approx(row["nll"], abs=1e-4), name
         assert report["conditions"][name]["penalty"] == pytest.approx(row["penalty"], abs=1e-4), name
     assert report["gap_retention"]["static_layer"] == pytest.approx(shipped["gap_retention"]["static_layer"], abs=1e-3)
-    assert report["variance"]["layer_identity_share"] == pytest.approx(shipped["variance"]["layer_identity_share"], abs=1e-6)
+    assert report["variance"]["layer_identity_share"] == pytest.approx(
+        shipped["variance"]["layer_identity_share"], abs=1e-6
+    )
     ex = report["exactness"]
     assert ex["max_abs_logit_diff"] == 0.0 and ex["nll_live"] == ex["nll_correct"]
     fidelity = ex["fidelity"]
@@ -91,7 +136,9 @@ def test_foreign_cache_within_drift_is_accepted(demo_pair, tmp_path, capsys):
     assert replay_cli(model_dir, foreign, cal) == 0
     out = capsys.readouterr().out
     assert "computed on cuda NVIDIA H200" in out and "replayed on cpu" in out and "accepted" in out
-    results = run_conditions(fca.load_model(model_dir), open_cache(foreign), [fca.tables.conditions.Condition("correct")], batch_size=4)
+    results = run_conditions(
+        fca.load_model(model_dir), open_cache(foreign), [fca.tables.conditions.Condition("correct")], batch_size=4
+    )
     fidelity = check_exactness(results)["fidelity"]
     assert fidelity["verdict"] == "within tolerance" and not fidelity["same_environment"]
     assert 0 < fidelity["max_rel_coefficient_diff"] < 1e-6 and fidelity["differing_coefficients"] > 0
@@ -107,8 +154,11 @@ def test_foreign_cache_beyond_drift_is_refused(demo_pair, tmp_path, capsys):
     err = err[0]
     assert "computed on cuda NVIDIA H200" in err and "replayed on cpu" in err and "rebuild the cache" in err
     with pytest.raises(FidelityError, match="relative coefficient difference"):
-        check_exactness(run_conditions(fca.load_model(model_dir), open_cache(wrong), [fca.tables.conditions.Condition("correct")],
-                                       batch_size=4))
+        check_exactness(
+            run_conditions(
+                fca.load_model(model_dir), open_cache(wrong), [fca.tables.conditions.Condition("correct")], batch_size=4
+            )
+        )
 
 
 def test_same_environment_must_be_bit_identical(demo_pair, tmp_path, capsys):
@@ -125,8 +175,24 @@ def test_same_environment_must_be_bit_identical(demo_pair, tmp_path, capsys):
 
 def test_dtype_change_is_refused(demo_pair, capsys):
     model_dir, ev, cal = demo_pair
-    assert main(["audit", "--model", str(model_dir), "--cache", str(ev), "--calibration", str(cal), "--dtype", "bfloat16",
-                 "--device", "cpu"]) == 2
+    assert (
+        main(
+            [
+                "audit",
+                "--model",
+                str(model_dir),
+                "--cache",
+                str(ev),
+                "--calibration",
+                str(cal),
+                "--dtype",
+                "bfloat16",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "recorded with a float32 model" in err and "bfloat16" in err and str(ev) in err
     with pytest.raises(FidelityError):
@@ -181,6 +247,15 @@ def demo_pair(tmp_path_factory):
     corpus = write_corpus(root / "prose.txt")
     make_model_dir(root / "featuregate", corpus)
     for split in ("eval", "calibration"):
-        build_cache_from_corpus(root / "featuregate", corpus, split, root / split, num_seqs=8, batch_size=4, device="cpu", show_progress=False)
+        build_cache_from_corpus(
+            root / "featuregate",
+            corpus,
+            split,
+            root / split,
+            num_seqs=8,
+            batch_size=4,
+            device="cpu",
+            show_progress=False,
+        )
     calibration_profiles(open_cache(root / "calibration"))  # the calibration cache opens and profiles cleanly
     return root / "featuregate", root / "eval", root / "calibration"

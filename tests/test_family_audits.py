@@ -31,17 +31,62 @@ def corpus_and_tokenizer(tmp_path_factory):
 
 def _audit(root, corpus, model_dir, dense_dir=None) -> dict:
     for split in ("eval", "calibration"):
-        assert main(["build-cache", "--model", str(model_dir), "--corpus", str(corpus), "--split", split, "--out", str(root / f"{model_dir.name}-{split}"),
-                     "--num-seqs", "6", "--seq-len", "16", "--batch", "3", "--device", "cpu"]) == 0
-    args = ["audit", "--model", str(model_dir), "--cache", str(root / f"{model_dir.name}-eval"), "--calibration", str(root / f"{model_dir.name}-calibration"),
-            "--json", str(root / f"{model_dir.name}.json"), "--device", "cpu", "--batch", "3"]
+        assert (
+            main(
+                [
+                    "build-cache",
+                    "--model",
+                    str(model_dir),
+                    "--corpus",
+                    str(corpus),
+                    "--split",
+                    split,
+                    "--out",
+                    str(root / f"{model_dir.name}-{split}"),
+                    "--num-seqs",
+                    "6",
+                    "--seq-len",
+                    "16",
+                    "--batch",
+                    "3",
+                    "--device",
+                    "cpu",
+                ]
+            )
+            == 0
+        )
+    args = [
+        "audit",
+        "--model",
+        str(model_dir),
+        "--cache",
+        str(root / f"{model_dir.name}-eval"),
+        "--calibration",
+        str(root / f"{model_dir.name}-calibration"),
+        "--json",
+        str(root / f"{model_dir.name}.json"),
+        "--device",
+        "cpu",
+        "--batch",
+        "3",
+    ]
     assert main(args + (["--dense", str(dense_dir)] if dense_dir else [])) == 0
     return json.loads((root / f"{model_dir.name}.json").read_text())
 
 
 def test_muddpythia_audit(corpus_and_tokenizer):
     root, corpus, tokenizer = corpus_and_tokenizer
-    config = MUDDPythiaConfig(vocab_size=VOCAB, dim=32, n_layer=3, n_head=2, intermediate_size=256, block_size=32, use_qk_norm=True, expand_last=True, round64=True)
+    config = MUDDPythiaConfig(
+        vocab_size=VOCAB,
+        dim=32,
+        n_layer=3,
+        n_head=2,
+        intermediate_size=256,
+        block_size=32,
+        use_qk_norm=True,
+        expand_last=True,
+        round64=True,
+    )
     model_dir = write_random_checkpoint(root / "mudd", config, seed=0)
     dense_dir = write_random_checkpoint(root / "mudd-dense", dense_twin_config(config), seed=0)
     tokenizer.save(str(model_dir / "tokenizer.json"))
@@ -57,14 +102,25 @@ def test_mixtral_audit(corpus_and_tokenizer, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     root, corpus, tokenizer = corpus_and_tokenizer
     torch.manual_seed(0)
-    config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
     model_dir = root / "mixtral"
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     tokenizer.save(str(model_dir / "tokenizer.json"))
     report = _audit(root, corpus, model_dir)
     assert report["exactness"]["max_abs_logit_diff"] == 0.0
     experts = report["execution"]["experts"]
-    assert experts["experts_available"] == 4 and experts["top_k"] == 2 and experts["expert_fraction"] == pytest.approx(0.5)
+    assert (
+        experts["experts_available"] == 4 and experts["top_k"] == 2 and experts["expert_fraction"] == pytest.approx(0.5)
+    )
     assert "router" in report["definitions"]["global_mean_families"]
     assert report["conditions"]["static_layer"]["penalty"] != 0.0

@@ -113,7 +113,9 @@ def test_save_load_round_trip(tmp_path, model_dir):
     assert torch.equal(FeatureGateModel.from_pretrained(tmp_path / "hf").eval()(ids).logits, expected)
     from transformers import AutoModelForCausalLM
 
-    assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()(ids).logits, expected)
+    assert torch.equal(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()(ids).logits, expected
+    )
     assert torch.equal(fca.load_model(model_dir)(ids).logits, expected)
 
 
@@ -138,7 +140,22 @@ def test_missing_or_corrupt_checkpoint_errors(tmp_path, model_dir):
 
 def test_training_reduces_loss(tmp_path, corpus):
     config = FeatureGateConfig(**TINY)
-    log = train(corpus, tmp_path / "m", config, TrainSettings(steps=40, batch_size=8, lr=3e-3, warmup=5, eval_every=20, eval_windows=16, final_eval_windows=16, vocab_size=300), show_progress=False)
+    log = train(
+        corpus,
+        tmp_path / "m",
+        config,
+        TrainSettings(
+            steps=40,
+            batch_size=8,
+            lr=3e-3,
+            warmup=5,
+            eval_every=20,
+            eval_windows=16,
+            final_eval_windows=16,
+            vocab_size=300,
+        ),
+        show_progress=False,
+    )
     assert log["history"][0]["loss"] > log["history"][-1]["loss"] + 1.0
     saved = json.loads((tmp_path / "m" / "training_log.json").read_text())
     assert saved["final_eval_nll"] == pytest.approx(log["final_eval_nll"])
@@ -196,5 +213,7 @@ def test_library_is_ui_free():
     import re
 
     root = pathlib.Path(fca.__file__).parent
-    offenders = [p.name for p in root.rglob("*.py") if re.search(r"^\s*(import|from)\s+(streamlit|plotly)", p.read_text(), re.M)]
+    offenders = [
+        p.name for p in root.rglob("*.py") if re.search(r"^\s*(import|from)\s+(streamlit|plotly)", p.read_text(), re.M)
+    ]
     assert offenders == []

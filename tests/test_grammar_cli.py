@@ -64,9 +64,20 @@ def test_canonical_text_forms() -> None:
     assert parse_condition(" interpolate:5e-1 ").name == "interpolate:0.5"
 
 
-@pytest.mark.parametrize("text", ["interpolate(0.5)", "token_shuffle[independent]", "interpolate:nan",
-                                  "interpolate:inf", "interpolate", "correct:0.5", "wobble", "static_layer@",
-                                  "static_layer@,"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "interpolate(0.5)",
+        "token_shuffle[independent]",
+        "interpolate:nan",
+        "interpolate:inf",
+        "interpolate",
+        "correct:0.5",
+        "wobble",
+        "static_layer@",
+        "static_layer@,",
+    ],
+)
 def test_other_spellings_are_refused(text: str) -> None:
     with pytest.raises(ValueError):
         parse_condition(text)
@@ -99,8 +110,10 @@ def _fresh(body: str) -> tuple[list[str], float]:
 def test_help_does_not_import_torch() -> None:
     loaded, _ = _fresh("import fca.cli\nfca.cli.build_parser()")
     assert loaded == []
-    body = ("import runpy\nsys.argv = ['fca', '--help']\n"
-            "try:\n    runpy.run_module('fca', run_name='__main__')\nexcept SystemExit:\n    pass")
+    body = (
+        "import runpy\nsys.argv = ['fca', '--help']\n"
+        "try:\n    runpy.run_module('fca', run_name='__main__')\nexcept SystemExit:\n    pass"
+    )
     loaded, _ = _fresh(body)
     assert loaded == []
 

@@ -51,8 +51,12 @@ class TinyGatedLM(nn.Module):
 @pytest.fixture
 def adapted():
     model = TinyGatedLM().eval()
-    fca.attach_sites(model, [SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate",
-                                             coefficient="gate logits")], blocks="blocks", output=0)
+    fca.attach_sites(
+        model,
+        [SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate", coefficient="gate logits")],
+        blocks="blocks",
+        output=0,
+    )
     return model
 
 
@@ -73,7 +77,8 @@ def test_custom_model_audited_end_to_end(adapted, tmp_path):
     record = run_replay(None, None, None, ["static_layer"], num_seqs=8, experiment=experiment, save=False)
     assert record["spec"]["model"] == "TinyGatedLM" and record["results"]["exactness"]["max_abs_logit_diff"] == 0.0
     assert record["results"]["conditions"]["correct"]["nll"] == pytest.approx(
-        float(np.mean(experiment.run([fca.tables.conditions.Condition("correct")], 8).per_seq_nll["correct"])))
+        float(np.mean(experiment.run([fca.tables.conditions.Condition("correct")], 8).per_seq_nll["correct"]))
+    )
 
 
 def test_same_windows_give_the_same_cache(adapted, tmp_path):

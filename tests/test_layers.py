@@ -38,7 +38,8 @@ MODULES = _sources()
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(tree: ast.AST, *, module_level_only: bool) -> list[ast.Import | ast.ImportFrom]:
@@ -78,8 +79,9 @@ def _import_table(*, module_level_only: bool) -> dict[str, set[str]]:
     table = {}
     for module, path in MODULES.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        table[module] = {t for node in _imports(tree, module_level_only=module_level_only)
-                         for t in _targets(module, path, node)}
+        table[module] = {
+            t for node in _imports(tree, module_level_only=module_level_only) for t in _targets(module, path, node)
+        }
     return table
 
 
@@ -115,15 +117,21 @@ def test_imports_point_down_only() -> None:
 
 def test_the_table_layer_never_imports_torch() -> None:
     table = _import_table(module_level_only=False)
-    wrong = {m: sorted(t for t in targets if _within(t, TORCH_LIKE))
-             for m, targets in table.items() if _within(m, ("fca.tables",))}
+    wrong = {
+        m: sorted(t for t in targets if _within(t, TORCH_LIKE))
+        for m, targets in table.items()
+        if _within(m, ("fca.tables",))
+    }
     assert {m: t for m, t in wrong.items() if t} == {}
 
 
 def test_the_app_reads_through_tables_and_jobs() -> None:
     table = _import_table(module_level_only=False)
-    reaching = {m: sorted(t for t in targets if _within(t, ("fca",)) and t != "fca" and not _within(t, APP_MAY_IMPORT))
-                for m, targets in table.items() if _within(m, ("app",))}
+    reaching = {
+        m: sorted(t for t in targets if _within(t, ("fca",)) and t != "fca" and not _within(t, APP_MAY_IMPORT))
+        for m, targets in table.items()
+        if _within(m, ("app",))
+    }
     assert {m: t for m, t in reaching.items() if t} == {}
 
 
@@ -145,7 +153,7 @@ def import_cycles(table: dict[str, set[str]]) -> list[list[str]]:
         state[node] = "open"
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = "done"
@@ -162,12 +170,20 @@ def test_no_import_cycles() -> None:
 
 def test_the_checks_see_what_they_should() -> None:
     """The checks on made-up import tables: an upward import, a cycle, and a cycle through a package."""
-    table = {"fca.tables.stats": {"fca.engine.sites"}, "fca.engine.sites": {"fca.tables.spec"},
-             "fca.tables.spec": set()}
+    table = {
+        "fca.tables.stats": {"fca.engine.sites"},
+        "fca.engine.sites": {"fca.tables.spec"},
+        "fca.tables.spec": set(),
+    }
     assert layer_violations(table) == ["fca.tables.stats (tables) imports fca.engine.sites (engine)"]
     table = {"fca.engine.a": {"fca.engine.b"}, "fca.engine.b": {"fca.engine.a"}}
     assert import_cycles(table) == [["fca.engine.a", "fca.engine.b", "fca.engine.a"]]
-    table = {"fca.engine.models": {"fca.engine.models.x"}, "fca.engine.models.x": {"fca.engine.capture"},
-             "fca.engine.capture": {"fca.engine.models.y"}, "fca.engine.models.y": set()}
-    assert import_cycles(table) == [["fca.engine.capture", "fca.engine.models", "fca.engine.models.x",
-                                     "fca.engine.capture"]]
+    table = {
+        "fca.engine.models": {"fca.engine.models.x"},
+        "fca.engine.models.x": {"fca.engine.capture"},
+        "fca.engine.capture": {"fca.engine.models.y"},
+        "fca.engine.models.y": set(),
+    }
+    assert import_cycles(table) == [
+        ["fca.engine.capture", "fca.engine.models", "fca.engine.models.x", "fca.engine.capture"]
+    ]

@@ -60,24 +60,46 @@ T, N, VOCAB = 5, 6, 40
 
 def write_tiny_cache(out: Path, model: dict | None = None, tokenizer: dict | None = None, **extra) -> Path:
     """A 6-sequence cache of random coefficients, with every manifest field a real build writes."""
-    model = model if model is not None else {
-        "path": "tiny-model", "model_type": "featuregate", "fingerprint": "f" * 64,
-        "config": {"model_type": "featuregate", "vocab_size": VOCAB, "d_model": 8}, "dtype": "float32"}
+    model = (
+        model
+        if model is not None
+        else {
+            "path": "tiny-model",
+            "model_type": "featuregate",
+            "fingerprint": "f" * 64,
+            "config": {"model_type": "featuregate", "vocab_size": VOCAB, "d_model": 8},
+            "dtype": "float32",
+        }
+    )
     plan = cache_plan(
-        SPECS, T, N, model=model,
+        SPECS,
+        T,
+        N,
+        model=model,
         corpus={"name": "prose.txt", "fingerprint": "c" * 64, "split": "eval", "split_seed": 3, "text_column": "text"},
         **({"tokenizer": tokenizer} if tokenizer is not None else {}),
-        environment={"device_type": "cpu", "model_dtype": "float32", "batch_size": 4}, **extra,
+        environment={"device_type": "cpu", "model_dtype": "float32", "batch_size": 4},
+        **extra,
     )
     schema = cache_schema(SPECS)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, VOCAB, (N, T + 1))
     writer = CacheWriter(out, plan, schema, seqs_per_part=4)
     for lo, hi in ((0, 4), (4, N)):
-        coefficients = {name: rng.normal(size=(hi - lo, T, spec.num_channels)).astype(np.float32)
-                        for name, spec in SPECS.items()}
-        writer.write(record_batch(schema, np.arange(lo, hi), tokens[lo:hi, :-1], tokens[lo:hi, 1:],
-                                  np.ones((hi - lo, T), np.float32), coefficients), hi - lo)
+        coefficients = {
+            name: rng.normal(size=(hi - lo, T, spec.num_channels)).astype(np.float32) for name, spec in SPECS.items()
+        }
+        writer.write(
+            record_batch(
+                schema,
+                np.arange(lo, hi),
+                tokens[lo:hi, :-1],
+                tokens[lo:hi, 1:],
+                np.ones((hi - lo, T), np.float32),
+                coefficients,
+            ),
+            hi - lo,
+        )
     return writer.finish({"created": "2030-01-01T00:00:00Z", "library_versions": {"fca": "test"}})
 
 
@@ -85,18 +107,25 @@ def write_tiny_cache(out: Path, model: dict | None = None, tokenizer: dict | Non
 
 
 def test_manifest_round_trip_every_field_typed(tmp_path):
-    path = write_tiny_cache(tmp_path / "c", tokenizer={"fingerprint": "t" * 64, "vocab_size": VOCAB},
-                            raw_bytes_per_token=48)
+    path = write_tiny_cache(
+        tmp_path / "c", tokenizer={"fingerprint": "t" * 64, "vocab_size": VOCAB}, raw_bytes_per_token=48
+    )
     raw = json.loads((path / MANIFEST).read_text())
     cache = open_cache(path, verify=True)
     m = cache.manifest
     assert isinstance(m, Manifest) and m.raw == raw
     assert m.schema_version == raw["schema_version"] == 1
-    assert m.model == ModelRecord(path="tiny-model", model_type="featuregate", fingerprint="f" * 64,
-                                  config=raw["model"]["config"], dtype="float32")
+    assert m.model == ModelRecord(
+        path="tiny-model",
+        model_type="featuregate",
+        fingerprint="f" * 64,
+        config=raw["model"]["config"],
+        dtype="float32",
+    )
     assert m.tokenizer == TokenizerRecord(fingerprint="t" * 64, vocab_size=VOCAB)
-    assert m.corpus == CorpusRecord(name="prose.txt", fingerprint="c" * 64, split="eval", split_seed=3,
-                                    text_column="text")
+    assert m.corpus == CorpusRecord(
+        name="prose.txt", fingerprint="c" * 64, split="eval", split_seed=3, text_column="text"
+    )
     assert (m.seq_len, m.num_seqs, m.num_tokens) == (raw["seq_len"], raw["num_seqs"], raw["num_tokens"])
     assert (m.seq_len, m.num_seqs, m.num_tokens) == (T, N, N * T)
     assert m.coefficient_dtype == raw["coefficient_dtype"] == "float32"
@@ -158,15 +187,24 @@ def test_one_vocabulary_rule(tmp_path):
 # ------------------------------------------------------------------------------------------ families
 
 
-MIXTRAL = {"vocab_size": 50, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-           "num_attention_heads": 2, "num_key_value_heads": 1, "num_local_experts": 4, "num_experts_per_tok": 2,
-           "max_position_embeddings": 32}
+MIXTRAL = {
+    "vocab_size": 50,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 32,
+}
 
 
 def test_each_builtin_family_is_found_for_its_model():
     assert {"featuregate", "muddpythia", *MOE_MODEL_TYPES} <= set(registered_families())
-    featuregate = build_featuregate(FeatureGateConfig(vocab_size=50, d_model=16, n_layers=3, n_heads=2, mlp_groups=2,
-                                                      max_seq_len=16))
+    featuregate = build_featuregate(
+        FeatureGateConfig(vocab_size=50, d_model=16, n_layers=3, n_heads=2, mlp_groups=2, max_seq_len=16)
+    )
     family = family_of(featuregate)
     assert family.model_type == "featuregate" and family.load is not None and family.dense_twin.switch == "gated"
     assert model_blocks(featuregate) == list(featuregate.blocks) and family.definitions(featuregate) == {}
@@ -269,8 +307,14 @@ class ConfiguredModel(CustomModel):
 
 
 def test_registered_family_loads_and_has_a_dense_twin(tmp_path, registry_guard):
-    register_family(Family("registered_gated", load=lambda path: ConfiguredModel(),
-                           dense_twin=catalog.DenseTwin("gated"), blocks=lambda model: list(model.layers)))
+    register_family(
+        Family(
+            "registered_gated",
+            load=lambda path: ConfiguredModel(),
+            dense_twin=catalog.DenseTwin("gated"),
+            blocks=lambda model: list(model.layers),
+        )
+    )
     model_dir = tmp_path / "m"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({"model_type": "registered_gated", "gated": True, "d": 8}))

@@ -32,17 +32,48 @@ from fca.testing import (
 
 # The settings of the released 1.4B model (expand_last, round64, qk-norm, parallel residual, sepln).
 TINY = MUDDPythiaConfig(
-    vocab_size=101, dim=32, n_layer=3, n_head=2, intermediate_size=256, block_size=64,
-    use_qk_norm=True, expand_last=True, round64=True, bos_token_id=0, eos_token_id=0,
+    vocab_size=101,
+    dim=32,
+    n_layer=3,
+    n_head=2,
+    intermediate_size=256,
+    block_size=64,
+    use_qk_norm=True,
+    expand_last=True,
+    round64=True,
+    bos_token_id=0,
+    eos_token_id=0,
 )
 # Public values of the released MUDDPythia-1.4B config.json (only the fields that matter here).
 RELEASE_1P4B = {
-    "model_type": "muddpythia", "architectures": ["MUDDPythia"], "block_size": 2048, "vocab_size": 50432,
-    "dim": 2048, "n_head": 16, "n_layer": 24, "n_local_heads": 16, "head_dim": 128, "intermediate_size": 8192,
-    "rope_base": 10000, "rotary_pct": 0.25, "norm_eps": 1e-5, "use_qk_norm": True, "use_parallel_residual": True,
-    "use_linear_bias": True, "dense": True, "dynamic_dense": True, "dense_type": "qkvr", "sepln": True,
-    "expand_last": True, "round64": True, "stack_hidden": False, "use_layer_cache": True, "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0,
+    "model_type": "muddpythia",
+    "architectures": ["MUDDPythia"],
+    "block_size": 2048,
+    "vocab_size": 50432,
+    "dim": 2048,
+    "n_head": 16,
+    "n_layer": 24,
+    "n_local_heads": 16,
+    "head_dim": 128,
+    "intermediate_size": 8192,
+    "rope_base": 10000,
+    "rotary_pct": 0.25,
+    "norm_eps": 1e-5,
+    "use_qk_norm": True,
+    "use_parallel_residual": True,
+    "use_linear_bias": True,
+    "dense": True,
+    "dynamic_dense": True,
+    "dense_type": "qkvr",
+    "sepln": True,
+    "expand_last": True,
+    "round64": True,
+    "stack_hidden": False,
+    "use_layer_cache": True,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
 }
 
 
@@ -207,7 +238,9 @@ def test_sites_shapes_and_families(model, captured, ids):
         assert site.spec.axes == (("stream", C), ("source", i + 2))
         assert captured[name].shape == (*ids.shape, C * (i + 2)) and captured[name].dtype == np.float32
         families = site.spec.families_per_channel()
-        assert families == (("q",) * (i + 2) + ("k",) * (i + 2) + ("v",) * (i + 2) + ("r",) * (i + 2) if C == 4 else ("r",) * (L + 1))
+        assert families == (
+            ("q",) * (i + 2) + ("k",) * (i + 2) + ("v",) * (i + 2) + ("r",) * (i + 2) if C == 4 else ("r",) * (L + 1)
+        )
     # k = c * (i + 2) + j: layer 1, stream v (c = 2), source j = 2 (output of layer 1) -> k = 8.
     assert sites["dense.1"].spec.channel_labels[8] == "v:L1"
 
@@ -219,7 +252,10 @@ def test_coefficients_are_dynamic_plus_static(model, captured, ids):
     from fca.engine.models.muddpythia import Positions, rotary_table
 
     T = ids.shape[1]
-    pos = Positions(*rotary_table(T, TINY.rotary_ndims, TINY.rope_base, torch.device("cpu")), torch.ones(T, T, dtype=torch.bool).tril())
+    pos = Positions(
+        *rotary_table(T, TINY.rotary_ndims, TINY.rope_base, torch.device("cpu")),
+        torch.ones(T, T, dtype=torch.bool).tril(),
+    )
     with torch.no_grad():
         dynamic = model.dynamic_dense[0](model.layers[0](x, pos)).numpy()
     np.testing.assert_allclose(captured["dense.0"], dynamic + static, rtol=0, atol=1e-6)
@@ -296,7 +332,9 @@ def test_dense_twin(ckpt, tmp_path, ids):
     assert isinstance(twin, MUDDPythia) and not find_sites(twin)
     assert json.loads((path / "config.json").read_text())["dense"] is False
     names = set(twin.state_dict())
-    assert "layers.1.attention.wqkv.weight" in names and not any(n.startswith(("dense_bs", "dynamic_dense")) for n in names)
+    assert "layers.1.attention.wqkv.weight" in names and not any(
+        n.startswith(("dense_bs", "dynamic_dense")) for n in names
+    )
     assert [b.feed_forward.w1.out_features for b in model_blocks(twin)] == list(TINY.ffn_widths)
     with torch.no_grad():
         assert twin(ids).shape == (*ids.shape, TINY.vocab_size)
@@ -305,8 +343,9 @@ def test_dense_twin(ckpt, tmp_path, ids):
 def test_block_hooks_see_one_residual_tensor(model, ids):
     # The execution audit hooks the family's blocks; every block's first argument is the residual [B, T, D].
     seen = []
-    hooks = [b.register_forward_pre_hook(lambda m, args: seen.append(tuple(args[0].shape)))
-             for b in model_blocks(model)]
+    hooks = [
+        b.register_forward_pre_hook(lambda m, args: seen.append(tuple(args[0].shape))) for b in model_blocks(model)
+    ]
     try:
         with torch.no_grad():
             model(ids)

@@ -20,32 +20,77 @@ from fca.tables.study import StudyError, build_study, spread, t_quantile_975
 # ------------------------------------------------------------------ hand-made audits
 
 
-def hand_audit(fingerprint: str, correct: float, static: float, global_mean: float, retention: float | None,
-               share: float, latency: float | None, seed: int | None = None) -> dict:
+def hand_audit(
+    fingerprint: str,
+    correct: float,
+    static: float,
+    global_mean: float,
+    retention: float | None,
+    share: float,
+    latency: float | None,
+    seed: int | None = None,
+) -> dict:
     """The parts of an audit report a study reads, with the report's real key layout."""
-    conditions = {"correct": correct, "cross_input": global_mean - 0.01, "static_layer": static,
-                  "global_mean": global_mean}
+    conditions = {
+        "correct": correct,
+        "cross_input": global_mean - 0.01,
+        "static_layer": static,
+        "global_mean": global_mean,
+    }
     report = {
         "fca_report_version": 1,
-        "model": {"name": "featuregate", "model_type": "featuregate", "fingerprint": fingerprint, "parameters": 1000,
-                  "controller_parameters": 10, "dtype": "float32", "device": "cpu"},
-        "cache": {"path": "eval", "split": "eval", "corpus": "kjv.txt", "sequences": 8, "seq_len": 16, "tokens": 128,
-                  "coefficient_dtype": "float32", "fingerprint": "c" + fingerprint[1:]},
-        "calibration": {"path": "calibration", "split": "calibration", "corpus": "kjv.txt", "sequences": 8,
-                        "seq_len": 16, "tokens": 128, "coefficient_dtype": "float32"},
+        "model": {
+            "name": "featuregate",
+            "model_type": "featuregate",
+            "fingerprint": fingerprint,
+            "parameters": 1000,
+            "controller_parameters": 10,
+            "dtype": "float32",
+            "device": "cpu",
+        },
+        "cache": {
+            "path": "eval",
+            "split": "eval",
+            "corpus": "kjv.txt",
+            "sequences": 8,
+            "seq_len": 16,
+            "tokens": 128,
+            "coefficient_dtype": "float32",
+            "fingerprint": "c" + fingerprint[1:],
+        },
+        "calibration": {
+            "path": "calibration",
+            "split": "calibration",
+            "corpus": "kjv.txt",
+            "sequences": 8,
+            "seq_len": 16,
+            "tokens": 128,
+            "coefficient_dtype": "float32",
+        },
         "dense": {"name": "dense", "fingerprint": "d" + fingerprint[1:], "parameters": 990},
         "exactness": {"max_abs_logit_diff": 0.0, "mechanism": {"whatever": "passed through"}},
-        "conditions": {k: {"nll": v, "penalty": v - correct, "penalty_ci95": [v - correct - 0.01, v - correct + 0.01]}
-                       for k, v in conditions.items()},
+        "conditions": {
+            k: {"nll": v, "penalty": v - correct, "penalty_ci95": [v - correct - 0.01, v - correct + 0.01]}
+            for k, v in conditions.items()
+        },
         "gap_retention": {"cross_input": 0.01, "static_layer": retention},
         "variance": {"layer_identity_share": share, "per_site": {}},
-        "execution": {"blocks_executed_fraction": 1.0, "blocks_executed_per_token": 2.0,
-                      "controller_flops_share": 0.004, "latency_ratio_vs_dense": latency, "device": "cpu",
-                      "batch_shape": [8, 16], "runs": 7},
-        "definitions": {"penalty": "paired percentile bootstrap (2000 resamples, seed 0)",
-                        "splits": {"evaluated": "eval", "calibration": "calibration"},
-                        "global_mean_families": {"gate": ["blocks.0.gate", "blocks.1.gate"]},
-                        "conditions": {"static_layer": "per-site mean"}, "exactness": "free text, not compared"},
+        "execution": {
+            "blocks_executed_fraction": 1.0,
+            "blocks_executed_per_token": 2.0,
+            "controller_flops_share": 0.004,
+            "latency_ratio_vs_dense": latency,
+            "device": "cpu",
+            "batch_shape": [8, 16],
+            "runs": 7,
+        },
+        "definitions": {
+            "penalty": "paired percentile bootstrap (2000 resamples, seed 0)",
+            "splits": {"evaluated": "eval", "calibration": "calibration"},
+            "global_mean_families": {"gate": ["blocks.0.gate", "blocks.1.gate"]},
+            "conditions": {"static_layer": "per-site mean"},
+            "exactness": "free text, not compared",
+        },
     }
     if seed is not None:
         report["training"] = {"seed": seed, "split_seed": 0, "steps": 20, "device": "cpu"}
@@ -63,8 +108,10 @@ def test_study_module_needs_no_torch_and_no_ui():
     import subprocess
     import sys
 
-    code = ("import sys, fca.tables.study; bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'streamlit', 'plotly')];"
-            "assert not bad, bad")
+    code = (
+        "import sys, fca.tables.study; bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'streamlit', 'plotly')];"
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
 
 
@@ -87,8 +134,12 @@ def test_spread_by_hand():
     assert s["n"] == 3 and s["mean"] == pytest.approx(3.2) and s["sd"] == pytest.approx(0.2)
     assert s["ci95"] == pytest.approx([3.2 - 0.496827, 3.2 + 0.496827], abs=1e-6)
     assert spread([0.7]) == {"n": 1, "mean": 0.7, "sd": None, "ci95": None}
-    assert spread([None, 2.0, 4.0]) == {"n": 2, "mean": 3.0, "sd": pytest.approx(math.sqrt(2)),
-                                        "ci95": pytest.approx([3.0 - 12.706205, 3.0 + 12.706205], abs=1e-5)}
+    assert spread([None, 2.0, 4.0]) == {
+        "n": 2,
+        "mean": 3.0,
+        "sd": pytest.approx(math.sqrt(2)),
+        "ci95": pytest.approx([3.0 - 12.706205, 3.0 + 12.706205], abs=1e-5),
+    }
     assert spread([None])["mean"] is None
 
 
@@ -120,15 +171,18 @@ def test_study_aggregates_hand_made_audits():
     json.dumps(result)  # JSON-ready
 
 
-@pytest.mark.parametrize("path, value", [
-    ("calibration.split", "train"),
-    ("cache.seq_len", 32),
-    ("definitions.global_mean_families", {"gate": ["blocks.0.gate"], "other": ["blocks.1.gate"]}),
-    ("definitions.penalty", "paired percentile bootstrap (1000 resamples, seed 0)"),
-    ("cache.corpus", "other.txt"),
-    ("execution.device", "cuda:0"),
-    ("training.split_seed", 1),
-])
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        ("calibration.split", "train"),
+        ("cache.seq_len", 32),
+        ("definitions.global_mean_families", {"gate": ["blocks.0.gate"], "other": ["blocks.1.gate"]}),
+        ("definitions.penalty", "paired percentile bootstrap (1000 resamples, seed 0)"),
+        ("cache.corpus", "other.txt"),
+        ("execution.device", "cuda:0"),
+        ("training.split_seed", 1),
+    ],
+)
 def test_refuses_audits_with_other_definitions(path, value):
     other = copy.deepcopy(THREE[1][1])
     target = other
@@ -205,10 +259,20 @@ def test_training_smoke_is_deterministic_and_learns(tmp_path):
     from tests.helpers import TINY, write_corpus
 
     corpus = write_corpus(tmp_path / "corpus.txt")
-    settings = TrainSettings(steps=25, batch_size=8, lr=3e-3, warmup=5, eval_every=10, eval_windows=8,
-                             final_eval_windows=8, vocab_size=300, seed=7)
-    logs = [train(corpus, tmp_path / name, FeatureGateConfig(**TINY), settings, show_progress=False)
-            for name in ("a", "b")]
+    settings = TrainSettings(
+        steps=25,
+        batch_size=8,
+        lr=3e-3,
+        warmup=5,
+        eval_every=10,
+        eval_windows=8,
+        final_eval_windows=8,
+        vocab_size=300,
+        seed=7,
+    )
+    logs = [
+        train(corpus, tmp_path / name, FeatureGateConfig(**TINY), settings, show_progress=False) for name in ("a", "b")
+    ]
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and (a[k] == b[k]).all() for k in a)
     assert all(t.dtype.is_floating_point and t.dtype.itemsize == 4 for t in a.values())  # float32 checkpoint
@@ -220,8 +284,9 @@ def test_training_smoke_is_deterministic_and_learns(tmp_path):
     assert log["tokens_seen"] == 25 * 8 * TINY["max_seq_len"] and log["tokens_per_second"] > 0
     cpu = precision_for("cpu")
     assert cpu.autocast is None and not cpu.fused_optimizer and not cpu.deterministic
-    other_seed = train(corpus, tmp_path / "c", FeatureGateConfig(**TINY), replace(settings, seed=8),
-                       show_progress=False)
+    other_seed = train(
+        corpus, tmp_path / "c", FeatureGateConfig(**TINY), replace(settings, seed=8), show_progress=False
+    )
     assert other_seed["history"][0]["loss"] != history[0]["loss"]
 
 
@@ -241,10 +306,19 @@ def build_tiny_study(tmp_path_factory) -> Path:
 
         root = tmp_path_factory.mktemp("tiny_study")
         corpus = write_corpus(root / "corpus.txt")
-        settings = TrainSettings(steps=15, batch_size=8, lr=3e-3, warmup=3, eval_every=15, eval_windows=8,
-                                 final_eval_windows=8, vocab_size=300)
-        make_demo_study(root / "study", corpus, [1, 2], include=[], config=TINY, settings=settings, num_seqs=8,
-                        show_progress=False)
+        settings = TrainSettings(
+            steps=15,
+            batch_size=8,
+            lr=3e-3,
+            warmup=3,
+            eval_every=15,
+            eval_windows=8,
+            final_eval_windows=8,
+            vocab_size=300,
+        )
+        make_demo_study(
+            root / "study", corpus, [1, 2], include=[], config=TINY, settings=settings, num_seqs=8, show_progress=False
+        )
         _BUILT["root"] = root
     return _BUILT["root"] / "study"
 
@@ -286,6 +360,7 @@ def test_demo_study_command_defaults_are_the_demo_configuration(monkeypatch, tmp
     from fca.jobs.train import TrainSettings
 
     seen = {}
+
     def fake(*args, **kwargs) -> dict:
         seen.update(args=args, **kwargs)
         return build_study(THREE)

@@ -94,10 +94,16 @@ def test_a_file_that_is_not_a_study_is_an_error_not_a_crash(tmp_path, monkeypatc
 def test_study_retention_figure_is_pure_and_titled():
     from app import figures
 
-    points = pd.DataFrame({"condition": ["static_layer", "cross_input"] * 2, "seed": ["0", "0", "1", "1"],
-                           "retention": [0.42, 0.01, 0.5, None]})
-    summary = pd.DataFrame({"condition": ["cross_input", "static_layer"], "mean": [0.01, 0.46], "lo": [None, 0.2],
-                            "hi": [None, 0.72]})
+    points = pd.DataFrame(
+        {
+            "condition": ["static_layer", "cross_input"] * 2,
+            "seed": ["0", "0", "1", "1"],
+            "retention": [0.42, 0.01, 0.5, None],
+        }
+    )
+    summary = pd.DataFrame(
+        {"condition": ["cross_input", "static_layer"], "mean": [0.01, 0.46], "lo": [None, 0.2], "hi": [None, 0.72]}
+    )
     fig = figures.study_retention(points, summary)
     assert fig.layout.xaxis.title.text and fig.layout.yaxis.title.text
     assert [t.name for t in fig.data][:2] == ["seed 0", "seed 1"]

@@ -58,9 +58,19 @@ def small_parts(monkeypatch):
 
 
 def _build(artifacts, out, workers, **kw):
-    return build_cache_from_corpus(artifacts / "model", artifacts / "prose.txt", "eval", out, num_seqs=N_SEQS, seq_len=T,
-                       batch_size=2,
-                       device="cpu", show_progress=False, workers=workers, **kw)
+    return build_cache_from_corpus(
+        artifacts / "model",
+        artifacts / "prose.txt",
+        "eval",
+        out,
+        num_seqs=N_SEQS,
+        seq_len=T,
+        batch_size=2,
+        device="cpu",
+        show_progress=False,
+        workers=workers,
+        **kw,
+    )
 
 
 def _hashes(path):
@@ -76,6 +86,7 @@ def _same_values(a, b):
 
 # ---------------------------------------------------------------------------------------------
 # Parallel writer: same parts for any number of workers.
+
 
 def test_three_workers_write_the_same_cache_as_one(artifacts, tmp_path, small_parts):
     one = _build(artifacts, tmp_path / "one", workers=1)
@@ -93,12 +104,19 @@ def test_three_workers_write_the_same_cache_as_one(artifacts, tmp_path, small_pa
 
 def _synthetic(num_seqs, seqs_per_part, workers, out, batch=3, dtype="float32"):
     """Random coefficients through CacheWriter directly, batches crossing part boundaries."""
-    specs = {"a": SiteSpec(axes=(("channel", 3),), family="g"),
-             "b": SiteSpec(axes=(("stream", 2), ("source", 2)), family="g")}
+    specs = {
+        "a": SiteSpec(axes=(("channel", 3),), family="g"),
+        "b": SiteSpec(axes=(("stream", 2), ("source", 2)), family="g"),
+    }
     schema = cache_schema(specs, coefficient_arrow_type(dtype))
-    plan = cache_plan(specs, 5, num_seqs, model={"path": "synthetic", "fingerprint": "synthetic"},
-                      corpus={"split": "x"},
-                      coefficient_dtype=dtype)
+    plan = cache_plan(
+        specs,
+        5,
+        num_seqs,
+        model={"path": "synthetic", "fingerprint": "synthetic"},
+        corpus={"split": "x"},
+        coefficient_dtype=dtype,
+    )
     rng = np.random.default_rng(0)
     values = {k: rng.standard_normal((num_seqs, 5, s.num_channels)).astype(np.float32) for k, s in specs.items()}
     tokens = rng.integers(0, 50, (num_seqs, 5))
@@ -106,8 +124,12 @@ def _synthetic(num_seqs, seqs_per_part, workers, out, batch=3, dtype="float32"):
     for lo in range(0, num_seqs, batch):
         hi = min(num_seqs, lo + batch)
         nll = np.zeros((hi - lo, 5), np.float32)
-        writer.write(record_batch(schema, np.arange(lo, hi), tokens[lo:hi], tokens[lo:hi], nll,
-                                  {k: v[lo:hi] for k, v in values.items()}), hi - lo)
+        writer.write(
+            record_batch(
+                schema, np.arange(lo, hi), tokens[lo:hi], tokens[lo:hi], nll, {k: v[lo:hi] for k, v in values.items()}
+            ),
+            hi - lo,
+        )
     return writer.finish(), values
 
 
@@ -138,6 +160,7 @@ def test_finish_refuses_missing_parts(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # Resume: an interrupted parallel build redoes exactly the incomplete parts.
+
 
 def test_interrupted_parallel_build_resumes_to_the_same_cache(artifacts, tmp_path, small_parts):
     clean = _build(artifacts, tmp_path / "clean", workers=1)
@@ -193,6 +216,7 @@ def test_parts_completed_out_of_order_are_kept(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # One build per cache.
 
+
 def _plan_and_schema(n=4):
     specs = {"a": SiteSpec(axes=(("channel", 2),), family="g")}
     return cache_plan(specs, 5, n, model={"path": "s", "fingerprint": "s"}, corpus={"split": "x"}), cache_schema(specs)
@@ -207,9 +231,23 @@ def test_second_writer_is_refused_naming_the_holder(artifacts, tmp_path, capsys)
     # The same through the CLI: one line, the holder named, and the first build's files untouched.
     lock = tmp_path / "eval.lock"
     lock.write_text(json.dumps({"pid": 1, "host": "elsewhere.example", "started": "2025-01-01T00:00:00Z"}))
-    code = main(["build-cache", "--model", str(artifacts / "model"), "--corpus", str(artifacts / "prose.txt"),
-                 "--split", "eval",
-                 "--out", str(tmp_path / "eval"), "--num-seqs", "4", "--device", "cpu"])
+    code = main(
+        [
+            "build-cache",
+            "--model",
+            str(artifacts / "model"),
+            "--corpus",
+            str(artifacts / "prose.txt"),
+            "--split",
+            "eval",
+            "--out",
+            str(tmp_path / "eval"),
+            "--num-seqs",
+            "4",
+            "--device",
+            "cpu",
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert code != 0 and err.startswith("fca: error:") and "\n" not in err
     assert "pid 1 on elsewhere.example" in err and "eval.lock" in err
@@ -245,11 +283,18 @@ def test_stale_lock_is_resumed_past(artifacts, tmp_path, small_parts):
 # ---------------------------------------------------------------------------------------------
 # bfloat16 storage.
 
+
 def test_bfloat16_model_coefficients_stored_bit_for_bit(artifacts, tmp_path):
     model = fca.load_model(artifacts / "model", dtype=torch.bfloat16)
     windows = np.random.default_rng(1).integers(0, 300, (6, T + 1))
-    plan = cache_plan(site_specs(model), T, 6, model={"path": "m", "fingerprint": "m"}, corpus={"split": "x"},
-                      coefficient_dtype="bfloat16")
+    plan = cache_plan(
+        site_specs(model),
+        T,
+        6,
+        model={"path": "m", "fingerprint": "m"},
+        corpus={"split": "x"},
+        coefficient_dtype="bfloat16",
+    )
     out = write_cache(model, windows, tmp_path / "bf16", plan, batch_size=3)
     cache = open_cache(out, verify=True)
     assert cache.manifest.coefficient_dtype == "bfloat16"
@@ -274,9 +319,25 @@ def test_bfloat16_model_coefficients_stored_bit_for_bit(artifacts, tmp_path):
 
 
 def test_bfloat16_storage_of_a_float32_model_is_refused(artifacts, tmp_path, capsys):
-    code = main(["build-cache", "--model", str(artifacts / "model"), "--corpus", str(artifacts / "prose.txt"),
-                 "--split", "eval",
-                 "--out", str(tmp_path / "c"), "--num-seqs", "4", "--device", "cpu", "--coefficient-dtype", "bfloat16"])
+    code = main(
+        [
+            "build-cache",
+            "--model",
+            str(artifacts / "model"),
+            "--corpus",
+            str(artifacts / "prose.txt"),
+            "--split",
+            "eval",
+            "--out",
+            str(tmp_path / "c"),
+            "--num-seqs",
+            "4",
+            "--device",
+            "cpu",
+            "--coefficient-dtype",
+            "bfloat16",
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert code != 0 and "\n" not in err and "bfloat16 coefficient storage is for bfloat16 models" in err
     assert not any(tmp_path.iterdir())  # nothing left behind: no partial directory, no lock
@@ -294,6 +355,7 @@ def test_bfloat16_bits_only_for_exact_values():
 
 # ---------------------------------------------------------------------------------------------
 # Prefetching reads.
+
 
 def test_prefetch_gives_read_seqs_results_in_order(artifacts, tmp_path, small_parts):
     cache = open_cache(_build(artifacts, tmp_path / "c", workers=1))

@@ -29,8 +29,12 @@ if sel.report_path is not None:
 
 left, right = st.columns([2, 1])
 with right:
-    measure = st.button(f"Measure now on {sel.device}", key="exec_measure", disabled=sel.model_dir is None,
-                        help=f"times {PROBE_SEQS} sequences of this cache through the model and its Dense twin (5 interleaved runs)")
+    measure = st.button(
+        f"Measure now on {sel.device}",
+        key="exec_measure",
+        disabled=sel.model_dir is None,
+        help=f"times {PROBE_SEQS} sequences of this cache through the model and its Dense twin (5 interleaved runs)",
+    )
 if measure:
     with guard("Measurement"), st.spinner("Timing the model and its Dense twin…"):
         experiment, lock = resources.experiment(sel.model_dir, sel.device, cache, sel.calibration_cache, sel.dense_dir)
@@ -40,15 +44,29 @@ if measure:
 measured = st.session_state.get(MEASURED_KEY)
 exe = measured or report_exe
 with left:
-    st.caption("Source: " + ("measured just now in this session" if measured else "the audit report beside the cache" if report_exe else "nothing yet"))
+    st.caption(
+        "Source: "
+        + (
+            "measured just now in this session"
+            if measured
+            else "the audit report beside the cache"
+            if report_exe
+            else "nothing yet"
+        )
+    )
 if exe is None:
     st.info("No audit report beside this cache. Press **Measure now** to time the model here.")
     st.stop()
 
 c1, c2, c3 = st.columns(3)
 ratio = exe.get("latency_ratio_vs_dense")
-c1.metric("Latency vs Dense twin", "not measured" if ratio is None else f"{ratio:.3f}x",
-          help=None if ratio is None else f"range over runs {exe['ratio_min']:.2f}-{exe['ratio_max']:.2f}; batch {exe['batch_shape']} on {exe['device']}")
+c1.metric(
+    "Latency vs Dense twin",
+    "not measured" if ratio is None else f"{ratio:.3f}x",
+    help=None
+    if ratio is None
+    else f"range over runs {exe['ratio_min']:.2f}-{exe['ratio_max']:.2f}; batch {exe['batch_shape']} on {exe['device']}",
+)
 c2.metric("Blocks executed per token", f"{exe['blocks_executed_per_token']:.2f} of {exe['num_blocks']}")
 c3.metric("Controller FLOPs share", f"{100 * exe['controller_flops_share']:.2f}%")
 
@@ -56,14 +74,22 @@ charts = st.columns(2)
 if ratio is not None:
     lat = pd.DataFrame({"model": ["dynamic", "Dense twin"], "ms": [exe["model_ms_median"], exe["dense_ms_median"]]})
     charts[0].plotly_chart(figures.latency_bars(lat), key="exec_latency")
-    charts[0].caption("Bars: each model's median time. The ratio above is the median of per-pair ratios, which is robust to "
-                      "a busy machine; on a noisy one the two need not agree.")
+    charts[0].caption(
+        "Bars: each model's median time. The ratio above is the median of per-pair ratios, which is robust to "
+        "a busy machine; on a noisy one the two need not agree."
+    )
 else:
     charts[0].info("No Dense twin was found beside the model, so latency was not compared.")
-blocks = pd.DataFrame({"block": range(exe["num_blocks"]), "fraction": np.asarray(exe["tokens_per_block"]) / exe["tokens"]})
+blocks = pd.DataFrame(
+    {"block": range(exe["num_blocks"]), "fraction": np.asarray(exe["tokens_per_block"]) / exe["tokens"]}
+)
 charts[1].plotly_chart(figures.blocks_bar(blocks), key="exec_blocks")
-flops = pd.DataFrame({"part": ["controllers", "rest of the model"],
-                      "gflops": [exe["controller_flops"] / 1e9, (exe["total_flops"] - exe["controller_flops"]) / 1e9]})
+flops = pd.DataFrame(
+    {
+        "part": ["controllers", "rest of the model"],
+        "gflops": [exe["controller_flops"] / 1e9, (exe["total_flops"] - exe["controller_flops"]) / 1e9],
+    }
+)
 st.plotly_chart(figures.flops_bar(flops), key="exec_flops")
 if exe.get("experts"):
     st.json(exe["experts"], expanded=False)

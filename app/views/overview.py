@@ -40,9 +40,12 @@ if report is None:
     )
     model = sel.model_dir or "MODEL_DIR"
     cal = sel.calibration.path if sel.calibration else "CALIBRATION_CACHE"
-    st.code(f"python -m fca audit --model {model} --cache {cache.path} --calibration {cal} "
-            f"{'--dense ' + str(sel.dense_dir) + ' ' if sel.dense_dir else ''}--json {cache.path.parent / 'audit.json'} "
-            f"--markdown {cache.path.parent / 'audit.md'}", language="bash")
+    st.code(
+        f"python -m fca audit --model {model} --cache {cache.path} --calibration {cal} "
+        f"{'--dense ' + str(sel.dense_dir) + ' ' if sel.dense_dir else ''}--json {cache.path.parent / 'audit.json'} "
+        f"--markdown {cache.path.parent / 'audit.md'}",
+        language="bash",
+    )
     with guard("Cache statistics"):
         stats = resources.cache_stats(str(cache.path), cache.fingerprint)
         dec = stats["decomposition"]
@@ -53,20 +56,40 @@ if report is None:
 
 # Stale or foreign reports are shown, with the mismatch stated (they are still worth reading).
 if report["model"]["fingerprint"] != manifest.model.fingerprint:
-    st.error(f"This report is about model {report['model']['fingerprint'][:12]}, but the cache was made by "
-             f"{manifest.model.fingerprint[:12]}: the numbers below do not describe this cache.")
+    st.error(
+        f"This report is about model {report['model']['fingerprint'][:12]}, but the cache was made by "
+        f"{manifest.model.fingerprint[:12]}: the numbers below do not describe this cache."
+    )
 elif report["cache"].get("fingerprint") not in (None, cache.fingerprint):
-    st.warning("The cache changed since this report was written (its fingerprint differs); rerun `python -m fca audit`.")
+    st.warning(
+        "The cache changed since this report was written (its fingerprint differs); rerun `python -m fca audit`."
+    )
 
-var, cond, exe, retention = report["variance"], report["conditions"], report["execution"], report.get("gap_retention", {})
-rows = [{"condition": k, "nll": v["nll"], "penalty": v["penalty"], "lo": v["penalty_ci95"][0], "hi": v["penalty_ci95"][1],
-         "gap_retention": retention.get(k)} for k, v in cond.items()]
+var, cond, exe, retention = (
+    report["variance"],
+    report["conditions"],
+    report["execution"],
+    report.get("gap_retention", {}),
+)
+rows = [
+    {
+        "condition": k,
+        "nll": v["nll"],
+        "penalty": v["penalty"],
+        "lo": v["penalty_ci95"][0],
+        "hi": v["penalty_ci95"][1],
+        "gap_retention": retention.get(k),
+    }
+    for k, v in cond.items()
+]
 cards = st.container()  # the three metric cards, filled after the charts below are sent
 left, right = st.columns(2)
 with left:
     perturbed = [r for r in rows if r["condition"] != "correct"]
-    st.plotly_chart(figures.penalty_bars({key: [r[key] for r in perturbed] for key in ("condition", "penalty", "lo", "hi")}),
-                    key="overview_penalty")
+    st.plotly_chart(
+        figures.penalty_bars({key: [r[key] for r in perturbed] for key in ("condition", "penalty", "lo", "hi")}),
+        key="overview_penalty",
+    )
 with right:
     sites = {"site": list(var["per_site"]), "share": list(var["per_site"].values())}
     st.plotly_chart(figures.share_by_site(sites, var["layer_identity_share"]), key="overview_share")
@@ -75,31 +98,52 @@ with cards:
     c1, c2, c3 = st.columns(3)
 with c1:
     st.subheader("1. Variation")
-    st.metric("Layer identity explains", f"{100 * (var['layer_identity_share'] or 0):.1f}% of variance",
-              help="SS between slot (site x channel) means / SS total, within each coefficient family")
-    st.caption("High: a fixed per-layer profile captures most of what the controller does. Low: coefficients vary "
-               "mostly from token to token.")
+    st.metric(
+        "Layer identity explains",
+        f"{100 * (var['layer_identity_share'] or 0):.1f}% of variance",
+        help="SS between slot (site x channel) means / SS total, within each coefficient family",
+    )
+    st.caption(
+        "High: a fixed per-layer profile captures most of what the controller does. Low: coefficients vary "
+        "mostly from token to token."
+    )
 with c2:
     st.subheader("2. Dependence")
     static = cond.get("static_layer", {})
     static_retention = retention.get("static_layer")
-    st.metric("Static-layer penalty", f"{static.get('penalty', float('nan')):+.4f} nats/token",
-              help="NLL(static_layer) - NLL(correct): the cost of replacing every token's coefficients by the calibration mean")
+    st.metric(
+        "Static-layer penalty",
+        f"{static.get('penalty', float('nan')):+.4f} nats/token",
+        help="NLL(static_layer) - NLL(correct): the cost of replacing every token's coefficients by the calibration mean",
+    )
     shown = "undefined" if static_retention is None else f"{100 * static_retention:.1f}%"
-    st.caption(f"Gap retention of the static profile: **{shown}** of the way from the global mean to correct. "
-               "Near 100%: per-token control adds little beyond layer identity.")
+    st.caption(
+        f"Gap retention of the static profile: **{shown}** of the way from the global mean to correct. "
+        "Near 100%: per-token control adds little beyond layer identity."
+    )
 with c3:
     st.subheader("3. Execution")
     ratio = exe.get("latency_ratio_vs_dense")
-    st.metric("Latency vs Dense twin", "not measured" if ratio is None else f"{ratio:.2f}x",
-              help="median over interleaved runs of forward time (model / Dense twin), same device and batch")
-    st.caption(f"Blocks executed: {100 * exe['blocks_executed_fraction']:.0f}% per token; controllers take "
-               f"{100 * exe['controller_flops_share']:.2f}% of the FLOPs. Below 1x would mean the dynamic model saves time.")
+    st.metric(
+        "Latency vs Dense twin",
+        "not measured" if ratio is None else f"{ratio:.2f}x",
+        help="median over interleaved runs of forward time (model / Dense twin), same device and batch",
+    )
+    st.caption(
+        f"Blocks executed: {100 * exe['blocks_executed_fraction']:.0f}% per token; controllers take "
+        f"{100 * exe['controller_flops_share']:.2f}% of the FLOPs. Below 1x would mean the dynamic model saves time."
+    )
 
 # A Markdown table, not st.dataframe: the first page then needs no data-grid bundle in the browser.
-st.markdown("| condition | NLL (nats) | penalty | 95% CI | gap retention |\n|---|---|---|---|---|\n" + "\n".join(
-    f"| {r['condition']} | {r['nll']:.4f} | {r['penalty']:+.4f} | [{r['lo']:+.4f}, {r['hi']:+.4f}] | "
-    + ("" if r["gap_retention"] is None else f"{100 * r['gap_retention']:.1f}%") + " |" for r in rows))
+st.markdown(
+    "| condition | NLL (nats) | penalty | 95% CI | gap retention |\n|---|---|---|---|---|\n"
+    + "\n".join(
+        f"| {r['condition']} | {r['nll']:.4f} | {r['penalty']:+.4f} | [{r['lo']:+.4f}, {r['hi']:+.4f}] | "
+        + ("" if r["gap_retention"] is None else f"{100 * r['gap_retention']:.1f}%")
+        + " |"
+        for r in rows
+    )
+)
 
 m, ex = report["model"], report["exactness"]
 st.subheader("Model and data")
@@ -110,21 +154,33 @@ st.markdown(
     f"{report['cache']['seq_len']} tokens, fingerprint `{str(report['cache'].get('fingerprint'))[:16]}`\n"
     f"- **Calibration cache** `{report['calibration']['path']}`: {report['calibration']['tokens']:,} tokens, fingerprint "
     f"`{str(report['calibration'].get('fingerprint'))[:16]}`\n"
-    + (f"- **Dense twin** `{report['dense']['name']}`, fingerprint `{report['dense']['fingerprint'][:16]}`\n" if report.get("dense") else "")
-    + "".join(f"- **{sentence.split(':', 1)[0]}**:{sentence.split(':', 1)[1]}\n" for sentence in exactness_sentences(ex))
+    + (
+        f"- **Dense twin** `{report['dense']['name']}`, fingerprint `{report['dense']['fingerprint'][:16]}`\n"
+        if report.get("dense")
+        else ""
+    )
+    + "".join(
+        f"- **{sentence.split(':', 1)[0]}**:{sentence.split(':', 1)[1]}\n" for sentence in exactness_sentences(ex)
+    )
 )
 with st.expander("What each figure means (the report's definitions)"):
     for key, value in report.get("definitions", {}).items():
         if isinstance(value, dict):
-            st.markdown(f"**{key}**\n" + "\n".join(f"- `{k}`: {v}" for k, v in value.items() if not isinstance(v, dict)))
+            st.markdown(
+                f"**{key}**\n" + "\n".join(f"- `{k}`: {v}" for k, v in value.items() if not isinstance(v, dict))
+            )
         else:
             st.markdown(f"**{key}**: {value}")
 
 d1, d2, d3 = st.columns(3)
 with d1:
-    st.download_button("Audit report (JSON)", json.dumps(report, indent=1), file_name="audit.json", mime="application/json")
+    st.download_button(
+        "Audit report (JSON)", json.dumps(report, indent=1), file_name="audit.json", mime="application/json"
+    )
 with d2:
     with guard("Markdown rendering"):
-        st.download_button("Audit report (Markdown)", render_markdown(report), file_name="audit.md", mime="text/markdown")
+        st.download_button(
+            "Audit report (Markdown)", render_markdown(report), file_name="audit.md", mime="text/markdown"
+        )
 with d3:
     download(rows, "conditions.csv", "Conditions (CSV)")

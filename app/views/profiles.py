@@ -49,8 +49,8 @@ with guard("Profiles"):
         K = spec.num_channels
         start = int(offsets[site])
         live.append(data[site])  # [T, K]
-        static.append(ref_stats["slot_mean"][start:start + K])
-        sd.append(ref_stats["slot_sd"][start:start + K])
+        static.append(ref_stats["slot_mean"][start : start + K])
+        sd.append(ref_stats["slot_sd"][start : start + K])
         lo.append(band[site][0])
         hi.append(band[site][1])
         slots += [f"{site}/{label}" for label in (spec.channel_labels or range(K))]
@@ -70,7 +70,9 @@ with guard("Profiles"):
     strip = pd.DataFrame({"pos": np.arange(T), "token": tokens, "deviation": np.sqrt((deviation**2).mean(1))})
     st.plotly_chart(figures.token_strip(strip, token), key="prof_strip", on_select="rerun", selection_mode="points")
 
-    profile = pd.DataFrame({"slot": slots, "live": live_m[token], "static": static_v, "lo": np.concatenate(lo), "hi": np.concatenate(hi)})
+    profile = pd.DataFrame(
+        {"slot": slots, "live": live_m[token], "static": static_v, "lo": np.concatenate(lo), "hi": np.concatenate(hi)}
+    )
     st.plotly_chart(figures.profile_lines(profile, f"position {token} {tokens[token]!r}"), key="prof_lines")
     download(profile, f"profile_seq{seq}_tok{token}.csv")
 
@@ -78,8 +80,12 @@ with guard("Profiles"):
     if T > WINDOW:
         start = st.slider("First position in the heatmap", 0, T - WINDOW, 0, key="prof_window")
     span = slice(start, min(T, start + WINDOW))
-    st.plotly_chart(figures.deviation_heatmap(deviation[span], slots, tokens[span], f"Sequence {seq}: deviation from the static profile", span.start),
-                    key="prof_heatmap")
+    st.plotly_chart(
+        figures.deviation_heatmap(
+            deviation[span], slots, tokens[span], f"Sequence {seq}: deviation from the static profile", span.start
+        ),
+        key="prof_heatmap",
+    )
     dev_df = pd.DataFrame(deviation, columns=slots)
     dev_df.insert(0, "token", tokens)
     dev_df.insert(0, "position", np.arange(T))

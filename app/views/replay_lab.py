@@ -47,22 +47,37 @@ with guard("Model"):
 if opened is None:
     st.stop()
 if sel.calibration is None:
-    st.error("The replay lab needs a calibration cache of the same model (a different split) beside this one; none was found.")
+    st.error(
+        "The replay lab needs a calibration cache of the same model (a different split) beside this one; none was found."
+    )
     st.stop()
 experiment, lock = opened
-st.caption(f"Model `{sel.model_dir.name}` (fingerprint `{experiment.model_fingerprint[:12]}`) on **{experiment.device}** "
-           f"matches the cache; calibration: `{sel.calibration.label}`.")
+st.caption(
+    f"Model `{sel.model_dir.name}` (fingerprint `{experiment.model_fingerprint[:12]}`) on **{experiment.device}** "
+    f"matches the cache; calibration: `{sel.calibration.label}`."
+)
 
 job: ReplayJob | None = st.session_state.get(JOB_KEY)
 busy = job is not None and job.running
 with st.form("replay_settings", border=True):
     c1, c2 = st.columns([3, 2])
-    kinds = c1.multiselect("Conditions (correct always runs)", list(KINDS), default=["static_layer", "global_mean"],
-                           key="lab_kinds", help="; ".join(f"{k}: {v}" for k, v in KINDS.items()))
-    freeze = c2.multiselect("Freeze only these sites (empty: all sites)", cache.sites, key="lab_sites",
-                            help="the other sites keep their correct coefficients")
+    kinds = c1.multiselect(
+        "Conditions (correct always runs)",
+        list(KINDS),
+        default=["static_layer", "global_mean"],
+        key="lab_kinds",
+        help="; ".join(f"{k}: {v}" for k, v in KINDS.items()),
+    )
+    freeze = c2.multiselect(
+        "Freeze only these sites (empty: all sites)",
+        cache.sites,
+        key="lab_sites",
+        help="the other sites keep their correct coefficients",
+    )
     c3, c4, c5, c6, c7 = st.columns(5)
-    alpha = c3.slider("alpha (interpolate)", 0.0, 1.0, 0.5, 0.05, key="lab_alpha", help="1 = live coefficients, 0 = static profile")
+    alpha = c3.slider(
+        "alpha (interpolate)", 0.0, 1.0, 0.5, 0.05, key="lab_alpha", help="1 = live coefficients, 0 = static profile"
+    )
     independent = c4.checkbox("token_shuffle: one permutation per site", key="lab_independent")
     num_seqs = int(c5.number_input("Sequences", 2, cache.num_seqs, min(16, cache.num_seqs), key="lab_num_seqs"))
     seed = int(c6.number_input("Seed", 0, 2**31 - 1, 0, key="lab_seed"))
@@ -70,10 +85,26 @@ with st.form("replay_settings", border=True):
     submitted = st.form_submit_button("Run", type="primary", disabled=busy)
 
 st.caption("  \n".join(f"**{k}**: {KINDS[k]}" for k in kinds))
-specs = [Condition(kind, alpha if kind == "interpolate" else None, tuple(freeze) or None,
-                   kind == "token_shuffle" and independent, seed).spec for kind in kinds]
-settings = dict(model=str(sel.model_dir), cache=str(cache.path), calibration=str(sel.calibration.path),
-                conditions=specs, num_seqs=num_seqs, seed=seed, device=sel.device, batch_size=batch)
+specs = [
+    Condition(
+        kind,
+        alpha if kind == "interpolate" else None,
+        tuple(freeze) or None,
+        kind == "token_shuffle" and independent,
+        seed,
+    ).spec
+    for kind in kinds
+]
+settings = dict(
+    model=str(sel.model_dir),
+    cache=str(cache.path),
+    calibration=str(sel.calibration.path),
+    conditions=specs,
+    num_seqs=num_seqs,
+    seed=seed,
+    device=sel.device,
+    batch_size=batch,
+)
 
 
 def _rel(p: str) -> str:
@@ -84,10 +115,23 @@ def _rel(p: str) -> str:
 
 
 st.caption("The same run from the command line:")
-st.code("python -m fca replay " + " ".join([
-    f"--model {shlex.quote(_rel(settings['model']))}", f"--cache {shlex.quote(_rel(settings['cache']))}",
-    f"--calibration {shlex.quote(_rel(settings['calibration']))}", "--conditions " + " ".join(shlex.quote(s) for s in ["correct", *specs]),
-    f"--num-seqs {num_seqs}", f"--seed {seed}", f"--batch {batch}", f"--device {sel.device}"]), language="bash", wrap_lines=True)
+st.code(
+    "python -m fca replay "
+    + " ".join(
+        [
+            f"--model {shlex.quote(_rel(settings['model']))}",
+            f"--cache {shlex.quote(_rel(settings['cache']))}",
+            f"--calibration {shlex.quote(_rel(settings['calibration']))}",
+            "--conditions " + " ".join(shlex.quote(s) for s in ["correct", *specs]),
+            f"--num-seqs {num_seqs}",
+            f"--seed {seed}",
+            f"--batch {batch}",
+            f"--device {sel.device}",
+        ]
+    ),
+    language="bash",
+    wrap_lines=True,
+)
 
 if submitted and not busy:
     with guard("Replay"):
@@ -103,8 +147,11 @@ def progress_panel() -> None:
         return
     if current.running:
         total = max(current.total, 1)
-        text = (f"Replaying: {current.done} / {current.total} sequences" if current.done
-                else "Starting: loading the model and profiles, then the first batch…")
+        text = (
+            f"Replaying: {current.done} / {current.total} sequences"
+            if current.done
+            else "Starting: loading the model and profiles, then the first batch…"
+        )
         st.progress(current.done / total, text=text)
         if st.button("Cancel", key="lab_cancel"):
             current.stop.set()
@@ -130,12 +177,23 @@ if job is not None and not job.running:
         for name, row in record["results"]["conditions"].items():
             values = np.asarray(per_seq[name])
             half = 1.96 * values.std(ddof=1) / np.sqrt(len(values)) if len(values) > 1 else 0.0
-            rows.append({"condition": name, "nll": row["nll"], "ci_lo": row["nll"] - half, "ci_hi": row["nll"] + half,
-                         "penalty": row["penalty"], "lo": row["penalty_ci95"][0], "hi": row["penalty_ci95"][1]})
+            rows.append(
+                {
+                    "condition": name,
+                    "nll": row["nll"],
+                    "ci_lo": row["nll"] - half,
+                    "ci_hi": row["nll"] + half,
+                    "penalty": row["penalty"],
+                    "lo": row["penalty_ci95"][0],
+                    "hi": row["penalty_ci95"][1],
+                }
+            )
         result = pd.DataFrame(rows)
         st.dataframe(result, hide_index=True, key="lab_result")
         left, right = st.columns(2)
-        left.plotly_chart(figures.nll_bars(result, "NLL per condition (95% CI of the mean over sequences)"), key="lab_nll")
+        left.plotly_chart(
+            figures.nll_bars(result, "NLL per condition (95% CI of the mean over sequences)"), key="lab_nll"
+        )
         right.plotly_chart(figures.penalty_bars(result[result["condition"] != "correct"]), key="lab_penalty")
         download(result, "replay_result.csv")
 
@@ -144,16 +202,40 @@ runs = list_runs(cache.path)
 if not runs:
     st.caption(f"None yet. Runs are saved in `{_rel(str(cache.path))}.runs/`.")
 else:
-    table = pd.DataFrame([{
-        "run": Path(r["path"]).stem, "created": r.get("created"), "conditions": ", ".join(r["spec"]["conditions"]),
-        "sequences": r["spec"]["num_seqs"], "seed": r["spec"]["seed"], "device": r.get("device"),
-        "model ok": r["spec"].get("model_fingerprint") == cache.manifest.model.fingerprint,
-    } for r in runs])
+    table = pd.DataFrame(
+        [
+            {
+                "run": Path(r["path"]).stem,
+                "created": r.get("created"),
+                "conditions": ", ".join(r["spec"]["conditions"]),
+                "sequences": r["spec"]["num_seqs"],
+                "seed": r["spec"]["seed"],
+                "device": r.get("device"),
+                "model ok": r["spec"].get("model_fingerprint") == cache.manifest.model.fingerprint,
+            }
+            for r in runs
+        ]
+    )
     st.dataframe(table, hide_index=True, key="lab_runs")
     chosen = st.multiselect("Compare runs", table["run"].tolist(), default=table["run"].tolist()[:2], key="lab_compare")
-    long = pd.DataFrame([{"run": Path(r["path"]).stem, "condition": name, "nll": row["nll"], "penalty": row["penalty"],
-                          "lo": row["penalty_ci95"][0], "hi": row["penalty_ci95"][1]}
-                         for r in runs if Path(r["path"]).stem in chosen for name, row in r["results"]["conditions"].items()])
+    long = pd.DataFrame(
+        [
+            {
+                "run": Path(r["path"]).stem,
+                "condition": name,
+                "nll": row["nll"],
+                "penalty": row["penalty"],
+                "lo": row["penalty_ci95"][0],
+                "hi": row["penalty_ci95"][1],
+            }
+            for r in runs
+            if Path(r["path"]).stem in chosen
+            for name, row in r["results"]["conditions"].items()
+        ]
+    )
     if len(long):
-        st.plotly_chart(figures.penalty_bars(long[long["condition"] != "correct"], "Penalty vs correct, saved runs side by side"), key="lab_compare_chart")
+        st.plotly_chart(
+            figures.penalty_bars(long[long["condition"] != "correct"], "Penalty vs correct, saved runs side by side"),
+            key="lab_compare_chart",
+        )
         download(long, "saved_runs.csv")

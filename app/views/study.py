@@ -42,13 +42,18 @@ if st.session_state.pop(OPEN_REQUEST, False):
 
 found = studies.find_studies(sel.roots)
 if not found:
-    st.info("No study found under " + ", ".join(f"`{r}`" for r in sel.roots) + ". A study is a `study.json` in a "
-            "root or one folder below it. Make the demo's (trains seeds 1 and 2 of the demo configuration, adds the "
-            "shipped demo as seed 0):")
+    st.info(
+        "No study found under " + ", ".join(f"`{r}`" for r in sel.roots) + ". A study is a `study.json` in a "
+        "root or one folder below it. Make the demo's (trains seeds 1 and 2 of the demo configuration, adds the "
+        "shipped demo as seed 0):"
+    )
     st.code("python -m fca demo-study --seeds 1 2 --device cuda --out cache/demo-study", language="bash")
     st.markdown("or aggregate audits you already have:")
-    st.code("python -m fca study runs/seed*/audit.json \\\n"
-            "    --json cache/my-study/study.json --markdown cache/my-study/study.md", language="bash")
+    st.code(
+        "python -m fca study runs/seed*/audit.json \\\n"
+        "    --json cache/my-study/study.json --markdown cache/my-study/study.md",
+        language="bash",
+    )
     st.stop()
 
 
@@ -73,11 +78,28 @@ if study is None:
 rows, summary = study["seeds"], study["summary"]
 conditions = summary["conditions"]
 retained = [c for c, s in conditions.items() if "gap_retention" in s]
-points = pd.DataFrame([{"condition": c, "seed": str(r["seed"]) if r["seed"] is not None else r["name"],
-                        "retention": r["gap_retention"].get(c)} for r in rows for c in retained])
-spreads = pd.DataFrame([{"condition": c, "mean": conditions[c]["gap_retention"]["mean"],
-                         "lo": (conditions[c]["gap_retention"]["ci95"] or [None, None])[0],
-                         "hi": (conditions[c]["gap_retention"]["ci95"] or [None, None])[1]} for c in retained])
+points = pd.DataFrame(
+    [
+        {
+            "condition": c,
+            "seed": str(r["seed"]) if r["seed"] is not None else r["name"],
+            "retention": r["gap_retention"].get(c),
+        }
+        for r in rows
+        for c in retained
+    ]
+)
+spreads = pd.DataFrame(
+    [
+        {
+            "condition": c,
+            "mean": conditions[c]["gap_retention"]["mean"],
+            "lo": (conditions[c]["gap_retention"]["ci95"] or [None, None])[0],
+            "hi": (conditions[c]["gap_retention"]["ci95"] or [None, None])[1],
+        }
+        for c in retained
+    ]
+)
 if retained:
     st.plotly_chart(figures.study_retention(points, spreads), key="study_retention")
 
@@ -95,9 +117,14 @@ def cell(s: dict, digits: int = 4, percent: bool = False) -> str:
 
 st.subheader(f"Across {study['num_models']} models")
 st.caption("mean ± sample SD over models [95% Student t interval over models]")
-st.markdown("| condition | NLL (nats) | penalty vs correct | gap retention |\n|---|---|---|---|\n" + "\n".join(
-    f"| {c} | {cell(s['nll'])} | {'' if c == 'correct' else cell(s['penalty'])} | "
-    f"{cell(s['gap_retention'], 1, percent=True) if 'gap_retention' in s else ''} |" for c, s in conditions.items()))
+st.markdown(
+    "| condition | NLL (nats) | penalty vs correct | gap retention |\n|---|---|---|---|\n"
+    + "\n".join(
+        f"| {c} | {cell(s['nll'])} | {'' if c == 'correct' else cell(s['penalty'])} | "
+        f"{cell(s['gap_retention'], 1, percent=True) if 'gap_retention' in s else ''} |"
+        for c, s in conditions.items()
+    )
+)
 st.markdown(
     f"- **Layer-identity share** of coefficient variance: {cell(summary['layer_identity_share'], 3)}\n"
     f"- **Latency vs Dense twin**: {cell(summary['latency_ratio_vs_dense'], 3)}x\n"
@@ -106,13 +133,23 @@ st.markdown(
 )
 
 st.subheader("Seeds")
-table = pd.DataFrame([{
-    "seed": r["seed"], "model": r["name"], "fingerprint": r["fingerprint"][:12], "NLL correct": r["nll"].get("correct"),
-    **{f"penalty {c}": r["penalty"].get(c) for c in conditions if c != "correct"},
-    **{f"retention {c}": r["gap_retention"].get(c) for c in retained},
-    "layer-id share": r["layer_identity_share"], "latency x": r["latency_ratio_vs_dense"],
-    "trained on": (r.get("training") or {}).get("device"), "audit": r["audit"],
-} for r in rows])
+table = pd.DataFrame(
+    [
+        {
+            "seed": r["seed"],
+            "model": r["name"],
+            "fingerprint": r["fingerprint"][:12],
+            "NLL correct": r["nll"].get("correct"),
+            **{f"penalty {c}": r["penalty"].get(c) for c in conditions if c != "correct"},
+            **{f"retention {c}": r["gap_retention"].get(c) for c in retained},
+            "layer-id share": r["layer_identity_share"],
+            "latency x": r["latency_ratio_vs_dense"],
+            "trained on": (r.get("training") or {}).get("device"),
+            "audit": r["audit"],
+        }
+        for r in rows
+    ]
+)
 st.dataframe(table, hide_index=True, key="study_table")
 
 st.subheader("Open one seed")
@@ -137,14 +174,18 @@ def seed_label(i: int) -> str:
 index = st.selectbox("Seed", list(range(len(rows))), key="study_seed", format_func=seed_label)
 row = rows[index]
 if str(evaluated_cache(row)) in by_path:
-    st.caption(f"Its evaluated cache `{label(evaluated_cache(row))}` is on this machine: opening it selects it in the "
-               "sidebar (with its model, calibration cache and audit) and shows the Overview.")
+    st.caption(
+        f"Its evaluated cache `{label(evaluated_cache(row))}` is on this machine: opening it selects it in the "
+        "sidebar (with its model, calibration cache and audit) and shows the Overview."
+    )
     st.button("Open in the other pages", key="study_open", on_click=open_seed, args=(index,), type="primary")
 else:
     audit_path = (study_path.parent / row["audit"]).resolve()
-    st.caption(f"Its caches are not on this machine (only its audit, `{label(audit_path)}`, was kept), so the "
-               "other pages cannot open it; its audit report follows. Regenerate models and caches with the study's "
-               "command (for the demo study: `python -m fca demo-study`).")
+    st.caption(
+        f"Its caches are not on this machine (only its audit, `{label(audit_path)}`, was kept), so the "
+        "other pages cannot open it; its audit report follows. Regenerate models and caches with the study's "
+        "command (for the demo study: `python -m fca demo-study`)."
+    )
     with guard("Audit report"):
         st.markdown(render_markdown(resources.report(str(audit_path), resources.file_stamp(audit_path))))
 
@@ -152,5 +193,6 @@ d1, d2 = st.columns(2)
 with d1:
     download(table, "study_seeds.csv", "Seeds (CSV)", key="study_csv")
 with d2:
-    st.download_button("Study (Markdown)", studies.render_markdown(study), file_name="study.md", mime="text/markdown",
-                       key="study_md")
+    st.download_button(
+        "Study (Markdown)", studies.render_markdown(study), file_name="study.md", mime="text/markdown", key="study_md"
+    )

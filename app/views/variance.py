@@ -28,14 +28,19 @@ with guard("Cache statistics"):
     dec = stats["decomposition"]
     families = {f: v for f, v in dec["per_family"].items()}
     cols = st.columns(1 + min(len(families), 4))
-    cols[0].metric("Layer-identity share (pooled)", f"{100 * (dec['layer_identity_share'] or 0):.1f}%",
-                   help=f"over {dec['num_tokens']:,} tokens of this cache")
+    cols[0].metric(
+        "Layer-identity share (pooled)",
+        f"{100 * (dec['layer_identity_share'] or 0):.1f}%",
+        help=f"over {dec['num_tokens']:,} tokens of this cache",
+    )
     if len(families) > 1:
         for col, (f, v) in zip(cols[1:], families.items()):
             col.metric(f"family {f}", "n/a" if v is None else f"{100 * v:.1f}%")
 
     per_site = pd.DataFrame({"site": list(dec["per_site"]), "share": list(dec["per_site"].values())})
-    factors = pd.DataFrame({"factor": [k.replace("_", " ") for k in dec["factors"]], "share": list(dec["factors"].values())})
+    factors = pd.DataFrame(
+        {"factor": [k.replace("_", " ") for k in dec["factors"]], "share": list(dec["factors"].values())}
+    )
     left, right = st.columns(2)
     with left:
         st.plotly_chart(figures.share_by_site(per_site, dec["layer_identity_share"]), key="var_share")
@@ -47,9 +52,14 @@ with guard("Cache statistics"):
     # Site x channel: sites may have different widths (MUDD layer i has C*(i+2) channels, MoE routers
     # one per expert), so the table is long (site, channel) and the figure pads with blanks.
     st.subheader("Site x channel")
-    quantity = st.radio("Show per slot", ["mean", "standard deviation", "layer-identity share"], horizontal=True, key="var_quantity")
-    values = {"mean": stats["slot_mean"], "standard deviation": stats["slot_sd"],
-              "layer-identity share": np.array([np.nan if s is None else s for s in dec["per_slot_share"]], dtype=float)}[quantity]
+    quantity = st.radio(
+        "Show per slot", ["mean", "standard deviation", "layer-identity share"], horizontal=True, key="var_quantity"
+    )
+    values = {
+        "mean": stats["slot_mean"],
+        "standard deviation": stats["slot_sd"],
+        "layer-identity share": np.array([np.nan if s is None else s for s in dec["per_slot_share"]], dtype=float),
+    }[quantity]
     rows, structured = [], []
     offset = 0
     for site, spec in cache.manifest.sites.items():
@@ -58,7 +68,9 @@ with guard("Cache statistics"):
         fams = spec.families_per_channel()
         axes = spec.axes
         for k in range(K):
-            rows.append({"site": site, "channel": k, "label": labels[k], "family": fams[k], "value": float(values[offset + k])})
+            rows.append(
+                {"site": site, "channel": k, "label": labels[k], "family": fams[k], "value": float(values[offset + k])}
+            )
             if len(axes) == 2:  # row-major flattening (DESIGN.md): k = a * size_1 + b
                 a, b = divmod(k, int(axes[1][1]))
                 group = fams[k] if spec.channel_families else f"{axes[0][0]} {a}"
@@ -69,34 +81,54 @@ with guard("Cache statistics"):
     view = "flat channels"
     if structured:
         first_axes = next(spec.axes for spec in cache.manifest.sites.values() if len(spec.axes) == 2)
-        view = st.radio("Layout", ["flat channels", f"one panel per {first_axes[0][0]} (x = {first_axes[1][0]})"], horizontal=True, key="var_view")
+        view = st.radio(
+            "Layout",
+            ["flat channels", f"one panel per {first_axes[0][0]} (x = {first_axes[1][0]})"],
+            horizontal=True,
+            key="var_view",
+        )
     if view == "flat channels":
-        st.plotly_chart(figures.slot_heatmap(slots, unit, f"{quantity.capitalize()} of each site's channels"), key="var_heatmap")
+        st.plotly_chart(
+            figures.slot_heatmap(slots, unit, f"{quantity.capitalize()} of each site's channels"), key="var_heatmap"
+        )
     else:
-        st.plotly_chart(figures.axis_heatmaps(pd.DataFrame(structured), unit, f"{quantity.capitalize()} per {first_axes[0][0]}"), key="var_axes")
+        st.plotly_chart(
+            figures.axis_heatmaps(pd.DataFrame(structured), unit, f"{quantity.capitalize()} per {first_axes[0][0]}"),
+            key="var_axes",
+        )
     download(slots, "slots.csv")
 
     st.subheader("Distributions per site")
     quant = resources.site_quantiles(str(cache.path), cache.fingerprint)
-    st.caption(f"Quantiles over a sample of {int(quant['sampled_tokens'].iloc[0]):,} tokens per site (the first sequences of the cache), "
-               "so this chart costs the same on caches of any size.")
+    st.caption(
+        f"Quantiles over a sample of {int(quant['sampled_tokens'].iloc[0]):,} tokens per site (the first sequences of the cache), "
+        "so this chart costs the same on caches of any size."
+    )
     st.plotly_chart(figures.site_distributions(quant), key="var_dist")
     download(quant, "site_distributions.csv")
 
 with guard("Sequence view"):
     st.subheader("One sequence: token x layer")
-    st.caption("Each cell summarises one site's coefficients at one token. Vertical stripes mean a token moves every "
-               "layer at once; horizontal bands mean a layer behaves the same for every token.")
+    st.caption(
+        "Each cell summarises one site's coefficients at one token. Vertical stripes mean a token moves every "
+        "layer at once; horizontal bands mean a layer behaves the same for every token."
+    )
     c1, c2, c3 = st.columns([1, 2, 2])
     seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, 0, key="var_seq"))
-    summary = c2.selectbox("Cell value", ["mean over channels", "SD over channels", "RMS deviation from slot mean (SDs)"], key="var_summary")
+    summary = c2.selectbox(
+        "Cell value",
+        ["mean over channels", "SD over channels", "RMS deviation from slot mean (SDs)"],
+        key="var_summary",
+    )
     T = cache.seq_len
     start = 0
     if T > WINDOW:
         start = c3.slider("First position shown", 0, T - WINDOW, 0, step=max(1, WINDOW // 4), key="var_window")
     data = resources.sequence(str(cache.path), cache.fingerprint, seq)
     span = slice(start, min(T, start + WINDOW))
-    tokens = resources.decode_tokens(str(sel.model_dir) if sel.model_dir else "", tuple(int(t) for t in data["token"][span]))
+    tokens = resources.decode_tokens(
+        str(sel.model_dir) if sel.model_dir else "", tuple(int(t) for t in data["token"][span])
+    )
     matrix, offset = {}, 0
     for site, width in zip(stats["sites"], stats["widths"]):
         v = data[site][span]  # [t, K]
@@ -105,7 +137,7 @@ with guard("Sequence view"):
         elif summary.startswith("SD"):
             matrix[site] = v.std(1)
         else:
-            mu, sd = stats["slot_mean"][offset:offset + width], stats["slot_sd"][offset:offset + width]
+            mu, sd = stats["slot_mean"][offset : offset + width], stats["slot_sd"][offset : offset + width]
             matrix[site] = np.sqrt((((v - mu) / np.where(sd > 0, sd, 1)) ** 2).mean(1))
         offset += width
     z = pd.DataFrame(matrix, index=range(span.start, span.stop)).T

@@ -62,9 +62,13 @@ class SiteDeclaration:
 
     def __post_init__(self) -> None:
         if self.token_layout not in ("batched", "flat"):
-            raise SiteDeclarationError(f"{self.path}: token_layout must be 'batched' or 'flat', not {self.token_layout!r}")
+            raise SiteDeclarationError(
+                f"{self.path}: token_layout must be 'batched' or 'flat', not {self.token_layout!r}"
+            )
         if self.output is not None and self.rebuild is None:
-            raise SiteDeclarationError(f"{self.path}: output={self.output!r} picks the coefficient out of a larger output, so replay needs rebuild=")
+            raise SiteDeclarationError(
+                f"{self.path}: output={self.output!r} picks the coefficient out of a larger output, so replay needs rebuild="
+            )
 
 
 def _describe(value: Any) -> str:
@@ -109,8 +113,14 @@ class ModuleSite(Site):
         if self.mode == "replay":
             dtype = first.dtype if first is not None and first.is_floating_point() else torch.get_default_dtype()
             device = first.device if first is not None else None
-            coefficients = self._provider(self, B, T).to(device=device, dtype=dtype).expand(B, T, self.spec.num_channels)  # [B, T, K]
-            native = coefficients.reshape(B * T, *dims) if self.declaration.token_layout == "flat" else coefficients.reshape(B, T, *dims)
+            coefficients = (
+                self._provider(self, B, T).to(device=device, dtype=dtype).expand(B, T, self.spec.num_channels)
+            )  # [B, T, K]
+            native = (
+                coefficients.reshape(B * T, *dims)
+                if self.declaration.token_layout == "flat"
+                else coefficients.reshape(B, T, *dims)
+            )
             return native if self.declaration.rebuild is None else self.declaration.rebuild(native, self.controller)
         output = self.controller(*args, **kwargs)
         coefficients = self._coefficients(output, B, T)  # [B, T, K]
@@ -141,7 +151,9 @@ class ModuleSite(Site):
             else:
                 picked = how(output)
         except (IndexError, KeyError, TypeError) as err:
-            raise SiteDeclarationError(f"site {self.site_name!r}: output={how!r} cannot be read from the module's output {_describe(output)} ({err})") from None
+            raise SiteDeclarationError(
+                f"site {self.site_name!r}: output={how!r} cannot be read from the module's output {_describe(output)} ({err})"
+            ) from None
         K = self.spec.num_channels
         flat = self.declaration.token_layout == "flat"
         lead = (B * T,) if flat else (B, T)
@@ -154,7 +166,11 @@ class ModuleSite(Site):
             raise SiteDeclarationError(
                 f"site {self.site_name!r}: the coefficient {_describe(picked)} does not fit token_layout={self.declaration.token_layout!r} "
                 f"(leading dims {list(lead)} for B={B}, T={T}) and axes {self.spec.axes} (K={K}); the module returned {_describe(output)}"
-                + ("; set output= to pick the coefficient tensor" if how is None and not isinstance(output, torch.Tensor) else "")
+                + (
+                    "; set output= to pick the coefficient tensor"
+                    if how is None and not isinstance(output, torch.Tensor)
+                    else ""
+                )
             )
         return picked.reshape(B, T, K)  # [B, T, K]
 
@@ -162,13 +178,13 @@ class ModuleSite(Site):
 def _hide_controller_keys(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     inner = prefix + "controller."
     for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
 
 
 def _restore_controller_keys(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
     inner = prefix + "controller."
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
 
 
 def match_modules(model: nn.Module, pattern: str) -> list[str]:
@@ -177,7 +193,9 @@ def match_modules(model: nn.Module, pattern: str) -> list[str]:
     return [
         name
         for name, _ in model.named_modules()
-        if name and len(name.split(".")) == len(parts) and all(fnmatchcase(n, p) for n, p in zip(name.split("."), parts))
+        if name
+        and len(name.split(".")) == len(parts)
+        and all(fnmatchcase(n, p) for n, p in zip(name.split("."), parts))
     ]
 
 
@@ -209,8 +227,14 @@ def candidate_paths(model: nn.Module, pattern: str, limit: int = 8) -> list[str]
             if len(misses) == 1:
                 fits.setdefault((misses[0], path[misses[0]]), name)
 
-    depth = max((m for m in range(len(parts)) if any(len(path) > m and _matches(path[:m], parts[:m])
-                                                     for path in split.values())), default=0)
+    depth = max(
+        (
+            m
+            for m in range(len(parts))
+            if any(len(path) > m and _matches(path[:m], parts[:m]) for path in split.values())
+        ),
+        default=0,
+    )
     siblings: dict[tuple[int, str], str] = {}  # (level, child name) -> first path
     for level in (depth, depth - 1):
         for name, path in split.items():
@@ -257,7 +281,10 @@ def _forget_batch_shape(sites: Sequence[ModuleSite], *_: Any) -> None:
 
 
 def attach_sites(
-    model: nn.Module, declarations: Sequence[SiteDeclaration], *, blocks: str | None = None,
+    model: nn.Module,
+    declarations: Sequence[SiteDeclaration],
+    *,
+    blocks: str | None = None,
     output: OutputSelector | None = None,
 ) -> nn.Module:
     """Swap every module matched by a declaration for a `ModuleSite` wrapping it; returns `model`.
@@ -275,14 +302,20 @@ def attach_sites(
         paths = match_modules(model, declaration.path)
         if not paths:
             candidates = candidate_paths(model, declaration.path)
-            raise SiteDeclarationError(f"no module of {type(model).__name__} matches {declaration.path!r}; candidates: {', '.join(candidates)}")
+            raise SiteDeclarationError(
+                f"no module of {type(model).__name__} matches {declaration.path!r}; candidates: {', '.join(candidates)}"
+            )
         for path in paths:
             module = model.get_submodule(path)
             if isinstance(module, Site):
                 raise SiteDeclarationError(f"{path} is already a controller site")
             if any(path == c or path.startswith(c + ".") or c.startswith(path + ".") for c in planned):
                 raise SiteDeclarationError(f"{path} is declared twice, or nested with another declared site")
-            spec = SiteSpec(axes=_resolve_axes(declaration, module, path), family=declaration.family, coefficient=declaration.coefficient)
+            spec = SiteSpec(
+                axes=_resolve_axes(declaration, module, path),
+                family=declaration.family,
+                coefficient=declaration.coefficient,
+            )
             planned[path] = (module, declaration, spec)
     if blocks is not None:
         model.get_submodule(blocks)  # fail now, not in the execution audit

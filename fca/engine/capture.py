@@ -64,7 +64,13 @@ def _library_versions() -> dict:
     import pyarrow
     import transformers
 
-    return {"fca": "0.1.0", "torch": torch.__version__, "pyarrow": pyarrow.__version__, "transformers": transformers.__version__, "numpy": np.__version__}
+    return {
+        "fca": "0.1.0",
+        "torch": torch.__version__,
+        "pyarrow": pyarrow.__version__,
+        "transformers": transformers.__version__,
+        "numpy": np.__version__,
+    }
 
 
 @torch.no_grad()
@@ -81,7 +87,10 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor, rows_per_chunk: int =
     """Per-token NLL [b, T] from logits [b, T, V]. In chunks of rows: the log-softmax temporaries stay a
     few MB instead of the size of the logits (allocating those cost more than the arithmetic)."""
     flat, flat_targets = logits.flatten(0, 1), targets.flatten()
-    parts = [F.cross_entropy(chunk.float(), t, reduction="none") for chunk, t in zip(flat.split(rows_per_chunk), flat_targets.split(rows_per_chunk))]
+    parts = [
+        F.cross_entropy(chunk.float(), t, reduction="none")
+        for chunk, t in zip(flat.split(rows_per_chunk), flat_targets.split(rows_per_chunk))
+    ]
     return torch.cat(parts).view(targets.shape)
 
 
@@ -167,9 +176,11 @@ def _storage_tensor(t: torch.Tensor, coefficient_dtype: str, site: str) -> torch
     bfloat16 values: it is lossless or refused."""
     if coefficient_dtype == "bfloat16":
         if t.dtype != torch.bfloat16:
-            raise CacheError(f"site {site}: bfloat16 storage keeps bfloat16 coefficients bit for bit, but this site "
-                             f"computes {str(t.dtype).replace('torch.', '')} (store float32, or float16 if rounding is "
-                             "acceptable)")
+            raise CacheError(
+                f"site {site}: bfloat16 storage keeps bfloat16 coefficients bit for bit, but this site "
+                f"computes {str(t.dtype).replace('torch.', '')} (store float32, or float16 if rounding is "
+                "acceptable)"
+            )
         return t.view(torch.int16)
     return t.half() if coefficient_dtype == "float16" else t.float()
 
@@ -205,13 +216,16 @@ def write_cache(
     parameter = next(model.parameters())
     device_ = parameter.device
     if coefficient_dtype == "bfloat16" and parameter.dtype != torch.bfloat16:
-        raise CacheError(f"{out}: bfloat16 coefficient storage is for bfloat16 models (lossless); this model is "
-                         f"{str(parameter.dtype).replace('torch.', '')} (store float32, or float16 if rounding is "
-                         "acceptable)")
+        raise CacheError(
+            f"{out}: bfloat16 coefficient storage is for bfloat16 models (lossless); this model is "
+            f"{str(parameter.dtype).replace('torch.', '')} (store float32, or float16 if rounding is "
+            "acceptable)"
+        )
     row_bytes = bytes_per_token(specs, COEFFICIENT_BYTES[coefficient_dtype])
     workers = default_writers(device_) if workers is None else max(1, int(workers))
-    writer = CacheWriter(out, plan, schema, seqs_per_part(row_bytes, T, batch_size), overwrite=overwrite,
-                         workers=workers)
+    writer = CacheWriter(
+        out, plan, schema, seqs_per_part(row_bytes, T, batch_size), overwrite=overwrite, workers=workers
+    )
     copies = _HostCopies(device_)
 
     def write_batch(lo: int, hi: int, host: dict[str, torch.Tensor], event, slot) -> None:
@@ -230,8 +244,11 @@ def write_cache(
     # On CUDA a collector thread takes batch n off the pinned buffers (and, with one writer, encodes it)
     # while the GPU runs batch n + 1. On CPU the batch is handed over inline: with one writer it is
     # encoded in this thread, since a writer thread would only take a core from the forward pass.
-    background = _BackgroundWriter(write_batch, discard=lambda lo, hi, host, event, slot: copies.release(slot)) \
-        if device_.type == "cuda" else None
+    background = (
+        _BackgroundWriter(write_batch, discard=lambda lo, hi, host, event, slot: copies.release(slot))
+        if device_.type == "cuda"
+        else None
+    )
     done = writer.done_seqs
     bar = tqdm(total=N, initial=done, unit="seq", desc=desc, disable=not show_progress)
     try:
@@ -260,4 +277,6 @@ def write_cache(
         raise
     finally:
         bar.close()
-    return writer.finish({"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "library_versions": _library_versions()})
+    return writer.finish(
+        {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "library_versions": _library_versions()}
+    )

@@ -33,12 +33,17 @@ def current_environment(model: nn.Module) -> dict:
     """The environment `model` computes in now: device, its name and capability, dtype, torch, threads."""
     param = next(model.parameters())
     device = param.device
-    env = {"device_type": device.type, "model_dtype": model_dtype_name(model), "torch": torch.__version__,
-           "cuda": torch.version.cuda if device.type == "cuda" else None}
+    env = {
+        "device_type": device.type,
+        "model_dtype": model_dtype_name(model),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if device.type == "cuda" else None,
+    }
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         env.update(device_name=torch.cuda.get_device_name(device), capability=f"sm_{major}{minor}", threads=None)
     else:
-        env.update(device_name=_cpu_name(), capability=torch.backends.cpu.get_cpu_capability(),
-                   threads=torch.get_num_threads())
+        env.update(
+            device_name=_cpu_name(), capability=torch.backends.cpu.get_cpu_capability(), threads=torch.get_num_threads()
+        )
     return {key: env[key] for key in IDENTITY_FIELDS}

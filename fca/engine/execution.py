@@ -39,6 +39,7 @@ def blocks_executed(model: nn.Module, input_ids: torch.Tensor) -> dict:
     def counter(i: int) -> Callable:
         def hook(module, args, kwargs):
             processed[i] += _tokens_in(args, kwargs)
+
         return hook
 
     handles = [b.register_forward_pre_hook(counter(i), with_kwargs=True) for i, b in enumerate(blocks)]
@@ -66,8 +67,12 @@ def controller_flops(model: nn.Module, input_ids: torch.Tensor) -> dict:
     root = type(model).__name__
     total = int(counter.get_total_flops())
     in_sites = sum(sum(per_module.get(f"{root}.{name}", {}).values()) for name in find_sites(model))
-    return {"total_flops": total, "controller_flops": int(in_sites), "controller_flops_share": in_sites / total if total else 0.0,
-            "flops_per_token": total / input_ids.numel()}
+    return {
+        "total_flops": total,
+        "controller_flops": int(in_sites),
+        "controller_flops_share": in_sites / total if total else 0.0,
+        "flops_per_token": total / input_ids.numel(),
+    }
 
 
 def _sync(device: torch.device) -> None:

@@ -35,7 +35,11 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    single, index, pickle = path / "model.safetensors", path / "model.safetensors.index.json", path / "pytorch_model.bin"
+    single, index, pickle = (
+        path / "model.safetensors",
+        path / "model.safetensors.index.json",
+        path / "pytorch_model.bin",
+    )
     try:
         if single.is_file():
             return load_file(single)
@@ -63,7 +67,11 @@ def load_strict(model: nn.Module, state: dict[str, torch.Tensor], where: Path, a
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
-    misshapen = [f"{k} {tuple(state[k].shape)} != {tuple(v.shape)}" for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    misshapen = [
+        f"{k} {tuple(state[k].shape)} != {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
     problems = []
     if missing:
         problems.append(f"missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -84,8 +92,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     family = family_for_type(model_type)
     if family is None or family.load is None:
         known = sorted(t for t, f in registered_families().items() if f.load is not None)
-        raise ModelLoadError(f"{path / 'config.json'}: unsupported model_type {model_type!r} "
-                             f"(known: {', '.join(known)})")
+        raise ModelLoadError(
+            f"{path / 'config.json'}: unsupported model_type {model_type!r} (known: {', '.join(known)})"
+        )
     model = family.load(path)
     if dtype is not None:
         model = model.to(dtype)
@@ -124,7 +133,11 @@ def save_model(model: nn.Module, out: str | Path, tokenizer=None, extra_files: d
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.config.to_json_file(tmp / "config.json")
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+        tmp / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     if tokenizer is not None:
         tokenizer.save(str(tmp / "tokenizer.json"))
     for name, text in (extra_files or {}).items():

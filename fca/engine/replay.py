@@ -54,8 +54,10 @@ def to_device(coefficients: Mapping[str, object], device: torch.device, dtype: t
         copy = _COPY_STREAMS.setdefault(device, torch.cuda.Stream(device))
         copy.wait_stream(compute)  # values the compute stream is still producing (none, for host arrays)
         with torch.cuda.stream(copy):
-            moved = {name: t.contiguous().pin_memory().to(device, non_blocking=True) if t.device.type == "cpu" else t
-                     for name, t in tensors.items()}
+            moved = {
+                name: t.contiguous().pin_memory().to(device, non_blocking=True) if t.device.type == "cpu" else t
+                for name, t in tensors.items()
+            }
         compute.wait_stream(copy)
         for t in moved.values():
             t.record_stream(compute)  # the copy stream's memory is in use on the compute stream
@@ -64,7 +66,9 @@ def to_device(coefficients: Mapping[str, object], device: torch.device, dtype: t
 
 
 @torch.no_grad()
-def replay(model: nn.Module, input_ids, coefficients: Mapping[str, object], only: set[str] | None = None) -> torch.Tensor:
+def replay(
+    model: nn.Module, input_ids, coefficients: Mapping[str, object], only: set[str] | None = None
+) -> torch.Tensor:
     """Logits [B, T, V] of the frozen model fed `coefficients` (site -> array broadcastable to [B, T, K_s]).
 
     Every site is replayed unless `only` names a subset (the rest run live). The replayed
@@ -82,9 +86,9 @@ def replay(model: nn.Module, input_ids, coefficients: Mapping[str, object], only
         return model_logits(model(ids), model)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Replay runner: score conditions on the sequences of a cache.
+
 
 @dataclass
 class ReplayResults:
@@ -115,10 +119,23 @@ def check_exactness(results: ReplayResults) -> dict:
     did not reproduce the live run, FidelityError if the cache is not this model's output here; else returns
     the report's `exactness` section. The audit, `fca replay`, the Replay lab and the bench all call this."""
     mechanism = judge_mechanism(results.max_abs_logit_diff, results.nll_live, results.nll_correct, results.batches)
-    fidelity = judge_fidelity(results.cache_path, results.fidelity, results.live_per_seq, results.cache_correct_per_seq,
-                              results.computed_on, results.replayed_on, results.coefficient_dtype)
-    return {"max_abs_logit_diff": results.max_abs_logit_diff, "nll_live": results.nll_live, "nll_correct": results.nll_correct,
-            "tolerance": MECHANISM_TOLERANCE, "mechanism": mechanism, "fidelity": fidelity}
+    fidelity = judge_fidelity(
+        results.cache_path,
+        results.fidelity,
+        results.live_per_seq,
+        results.cache_correct_per_seq,
+        results.computed_on,
+        results.replayed_on,
+        results.coefficient_dtype,
+    )
+    return {
+        "max_abs_logit_diff": results.max_abs_logit_diff,
+        "nll_live": results.nll_live,
+        "nll_correct": results.nll_correct,
+        "tolerance": MECHANISM_TOLERANCE,
+        "mechanism": mechanism,
+        "fidelity": fidelity,
+    }
 
 
 def _nll_per_seq(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -138,8 +155,12 @@ def stack_conditions(parts: list[dict[str, np.ndarray]], b: int, T: int) -> dict
 _STORAGE_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _measure_fidelity(measure: FidelityMeasure, recorded: Mapping[str, torch.Tensor], cached: Mapping[str, np.ndarray],
-                      coefficient_dtype: str) -> bool:
+def _measure_fidelity(
+    measure: FidelityMeasure,
+    recorded: Mapping[str, torch.Tensor],
+    cached: Mapping[str, np.ndarray],
+    coefficient_dtype: str,
+) -> bool:
     """Compare cached coefficients [b, T, K] with those just recorded, site by site, on the model's device.
     Returns True when every cached value equals the recorded one in float32 (so replaying the cache is
     replaying the recorded pass)."""
@@ -171,8 +192,15 @@ class _BatchCheck:
     cache_is_recorded: bool  # the cached coefficients equal the recorded ones in float32
 
 
-def _check_batch(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, own: dict[str, np.ndarray], cache: Cache,
-                 batch_seqs: list[int], measure: FidelityMeasure) -> _BatchCheck:
+def _check_batch(
+    model: nn.Module,
+    ids: torch.Tensor,
+    targets: torch.Tensor,
+    own: dict[str, np.ndarray],
+    cache: Cache,
+    batch_seqs: list[int],
+    measure: FidelityMeasure,
+) -> _BatchCheck:
     """Both exactness checks on one batch. Check 1: the live pass records its coefficients, and replaying
     exactly those must reproduce it. Check 2 (accumulated in `measure`): how far the cache is from what
     this model computes here, coefficients and stored per-token live NLL."""
@@ -184,9 +212,12 @@ def _check_batch(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, own
     measure.stored_live_nll_max_diff = max(measure.stored_live_nll_max_diff, float((stored - live_tokens).abs().max()))
     return _BatchCheck(
         max_abs_logit_diff=float((live.float() - replayed.float()).abs().max()),
-        live_nll=live_tokens.double().mean(1).cpu().numpy(), replayed_nll=_nll_per_seq(replayed, targets).cpu().numpy(),
-        cache_is_recorded=_measure_fidelity(measure, recorded, {name: own[name] for name in cache.sites},
-                                            cache.coefficient_dtype))
+        live_nll=live_tokens.double().mean(1).cpu().numpy(),
+        replayed_nll=_nll_per_seq(replayed, targets).cpu().numpy(),
+        cache_is_recorded=_measure_fidelity(
+            measure, recorded, {name: own[name] for name in cache.sites}, cache.coefficient_dtype
+        ),
+    )
 
 
 @torch.no_grad()
@@ -254,7 +285,9 @@ def run_conditions(
             other = cache.coefficients([seqs[partner[i]] for i in index]) if partner is not None else None
             to_run = [c for c in conditions if not (cache_is_recorded and _is_plain_correct(c))]
             if check_exactness and not cache_is_recorded and not any(map(_is_plain_correct, conditions)):
-                to_run.append(Condition("correct"))  # the fidelity check needs Correct-from-cache even when not asked for
+                to_run.append(
+                    Condition("correct")
+                )  # the fidelity check needs Correct-from-cache even when not asked for
             scored: dict[Condition, np.ndarray] = {}
             for start in range(0, len(to_run), per_pass):
                 group = to_run[start : start + per_pass]
@@ -272,9 +305,18 @@ def run_conditions(
     finally:
         reads.close()  # stops the reader thread, also on errors and cancellation
     return ReplayResults(
-        seqs=seqs, per_seq_nll=per_seq, conditions={c.name: c for c in conditions},
-        max_abs_logit_diff=max_diff, nll_live=float(live_nll.mean()), nll_correct=float(replayed_nll.mean()), batches=batches,
-        fidelity=measure if check_exactness else None, live_per_seq=live_nll, cache_correct_per_seq=cache_nll,
-        cache_path=str(cache.path), computed_on=cache.environment, replayed_on=replayed_on,
+        seqs=seqs,
+        per_seq_nll=per_seq,
+        conditions={c.name: c for c in conditions},
+        max_abs_logit_diff=max_diff,
+        nll_live=float(live_nll.mean()),
+        nll_correct=float(replayed_nll.mean()),
+        batches=batches,
+        fidelity=measure if check_exactness else None,
+        live_per_seq=live_nll,
+        cache_correct_per_seq=cache_nll,
+        cache_path=str(cache.path),
+        computed_on=cache.environment,
+        replayed_on=replayed_on,
         coefficient_dtype=cache.coefficient_dtype,
     )

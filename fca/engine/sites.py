@@ -152,11 +152,13 @@ def model_logits(output: Any, model: nn.Module | None = None) -> torch.Tensor:
         else:
             picked = output[selector]
     except (AttributeError, IndexError, KeyError, TypeError) as err:
-        raise TypeError(f"the model's output selector {selector!r} does not fit its {type(output).__name__} output "
-                        f"({err})") from None
+        raise TypeError(
+            f"the model's output selector {selector!r} does not fit its {type(output).__name__} output ({err})"
+        ) from None
     if not isinstance(picked, torch.Tensor):
-        raise TypeError(f"the model's output selector {selector!r} picked a {type(picked).__name__}, "
-                        "not a logits tensor")
+        raise TypeError(
+            f"the model's output selector {selector!r} picked a {type(picked).__name__}, not a logits tensor"
+        )
     return picked
 
 

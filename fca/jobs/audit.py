@@ -44,8 +44,15 @@ def run_audit(
     evaluated and a calibration cache (directories or opened caches), with its Dense twin's latency when
     `dense` is given. Cache part hashes are verified first."""
     experiment = Experiment.open(model, cache, calibration, dense, device=device, dtype=dtype, verify=True)
-    return audit_experiment(experiment, batch_size=batch_size, num_seqs=num_seqs, seed=seed, extra_conditions=extra_conditions,
-                            latency_runs=latency_runs, progress=progress)
+    return audit_experiment(
+        experiment,
+        batch_size=batch_size,
+        num_seqs=num_seqs,
+        seed=seed,
+        extra_conditions=extra_conditions,
+        latency_runs=latency_runs,
+        progress=progress,
+    )
 
 
 def audit_experiment(
@@ -59,12 +66,13 @@ def audit_experiment(
 ) -> dict:
     """The report of an opened experiment. Nothing is reported unless both exactness checks pass."""
     started = time.perf_counter()
-    step = (lambda stage: (lambda i, n: progress(stage, i, n))) if progress else (lambda stage: None)
+    step = (lambda stage: lambda i, n: progress(stage, i, n)) if progress else (lambda stage: None)
     model, evaluated, calibration = experiment.model, experiment.evaluated, experiment.calibration
     conditions = [Condition(kind, seed=seed) for kind in PAPER_CONDITIONS]
     conditions += [c if isinstance(c, Condition) else parse_condition(c, seed) for c in extra_conditions]
-    results = experiment.run(conditions, num_seqs, batch_size, seed, progress=step("replay"),
-                             profile_progress=step("calibration profiles"))
+    results = experiment.run(
+        conditions, num_seqs, batch_size, seed, progress=step("replay"), profile_progress=step("calibration profiles")
+    )
     exactness = check_exactness(results)
     table = summarize_conditions(results.per_seq_nll, seed)
     moments, layout = cache_moments(evaluated, progress=step("variance"))
@@ -75,30 +83,47 @@ def audit_experiment(
     dense = experiment.dense
     return {
         "fca_report_version": 1,
-        "model": {"name": experiment.name,
-                  "model_type": model.config.model_type if hasattr(model, "config") else type(model).__name__,
-                  "fingerprint": experiment.model_fingerprint, "parameters": params, "controller_parameters": controller_params,
-                  "dtype": model_dtype_name(model), "device": str(experiment.device)},
+        "model": {
+            "name": experiment.name,
+            "model_type": model.config.model_type if hasattr(model, "config") else type(model).__name__,
+            "fingerprint": experiment.model_fingerprint,
+            "parameters": params,
+            "controller_parameters": controller_params,
+            "dtype": model_dtype_name(model),
+            "device": str(experiment.device),
+        },
         "cache": _cache_entry(evaluated, len(results.seqs)),
         "calibration": _cache_entry(calibration, calibration.num_seqs),
-        "dense": {"name": experiment.dense_name, "fingerprint": fingerprint_state(dense),
-                  "parameters": sum(p.numel() for p in dense.parameters())} if dense is not None else None,
+        "dense": {
+            "name": experiment.dense_name,
+            "fingerprint": fingerprint_state(dense),
+            "parameters": sum(p.numel() for p in dense.parameters()),
+        }
+        if dense is not None
+        else None,
         "exactness": exactness,
         "conditions": table,
         "gap_retention": gap_retention(table),
         "variance": variance,
         "execution": execution,
-        "definitions": {**_definitions(evaluated, layout, seed, conditions),
-                        **family_of(model).definitions(model)},
+        "definitions": {**_definitions(evaluated, layout, seed, conditions), **family_of(model).definitions(model)},
         "seconds": round(time.perf_counter() - started, 1),
     }
 
 
 def _cache_entry(cache: Cache, evaluated_seqs: int) -> dict:
     corpus = cache.manifest.corpus
-    return {"path": cache.path.name, "fingerprint": cache.fingerprint, "split": corpus.split, "corpus": corpus.name,
-            "sequences": evaluated_seqs, "seq_len": cache.seq_len, "tokens": evaluated_seqs * cache.seq_len,
-            "coefficient_dtype": cache.coefficient_dtype, "environment": cache.environment}
+    return {
+        "path": cache.path.name,
+        "fingerprint": cache.fingerprint,
+        "split": corpus.split,
+        "corpus": corpus.name,
+        "sequences": evaluated_seqs,
+        "seq_len": cache.seq_len,
+        "tokens": evaluated_seqs * cache.seq_len,
+        "coefficient_dtype": cache.coefficient_dtype,
+        "environment": cache.environment,
+    }
 
 
 def _definitions(cache: Cache, layout, seed: int, conditions: Sequence[Condition]) -> dict:
@@ -109,7 +134,7 @@ def _definitions(cache: Cache, layout, seed: int, conditions: Sequence[Condition
     return {
         "nll": "mean next-token negative log-likelihood in nats over all predicted positions of the evaluated windows",
         "penalty": "NLL_X - NLL_correct; 95% CI: paired percentile bootstrap over sequences "
-                   f"({BOOTSTRAP_RESAMPLES} resamples, seed {seed})",
+        f"({BOOTSTRAP_RESAMPLES} resamples, seed {seed})",
         "gap_retention": "(NLL_global_mean - NLL_X) / (NLL_global_mean - NLL_correct); null when the global_mean penalty CI reaches 0",
         "conditions": {
             "correct": "each sequence's own cached coefficients",
@@ -121,20 +146,22 @@ def _definitions(cache: Cache, layout, seed: int, conditions: Sequence[Condition
         "condition_specs": {c.name: c.to_json() for c in conditions},
         "global_mean_families": families,
         "layer_identity_share": "within each family, SS_between(slot means per site and channel) / SS_total(around the family grand mean), "
-                                "pooled over families as sum SS_between / sum SS_total, on the evaluated cache",
+        "pooled over families as sum SS_between / sum SS_total, on the evaluated cache",
         "variance_factors": "site, channel within site: parts of the slot effect; position, token id and sequence: group means within each slot, "
-                            "each as a share of SS_total (they overlap and do not add up); residual_after_slot = 1 - layer_identity_share",
+        "each as a share of SS_total (they overlap and do not add up); residual_after_slot = 1 - layer_identity_share",
         "splits": {"evaluated": cache.manifest.corpus.split, "calibration": "calibration"},
         "exactness": f"mechanism: in every evaluated batch, live logits vs Correct replay of the coefficients recorded in that same "
-                     f"pass, same batch composition; max |diff| <= {MECHANISM_TOLERANCE:g} and identical NLL",
+        f"pass, same batch composition; max |diff| <= {MECHANISM_TOLERANCE:g} and identical NLL",
         "cache_fidelity": "cached coefficients of the evaluated sequences vs those recorded now (max |diff|; relative: "
-                          "|diff| / (|recorded| + rms of the site's recorded)) and Correct-from-cache NLL vs live NLL; "
-                          "bit-identical required when the cache was written in this environment and batch composition, "
-                          f"else accepted within the tolerances by model dtype {FOREIGN_TOLERANCES} plus one storage unit "
-                          f"for reduced-precision caches {STORAGE_ULP}; the conditions are built from the cache and "
-                          "Correct-from-cache is the reference row",
+        "|diff| / (|recorded| + rms of the site's recorded)) and Correct-from-cache NLL vs live NLL; "
+        "bit-identical required when the cache was written in this environment and batch composition, "
+        f"else accepted within the tolerances by model dtype {FOREIGN_TOLERANCES} plus one storage unit "
+        f"for reduced-precision caches {STORAGE_ULP}; the conditions are built from the cache and "
+        "Correct-from-cache is the reference row",
         "controller_flops": "FLOPs inside controller sites / FLOPs of the whole forward (matrix products and attention, via torch FlopCounterMode)",
         "latency": "median over interleaved runs of (model forward time / Dense twin forward time), same device and batch",
-        "coefficient": "; ".join(sorted({f"{s.family}: {s.coefficient}" for s in cache.site_specs.values() if s.coefficient}))
-                       or "the value the computation consumes at each site",
+        "coefficient": "; ".join(
+            sorted({f"{s.family}: {s.coefficient}" for s in cache.site_specs.values() if s.coefficient})
+        )
+        or "the value the computation consumes at each site",
     }

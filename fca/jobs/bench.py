@@ -54,12 +54,22 @@ def interleaved(a: Callable[[], object], b: Callable[[], object], repeats: int =
         else:
             ta.append(_timed(a))
             tb.append(_timed(b))
-    return {"ratio": statistics.median(x / y for x, y in zip(ta, tb)), "a_s": statistics.median(ta), "b_s": statistics.median(tb)}
+    return {
+        "ratio": statistics.median(x / y for x, y in zip(ta, tb)),
+        "a_s": statistics.median(ta),
+        "b_s": statistics.median(tb),
+    }
 
 
 def _plan(model, windows: np.ndarray, batch_size: int | None = None) -> dict:
-    return cache_plan(site_specs(model), windows.shape[1] - 1, len(windows), model={"path": "bench", "fingerprint": "bench"},
-                      corpus={"split": "bench"}, environment={**current_environment(model), "batch_size": batch_size})
+    return cache_plan(
+        site_specs(model),
+        windows.shape[1] - 1,
+        len(windows),
+        model={"path": "bench", "fingerprint": "bench"},
+        corpus={"split": "bench"},
+        environment={**current_environment(model), "batch_size": batch_size},
+    )
 
 
 def windows_from_cache(cache, num_seqs: int) -> np.ndarray:
@@ -74,7 +84,17 @@ def long_format_write(coefficients: dict[str, np.ndarray], path: Path) -> None:
     for site, values in coefficients.items():
         n, T, K = values.shape
         seq, pos, channel = np.meshgrid(np.arange(n), np.arange(T), np.arange(K), indexing="ij")
-        frames.append(pd.DataFrame({"seq": seq.ravel(), "pos": pos.ravel(), "site": site, "channel": channel.ravel(), "value": values.ravel()}))
+        frames.append(
+            pd.DataFrame(
+                {
+                    "seq": seq.ravel(),
+                    "pos": pos.ravel(),
+                    "site": site,
+                    "channel": channel.ravel(),
+                    "value": values.ravel(),
+                }
+            )
+        )
     pd.concat(frames, ignore_index=True).to_parquet(path)
 
 
@@ -88,8 +108,14 @@ def _stats_peak_memory(cache_dir: Path, baseline: bool = False) -> float:
         # VmHWM, not ru_maxrss: the latter can carry the parent's size across fork + exec.
         "print([int(l.split()[1]) / 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(cache_dir)], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(cache_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -97,14 +123,22 @@ def _synthetic_cache(out: Path, specs: dict, num_seqs: int, T: int, vocab: int, 
     """A large cache of random coefficients written straight through the store (no model needed)."""
     rng = np.random.default_rng(seed)
     schema = cache_schema(specs)
-    plan = cache_plan(specs, T, num_seqs, model={"path": "synthetic", "fingerprint": "synthetic"}, corpus={"split": "synthetic"},
-                      tokenizer={"vocab_size": vocab})
+    plan = cache_plan(
+        specs,
+        T,
+        num_seqs,
+        model={"path": "synthetic", "fingerprint": "synthetic"},
+        corpus={"split": "synthetic"},
+        tokenizer={"vocab_size": vocab},
+    )
     writer = CacheWriter(out, plan, schema, seqs_per_part=512, overwrite=True)
     for lo in range(0, num_seqs, 128):
         n = min(128, num_seqs - lo)
         tokens = rng.integers(0, vocab, (n, T))
         coefficients = {name: rng.random((n, T, s.num_channels), dtype=np.float32) * 2 for name, s in specs.items()}
-        writer.write(record_batch(schema, np.arange(lo, lo + n), tokens, tokens, np.zeros((n, T), np.float32), coefficients), n)
+        writer.write(
+            record_batch(schema, np.arange(lo, lo + n), tokens, tokens, np.zeros((n, T), np.float32), coefficients), n
+        )
     return writer.finish()
 
 
@@ -118,8 +152,9 @@ def muddpythia_1p4b_specs() -> dict:
     return {f"dense.{i}": SiteSpec(axes=(("channel", k),), family="dense") for i, k in enumerate(widths)}
 
 
-def writer_seconds(specs: dict, workers: int, out: Path, num_seqs: int = 32, seq_len: int = 1024, batch: int = 8,
-                   seed: int = 0) -> float:
+def writer_seconds(
+    specs: dict, workers: int, out: Path, num_seqs: int = 32, seq_len: int = 1024, batch: int = 8, seed: int = 0
+) -> float:
     """Seconds to write `num_seqs` x `seq_len` synthetic tokens through `CacheWriter` with `workers`
     threads, parts sized as a real build sizes them. Two batches of coefficients (a per-channel offset
     plus noise, like dynamic plus static weights) are reused, so producing batches costs next to nothing."""
@@ -127,10 +162,18 @@ def writer_seconds(specs: dict, workers: int, out: Path, num_seqs: int = 32, seq
 
     rng = np.random.default_rng(seed)
     schema = cache_schema(specs)
-    plan = cache_plan(specs, seq_len, num_seqs, model={"path": "synthetic", "fingerprint": "synthetic"},
-                      corpus={"split": "synthetic"})
-    templates = [{k: (rng.standard_normal(s.num_channels) + 0.05 * rng.standard_normal((batch, seq_len, s.num_channels)))
-                  .astype(np.float32) for k, s in specs.items()} for _ in range(2)]
+    plan = cache_plan(
+        specs, seq_len, num_seqs, model={"path": "synthetic", "fingerprint": "synthetic"}, corpus={"split": "synthetic"}
+    )
+    templates = [
+        {
+            k: (
+                rng.standard_normal(s.num_channels) + 0.05 * rng.standard_normal((batch, seq_len, s.num_channels))
+            ).astype(np.float32)
+            for k, s in specs.items()
+        }
+        for _ in range(2)
+    ]
     tokens = rng.integers(0, 50_000, (batch, seq_len))
     nll = np.zeros((batch, seq_len), np.float32)
     start = time.perf_counter()
@@ -144,8 +187,9 @@ def writer_seconds(specs: dict, workers: int, out: Path, num_seqs: int = 32, seq
     return time.perf_counter() - start
 
 
-def writer_scaling(workers: list[int], num_seqs: int = 32, seq_len: int = 1024, batch: int = 8,
-                   repeats: int = 3) -> dict:
+def writer_scaling(
+    workers: list[int], num_seqs: int = 32, seq_len: int = 1024, batch: int = 8, repeats: int = 3
+) -> dict:
     """Raw MB/s of the cache writer for each worker count on MUDDPythia-1.4B-shaped coefficients
     (median of interleaved repeats), and each count's ratio to the first."""
     import shutil
@@ -159,34 +203,59 @@ def writer_scaling(workers: list[int], num_seqs: int = 32, seq_len: int = 1024, 
     try:
         writer_seconds(specs, workers[0], work / "warmup", min(num_seqs, 2 * batch), seq_len, batch)
         for r in range(repeats):
-            for w in (workers if r % 2 == 0 else workers[::-1]):
+            for w in workers if r % 2 == 0 else workers[::-1]:
                 times[w].append(writer_seconds(specs, w, work / f"w{w}", num_seqs, seq_len, batch, seed=r))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     mb_s = {w: raw_mb / statistics.median(t) for w, t in times.items()}
-    return {"raw_mb": raw_mb, "bytes_per_token": bytes_per_token(specs), "mb_s": mb_s,
-            "ratio": {w: mb_s[w] / mb_s[workers[0]] for w in workers}}
+    return {
+        "raw_mb": raw_mb,
+        "bytes_per_token": bytes_per_token(specs),
+        "mb_s": mb_s,
+        "ratio": {w: mb_s[w] / mb_s[workers[0]] for w in workers},
+    }
 
 
 @torch.no_grad()
-def run_bench(model_dir: str | Path, corpus: str | Path, device: str = "auto", num_seqs: int = 64, capture_seqs: int = 256,
-              batch_size: int = 16, repeats: int = 7, big_cache_factor: int = 8, show_progress: bool = False) -> dict:
+def run_bench(
+    model_dir: str | Path,
+    corpus: str | Path,
+    device: str = "auto",
+    num_seqs: int = 64,
+    capture_seqs: int = 256,
+    batch_size: int = 16,
+    repeats: int = 7,
+    big_cache_factor: int = 8,
+    show_progress: bool = False,
+) -> dict:
     model = load_model(model_dir, device=device)
     dev = next(model.parameters()).device
     T = int(model.config.max_seq_len) if hasattr(model.config, "max_seq_len") else 128
     # The cache build is timed on a demo-sized cache (its fixed costs amortised as in real use); the
     # replay figures on the first `num_seqs` of the same windows.
     if corpus is not None and Path(corpus).exists():
-        capture_windows = data.split_windows(corpus, "eval", data.load_tokenizer(model_dir), T, 0, capture_seqs)  # [N, T + 1]
+        capture_windows = data.split_windows(
+            corpus, "eval", data.load_tokenizer(model_dir), T, 0, capture_seqs
+        )  # [N, T + 1]
     else:  # no corpus at hand (a bare GPU machine, say): the windows stored in the shipped demo cache
         capture_windows = windows_from_cache(open_cache(Path(model_dir).parent / "eval"), capture_seqs)
     windows = capture_windows[:num_seqs]
     batches = [torch.from_numpy(windows[i : i + batch_size]).to(dev) for i in range(0, len(windows), batch_size)]
     work = Path(tempfile.mkdtemp(prefix="fca-bench-"))
-    capture_batches = [torch.from_numpy(capture_windows[i : i + batch_size]).to(dev) for i in range(0, len(capture_windows), batch_size)]
-    result: dict = {"device": str(dev), "model": Path(model_dir).name, "num_seqs": len(windows), "capture_seqs": len(capture_windows),
-                    "seq_len": T, "batch_size": batch_size,
-                    "repeats": repeats, "torch_threads": torch.get_num_threads()}
+    capture_batches = [
+        torch.from_numpy(capture_windows[i : i + batch_size]).to(dev)
+        for i in range(0, len(capture_windows), batch_size)
+    ]
+    result: dict = {
+        "device": str(dev),
+        "model": Path(model_dir).name,
+        "num_seqs": len(windows),
+        "capture_seqs": len(capture_windows),
+        "seq_len": T,
+        "batch_size": batch_size,
+        "repeats": repeats,
+        "torch_threads": torch.get_num_threads(),
+    }
 
     def forward_over(chunks: list[torch.Tensor]) -> None:
         for w in chunks:
@@ -196,7 +265,14 @@ def run_bench(model_dir: str | Path, corpus: str | Path, device: str = "auto", n
         forward_over(batches)
 
     def cache_build() -> None:
-        write_cache(model, capture_windows, work / "capture", _plan(model, capture_windows, batch_size), batch_size, overwrite=True)
+        write_cache(
+            model,
+            capture_windows,
+            work / "capture",
+            _plan(model, capture_windows, batch_size),
+            batch_size,
+            overwrite=True,
+        )
 
     r = interleaved(cache_build, lambda: forward_over(capture_batches), repeats)
     result["capture_ratio"] = r["ratio"]
@@ -209,13 +285,24 @@ def run_bench(model_dir: str | Path, corpus: str | Path, device: str = "auto", n
 
     cache = open_cache(work / "capture")
     # Both exactness checks on the cache just built, as the audit runs them (nothing is timed here).
-    exactness = check_exactness(run_conditions(model, cache, [Condition("correct")], seqs=range(len(windows)), batch_size=batch_size))
-    result["exactness"] = {"max_abs_logit_diff": exactness["max_abs_logit_diff"], "fidelity": exactness["fidelity"]["verdict"]}
+    exactness = check_exactness(
+        run_conditions(model, cache, [Condition("correct")], seqs=range(len(windows)), batch_size=batch_size)
+    )
+    result["exactness"] = {
+        "max_abs_logit_diff": exactness["max_abs_logit_diff"],
+        "fidelity": exactness["fidelity"]["verdict"],
+    }
     raw = sum(4 * s.num_channels for s in site_specs(model).values()) * len(capture_windows) * T
     result["parquet_bytes_ratio"] = cache.manifest.total_bytes / raw
     # Replay fed from the Parquet cache (reads included) vs live.
-    r = interleaved(lambda: [replay(model, w[:, :-1], cache.coefficients(list(range(i * batch_size, i * batch_size + len(w)))))
-                             for i, w in enumerate(batches)], plain_forward, repeats)
+    r = interleaved(
+        lambda: [
+            replay(model, w[:, :-1], cache.coefficients(list(range(i * batch_size, i * batch_size + len(w)))))
+            for i, w in enumerate(batches)
+        ],
+        plain_forward,
+        repeats,
+    )
     result["replay_from_cache_ratio"] = r["ratio"]
 
     # Five conditions stacked in one forward vs one condition, per batch.
@@ -227,17 +314,29 @@ def run_bench(model_dir: str | Path, corpus: str | Path, device: str = "auto", n
         b = len(w)
         index = list(range(i * batch_size, i * batch_size + b))
         other = {k: np.roll(v, 1, axis=0) for k, v in c.items()}
-        stacked.append(stack_conditions([condition_coefficients(cond, c, index, profiles, other) for cond in conditions], b, T))
-    r = interleaved(lambda: [replay(model, w[:, :-1].repeat(len(conditions), 1), s) for w, s in zip(batches, stacked)],
-                    lambda: [replay(model, w[:, :-1], c) for w, c in zip(batches, cached)], repeats)
+        stacked.append(
+            stack_conditions([condition_coefficients(cond, c, index, profiles, other) for cond in conditions], b, T)
+        )
+    r = interleaved(
+        lambda: [replay(model, w[:, :-1].repeat(len(conditions), 1), s) for w, s in zip(batches, stacked)],
+        lambda: [replay(model, w[:, :-1], c) for w, c in zip(batches, cached)],
+        repeats,
+    )
     result["batched_conditions_ratio"] = r["ratio"]
-    result["batched_conditions_note"] = (f"{len(conditions)} conditions stacked along the batch ({batch_size} x {len(conditions)} sequences per pass) "
-                                         f"vs one condition ({batch_size} per pass); {len(conditions)}.0 means no gain from batching")
+    result["batched_conditions_note"] = (
+        f"{len(conditions)} conditions stacked along the batch ({batch_size} x {len(conditions)} sequences per pass) "
+        f"vs one condition ({batch_size} per pass); {len(conditions)}.0 means no gain from batching"
+    )
     # The same with one sequence per condition, where a pass is furthest from saturating the device.
     one = [{k: v[:1] for k, v in s.items()} for s in stacked]  # correct's rows come first
-    r = interleaved(lambda: [replay(model, w[:1, :-1].repeat(len(conditions), 1), {k: v[:: b] for k, v in s.items()}) for w, s, b in
-                             zip(batches, stacked, [len(w) for w in batches])],
-                    lambda: [replay(model, w[:1, :-1], c) for w, c in zip(batches, one)], repeats)
+    r = interleaved(
+        lambda: [
+            replay(model, w[:1, :-1].repeat(len(conditions), 1), {k: v[::b] for k, v in s.items()})
+            for w, s, b in zip(batches, stacked, [len(w) for w in batches])
+        ],
+        lambda: [replay(model, w[:1, :-1], c) for w, c in zip(batches, one)],
+        repeats,
+    )
     result["batched_conditions_ratio_one_sequence"] = r["ratio"]
 
     # Our Parquet writer vs a straightforward pandas long-format writer, same coefficients.
@@ -249,8 +348,17 @@ def run_bench(model_dir: str | Path, corpus: str | Path, device: str = "auto", n
         writer = CacheWriter(work / "ours", _plan(model, windows), schema, seqs_per_part=len(windows), overwrite=True)
         for lo in range(0, len(windows), batch_size):
             hi = min(len(windows), lo + batch_size)
-            writer.write(record_batch(schema, np.arange(lo, hi), windows[lo:hi, :-1], windows[lo:hi, 1:], nll[lo:hi],
-                                      {k: v[lo:hi] for k, v in all_coefficients.items()}), hi - lo)
+            writer.write(
+                record_batch(
+                    schema,
+                    np.arange(lo, hi),
+                    windows[lo:hi, :-1],
+                    windows[lo:hi, 1:],
+                    nll[lo:hi],
+                    {k: v[lo:hi] for k, v in all_coefficients.items()},
+                ),
+                hi - lo,
+            )
         writer.finish()
 
     r = interleaved(ours, lambda: long_format_write(all_coefficients, work / "long.parquet"), max(3, repeats // 2))

@@ -53,11 +53,23 @@ def build_cache_from_corpus(
     N = len(windows)
     row_bytes = bytes_per_token(specs, COEFFICIENT_BYTES[coefficient_dtype])
     plan = cache_plan(
-        specs, T, N,
-        model={"path": model_dir.name, "model_type": config.get("model_type"), "fingerprint": fingerprint_state(model),
-               "config": config, "dtype": model_dtype_name(model)},
-        corpus={"name": Path(corpus).name, "fingerprint": file_sha256(Path(corpus)) if Path(corpus).is_file() else None,
-                "split": split, "split_seed": split_seed, "text_column": text_column},
+        specs,
+        T,
+        N,
+        model={
+            "path": model_dir.name,
+            "model_type": config.get("model_type"),
+            "fingerprint": fingerprint_state(model),
+            "config": config,
+            "dtype": model_dtype_name(model),
+        },
+        corpus={
+            "name": Path(corpus).name,
+            "fingerprint": file_sha256(Path(corpus)) if Path(corpus).is_file() else None,
+            "split": split,
+            "split_seed": split_seed,
+            "text_column": text_column,
+        },
         coefficient_dtype=coefficient_dtype,
         tokenizer={"fingerprint": file_sha256(model_dir / "tokenizer.json"), "vocab_size": tokenizer.get_vocab_size()},
         raw_bytes_per_token=row_bytes,
@@ -66,10 +78,22 @@ def build_cache_from_corpus(
     if show_progress:
         from tqdm.auto import tqdm
 
-        tqdm.write(f"{out}: {N} sequences x {T} tokens x {row_bytes} B = {row_bytes * N * T / 1e6:.1f} MB raw "
-                   f"(about {0.85 * row_bytes * N * T / 1e6:.1f} MB as Parquet)")
-    return write_cache(model, windows, out, plan, batch_size, overwrite=overwrite, progress=progress, show_progress=show_progress,
-                       desc=f"cache {split}", workers=workers)
+        tqdm.write(
+            f"{out}: {N} sequences x {T} tokens x {row_bytes} B = {row_bytes * N * T / 1e6:.1f} MB raw "
+            f"(about {0.85 * row_bytes * N * T / 1e6:.1f} MB as Parquet)"
+        )
+    return write_cache(
+        model,
+        windows,
+        out,
+        plan,
+        batch_size,
+        overwrite=overwrite,
+        progress=progress,
+        show_progress=show_progress,
+        desc=f"cache {split}",
+        workers=workers,
+    )
 
 
 def build_cache(
@@ -101,17 +125,34 @@ def build_cache(
     row_bytes = bytes_per_token(specs, COEFFICIENT_BYTES[coefficient_dtype])
     config = model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None
     plan = cache_plan(
-        specs, T, N,
-        model={"path": model_name or type(model).__name__, "model_type": (config or {}).get("model_type", type(model).__name__),
-               "fingerprint": fingerprint_state(model), "config": config, "dtype": model_dtype_name(model)},
+        specs,
+        T,
+        N,
+        model={
+            "path": model_name or type(model).__name__,
+            "model_type": (config or {}).get("model_type", type(model).__name__),
+            "fingerprint": fingerprint_state(model),
+            "config": config,
+            "dtype": model_dtype_name(model),
+        },
         corpus={"name": corpus_name, "fingerprint": hashlib.sha256(windows.tobytes()).hexdigest(), "split": split},
         coefficient_dtype=coefficient_dtype,
         tokenizer={"fingerprint": None, "vocab_size": _vocab_size(model, windows)},
         raw_bytes_per_token=row_bytes,
         environment={**current_environment(model), "batch_size": batch_size},
     )
-    return write_cache(model, windows, out, plan, batch_size, overwrite=overwrite, progress=progress,
-                       show_progress=show_progress, desc=f"cache {split}", workers=workers)
+    return write_cache(
+        model,
+        windows,
+        out,
+        plan,
+        batch_size,
+        overwrite=overwrite,
+        progress=progress,
+        show_progress=show_progress,
+        desc=f"cache {split}",
+        workers=workers,
+    )
 
 
 def as_windows(tokens, seq_len: int | None = None) -> np.ndarray:

@@ -43,16 +43,34 @@ def make_demo(out: Path, corpus: Path, steps: int = 800, retrain: bool = False, 
             config = FeatureGateConfig(**DEMO_CONFIG, gated=(arch == "featuregate"))
             train(corpus, model_dir, config, TrainSettings(steps=steps, seed=seed))
     for split in ("eval", "calibration"):
-        build_cache_from_corpus(out / "featuregate", corpus, split, out / split, num_seqs=DEMO_SEQS, batch_size=16, device="cpu", overwrite=True)
+        build_cache_from_corpus(
+            out / "featuregate",
+            corpus,
+            split,
+            out / split,
+            num_seqs=DEMO_SEQS,
+            batch_size=16,
+            device="cpu",
+            overwrite=True,
+        )
     report = run_audit(out / "featuregate", out / "eval", out / "calibration", out / "dense", device="cpu")
     write_report(report, out / "audit.json", out / "audit.md")
     print(render_markdown(report))
     return report
 
 
-def audit_seed(out: Path, corpus: Path, seed: int, config: dict, settings: TrainSettings, device: str = "cpu",
-               audit_device: str = "cpu", num_seqs: int = DEMO_SEQS, retrain: bool = False,
-               show_progress: bool = True) -> Path:
+def audit_seed(
+    out: Path,
+    corpus: Path,
+    seed: int,
+    config: dict,
+    settings: TrainSettings,
+    device: str = "cpu",
+    audit_device: str = "cpu",
+    num_seqs: int = DEMO_SEQS,
+    retrain: bool = False,
+    show_progress: bool = True,
+) -> Path:
     """Train one seed's FeatureGate model and Dense twin into `out` (skipped when already there, so an
     interrupted study resumes), build its eval and calibration caches and audit it. The caches and
     the audit run on `audit_device` (CPU by default, like the shipped demo, so every seed's latency
@@ -64,8 +82,18 @@ def audit_seed(out: Path, corpus: Path, seed: int, config: dict, settings: Train
             model_config = FeatureGateConfig(**config, gated=(arch == "featuregate"))
             train(corpus, model_dir, model_config, settings, device=device, show_progress=show_progress)
     for split in ("eval", "calibration"):
-        build_cache_from_corpus(out / "featuregate", corpus, split, out / split, num_seqs=num_seqs, batch_size=16,
-                    device=audit_device, split_seed=settings.split_seed, overwrite=True, show_progress=show_progress)
+        build_cache_from_corpus(
+            out / "featuregate",
+            corpus,
+            split,
+            out / split,
+            num_seqs=num_seqs,
+            batch_size=16,
+            device=audit_device,
+            split_seed=settings.split_seed,
+            overwrite=True,
+            show_progress=show_progress,
+        )
     report = run_audit(out / "featuregate", out / "eval", out / "calibration", out / "dense", device=audit_device)
     log = json.loads((out / "featuregate" / "training_log.json").read_text())
     # The training summary travels inside the report, since the model beside it is not committed.
@@ -74,10 +102,20 @@ def audit_seed(out: Path, corpus: Path, seed: int, config: dict, settings: Train
     return out / "audit.json"
 
 
-def make_demo_study(out: Path, corpus: Path, seeds: Sequence[int], include: Sequence[Path] = (DEMO_AUDIT,),
-                    device: str = "cpu", audit_device: str = "cpu", steps: int = 800, retrain: bool = False,
-                    config: dict | None = None, settings: TrainSettings | None = None, num_seqs: int = DEMO_SEQS,
-                    show_progress: bool = True) -> dict:
+def make_demo_study(
+    out: Path,
+    corpus: Path,
+    seeds: Sequence[int],
+    include: Sequence[Path] = (DEMO_AUDIT,),
+    device: str = "cpu",
+    audit_device: str = "cpu",
+    steps: int = 800,
+    retrain: bool = False,
+    config: dict | None = None,
+    settings: TrainSettings | None = None,
+    num_seqs: int = DEMO_SEQS,
+    show_progress: bool = True,
+) -> dict:
     """Audit the demo configuration for each of `seeds` (see `audit_seed`), then write `out/study.json`
     and `out/study.md` over the `include`d audits (the shipped demo, seed 0) followed by the new ones.
     `config` and `settings` default to the demo's (tests pass tiny ones)."""
@@ -86,9 +124,20 @@ def make_demo_study(out: Path, corpus: Path, seeds: Sequence[int], include: Sequ
     settings = settings or TrainSettings(steps=steps)
     paths = list(include)
     for seed in seeds:
-        paths.append(audit_seed(out / f"seed{seed}", corpus, seed, config or DEMO_CONFIG, settings, device=device,
-                                audit_device=audit_device, num_seqs=num_seqs, retrain=retrain,
-                                show_progress=show_progress))
+        paths.append(
+            audit_seed(
+                out / f"seed{seed}",
+                corpus,
+                seed,
+                config or DEMO_CONFIG,
+                settings,
+                device=device,
+                audit_device=audit_device,
+                num_seqs=num_seqs,
+                retrain=retrain,
+                show_progress=show_progress,
+            )
+        )
     study = study_from_files(paths, relative_to=out)
     write_study(study, out / "study.json", out / "study.md")
     return study

@@ -48,8 +48,10 @@ def check_independent(evaluated: Cache, calibration: Cache) -> None:
     """Static profiles must be estimated on another split than the one they are evaluated on."""
     a, b = evaluated.manifest.corpus, calibration.manifest.corpus
     if (a.split, a.fingerprint, a.split_seed) == (b.split, b.fingerprint, b.split_seed):
-        raise CacheError(f"{calibration.path}: the calibration cache comes from the same split ({a.split!r}) as the "
-                         "evaluated cache; static profiles must be estimated on an independent split")
+        raise CacheError(
+            f"{calibration.path}: the calibration cache comes from the same split ({a.split!r}) as the "
+            "evaluated cache; static profiles must be estimated on an independent split"
+        )
     if set(evaluated.sites) != set(calibration.sites):
         raise CacheError(f"{calibration.path}: its sites differ from {evaluated.path}'s")
 
@@ -68,8 +70,16 @@ class Experiment:
     _profiles: Profiles | None = field(default=None, repr=False)
 
     @classmethod
-    def open(cls, model: ModelSource, cache: CacheSource, calibration: CacheSource | None, dense: ModelSource | None = None,
-             device: str = "auto", dtype: torch.dtype | None = None, verify: bool = False) -> Experiment:
+    def open(
+        cls,
+        model: ModelSource,
+        cache: CacheSource,
+        calibration: CacheSource | None,
+        dense: ModelSource | None = None,
+        device: str = "auto",
+        dtype: torch.dtype | None = None,
+        verify: bool = False,
+    ) -> Experiment:
         """Load the model if given as a path, open the caches (`verify`: re-hash their parts) and check they
         belong together. Raises CacheError / ModelLoadError with a one-line reason."""
         loaded = _model(model, device, dtype)
@@ -101,14 +111,20 @@ class Experiment:
     @property
     def fingerprint(self) -> str:
         """Identity of the experiment: model weights and the caches' contents."""
-        parts = (self.model_fingerprint, self.evaluated.fingerprint, self.calibration.fingerprint if self.calibration else "")
+        parts = (
+            self.model_fingerprint,
+            self.evaluated.fingerprint,
+            self.calibration.fingerprint if self.calibration else "",
+        )
         return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
     def profiles(self, progress: Callable[[int, int], None] | None = None) -> Profiles:
         """Static and global profiles of the calibration cache, computed once."""
         if self.calibration is None:
-            raise CacheError(f"{self.evaluated.path}: static and global profiles need a calibration cache (an "
-                             "independent split of the same model); none was given")
+            raise CacheError(
+                f"{self.evaluated.path}: static and global profiles need a calibration cache (an "
+                "independent split of the same model); none was given"
+            )
         if self._profiles is None:
             self._profiles = calibration_profiles(self.calibration, progress=progress)
         return self._profiles
@@ -122,12 +138,28 @@ class Experiment:
         """Blocks executed, controller FLOPs and latency against the Dense twin (when there is one)."""
         return execution_audit(self.model, self.probe_ids(), self.dense, runs=runs)
 
-    def run(self, conditions: Sequence[Condition], num_seqs: int | None = None, batch_size: int = 16, seed: int = 0,
-            progress: Callable[[int, int], None] | None = None, should_stop: Callable[[], bool] | None = None,
-            profile_progress: Callable[[int, int], None] | None = None) -> ReplayResults:
+    def run(
+        self,
+        conditions: Sequence[Condition],
+        num_seqs: int | None = None,
+        batch_size: int = 16,
+        seed: int = 0,
+        progress: Callable[[int, int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        profile_progress: Callable[[int, int], None] | None = None,
+    ) -> ReplayResults:
         """Replay `conditions` on the first `num_seqs` evaluated sequences (all by default), with both
         exactness checks on every batch (judge them with `fca.engine.replay.check_exactness`)."""
         profiles = self.profiles(profile_progress) if any(c.needs_profiles for c in conditions) else None
         n = self.evaluated.num_seqs if num_seqs is None else min(num_seqs, self.evaluated.num_seqs)
-        return run_conditions(self.model, self.evaluated, conditions, profiles, seqs=list(range(n)), batch_size=batch_size,
-                              cross_seed=seed, progress=progress, should_stop=should_stop)
+        return run_conditions(
+            self.model,
+            self.evaluated,
+            conditions,
+            profiles,
+            seqs=list(range(n)),
+            batch_size=batch_size,
+            cross_seed=seed,
+            progress=progress,
+            should_stop=should_stop,
+        )

@@ -59,13 +59,24 @@ def run_replay(
         if bar is not None:
             bar.close()
     evaluated, calibrated = experiment.evaluated, experiment.calibration
-    spec = {"model": experiment.name, "model_fingerprint": experiment.model_fingerprint, "cache": evaluated.path.name,
-            "cache_fingerprint": evaluated.fingerprint, "calibration": calibrated.path.name if calibrated else None,
-            "conditions": [c.name for c in parsed], "num_seqs": n, "seed": seed, "batch_size": batch_size}
+    spec = {
+        "model": experiment.name,
+        "model_fingerprint": experiment.model_fingerprint,
+        "cache": evaluated.path.name,
+        "cache_fingerprint": evaluated.fingerprint,
+        "calibration": calibrated.path.name if calibrated else None,
+        "conditions": [c.name for c in parsed],
+        "num_seqs": n,
+        "seed": seed,
+        "batch_size": batch_size,
+    }
     record = {
         "spec": spec,
-        "results": {"exactness": check_exactness(results), "conditions": summarize_conditions(results.per_seq_nll, seed),
-                    "per_sequence_nll": {k: v.tolist() for k, v in results.per_seq_nll.items()}},
+        "results": {
+            "exactness": check_exactness(results),
+            "conditions": summarize_conditions(results.per_seq_nll, seed),
+            "per_sequence_nll": {k: v.tolist() for k, v in results.per_seq_nll.items()},
+        },
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "device": str(experiment.device),
     }

@@ -120,8 +120,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train(corpus: str | Path, out: str | Path, model_config: FeatureGateConfig, settings: TrainSettings, tokenizer=None,
-          show_progress: bool = True, text_column: str = "text", device: str | torch.device = "cpu") -> dict:
+def train(
+    corpus: str | Path,
+    out: str | Path,
+    model_config: FeatureGateConfig,
+    settings: TrainSettings,
+    tokenizer=None,
+    show_progress: bool = True,
+    text_column: str = "text",
+    device: str | torch.device = "cpu",
+) -> dict:
     """Train and save to `out` (config, float32 weights, tokenizer, training_log.json). Returns the log.
 
     One code path for every device (`precision_for` says what differs). The batch order comes from a
@@ -133,15 +141,24 @@ def train(corpus: str | Path, out: str | Path, model_config: FeatureGateConfig, 
         return _train(corpus, out, model_config, settings, tokenizer, show_progress, text_column, precision)
 
 
-def _train(corpus, out, model_config: FeatureGateConfig, settings: TrainSettings, tokenizer, show_progress: bool,
-           text_column: str, precision: Precision) -> dict:
+def _train(
+    corpus,
+    out,
+    model_config: FeatureGateConfig,
+    settings: TrainSettings,
+    tokenizer,
+    show_progress: bool,
+    text_column: str,
+    precision: Precision,
+) -> dict:
     device = precision.device
     torch.manual_seed(settings.seed)
     splits = data.split_documents(data.load_documents(corpus, text_column), settings.split_seed)
     if tokenizer is None:
         tokenizer = data.train_tokenizer(splits["train"], settings.vocab_size)
-    config = FeatureGateConfig(**{**model_config.to_dict(), "vocab_size": tokenizer.get_vocab_size(),
-                                  "init_seed": settings.seed})
+    config = FeatureGateConfig(
+        **{**model_config.to_dict(), "vocab_size": tokenizer.get_vocab_size(), "init_seed": settings.seed}
+    )
     T = config.max_seq_len
     train_stream = torch.from_numpy(data.encode_stream(splits["train"], tokenizer).astype(np.int64))
     if len(train_stream) < T + 2:
@@ -152,17 +169,28 @@ def _train(corpus, out, model_config: FeatureGateConfig, settings: TrainSettings
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=settings.lr, betas=(0.9, 0.95), **({"fused": True} if precision.fused_optimizer else {}),
+        lr=settings.lr,
+        betas=(0.9, 0.95),
+        **({"fused": True} if precision.fused_optimizer else {}),
     )
     batches = torch.Generator().manual_seed(settings.seed)
     stream = train_stream.to(device)
     offsets = torch.arange(T + 1, device=device)
     parameters = sum(p.numel() for p in model.parameters())
-    log: dict = {"settings": asdict(settings), "corpus": str(corpus), "parameters": parameters,
-                 "train_tokens": len(train_stream), "eval_windows": len(eval_windows), "device": device.type,
-                 "device_name": device_name(device), "precision": precision.label,
-                 "optimizer": "AdamW (fused)" if precision.fused_optimizer else "AdamW",
-                 "deterministic_kernels": precision.deterministic, "torch": torch.__version__, "history": []}
+    log: dict = {
+        "settings": asdict(settings),
+        "corpus": str(corpus),
+        "parameters": parameters,
+        "train_tokens": len(train_stream),
+        "eval_windows": len(eval_windows),
+        "device": device.type,
+        "device_name": device_name(device),
+        "precision": precision.label,
+        "optimizer": "AdamW (fused)" if precision.fused_optimizer else "AdamW",
+        "deterministic_kernels": precision.deterministic,
+        "torch": torch.__version__,
+        "history": [],
+    }
     started = time.perf_counter()
     step_seconds, since = 0.0, time.perf_counter()
     # Losses stay on the device until the next evaluation: reading one per step would wait for the GPU.

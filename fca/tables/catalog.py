@@ -93,10 +93,15 @@ def read_entry(cache_dir: str | Path, root: str | Path | None = None) -> CacheEn
         raw = (cache_dir / MANIFEST).read_bytes()
         manifest = Manifest.from_json(json.loads(raw), str(cache_dir / MANIFEST))
         return CacheEntry(
-            path=cache_dir, label=label, split=manifest.corpus.split,
-            model_name=manifest.model.path, model_fingerprint=manifest.model.fingerprint or None,
-            num_seqs=manifest.num_seqs, seq_len=manifest.seq_len,
-            num_sites=len(manifest.sites), manifest_hash=hashlib.sha256(raw).hexdigest(),
+            path=cache_dir,
+            label=label,
+            split=manifest.corpus.split,
+            model_name=manifest.model.path,
+            model_fingerprint=manifest.model.fingerprint or None,
+            num_seqs=manifest.num_seqs,
+            seq_len=manifest.seq_len,
+            num_sites=len(manifest.sites),
+            manifest_hash=hashlib.sha256(raw).hexdigest(),
         )
     except (OSError, ValueError, CacheError) as err:
         return CacheEntry(path=cache_dir, label=label, error=f"{cache_dir / MANIFEST}: unreadable manifest ({err})")
@@ -165,16 +170,25 @@ def find_calibration(entry: CacheEntry, entries: Sequence[CacheEntry]) -> CacheE
     """The calibration cache of the same model (fingerprint) from a different split than `entry`'s;
     one in the same folder is preferred. None when there is none."""
     candidates = [
-        e for e in entries
-        if e.error is None and e.path != entry.path and e.split == "calibration" and e.split != entry.split
-        and e.model_fingerprint is not None and e.model_fingerprint == entry.model_fingerprint
+        e
+        for e in entries
+        if e.error is None
+        and e.path != entry.path
+        and e.split == "calibration"
+        and e.split != entry.split
+        and e.model_fingerprint is not None
+        and e.model_fingerprint == entry.model_fingerprint
     ]
     candidates.sort(key=lambda e: (e.path.parent != entry.path.parent, e.label))
     return candidates[0] if candidates else None
 
 
 def _sizes(config: dict) -> dict:
-    return {k: v for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool) and not any(w in k for w in _NOT_SIZES)}
+    return {
+        k: v
+        for k, v in config.items()
+        if isinstance(v, int) and not isinstance(v, bool) and not any(w in k for w in _NOT_SIZES)
+    }
 
 
 def is_dense_twin(config: dict, dense_config: dict) -> bool:

@@ -55,8 +55,9 @@ class Condition:
             object.__setattr__(self, "sites", tuple(self.sites))
             bad = [s for s in self.sites if not s or re.search(r"[\s,@]", s)]
             if not self.sites or bad:
-                raise ValueError(f"sites must be non-empty names without spaces, ',' or '@' (None: every site), "
-                                 f"not {self.sites!r}")
+                raise ValueError(
+                    f"sites must be non-empty names without spaces, ',' or '@' (None: every site), not {self.sites!r}"
+                )
 
     @property
     def spec(self) -> str:
@@ -73,8 +74,13 @@ class Condition:
         return self.kind in ("static_layer", "global_mean", "interpolate", "position_profile")
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "alpha": self.alpha, "sites": list(self.sites) if self.sites else None,
-                "independent": self.independent, "seed": self.seed}
+        return {
+            "kind": self.kind,
+            "alpha": self.alpha,
+            "sites": list(self.sites) if self.sites else None,
+            "independent": self.independent,
+            "seed": self.seed,
+        }
 
 
 def _format_alpha(alpha: float) -> str:
@@ -160,7 +166,12 @@ def condition_coefficients(
             out[name] = other[name]
         elif condition.kind == "token_shuffle":
             T = c.shape[1]
-            perms = np.stack([position_permutation(n, T, condition.seed, site_index if condition.independent else None) for n in seq_index])  # [b, T]
+            perms = np.stack(
+                [
+                    position_permutation(n, T, condition.seed, site_index if condition.independent else None)
+                    for n in seq_index
+                ]
+            )  # [b, T]
             out[name] = np.take_along_axis(c, perms[:, :, None], axis=1)
         elif condition.kind == "static_layer":
             out[name] = profiles.static[name]  # [K]

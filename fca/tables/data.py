@@ -139,7 +139,15 @@ def make_windows(stream: np.ndarray, seq_len: int, num_seqs: int | None = None) 
     return stream[: n * (seq_len + 1)].reshape(n, seq_len + 1).astype(np.int64)
 
 
-def split_windows(corpus: str | Path, split: str, tokenizer, seq_len: int, seed: int, num_seqs: int | None = None, text_column: str = "text") -> np.ndarray:
+def split_windows(
+    corpus: str | Path,
+    split: str,
+    tokenizer,
+    seq_len: int,
+    seed: int,
+    num_seqs: int | None = None,
+    text_column: str = "text",
+) -> np.ndarray:
     """Corpus path -> windows [N, seq_len + 1] of one split."""
     if split not in SPLITS:
         raise CorpusError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
@@ -151,7 +159,9 @@ def extract_kjv(out: str | Path) -> Path:
     """Write the King James Bible (Debian's `bible-kjv`) as one chapter per blank-line-separated document."""
     if shutil.which("bible") is None:
         raise CorpusError("the `bible` program is missing: apt-get install bible-kjv bible-kjv-text")
-    lines = subprocess.run(["bible", "-f", "gen1:1-rev22:21"], capture_output=True, text=True, check=True).stdout.splitlines()
+    lines = subprocess.run(
+        ["bible", "-f", "gen1:1-rev22:21"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     chapters: list[list[str]] = []
     last_chapter = None
     for line in lines:

@@ -26,5 +26,7 @@ def describe(env: dict | None) -> str:
     if env.get("device_type") == "cuda":
         where = f"cuda {env.get('device_name')} ({env.get('capability')}, CUDA {env.get('cuda')})"
     else:
-        where = f"{env.get('device_type')} {env.get('device_name')} ({env.get('capability')}, {env.get('threads')} threads)"
+        where = (
+            f"{env.get('device_type')} {env.get('device_name')} ({env.get('capability')}, {env.get('threads')} threads)"
+        )
     return f"{where}, {env.get('model_dtype')}, torch {env.get('torch')}"

@@ -83,7 +83,8 @@ def check_dtype(cache_path: str, cache_model_dtype: str | None, model_dtype: str
     if recorded != model_dtype:
         raise FidelityError(
             f"{cache_path}: coefficients were recorded with a {recorded} model, but the model runs in {model_dtype} here; "
-            f"replay in {recorded} (--dtype {recorded}) or rebuild the cache in {model_dtype}")
+            f"replay in {recorded} (--dtype {recorded}) or rebuild the cache in {model_dtype}"
+        )
 
 
 def tolerances(model_dtype: str, coefficient_dtype: str) -> dict:
@@ -101,13 +102,27 @@ def judge_mechanism(max_abs_logit_diff: float, nll_live: float, nll_replayed: fl
     if not max_abs_logit_diff <= MECHANISM_TOLERANCE or nll_live != nll_replayed:
         raise ExactnessError(
             f"Correct replay does not reproduce the live run (max |logit diff| {max_abs_logit_diff:.3g} > "
-            f"{MECHANISM_TOLERANCE:g}, or NLL {nll_replayed!r} != {nll_live!r}); no other figure is reported")
-    return {"max_abs_logit_diff": max_abs_logit_diff, "nll_live": nll_live, "nll_replayed": nll_replayed,
-            "tolerance": MECHANISM_TOLERANCE, "batches": batches, "passed": True}
+            f"{MECHANISM_TOLERANCE:g}, or NLL {nll_replayed!r} != {nll_live!r}); no other figure is reported"
+        )
+    return {
+        "max_abs_logit_diff": max_abs_logit_diff,
+        "nll_live": nll_live,
+        "nll_replayed": nll_replayed,
+        "tolerance": MECHANISM_TOLERANCE,
+        "batches": batches,
+        "passed": True,
+    }
 
 
-def judge_fidelity(cache_path: str, measure: FidelityMeasure, live_nll: np.ndarray, cache_nll: np.ndarray,
-                   computed_on: dict | None, replayed_on: dict, coefficient_dtype: str = "float32") -> dict:
+def judge_fidelity(
+    cache_path: str,
+    measure: FidelityMeasure,
+    live_nll: np.ndarray,
+    cache_nll: np.ndarray,
+    computed_on: dict | None,
+    replayed_on: dict,
+    coefficient_dtype: str = "float32",
+) -> dict:
     """Check 2: the cache's fidelity here. live_nll, cache_nll: [n] per-sequence mean NLL of the live run and
     of Correct-from-cache replay. Raises FidelityError when the cache must be refused."""
     same_env = same_environment(computed_on, replayed_on)
@@ -116,16 +131,22 @@ def judge_fidelity(cache_path: str, measure: FidelityMeasure, live_nll: np.ndarr
     seq_diff = np.abs(cache_nll - live_nll)
     nll_diff = abs(float(cache_nll.mean()) - float(live_nll.mean()))
     out = {
-        "computed_on": computed_on, "replayed_on": replayed_on,
-        "computed_on_text": describe(computed_on), "replayed_on_text": describe(replayed_on),
-        "same_environment": same_env, "same_batches": measure.same_batches,
+        "computed_on": computed_on,
+        "replayed_on": replayed_on,
+        "computed_on_text": describe(computed_on),
+        "replayed_on_text": describe(replayed_on),
+        "same_environment": same_env,
+        "same_batches": measure.same_batches,
         "max_abs_coefficient_diff": measure.max_abs_coefficient_diff,
         "max_rel_coefficient_diff": measure.max_rel_coefficient_diff,
-        "differing_coefficients": measure.differing_coefficients, "coefficients_compared": measure.coefficients_compared,
+        "differing_coefficients": measure.differing_coefficients,
+        "coefficients_compared": measure.coefficients_compared,
         "per_site_max_abs_diff": measure.per_site_max_abs_diff,
         "stored_live_nll_max_diff": measure.stored_live_nll_max_diff,
-        "nll_live": float(live_nll.mean()), "nll_correct_from_cache": float(cache_nll.mean()),
-        "nll_diff": nll_diff, "max_seq_nll_diff": float(seq_diff.max()) if len(seq_diff) else 0.0,
+        "nll_live": float(live_nll.mean()),
+        "nll_correct_from_cache": float(cache_nll.mean()),
+        "nll_diff": nll_diff,
+        "max_seq_nll_diff": float(seq_diff.max()) if len(seq_diff) else 0.0,
         "coefficient_dtype": coefficient_dtype,
         "tolerances": {"bit_identical_required": strict, **({} if strict else tol)},
     }
@@ -137,15 +158,22 @@ def judge_fidelity(cache_path: str, measure: FidelityMeasure, live_nll: np.ndarr
         raise FidelityError(
             f"{cache_path}: cached coefficients differ from those this model computes now in the same environment "
             f"({where}; max |diff| {measure.max_abs_coefficient_diff:.3g}): the cache is not this model's output on "
-            "these sequences; rebuild it")
-    worst = [(name, value, tol[key]) for name, value, key in (
-        ("max relative coefficient difference", measure.max_rel_coefficient_diff, "coefficient_rel"),
-        ("Correct-from-cache NLL difference", nll_diff, "nll_mean"),
-        ("per-sequence NLL difference", out["max_seq_nll_diff"], "nll_seq")) if not value <= tol[key]]
+            "these sequences; rebuild it"
+        )
+    worst = [
+        (name, value, tol[key])
+        for name, value, key in (
+            ("max relative coefficient difference", measure.max_rel_coefficient_diff, "coefficient_rel"),
+            ("Correct-from-cache NLL difference", nll_diff, "nll_mean"),
+            ("per-sequence NLL difference", out["max_seq_nll_diff"], "nll_seq"),
+        )
+        if not value <= tol[key]
+    ]
     if worst:
         name, value, limit = worst[0]
         raise FidelityError(
             f"{cache_path}: the cache does not match this model here beyond floating-point drift ({name} {value:.3g} > "
-            f"{limit:g}; {where}); rebuild the cache in this environment")
+            f"{limit:g}; {where}); rebuild the cache in this environment"
+        )
     out["verdict"] = "within tolerance"
     return out

@@ -36,7 +36,9 @@ def _batch_values(batch: pa.RecordBatch, sites: list[str], T: int) -> tuple[np.n
     return np.concatenate(blocks, axis=2), batch.column("token").to_numpy().reshape(n, T)
 
 
-def cache_moments(cache: Cache, with_tokens: bool = True, progress: Callable[[int, int], None] | None = None) -> tuple[Moments, SlotLayout]:
+def cache_moments(
+    cache: Cache, with_tokens: bool = True, progress: Callable[[int, int], None] | None = None
+) -> tuple[Moments, SlotLayout]:
     """Stream the cache once (a few thousand rows at a time) into mergeable moments."""
     layout = slot_layout(cache)
     T = cache.seq_len
@@ -88,9 +90,14 @@ def calibration_profiles(cache: Cache, progress: Callable[[int, int], None] | No
     return profiles_from_moments(*cache_moments(cache, with_tokens=False, progress=progress))
 
 
-def quantile_band(cache: Cache, quantiles: tuple[float, float] = (0.05, 0.95), max_seqs: int = 64) -> dict[str, np.ndarray]:
+def quantile_band(
+    cache: Cache, quantiles: tuple[float, float] = (0.05, 0.95), max_seqs: int = 64
+) -> dict[str, np.ndarray]:
     """site -> [2, K_s]: per-channel quantiles over the tokens of the first `max_seqs` sequences
     (a sample, so it stays cheap on caches of any size)."""
     seqs = list(range(min(max_seqs, cache.num_seqs)))
     coefficients = cache.coefficients(seqs)
-    return {s: np.quantile(v.reshape(-1, v.shape[-1]), quantiles, axis=0).astype(np.float32) for s, v in coefficients.items()}
+    return {
+        s: np.quantile(v.reshape(-1, v.shape[-1]), quantiles, axis=0).astype(np.float32)
+        for s, v in coefficients.items()
+    }

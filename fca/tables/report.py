@@ -7,8 +7,17 @@ import json
 from pathlib import Path
 
 # The sections every audit report has (DESIGN.md, "Audit report"); a JSON without them is some other file.
-REQUIRED_KEYS = ("model", "cache", "calibration", "exactness", "conditions", "gap_retention", "variance", "execution",
-                 "definitions")
+REQUIRED_KEYS = (
+    "model",
+    "cache",
+    "calibration",
+    "exactness",
+    "conditions",
+    "gap_retention",
+    "variance",
+    "execution",
+    "definitions",
+)
 
 
 class ReportError(ValueError):
@@ -21,8 +30,10 @@ def check_report(report: object, source: str | Path = "report") -> dict:
         raise ReportError(f"{source}: not an FCA audit report (a JSON {type(report).__name__}, not an object)")
     missing = [key for key in REQUIRED_KEYS if key not in report]
     if missing:
-        raise ReportError(f"{source}: not an FCA audit report (no {', '.join(repr(k) for k in missing)}); "
-                          "write one with `fca audit ... --json PATH`")
+        raise ReportError(
+            f"{source}: not an FCA audit report (no {', '.join(repr(k) for k in missing)}); "
+            "write one with `fca audit ... --json PATH`"
+        )
     return report
 
 
@@ -41,9 +52,11 @@ def _fmt(x, digits: int = 4) -> str:
 
 def exactness_sentences(ex: dict) -> list[str]:
     """The two exactness checks of a report's `exactness` section in plain words (reports, CLI, dashboard)."""
-    sentences = [f"Replay mechanism: Correct replay of the coefficients recorded in the same pass reproduces the live logits "
-                 f"(max |difference| {ex['max_abs_logit_diff']:.3g}, tolerance {ex['tolerance']:g}; NLL {ex['nll_live']:.6f} "
-                 f"live, {ex['nll_correct']:.6f} replayed)."]
+    sentences = [
+        f"Replay mechanism: Correct replay of the coefficients recorded in the same pass reproduces the live logits "
+        f"(max |difference| {ex['max_abs_logit_diff']:.3g}, tolerance {ex['tolerance']:g}; NLL {ex['nll_live']:.6f} "
+        f"live, {ex['nll_correct']:.6f} replayed)."
+    ]
     fid = ex.get("fidelity")
     if not fid:  # a report from before the cache-fidelity check
         return sentences
@@ -51,14 +64,21 @@ def exactness_sentences(ex: dict) -> list[str]:
         verdict = "the cached coefficients are bit-identical to those recorded now"
     else:
         tol = fid["tolerances"]
-        reason = ("another environment, so floating-point reduction order differs" if not fid["same_environment"]
-                  else "other batches than the build's, so kernels may differ")
-        verdict = (f"{reason}: the cached coefficients differ from those recorded now by at most "
-                   f"{fid['max_abs_coefficient_diff']:.2g} ({fid['max_rel_coefficient_diff']:.2g} relative; tolerance "
-                   f"{tol['coefficient_rel']:g}), and Correct-from-cache NLL by {fid['nll_diff']:.2g} nats from live "
-                   f"(tolerance {tol['nll_mean']:g}); accepted")
-    sentences.append(f"Cache fidelity: coefficients computed on {fid['computed_on_text']}, replayed on "
-                     f"{fid['replayed_on_text']}; {verdict}.")
+        reason = (
+            "another environment, so floating-point reduction order differs"
+            if not fid["same_environment"]
+            else "other batches than the build's, so kernels may differ"
+        )
+        verdict = (
+            f"{reason}: the cached coefficients differ from those recorded now by at most "
+            f"{fid['max_abs_coefficient_diff']:.2g} ({fid['max_rel_coefficient_diff']:.2g} relative; tolerance "
+            f"{tol['coefficient_rel']:g}), and Correct-from-cache NLL by {fid['nll_diff']:.2g} nats from live "
+            f"(tolerance {tol['nll_mean']:g}); accepted"
+        )
+    sentences.append(
+        f"Cache fidelity: coefficients computed on {fid['computed_on_text']}, replayed on "
+        f"{fid['replayed_on_text']}; {verdict}."
+    )
     return sentences
 
 
@@ -72,8 +92,11 @@ def render_markdown(report: dict) -> str:
         f"Evaluated cache `{report['cache']['path']}` ({report['cache']['split']} split, {report['cache']['sequences']} x "
         f"{report['cache']['seq_len']} tokens); calibration cache `{report['calibration']['path']}` "
         f"({report['calibration']['split']} split, {report['calibration']['tokens']:,} tokens)."
-        + ("" if report["cache"].get("coefficient_dtype", "float32") == "float32"
-           else f" **Coefficients were stored in reduced precision ({report['cache']['coefficient_dtype']}).**"),
+        + (
+            ""
+            if report["cache"].get("coefficient_dtype", "float32") == "float32"
+            else f" **Coefficients were stored in reduced precision ({report['cache']['coefficient_dtype']}).**"
+        ),
         "",
         "**Exactness.** " + " ".join(exactness_sentences(ex)),
         "",
@@ -86,26 +109,41 @@ def render_markdown(report: dict) -> str:
     lines += [f"| {k.replace('_', ' ')} | {_fmt(v, 3)} |" for k, v in var["factors"].items()]
     lines += ["", "| site | layer-identity share |", "|---|---|"]
     lines += [f"| `{k}` | {_fmt(v, 3)} |" for k, v in var["per_site"].items()]
-    lines += ["", "## 2. Functional dependence (controllers removed, coefficients reassigned)", "",
-              "| condition | NLL (nats) | penalty vs correct | 95% CI | gap retention |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## 2. Functional dependence (controllers removed, coefficients reassigned)",
+        "",
+        "| condition | NLL (nats) | penalty vs correct | 95% CI | gap retention |",
+        "|---|---|---|---|---|",
+    ]
     for name, row in report["conditions"].items():
         lo, hi = row["penalty_ci95"]
         retention = report["gap_retention"].get(name)
-        lines.append(f"| {name} | {row['nll']:.4f} | {row['penalty']:+.4f} | [{lo:+.4f}, {hi:+.4f}] | "
-                     f"{'' if name in ('correct', 'global_mean') else (f'{100 * retention:.2f}%' if retention is not None else 'undefined')} |")
-    lines += ["", "## 3. Actual execution", "",
-              f"- Blocks executed per token: {exe['blocks_executed_per_token']:.2f} of {exe['num_blocks']} "
-              f"({100 * exe['blocks_executed_fraction']:.1f}%), counted by forward hooks.",
-              f"- Controller FLOPs: {100 * exe['controller_flops_share']:.2f}% of the forward's FLOPs."]
+        lines.append(
+            f"| {name} | {row['nll']:.4f} | {row['penalty']:+.4f} | [{lo:+.4f}, {hi:+.4f}] | "
+            f"{'' if name in ('correct', 'global_mean') else (f'{100 * retention:.2f}%' if retention is not None else 'undefined')} |"
+        )
+    lines += [
+        "",
+        "## 3. Actual execution",
+        "",
+        f"- Blocks executed per token: {exe['blocks_executed_per_token']:.2f} of {exe['num_blocks']} "
+        f"({100 * exe['blocks_executed_fraction']:.1f}%), counted by forward hooks.",
+        f"- Controller FLOPs: {100 * exe['controller_flops_share']:.2f}% of the forward's FLOPs.",
+    ]
     if exe.get("latency_ratio_vs_dense") is not None:
-        lines.append(f"- Latency vs the Dense twin: **{exe['latency_ratio_vs_dense']:.3f}x** (median of {exe['runs']} interleaved runs, "
-                     f"batch {exe['batch_shape']}, {exe['device']}; {exe['model_ms_median']:.1f} ms vs {exe['dense_ms_median']:.1f} ms).")
+        lines.append(
+            f"- Latency vs the Dense twin: **{exe['latency_ratio_vs_dense']:.3f}x** (median of {exe['runs']} interleaved runs, "
+            f"batch {exe['batch_shape']}, {exe['device']}; {exe['model_ms_median']:.1f} ms vs {exe['dense_ms_median']:.1f} ms)."
+        )
     else:
         lines.append("- Latency vs a Dense twin: not measured (no --dense given).")
     if exe.get("experts"):
         e = exe["experts"]
-        lines.append(f"- Experts run per token: {e['experts_run_per_token_mean']:.2f} of {e['experts_available']:g} per MoE layer "
-                     f"(top-{e['top_k']}, {100 * e['expert_fraction']:.1f}% of expert compute), counted from the dispatched indices.")
+        lines.append(
+            f"- Experts run per token: {e['experts_run_per_token_mean']:.2f} of {e['experts_available']:g} per MoE layer "
+            f"(top-{e['top_k']}, {100 * e['expert_fraction']:.1f}% of expert compute), counted from the dispatched indices."
+        )
     if exe.get("note"):
         lines.append(f"- Note: {exe['note']}")
     lines += ["", "## Definitions", ""]
@@ -118,7 +156,10 @@ def render_markdown(report: dict) -> str:
 
 
 def write_report(report: dict, json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
-    for path, text in ((json_path, json.dumps(report, indent=1, default=float)), (markdown_path, render_markdown(report) if markdown_path else None)):
+    for path, text in (
+        (json_path, json.dumps(report, indent=1, default=float)),
+        (markdown_path, render_markdown(report) if markdown_path else None),
+    ):
         if path is None:
             continue
         path = Path(path)

@@ -21,8 +21,12 @@ def summarize_conditions(per_seq_nll: Mapping[str, np.ndarray], seed: int = 0, r
     for name, per_seq in per_seq_nll.items():
         diff = per_seq - base
         lo, hi = paired_bootstrap_ci(diff, BOOTSTRAP_RESAMPLES, seed) if name != reference else (0.0, 0.0)
-        table[name] = {"nll": float(per_seq.mean()), "penalty": float(diff.mean()), "penalty_ci95": [lo, hi],
-                       "nll_sd_over_sequences": float(per_seq.std(ddof=1)) if len(per_seq) > 1 else 0.0}
+        table[name] = {
+            "nll": float(per_seq.mean()),
+            "penalty": float(diff.mean()),
+            "penalty_ci95": [lo, hi],
+            "nll_sd_over_sequences": float(per_seq.std(ddof=1)) if len(per_seq) > 1 else 0.0,
+        }
     return table
 
 

@@ -106,12 +106,20 @@ class Moments:
     def merge(self, other: "Moments") -> "Moments":
         both_tok = self.tok_sum is not None and other.tok_sum is not None
         return Moments(
-            self.num_slots, self.seq_len, self.vocab_size if both_tok else None,
-            self.count + other.count, self.sum + other.sum, self.sumsq + other.sumsq,
-            self.pos_count + other.pos_count, self.pos_sum + other.pos_sum,
-            self.tok_count + other.tok_count if both_tok else None, self.tok_sum + other.tok_sum if both_tok else None,
-            self.seq_term + other.seq_term, self.num_seqs + other.num_seqs,
-            np.minimum(self.minimum, other.minimum), np.maximum(self.maximum, other.maximum),
+            self.num_slots,
+            self.seq_len,
+            self.vocab_size if both_tok else None,
+            self.count + other.count,
+            self.sum + other.sum,
+            self.sumsq + other.sumsq,
+            self.pos_count + other.pos_count,
+            self.pos_sum + other.pos_sum,
+            self.tok_count + other.tok_count if both_tok else None,
+            self.tok_sum + other.tok_sum if both_tok else None,
+            self.seq_term + other.seq_term,
+            self.num_seqs + other.num_seqs,
+            np.minimum(self.minimum, other.minimum),
+            np.maximum(self.maximum, other.maximum),
         )
 
     @property
@@ -149,7 +157,10 @@ def variance_decomposition(m: Moments, layout: SlotLayout) -> dict:
 
     total = float(ss_total_slot.sum())
     per_family = {f: share(ss_between_slot[fam == f].sum(), ss_total_slot[fam == f].sum()) for f in grand}
-    per_site = {s: share(ss_between_slot[layout.site_slice(s)].sum(), ss_total_slot[layout.site_slice(s)].sum()) for s in layout.sites}
+    per_site = {
+        s: share(ss_between_slot[layout.site_slice(s)].sum(), ss_total_slot[layout.site_slice(s)].sum())
+        for s in layout.sites
+    }
     # Site alone: every channel of a site shares one mean (within each family present in the site).
     ss_site = 0.0
     for s in layout.sites:
@@ -184,7 +195,9 @@ def variance_decomposition(m: Moments, layout: SlotLayout) -> dict:
     }
 
 
-def paired_bootstrap_ci(differences: np.ndarray, num_resamples: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+def paired_bootstrap_ci(
+    differences: np.ndarray, num_resamples: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float]:
     """Percentile CI of the mean of per-sequence paired differences, resampling sequences."""
     d = np.asarray(differences, dtype=np.float64)
     if d.size < 2:

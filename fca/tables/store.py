@@ -52,7 +52,9 @@ def cache_schema(specs: dict[str, SiteSpec], coefficient_type: pa.DataType = pa.
         pa.field("target", pa.int32(), nullable=False),
         pa.field("live_nll", pa.float32(), nullable=False),
     ]
-    fields += [pa.field(name, pa.list_(coefficient_type, spec.num_channels), nullable=False) for name, spec in specs.items()]
+    fields += [
+        pa.field(name, pa.list_(coefficient_type, spec.num_channels), nullable=False) for name, spec in specs.items()
+    ]
     return pa.schema(fields)
 
 
@@ -108,7 +110,12 @@ def coefficient_arrow_type(name: str) -> pa.DataType:
 
 
 def spec_to_json(spec: SiteSpec) -> dict:
-    out = {"shape": [spec.num_channels], "axes": [[a, n] for a, n in spec.axes], "family": spec.family, "dtype": "float32"}
+    out = {
+        "shape": [spec.num_channels],
+        "axes": [[a, n] for a, n in spec.axes],
+        "family": spec.family,
+        "dtype": "float32",
+    }
     for key in ("channel_labels", "channel_families"):
         if getattr(spec, key) is not None:
             out[key] = list(getattr(spec, key))
@@ -127,16 +134,36 @@ def spec_from_json(d: dict) -> SiteSpec:
     )
 
 
-def cache_plan(specs: dict[str, SiteSpec], seq_len: int, num_seqs: int, model: dict, corpus: dict,
-               coefficient_dtype: str = "float32", **extra) -> dict:
+def cache_plan(
+    specs: dict[str, SiteSpec],
+    seq_len: int,
+    num_seqs: int,
+    model: dict,
+    corpus: dict,
+    coefficient_dtype: str = "float32",
+    **extra,
+) -> dict:
     """The manifest draft of a cache (everything but the part list and creation time)."""
-    return {"schema_version": SCHEMA_VERSION, "model": model, "corpus": corpus, "seq_len": seq_len, "num_seqs": num_seqs,
-            "num_tokens": num_seqs * seq_len, "coefficient_dtype": coefficient_dtype,
-            "sites": {name: spec_to_json(spec) for name, spec in specs.items()}, **extra}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": model,
+        "corpus": corpus,
+        "seq_len": seq_len,
+        "num_seqs": num_seqs,
+        "num_tokens": num_seqs * seq_len,
+        "coefficient_dtype": coefficient_dtype,
+        "sites": {name: spec_to_json(spec) for name, spec in specs.items()},
+        **extra,
+    }
 
 
 def record_batch(
-    schema: pa.Schema, seq: np.ndarray, tokens: np.ndarray, targets: np.ndarray, live_nll: np.ndarray, coefficients: dict[str, np.ndarray]
+    schema: pa.Schema,
+    seq: np.ndarray,
+    tokens: np.ndarray,
+    targets: np.ndarray,
+    live_nll: np.ndarray,
+    coefficients: dict[str, np.ndarray],
 ) -> pa.RecordBatch:
     """Columns straight from numpy. seq: [n]; tokens, targets, live_nll: [n, T]; coefficients: site -> [n, T, K].
 
@@ -157,7 +184,9 @@ def record_batch(
         K = column_field.type.list_size
         if values.shape != (n, T, K):
             raise CacheError(f"site {column_field.name}: coefficients of shape {values.shape}, expected {(n, T, K)}")
-        if pa.types.is_uint16(column_field.type.value_type):  # bfloat16 bits: take bits as they are, floats only if exact
+        if pa.types.is_uint16(
+            column_field.type.value_type
+        ):  # bfloat16 bits: take bits as they are, floats only if exact
             values = values.view(np.uint16) if values.dtype in (np.int16, np.uint16) else bfloat16_bits(values)
         flat = pa.array(np.ascontiguousarray(values, dtype=column_field.type.value_type.to_pandas_dtype()).reshape(-1))
         columns.append(pa.FixedSizeListArray.from_arrays(flat, K))
@@ -225,8 +254,11 @@ class BuildLock:
         aside.unlink(missing_ok=True)
 
     def acquire(self) -> None:
-        record = {"pid": os.getpid(), "host": socket.gethostname(),
-                  "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(3):
             try:
@@ -236,10 +268,14 @@ class BuildLock:
                 if holder is not None and self._stale(holder):
                     self._take_over(holder)
                     continue
-                who = (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}" if holder
-                       else "lock unreadable: delete it if no build is running")
-                raise CacheError(f"{self.what}: another build is writing this cache ({who}); "
-                                 f"lock {self.path}") from None
+                who = (
+                    f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}"
+                    if holder
+                    else "lock unreadable: delete it if no build is running"
+                )
+                raise CacheError(
+                    f"{self.what}: another build is writing this cache ({who}); lock {self.path}"
+                ) from None
             with os.fdopen(fd, "w") as f:
                 json.dump(record, f)
             self.held = True
@@ -324,8 +360,16 @@ class CacheWriter:
     incomplete parts, to be written again in full. A lock beside the destination refuses a second build.
     """
 
-    def __init__(self, out: str | Path, plan: dict, schema: pa.Schema, seqs_per_part: int, overwrite: bool = False,
-                 workers: int = 1, max_pending_seqs: int | None = None) -> None:
+    def __init__(
+        self,
+        out: str | Path,
+        plan: dict,
+        schema: pa.Schema,
+        seqs_per_part: int,
+        overwrite: bool = False,
+        workers: int = 1,
+        max_pending_seqs: int | None = None,
+    ) -> None:
         self.out = Path(out)
         self.partial = self.out.with_name(self.out.name + ".partial")
         self.schema = schema
@@ -393,15 +437,17 @@ class CacheWriter:
         rows_per_seq = batch.num_rows // num_seqs
         first = int(batch.column("seq")[0].as_py())
         if first < 0 or first + num_seqs > self.num_seqs:
-            raise CacheError(f"{self.partial}: sequences {first}..{first + num_seqs - 1} are outside the plan's "
-                             f"{self.num_seqs}")
+            raise CacheError(
+                f"{self.partial}: sequences {first}..{first + num_seqs - 1} are outside the plan's {self.num_seqs}"
+            )
         lo = first
         while lo < first + num_seqs:
             k = lo // self.seqs_per_part
             hi = min(first + num_seqs, self.part_range(k)[1])
             if k in self.parts:
-                raise CacheError(f"{self.partial}: part {k} is already complete; sequences {lo}..{hi - 1} "
-                                 "written twice")
+                raise CacheError(
+                    f"{self.partial}: part {k} is already complete; sequences {lo}..{hi - 1} written twice"
+                )
             piece = batch.slice((lo - first) * rows_per_seq, (hi - lo) * rows_per_seq)
             if self._workers:
                 self._workers[k % len(self._workers)].put((k, piece, hi - lo))
@@ -423,8 +469,12 @@ class CacheWriter:
     def _open_part(self, k: int) -> _OpenPart:
         name = f"part-{k:05d}.parquet"
         writer = pq.ParquetWriter(
-            self.partial / (name + ".tmp"), self.schema, compression="zstd", compression_level=3,
-            use_dictionary=False, use_byte_stream_split=[f.name for f in self.schema if f.name not in ("seq", "pos", "token", "target")],
+            self.partial / (name + ".tmp"),
+            self.schema,
+            compression="zstd",
+            compression_level=3,
+            use_dictionary=False,
+            use_byte_stream_split=[f.name for f in self.schema if f.name not in ("seq", "pos", "token", "target")],
             write_statistics=["seq"],
         )
         return _OpenPart(k, name, writer)
@@ -433,13 +483,25 @@ class CacheWriter:
         part.writer.close()
         tmp, final = self.partial / (part.file + ".tmp"), self.partial / part.file
         os.replace(tmp, final)
-        record = {"index": part.index, "file": part.file, "first_seq": self.part_range(part.index)[0],
-                  "num_seqs": part.num_seqs, "rows": part.rows, "sha256": file_sha256(final),
-                  "bytes": final.stat().st_size}
+        record = {
+            "index": part.index,
+            "file": part.file,
+            "first_seq": self.part_range(part.index)[0],
+            "num_seqs": part.num_seqs,
+            "rows": part.rows,
+            "sha256": file_sha256(final),
+            "bytes": final.stat().st_size,
+        }
         with self._mutex:
             self.parts[part.index] = record
-            _write_json_atomic(self.partial / PROGRESS, {"plan": self.plan, "seqs_per_part": self.seqs_per_part,
-                                                        "parts": [self.parts[i] for i in sorted(self.parts)]})
+            _write_json_atomic(
+                self.partial / PROGRESS,
+                {
+                    "plan": self.plan,
+                    "seqs_per_part": self.seqs_per_part,
+                    "parts": [self.parts[i] for i in sorted(self.parts)],
+                },
+            )
 
     def _discard(self, open_parts: dict[int, _OpenPart]) -> None:
         """Close unfinished parts without marking them complete (the partial directory stays resumable)."""
@@ -480,8 +542,12 @@ class CacheWriter:
             missing = [k for k in range(self.num_parts) if k not in self.parts]
             if missing:
                 raise CacheError(f"{self.partial}: parts {missing[:5]} were never written")
-            manifest = {**self.plan, **(extra or {}), "seqs_per_part": self.seqs_per_part,
-                        "parts": [self.parts[k] for k in range(self.num_parts)]}
+            manifest = {
+                **self.plan,
+                **(extra or {}),
+                "seqs_per_part": self.seqs_per_part,
+                "parts": [self.parts[k] for k in range(self.num_parts)],
+            }
             (self.partial / PROGRESS).unlink(missing_ok=True)
             _write_json_atomic(self.partial / MANIFEST, manifest)
             if self.out.exists():
@@ -597,22 +663,40 @@ class Manifest:
             num_seqs, seq_len = int(raw["num_seqs"]), int(raw["seq_len"])
             return cls(
                 schema_version=int(raw["schema_version"]),
-                model=ModelRecord(path=model.get("path"), model_type=model.get("model_type"),
-                                  fingerprint=str(model.get("fingerprint", "")), config=model.get("config") or {},
-                                  dtype=model.get("dtype")),
-                tokenizer=TokenizerRecord(fingerprint=tokenizer.get("fingerprint"),
-                                          vocab_size=_optional_int(tokenizer.get("vocab_size"))),
-                corpus=CorpusRecord(name=corpus.get("name"), fingerprint=corpus.get("fingerprint"),
-                                    split=corpus.get("split"), split_seed=_optional_int(corpus.get("split_seed")),
-                                    text_column=corpus.get("text_column")),
+                model=ModelRecord(
+                    path=model.get("path"),
+                    model_type=model.get("model_type"),
+                    fingerprint=str(model.get("fingerprint", "")),
+                    config=model.get("config") or {},
+                    dtype=model.get("dtype"),
+                ),
+                tokenizer=TokenizerRecord(
+                    fingerprint=tokenizer.get("fingerprint"), vocab_size=_optional_int(tokenizer.get("vocab_size"))
+                ),
+                corpus=CorpusRecord(
+                    name=corpus.get("name"),
+                    fingerprint=corpus.get("fingerprint"),
+                    split=corpus.get("split"),
+                    split_seed=_optional_int(corpus.get("split_seed")),
+                    text_column=corpus.get("text_column"),
+                ),
                 seq_len=seq_len,
                 num_seqs=num_seqs,
                 num_tokens=int(raw.get("num_tokens", num_seqs * seq_len)),
                 coefficient_dtype=raw.get("coefficient_dtype", "float32"),
                 sites={name: spec_from_json(d) for name, d in raw["sites"].items()},
-                parts=tuple(PartRecord(file=p["file"], num_seqs=int(p["num_seqs"]), rows=int(p["rows"]),
-                                       sha256=p["sha256"], bytes=int(p["bytes"]), index=_optional_int(p.get("index")),
-                                       first_seq=_optional_int(p.get("first_seq"))) for p in raw["parts"]),
+                parts=tuple(
+                    PartRecord(
+                        file=p["file"],
+                        num_seqs=int(p["num_seqs"]),
+                        rows=int(p["rows"]),
+                        sha256=p["sha256"],
+                        bytes=int(p["bytes"]),
+                        index=_optional_int(p.get("index")),
+                        first_seq=_optional_int(p.get("first_seq")),
+                    )
+                    for p in raw["parts"]
+                ),
                 seqs_per_part=_optional_int(raw.get("seqs_per_part")),
                 environment=raw.get("environment"),
                 created=raw.get("created"),
@@ -738,16 +822,18 @@ class Cache:
         keep = np.isin(seq, w)
         return table if keep.all() else table.filter(pa.array(keep))
 
-    def iter_batches(self, columns: Sequence[str] | None = None, batch_size: int = 65536,
-                     decode: bool = True) -> Iterator[pa.RecordBatch]:
+    def iter_batches(
+        self, columns: Sequence[str] | None = None, batch_size: int = 65536, decode: bool = True
+    ) -> Iterator[pa.RecordBatch]:
         """Stream record batches (one part file, one row group at a time); memory stays bounded.
 
         With `decode` (the default) site columns come as FixedSizeList<float32> whatever the stored type
         (bfloat16 bits are widened exactly); without, as stored."""
         for path in self.part_paths():
             try:
-                batches = pq.ParquetFile(path).iter_batches(batch_size=batch_size,
-                                                            columns=list(columns) if columns else None)
+                batches = pq.ParquetFile(path).iter_batches(
+                    batch_size=batch_size, columns=list(columns) if columns else None
+                )
                 for batch in batches:
                     yield _decoded(batch) if decode else batch
             except (pa.ArrowInvalid, OSError) as err:
@@ -768,7 +854,9 @@ class Cache:
         table = self._read_rows(wanted, ["seq", "pos", "token", "target", "live_nll", *sites])
         T = self.seq_len
         if table.num_rows != len(wanted) * T:
-            raise CacheError(f"{self.path}: expected {len(wanted) * T} rows for {len(wanted)} sequences, found {table.num_rows}")
+            raise CacheError(
+                f"{self.path}: expected {len(wanted) * T} rows for {len(wanted)} sequences, found {table.num_rows}"
+            )
         order = np.lexsort((table.column("pos").to_numpy(), table.column("seq").to_numpy()))
         row_of = {s: i for i, s in enumerate(wanted)}
         pick = np.array([row_of[s] for s in seqs])
@@ -788,8 +876,9 @@ class Cache:
         data = self.read_seqs(seqs, sites)
         return {name: data[name] for name in (self.sites if sites is None else sites)}
 
-    def prefetch(self, batches: Sequence[Sequence[int]], sites: Sequence[str] | None = None,
-                 depth: int = 1) -> Iterator[dict[str, np.ndarray]]:
+    def prefetch(
+        self, batches: Sequence[Sequence[int]], sites: Sequence[str] | None = None, depth: int = 1
+    ) -> Iterator[dict[str, np.ndarray]]:
         """`read_seqs(batch, sites)` for each batch in order, read and decoded on a background thread
         while the caller works on the previous result: up to `depth` results wait ready.
 
@@ -844,8 +933,9 @@ class Cache:
                 raise CacheError(f"{path}: contents do not match the manifest's sha256 (corrupt or modified)")
 
 
-def _prefetch(cache: Cache, batches: list[list[int]], sites: list[str] | None,
-              depth: int) -> Iterator[dict[str, np.ndarray]]:
+def _prefetch(
+    cache: Cache, batches: list[list[int]], sites: list[str] | None, depth: int
+) -> Iterator[dict[str, np.ndarray]]:
     """The generator behind `Cache.prefetch`: its `finally` runs when the caller closes it, and stops the reader."""
     ready: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
@@ -892,7 +982,11 @@ def open_cache(path: str | Path, verify: bool = False) -> Cache:
     if not path.is_dir():
         raise CacheError(f"{path}: cache directory not found")
     if not manifest_path.is_file():
-        hint = " (an unfinished build: rerun build-cache to resume)" if path.with_name(path.name + ".partial").exists() or path.name.endswith(".partial") else ""
+        hint = (
+            " (an unfinished build: rerun build-cache to resume)"
+            if path.with_name(path.name + ".partial").exists() or path.name.endswith(".partial")
+            else ""
+        )
         raise CacheError(f"{manifest_path}: missing; not a finished cache{hint}")
     cache = Cache(path, read_manifest(path))
     expected = cache_schema(cache.site_specs, coefficient_arrow_type(cache.coefficient_dtype))
@@ -907,7 +1001,9 @@ def open_cache(path: str | Path, verify: bool = False) -> Cache:
             if column_field.name not in schema.names:
                 raise CacheError(f"{part}: column {column_field.name!r} is missing")
             if not schema.field(column_field.name).type.equals(column_field.type):
-                raise CacheError(f"{part}: column {column_field.name!r} has type {schema.field(column_field.name).type}, expected {column_field.type}")
+                raise CacheError(
+                    f"{part}: column {column_field.name!r} has type {schema.field(column_field.name).type}, expected {column_field.type}"
+                )
     if verify:
         cache.verify()
     return cache

@@ -25,13 +25,32 @@ REPORT_KEYS = ("model", "conditions", "gap_retention", "variance", "execution", 
 # free text that only describes (e.g. the exactness definition).
 COMPARED_FIELDS = (
     "fca_report_version",
-    "model.model_type", "model.parameters", "model.controller_parameters", "model.dtype",
-    "cache.split", "cache.corpus", "cache.sequences", "cache.seq_len", "cache.coefficient_dtype",
-    "calibration.split", "calibration.corpus", "calibration.tokens", "calibration.coefficient_dtype",
-    "execution.device", "execution.batch_shape", "execution.runs",
-    "definitions.nll", "definitions.penalty", "definitions.gap_retention", "definitions.conditions",
-    "definitions.condition_specs", "definitions.global_mean_families", "definitions.splits",
-    "definitions.layer_identity_share", "definitions.controller_flops", "definitions.latency",
+    "model.model_type",
+    "model.parameters",
+    "model.controller_parameters",
+    "model.dtype",
+    "cache.split",
+    "cache.corpus",
+    "cache.sequences",
+    "cache.seq_len",
+    "cache.coefficient_dtype",
+    "calibration.split",
+    "calibration.corpus",
+    "calibration.tokens",
+    "calibration.coefficient_dtype",
+    "execution.device",
+    "execution.batch_shape",
+    "execution.runs",
+    "definitions.nll",
+    "definitions.penalty",
+    "definitions.gap_retention",
+    "definitions.conditions",
+    "definitions.condition_specs",
+    "definitions.global_mean_families",
+    "definitions.splits",
+    "definitions.layer_identity_share",
+    "definitions.controller_flops",
+    "definitions.latency",
     "definitions.coefficient",
 )
 # Compared only when both reports carry them (a training summary is optional in a report).
@@ -45,9 +64,38 @@ SCALARS = {
     "controller_flops_share": "execution.controller_flops_share",
 }
 # Two-sided 95% Student t quantiles t(0.975, df) for df = 1..30 (standard tables, 6 decimals).
-_T975 = (12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004, 2.262157, 2.228139,
-         2.200985, 2.178813, 2.160369, 2.144787, 2.131450, 2.119905, 2.109816, 2.100922, 2.093024, 2.085963,
-         2.079614, 2.073873, 2.068658, 2.063899, 2.059539, 2.055529, 2.051831, 2.048407, 2.045230, 2.042272)
+_T975 = (
+    12.706205,
+    4.302653,
+    3.182446,
+    2.776445,
+    2.570582,
+    2.446912,
+    2.364624,
+    2.306004,
+    2.262157,
+    2.228139,
+    2.200985,
+    2.178813,
+    2.160369,
+    2.144787,
+    2.131450,
+    2.119905,
+    2.109816,
+    2.100922,
+    2.093024,
+    2.085963,
+    2.079614,
+    2.073873,
+    2.068658,
+    2.063899,
+    2.059539,
+    2.055529,
+    2.051831,
+    2.048407,
+    2.045230,
+    2.042272,
+)
 _Z975 = 1.959963984540054
 
 
@@ -63,9 +111,13 @@ def t_quantile_975(df: int) -> float:
     if df <= len(_T975):
         return _T975[df - 1]
     z, v = _Z975, float(df)
-    return (z + (z**3 + z) / (4 * v) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3)
-            + (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * v**4))
+    return (
+        z
+        + (z**3 + z) / (4 * v)
+        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3)
+        + (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * v**4)
+    )
 
 
 def spread(values: Sequence[float | None]) -> dict:
@@ -129,11 +181,18 @@ def training_info(report: dict, audit_path: str | Path | None = None) -> dict:
 def summarize_training_log(log: dict) -> dict:
     """The part of a `training_log.json` a study shows (seed, split, steps, device, throughput)."""
     settings = log.get("settings", {})
-    out = {"seed": settings.get("seed"), "split_seed": settings.get("split_seed"), "steps": settings.get("steps"),
-           "batch_size": settings.get("batch_size"), "corpus": Path(str(log.get("corpus", ""))).name or None,
-           "device": log.get("device", "cpu"), "precision": log.get("precision", "float32"),
-           "tokens_per_second": log.get("tokens_per_second"), "train_seconds": log.get("train_seconds"),
-           "final_eval_nll": log.get("final_eval_nll")}
+    out = {
+        "seed": settings.get("seed"),
+        "split_seed": settings.get("split_seed"),
+        "steps": settings.get("steps"),
+        "batch_size": settings.get("batch_size"),
+        "corpus": Path(str(log.get("corpus", ""))).name or None,
+        "device": log.get("device", "cpu"),
+        "precision": log.get("precision", "float32"),
+        "tokens_per_second": log.get("tokens_per_second"),
+        "train_seconds": log.get("train_seconds"),
+        "final_eval_nll": log.get("final_eval_nll"),
+    }
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -163,23 +222,29 @@ def check_comparable(audits: Sequence[tuple[str, dict]]) -> None:
     for name, report in audits:
         fingerprint = field(report, "model.fingerprint")
         if fingerprint in seen:
-            raise StudyError(f"{name}: the same model (fingerprint {fingerprint[:16]}) as {seen[fingerprint]}; "
-                             "a study needs independently trained models")
+            raise StudyError(
+                f"{name}: the same model (fingerprint {fingerprint[:16]}) as {seen[fingerprint]}; "
+                "a study needs independently trained models"
+            )
         seen[fingerprint] = name
         if sorted(report["conditions"]) != sorted(first["conditions"]):
             a, b = _short(sorted(first["conditions"])), _short(sorted(report["conditions"]))
             raise StudyError(f"conditions differ between {first_name} ({a}) and {name} ({b})")
         if (report.get("dense") is None) != (first.get("dense") is None):
-            raise StudyError(f"dense twin differs between {first_name} and {name}: "
-                             "one was audited with a Dense twin, the other without")
+            raise StudyError(
+                f"dense twin differs between {first_name} and {name}: "
+                "one was audited with a Dense twin, the other without"
+            )
         checks = [(f, False) for f in COMPARED_FIELDS] + [(f, True) for f in OPTIONAL_FIELDS]
         for path, optional in checks:
             a, b = field(first, path, _MISSING), field(report, path, _MISSING)
             if optional and (a is _MISSING or b is _MISSING):
                 continue
             if a != b:
-                raise StudyError(f"{path} differs between {first_name} ({_short(a)}) and {name} ({_short(b)}); "
-                                 "a study averages audits made with the same definitions only")
+                raise StudyError(
+                    f"{path} differs between {first_name} ({_short(a)}) and {name} ({_short(b)}); "
+                    "a study averages audits made with the same definitions only"
+                )
 
 
 def seed_row(report: dict, audit: str, training: dict) -> dict:
@@ -214,8 +279,11 @@ def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | 
     retained = [c for c in names if any(c in r["gap_retention"] for r in rows)]
     summary = {
         "conditions": {
-            c: {"nll": spread([r["nll"][c] for r in rows]), "penalty": spread([r["penalty"][c] for r in rows]),
-                **({"gap_retention": spread([r["gap_retention"].get(c) for r in rows])} if c in retained else {})}
+            c: {
+                "nll": spread([r["nll"][c] for r in rows]),
+                "penalty": spread([r["penalty"][c] for r in rows]),
+                **({"gap_retention": spread([r["gap_retention"].get(c) for r in rows])} if c in retained else {}),
+            }
             for c in names
         },
         **{key: spread([r[key] for r in rows]) for key in SCALARS},
@@ -231,12 +299,14 @@ def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | 
             "mean": "arithmetic mean over models",
             "sd": "sample standard deviation over models (denominator n - 1); null for one model",
             "ci95": "two-sided 95% Student t interval for the mean over models: "
-                    "mean +/- t(0.975, n - 1) * sd / sqrt(n); "
-                    "null for one model. It reflects seed-to-seed variation only; each audit's own bootstrap CI over "
-                    "sequences is in its per-model row",
+            "mean +/- t(0.975, n - 1) * sd / sqrt(n); "
+            "null for one model. It reflects seed-to-seed variation only; each audit's own bootstrap CI over "
+            "sequences is in its per-model row",
             "gap_retention": "averaged over the models where it is defined; n says how many",
-            "compared_fields": "audits are refused unless these agree: " + ", ".join(COMPARED_FIELDS)
-                               + "; and, where both reports have them, " + ", ".join(OPTIONAL_FIELDS),
+            "compared_fields": "audits are refused unless these agree: "
+            + ", ".join(COMPARED_FIELDS)
+            + "; and, where both reports have them, "
+            + ", ".join(OPTIONAL_FIELDS),
             "audit": {path: field(first, path) for path in COMPARED_FIELDS},
         },
     }
@@ -319,22 +389,36 @@ def render_markdown(study: dict) -> str:
     conditions = list(summary["conditions"])
     penalized = [c for c in conditions if c != "correct"]
     retained = [c for c in conditions if "gap_retention" in summary["conditions"][c]]
-    header = (["seed", "model", "fingerprint", "NLL correct"] + [f"penalty {c}" for c in penalized]
-              + [f"retention {c}" for c in retained] + ["layer-id share", "latency x", "audit"])
+    header = (
+        ["seed", "model", "fingerprint", "NLL correct"]
+        + [f"penalty {c}" for c in penalized]
+        + [f"retention {c}" for c in retained]
+        + ["layer-id share", "latency x", "audit"]
+    )
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        cells = ([str(r["seed"]) if r["seed"] is not None else "?", str(r["name"]), f"`{r['fingerprint'][:12]}`",
-                  _num(r["nll"].get("correct"))]
-                 + [_num(r["penalty"].get(c)) for c in penalized]
-                 + [_num(r["gap_retention"].get(c), 1, percent=True) for c in retained]
-                 + [_num(r["layer_identity_share"], 3), _num(r["latency_ratio_vs_dense"], 3), f"`{r['audit']}`"])
+        cells = (
+            [
+                str(r["seed"]) if r["seed"] is not None else "?",
+                str(r["name"]),
+                f"`{r['fingerprint'][:12]}`",
+                _num(r["nll"].get("correct")),
+            ]
+            + [_num(r["penalty"].get(c)) for c in penalized]
+            + [_num(r["gap_retention"].get(c), 1, percent=True) for c in retained]
+            + [_num(r["layer_identity_share"], 3), _num(r["latency_ratio_vs_dense"], 3), f"`{r['audit']}`"]
+        )
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Definitions", ""]
     for key, value in study["definitions"].items():
         if key != "audit":
             lines.append(f"- **{key}**: {value}")
-    shared = ("definitions.penalty", "definitions.gap_retention", "definitions.layer_identity_share",
-              "definitions.latency")
+    shared = (
+        "definitions.penalty",
+        "definitions.gap_retention",
+        "definitions.layer_identity_share",
+        "definitions.latency",
+    )
     for key in shared:
         if audit.get(key):
             lines.append(f"- **{key.split('.', 1)[1]}** (each audit): {audit[key]}")

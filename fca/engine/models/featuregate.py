@@ -121,7 +121,9 @@ class GateController(nn.Module):
         if cfg.controller == "linear":
             self.net = nn.Linear(cfg.d_model, K)
         else:
-            self.net = nn.Sequential(nn.Linear(cfg.d_model, cfg.controller_hidden), nn.GELU(), nn.Linear(cfg.controller_hidden, K))
+            self.net = nn.Sequential(
+                nn.Linear(cfg.d_model, cfg.controller_hidden), nn.GELU(), nn.Linear(cfg.controller_hidden, K)
+            )
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return 2.0 * torch.sigmoid(self.net(h))  # [B, T, K]
@@ -145,8 +147,12 @@ class Block(nn.Module):
         self.gate: Site | None = None
         if cfg.gated:
             labels = tuple(f"attn.{i}" for i in range(cfg.attn_gates)) + tuple(f"mlp.{i}" for i in range(cfg.mlp_gates))
-            spec = SiteSpec(axes=(("gate", cfg.gates_per_block),), family=GATE_FAMILY, channel_labels=labels,
-                            coefficient="gate value 2 * sigmoid(logits) in (0, 2), scaling a head's or feature group's output")
+            spec = SiteSpec(
+                axes=(("gate", cfg.gates_per_block),),
+                family=GATE_FAMILY,
+                channel_labels=labels,
+                coefficient="gate value 2 * sigmoid(logits) in (0, 2), scaling a head's or feature group's output",
+            )
             self.gate = Site(GateController(cfg), spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -225,10 +231,12 @@ def load_featuregate(path: Path) -> FeatureGateModel:
     return load_strict(FeatureGateModel(config), read_state_dict(path), path)
 
 
-FAMILY = register_family(Family(
-    FeatureGateConfig.model_type,
-    load=load_featuregate,
-    dense_twin=DENSE_TWINS[FeatureGateConfig.model_type],  # `gated: false`
-    blocks=lambda model: list(model.blocks),  # in execution order; the execution audit hooks them
-    coefficient_kind="gate values 2 * sigmoid(logits), scaling attention heads and MLP feature groups",
-))
+FAMILY = register_family(
+    Family(
+        FeatureGateConfig.model_type,
+        load=load_featuregate,
+        dense_twin=DENSE_TWINS[FeatureGateConfig.model_type],  # `gated: false`
+        blocks=lambda model: list(model.blocks),  # in execution order; the execution audit hooks them
+        coefficient_kind="gate values 2 * sigmoid(logits), scaling attention heads and MLP feature groups",
+    )
+)

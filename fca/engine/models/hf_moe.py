@@ -60,7 +60,9 @@ class TopKRouting:
 
     weights_in_logit_dtype: bool
 
-    def __call__(self, router_logits: torch.Tensor, router: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, router_logits: torch.Tensor, router: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         probs = F.softmax(router_logits, dim=-1, dtype=torch.float)  # [N, E] float32
         top_value, top_index = torch.topk(probs, router.top_k, dim=-1)  # [N, k], [N, k]
         if getattr(router, "norm_topk_prob", True):
@@ -77,7 +79,9 @@ def _router_axes(router: nn.Module) -> tuple[tuple[str, int], ...]:
 def moe_declarations(model_type: str) -> list[SiteDeclaration]:
     """The site declarations of one supported MoE family."""
     if model_type not in MOE_MODEL_TYPES:
-        raise ModelLoadError(f"no built-in MoE adapter for model_type {model_type!r} (known: {', '.join(MOE_MODEL_TYPES)})")
+        raise ModelLoadError(
+            f"no built-in MoE adapter for model_type {model_type!r} (known: {', '.join(MOE_MODEL_TYPES)})"
+        )
     router = SiteDeclaration(
         path=ROUTER_PATH,
         axes=_router_axes,
@@ -90,7 +94,11 @@ def moe_declarations(model_type: str) -> list[SiteDeclaration]:
     if model_type != "qwen2_moe":
         return [router]
     shared = SiteDeclaration(
-        path=SHARED_GATE_PATH, axes=(("shared_expert", 1),), family=SHARED_GATE_FAMILY, token_layout="flat", coefficient=SHARED_GATE_COEFFICIENT
+        path=SHARED_GATE_PATH,
+        axes=(("shared_expert", 1),),
+        family=SHARED_GATE_FAMILY,
+        token_layout="flat",
+        coefficient=SHARED_GATE_COEFFICIENT,
     )
     return [router, shared]
 
@@ -126,8 +134,9 @@ def expert_execution(model: nn.Module, input_ids) -> dict:
     family = family_of(model)
     patterns = family.expert_paths
     if not patterns:
-        raise ValueError(f"{type(model).__name__}: its family {family.model_type!r} declares no expert modules "
-                         "(expert_paths)")
+        raise ValueError(
+            f"{type(model).__name__}: its family {family.model_type!r} declares no expert modules (expert_paths)"
+        )
     modules = {n: model.get_submodule(n) for p in patterns for n in match_modules(model, p)}
     seen: dict[str, dict] = {}
 
@@ -144,7 +153,10 @@ def expert_execution(model: nn.Module, input_ids) -> dict:
             "tokens": index.shape[0],
         }
 
-    handles = [m.register_forward_pre_hook(lambda mod, a, kw, n=n: count(n, mod, a, kw), with_kwargs=True) for n, m in modules.items()]
+    handles = [
+        m.register_forward_pre_hook(lambda mod, a, kw, n=n: count(n, mod, a, kw), with_kwargs=True)
+        for n, m in modules.items()
+    ]
     try:
         model(as_input_ids(input_ids, model))
     finally:
@@ -166,11 +178,13 @@ def expert_execution(model: nn.Module, input_ids) -> dict:
 
 
 for _model_type in MOE_MODEL_TYPES:  # no Dense twin: a dense model of the same sizes is another model
-    register_family(Family(
-        _model_type,
-        load=load_hf_moe,
-        blocks=lambda model: list(model.get_submodule(BLOCKS_PATH)),
-        coefficient_kind="router logits",
-        expert_paths=(EXPERTS_PATH,),
-        execution_note=EXECUTION_NOTE,
-    ))
+    register_family(
+        Family(
+            _model_type,
+            load=load_hf_moe,
+            blocks=lambda model: list(model.get_submodule(BLOCKS_PATH)),
+            coefficient_kind="router logits",
+            expert_paths=(EXPERTS_PATH,),
+            execution_note=EXECUTION_NOTE,
+        )
+    )

@@ -81,8 +81,17 @@ FAMILY_DEFINITION = (
 )
 # config.json keys of the public release that do not change the computation.
 _IGNORED_KEYS = {
-    "model_type", "architectures", "auto_map", "torch_dtype", "transformers_version", "head_dim",
-    "is_training", "use_gradient_checkpointing", "stack_hidden", "use_layer_cache", "tie_word_embeddings",
+    "model_type",
+    "architectures",
+    "auto_map",
+    "torch_dtype",
+    "transformers_version",
+    "head_dim",
+    "is_training",
+    "use_gradient_checkpointing",
+    "stack_hidden",
+    "use_layer_cache",
+    "tie_word_embeddings",
 }
 
 
@@ -147,7 +156,9 @@ class MUDDPythiaConfig:
         set_("head_dim", head_dim)
         set_("rotary_ndims", rotary)
         # The float expression and Python's round() follow the release exactly (banker's rounding).
-        widths = tuple(round(self.intermediate_size * (i / (self.n_layer - 1) + 0.5) / 128) * 128 for i in range(self.n_layer))
+        widths = tuple(
+            round(self.intermediate_size * (i / (self.n_layer - 1) + 0.5) / 128) * 128 for i in range(self.n_layer)
+        )
         if min(widths) <= 0:
             raise ValueError(f"intermediate_size {self.intermediate_size} gives an empty MLP (widths {widths})")
         set_("ffn_widths", widths)
@@ -177,7 +188,13 @@ class MUDDPythiaConfig:
     def to_dict(self) -> dict:
         """The public config.json format (with the derived `head_dim`, as the release writes it)."""
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
-        return {"architectures": ["MUDDPythia"], "model_type": MODEL_TYPE, **values, "head_dim": self.head_dim, "tie_word_embeddings": False}
+        return {
+            "architectures": ["MUDDPythia"],
+            "model_type": MODEL_TYPE,
+            **values,
+            "head_dim": self.head_dim,
+            "tie_word_embeddings": False,
+        }
 
     def to_json_file(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -375,7 +392,8 @@ class MUDDPythia(nn.Module):
             self.dense_bs = nn.ParameterList(nn.Parameter(torch.zeros(c, l)) for c, l in zip(C, L))
             self.dynamic_dense = nn.ModuleList(DynamicDense(config, i) for i in range(config.n_layer))
             self.dense = nn.ModuleList(
-                Site(MixCoefficients(self.dynamic_dense[i], self.dense_bs, i), site_spec(config, i)) for i in range(config.n_layer)
+                Site(MixCoefficients(self.dynamic_dense[i], self.dense_bs, i), site_spec(config, i))
+                for i in range(config.n_layer)
             )
             assign_site_names(self)
 
@@ -394,7 +412,9 @@ class MUDDPythia(nn.Module):
         for i, layer in enumerate(self.layers):
             hiddens.append(layer(x, pos, qkv))  # X_{i+1}: [B, T, D]
             coefficients = self.dense[i](hiddens[-1])  # [B, T, K]
-            streams = mix_streams(hiddens, coefficients.unflatten(-1, (self.config.dense_streams[i], i + 2)))  # C x [B, T, D]
+            streams = mix_streams(
+                hiddens, coefficients.unflatten(-1, (self.config.dense_streams[i], i + 2))
+            )  # C x [B, T, D]
             qkv, x = streams[:-1], streams[-1]  # q, k, v for the next attention; r (the last layer mixes only r)
         return self.output(self.norm(x))  # [B, T, V]
 
@@ -436,11 +456,13 @@ def _definitions(model: MUDDPythia) -> dict[str, str]:
     return {"global_mean_families": FAMILY_DEFINITION} if model.config.dense else {}
 
 
-FAMILY = register_family(Family(
-    MODEL_TYPE,
-    load=load_muddpythia,
-    dense_twin=DENSE_TWINS[MODEL_TYPE],
-    blocks=lambda model: list(model.layers),  # in execution order; the execution audit hooks them
-    definitions=_definitions,
-    coefficient_kind="dense-connection weights: the dynamic dw plus the static dense_bs, per stream and source",
-))
+FAMILY = register_family(
+    Family(
+        MODEL_TYPE,
+        load=load_muddpythia,
+        dense_twin=DENSE_TWINS[MODEL_TYPE],
+        blocks=lambda model: list(model.layers),  # in execution order; the execution audit hooks them
+        definitions=_definitions,
+        coefficient_kind="dense-connection weights: the dynamic dw plus the static dense_bs, per stream and source",
+    )
+)
