@@ -17,21 +17,17 @@ from pathlib import Path
 
 import torch
 
-import fca
-from fca.engine.replay import check_exactness, run_conditions
+from fca.engine.replay import check_exactness
+from fca.jobs.experiment import Experiment
 from fca.tables.conditions import Condition
 from fca.tables.fidelity import FidelityError
-from fca.tables.store import open_cache
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def measure(model_dir: str, cache_dir: str, device: str, dtype: str, num_seqs: int, batch: int) -> dict:
-    model = fca.load_model(model_dir, device=device, dtype=DTYPES[dtype])
-    cache = open_cache(cache_dir)
-    results = run_conditions(
-        model, cache, [Condition("correct")], seqs=range(min(num_seqs, cache.num_seqs)), batch_size=batch
-    )
+    experiment = Experiment.open(model_dir, cache_dir, None, device=device, dtype=DTYPES[dtype])
+    results = experiment.run([Condition("correct")], num_seqs, batch)
     row = {"cache": Path(cache_dir).name, "num_seqs": len(results.seqs), "batch": batch}
     f = results.fidelity
     row.update(

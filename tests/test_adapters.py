@@ -176,7 +176,8 @@ def test_spec_that_does_not_fit_is_a_clear_error(ids):
     attach_sites(model, [wrong_axes])
     with pytest.raises(
         SiteDeclarationError,
-        match=r"Tensor\[16, 4\] does not fit .*K=5.*returned tuple\(Tensor\[16, 4\], Tensor\[16, 2\], Tensor\[16, 2\]\)",
+        match=r"Tensor\[16, 4\] does not fit .*K=5.*returned "
+        r"tuple\(Tensor\[16, 4\], Tensor\[16, 2\], Tensor\[16, 2\]\)",
     ) as err:
         fca.capture(model, ids)
     assert "\n" not in str(err.value)

@@ -109,7 +109,8 @@ def test_study_module_needs_no_torch_and_no_ui():
     import sys
 
     code = (
-        "import sys, fca.tables.study; bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'streamlit', 'plotly')];"
+        "import sys, fca.tables.study; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'streamlit', 'plotly')];"
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)

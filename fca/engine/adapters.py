@@ -67,7 +67,8 @@ class SiteDeclaration:
             )
         if self.output is not None and self.rebuild is None:
             raise SiteDeclarationError(
-                f"{self.path}: output={self.output!r} picks the coefficient out of a larger output, so replay needs rebuild="
+                f"{self.path}: output={self.output!r} picks the coefficient out of a larger output, "
+                "so replay needs rebuild="
             )
 
 
@@ -152,7 +153,8 @@ class ModuleSite(Site):
                 picked = how(output)
         except (IndexError, KeyError, TypeError) as err:
             raise SiteDeclarationError(
-                f"site {self.site_name!r}: output={how!r} cannot be read from the module's output {_describe(output)} ({err})"
+                f"site {self.site_name!r}: output={how!r} cannot be read from the module's output "
+                f"{_describe(output)} ({err})"
             ) from None
         K = self.spec.num_channels
         flat = self.declaration.token_layout == "flat"
@@ -164,8 +166,9 @@ class ModuleSite(Site):
         )
         if not fits:
             raise SiteDeclarationError(
-                f"site {self.site_name!r}: the coefficient {_describe(picked)} does not fit token_layout={self.declaration.token_layout!r} "
-                f"(leading dims {list(lead)} for B={B}, T={T}) and axes {self.spec.axes} (K={K}); the module returned {_describe(output)}"
+                f"site {self.site_name!r}: the coefficient {_describe(picked)} does not fit "
+                f"token_layout={self.declaration.token_layout!r} (leading dims {list(lead)} for B={B}, T={T}) and "
+                f"axes {self.spec.axes} (K={K}); the module returned {_describe(output)}"
                 + (
                     "; set output= to pick the coefficient tensor"
                     if how is None and not isinstance(output, torch.Tensor)

@@ -20,10 +20,11 @@ import pandas as pd
 import torch
 
 from fca.engine.capture import write_cache
-from fca.engine.environment import current_environment
-from fca.engine.loading import load_model
-from fca.engine.replay import check_exactness, replay, run_conditions, stack_conditions
+from fca.engine.environment import current_environment, model_dtype_name
+from fca.engine.loading import fingerprint_state, load_model
+from fca.engine.replay import check_exactness, replay, stack_conditions
 from fca.engine.sites import capture_tensors, model_logits, site_specs
+from fca.jobs.experiment import Experiment
 from fca.tables import data
 from fca.tables.conditions import PAPER_CONDITIONS, Condition, condition_coefficients
 from fca.tables.profiles import calibration_profiles
@@ -66,7 +67,8 @@ def _plan(model, windows: np.ndarray, batch_size: int | None = None) -> dict:
         site_specs(model),
         windows.shape[1] - 1,
         len(windows),
-        model={"path": "bench", "fingerprint": "bench"},
+        # the real fingerprint and dtype, so the bench's exactness check opens the cache as the audit would
+        model={"path": "bench", "fingerprint": fingerprint_state(model), "dtype": model_dtype_name(model)},
         corpus={"split": "bench"},
         environment={**current_environment(model), "batch_size": batch_size},
     )
@@ -285,9 +287,8 @@ def run_bench(
 
     cache = open_cache(work / "capture")
     # Both exactness checks on the cache just built, as the audit runs them (nothing is timed here).
-    exactness = check_exactness(
-        run_conditions(model, cache, [Condition("correct")], seqs=range(len(windows)), batch_size=batch_size)
-    )
+    experiment = Experiment.open(model, cache, None)
+    exactness = check_exactness(experiment.run([Condition("correct")], len(windows), batch_size))
     result["exactness"] = {
         "max_abs_logit_diff": exactness["max_abs_logit_diff"],
         "fidelity": exactness["fidelity"]["verdict"],

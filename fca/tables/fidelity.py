@@ -82,7 +82,8 @@ def check_dtype(cache_path: str, cache_model_dtype: str | None, model_dtype: str
     recorded = cache_model_dtype or "float32"
     if recorded != model_dtype:
         raise FidelityError(
-            f"{cache_path}: coefficients were recorded with a {recorded} model, but the model runs in {model_dtype} here; "
+            f"{cache_path}: coefficients were recorded with a {recorded} model, "
+            f"but the model runs in {model_dtype} here; "
             f"replay in {recorded} (--dtype {recorded}) or rebuild the cache in {model_dtype}"
         )
 
