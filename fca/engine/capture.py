@@ -54,6 +54,13 @@ def seqs_per_part(row_bytes: int, seq_len: int, batch_size: int) -> int:
     return max(batch_size, TARGET_PART_BYTES // (row_bytes * seq_len) // batch_size * batch_size)
 
 
+def check_part_seqs(part_seqs: int, batch_size: int) -> None:
+    """Part boundaries must fall between batches: a part is recorded in batches from its first sequence, so
+    any other size would change batch composition (and the bits) between a fresh and a resumed build."""
+    if part_seqs < 1 or part_seqs % batch_size:
+        raise ValueError(f"sequences per part ({part_seqs}) must be a positive multiple of the batch ({batch_size})")
+
+
 def default_writers(device: torch.device) -> int:
     """Writer threads for a build: on CUDA the host cores are idle while the GPU computes, so several
     (at most 4); on CPU one, inline, since the forward pass needs every core."""
@@ -196,12 +203,14 @@ def write_cache(
     show_progress: bool = False,
     desc: str = "cache",
     workers: int | None = None,
+    part_seqs: int | None = None,
 ) -> Path:
     """Record passes over `windows` [N, T + 1], written part by part by `workers` writer threads.
 
     `plan` is the manifest draft (it must hold `sites`, `seq_len`, `num_seqs`, `coefficient_dtype`).
     `workers`: writer threads (None: `default_writers`; 1 writes in the forward's thread on CPU).
     The cache's contents do not depend on `workers`. A resumed build redoes the incomplete parts.
+    `part_seqs`: sequences per part file (None: `seqs_per_part`); a multiple of `batch_size`.
 
     On CUDA the coefficients go to two reused sets of pinned host buffers by non-blocking copies; a
     collector thread waits for each copy, takes the values out and hands them to the writer, so the
@@ -223,9 +232,42 @@ def write_cache(
         )
     row_bytes = bytes_per_token(specs, COEFFICIENT_BYTES[coefficient_dtype])
     workers = default_writers(device_) if workers is None else max(1, int(workers))
-    writer = CacheWriter(
-        out, plan, schema, seqs_per_part(row_bytes, T, batch_size), overwrite=overwrite, workers=workers
+    part_seqs = part_seqs or seqs_per_part(row_bytes, T, batch_size)
+    check_part_seqs(part_seqs, batch_size)
+    writer = CacheWriter(out, plan, schema, part_seqs, overwrite=overwrite, workers=workers)
+    done = writer.done_seqs
+    bar = tqdm(total=N, initial=done, unit="seq", desc=desc, disable=not show_progress)
+
+    def step(n: int) -> None:
+        nonlocal done
+        done += n
+        bar.update(n)
+        if progress is not None:
+            progress(done, N)
+
+    try:
+        record_pending(model, windows, writer, batch_size, coefficient_dtype, step)
+    finally:
+        bar.close()
+    return writer.finish(
+        {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "library_versions": _library_versions()}
     )
+
+
+def record_pending(
+    model: nn.Module,
+    windows: np.ndarray,
+    writer: CacheWriter,
+    batch_size: int,
+    coefficient_dtype: str = "float32",
+    step: Callable[[int], None] | None = None,
+) -> None:
+    """Record passes over the writer's pending parts of `windows` [N, T + 1], in batches of `batch_size`
+    from each part's first sequence (so batch composition is that of a single-process build), handed
+    to `writer`. Does not finish the writer (a shard writer's caller closes it); aborts it on error.
+    `step(n)` is called after each batch of n sequences."""
+    schema = writer.schema
+    device_ = next(model.parameters()).device
     copies = _HostCopies(device_)
 
     def write_batch(lo: int, hi: int, host: dict[str, torch.Tensor], event, slot) -> None:
@@ -249,8 +291,6 @@ def write_cache(
         if device_.type == "cuda"
         else None
     )
-    done = writer.done_seqs
-    bar = tqdm(total=N, initial=done, unit="seq", desc=desc, disable=not show_progress)
     try:
         for first, last in writer.pending_ranges():
             for lo in range(first, last, batch_size):
@@ -264,10 +304,8 @@ def write_cache(
                     background.submit(lo, hi, host, event, slot)
                 else:
                     write_batch(lo, hi, host, event, slot)
-                done += hi - lo
-                bar.update(hi - lo)
-                if progress is not None:
-                    progress(done, N)
+                if step is not None:
+                    step(hi - lo)
         if background is not None:
             background.close()
     except BaseException:
@@ -275,8 +313,3 @@ def write_cache(
             background.close(raise_errors=False)
         writer.abort()
         raise
-    finally:
-        bar.close()
-    return writer.finish(
-        {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "library_versions": _library_versions()}
-    )

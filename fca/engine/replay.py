@@ -109,6 +109,7 @@ class ReplayResults:
     replayed_on: dict | None = None  # this run's environment
     coefficient_dtype: str = "float32"
     extras: dict = field(default_factory=dict)
+    replayed_per_seq: np.ndarray | None = None  # [n] Correct replay of the recorded coefficients (check 1)
 
     def nll(self, name: str) -> float:
         return float(self.per_seq_nll[name].mean())
@@ -233,8 +234,13 @@ def run_conditions(
     check_exactness: bool = True,
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> ReplayResults:
     """Per-sequence NLL of every condition on `seqs` (default: all) of `cache`.
+
+    `shard` = (lo, hi): score only positions [lo, hi) of `seqs` (lo a multiple of `batch_size`, so the
+    batches are those of the whole run); arrays keep the whole run's length, zero outside the shard, and
+    the derangement and permutations are the whole run's. `fca.jobs.distributed` merges shards.
 
     With `check_exactness`, each batch first runs live in record mode, then as Correct replay of the
     coefficients just recorded, in the same batch composition (check 1), and its cached coefficients and
@@ -259,14 +265,20 @@ def run_conditions(
     live_nll, replayed_nll, cache_nll = np.zeros(len(seqs)), np.zeros(len(seqs)), np.zeros(len(seqs))
     measure = FidelityMeasure()
     max_diff, batches = 0.0, 0
-    starts = range(0, len(seqs), batch_size)
+    if shard is not None and (
+        shard[0] % batch_size
+        or (shard[1] % batch_size and shard[1] != len(seqs))
+        or not 0 <= shard[0] <= shard[1] <= len(seqs)
+    ):
+        raise ValueError(f"shard {shard} is not whole batches of {batch_size} within {len(seqs)} sequences")
+    starts = range(0, len(seqs), batch_size) if shard is None else range(shard[0], shard[1], batch_size)
     # The next batch is read and decoded on a background thread while this one runs.
     reads = cache.prefetch([seqs[lo : lo + batch_size] for lo in starts])
     try:
         for lo in starts:
             if should_stop is not None and should_stop():
                 raise Cancelled("replay cancelled")
-            index = list(range(lo, min(len(seqs), lo + batch_size)))
+            index = list(range(lo, min(len(seqs) if shard is None else shard[1], lo + batch_size)))
             batch_seqs = [seqs[i] for i in index]
             own = next(reads)
             ids = torch.from_numpy(own["token"].astype(np.int64)).to(device)
@@ -319,4 +331,5 @@ def run_conditions(
         computed_on=cache.environment,
         replayed_on=replayed_on,
         coefficient_dtype=cache.coefficient_dtype,
+        replayed_per_seq=replayed_nll,
     )

@@ -35,12 +35,56 @@ def build_cache_from_corpus(
     progress: Callable[[int, int], None] | None = None,
     show_progress: bool = True,
     workers: int | None = None,
+    part_seqs: int | None = None,
 ) -> Path:
     """Record every site's coefficients on `num_seqs` windows of one split and write them as a cache.
 
     Memory does not grow with `num_seqs`: one batch is in flight while the previous one is written.
     Deterministic: the same model, corpus, split seed and sizes give the same cache contents.
+    `part_seqs`: sequences per part file (default: about 32 MB raw per part).
     """
+    model, windows, plan = prepare_corpus_build(
+        model_dir, corpus, split, num_seqs, seq_len, batch_size, device, dtype, split_seed, text_column,
+        coefficient_dtype,
+    )
+    if show_progress:
+        from tqdm.auto import tqdm
+
+        N, T, row_bytes = plan["num_seqs"], plan["seq_len"], plan["raw_bytes_per_token"]
+        tqdm.write(
+            f"{out}: {N} sequences x {T} tokens x {row_bytes} B = {row_bytes * N * T / 1e6:.1f} MB raw "
+            f"(about {0.85 * row_bytes * N * T / 1e6:.1f} MB as Parquet)"
+        )
+    return write_cache(
+        model,
+        windows,
+        out,
+        plan,
+        batch_size,
+        overwrite=overwrite,
+        progress=progress,
+        show_progress=show_progress,
+        desc=f"cache {split}",
+        workers=workers,
+        part_seqs=part_seqs,
+    )
+
+
+def prepare_corpus_build(
+    model_dir: str | Path,
+    corpus: str | Path,
+    split: str,
+    num_seqs: int | None = 256,
+    seq_len: int | None = None,
+    batch_size: int = 16,
+    device: str = "auto",
+    dtype: torch.dtype | None = None,
+    split_seed: int = 0,
+    text_column: str = "text",
+    coefficient_dtype: str = "float32",
+) -> tuple[nn.Module, np.ndarray, dict]:
+    """The loaded model, the split's token windows [N, T + 1] and the manifest draft of a corpus build
+    (shared by the single-process build and each worker of a distributed one)."""
     model_dir = Path(model_dir)
     model = load_model(model_dir, device=device, dtype=dtype)
     specs = site_specs(model)
@@ -75,25 +119,7 @@ def build_cache_from_corpus(
         raw_bytes_per_token=row_bytes,
         environment={**current_environment(model), "batch_size": batch_size},
     )
-    if show_progress:
-        from tqdm.auto import tqdm
-
-        tqdm.write(
-            f"{out}: {N} sequences x {T} tokens x {row_bytes} B = {row_bytes * N * T / 1e6:.1f} MB raw "
-            f"(about {0.85 * row_bytes * N * T / 1e6:.1f} MB as Parquet)"
-        )
-    return write_cache(
-        model,
-        windows,
-        out,
-        plan,
-        batch_size,
-        overwrite=overwrite,
-        progress=progress,
-        show_progress=show_progress,
-        desc=f"cache {split}",
-        workers=workers,
-    )
+    return model, windows, plan
 
 
 def build_cache(

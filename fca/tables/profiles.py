@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from fca.tables.stats import Moments, SlotLayout, family_grand_means
-from fca.tables.store import Cache, CacheError
+from fca.tables.stats import Moments, SlotLayout, family_grand_means, merge_moment_arrays
+from fca.tables.store import Cache, CacheError, file_sha256, read_arrays
 
 
 def slot_layout(cache: Cache) -> SlotLayout:
@@ -36,11 +36,59 @@ def _batch_values(batch: pa.RecordBatch, sites: list[str], T: int) -> tuple[np.n
     return np.concatenate(blocks, axis=2), batch.column("token").to_numpy().reshape(n, T)
 
 
+def stored_moments(cache: Cache, layout: SlotLayout, with_tokens: bool = True) -> Moments | None:
+    """The moments the build stored beside the manifest (`moments.npz`), or None when there are none
+    (caches built before they were stored) or they lack what is asked (token-id sums). The file is
+    O(T x C + distinct tokens x C) whatever the cache's size, and is checked against its hash."""
+    entry = cache.manifest.raw.get("moments")
+    if not isinstance(entry, dict) or (with_tokens and cache.manifest.vocab_size and not entry.get("token_sums")):
+        return None
+    if entry.get("contents") != cache.manifest.contents_fingerprint:
+        return None  # parts changed since the moments were merged: scan what is there now
+    path = cache.path / entry["file"]
+    if not path.is_file():
+        raise CacheError(f"{path}: the manifest lists stored moments, but the file is missing")
+    if file_sha256(path) != entry.get("sha256"):
+        raise CacheError(f"{path}: contents do not match the manifest's sha256 (corrupt or modified)")
+    vocab = cache.manifest.vocab_size if with_tokens else None
+    m, _ = merge_moment_arrays(iter([read_arrays(path)]), layout.num_slots, cache.seq_len, vocab)
+    if m.num_seqs != cache.num_seqs:
+        raise CacheError(f"{path}: moments of {m.num_seqs} sequences, the cache has {cache.num_seqs}")
+    if not (np.isfinite(m.sum).all() and np.isfinite(m.sumsq).all()):
+        raise CacheError(f"{cache.path}: non-finite coefficients (NaN or inf) in the cache")
+    return m
+
+
 def cache_moments(
-    cache: Cache, with_tokens: bool = True, progress: Callable[[int, int], None] | None = None
+    cache: Cache,
+    with_tokens: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+    scan_for_tokens: bool = False,
+) -> tuple[Moments, SlotLayout]:
+    """Mergeable moments of the whole cache: those stored at build time when there are (no coefficient is
+    read), else one streaming pass over the cache, a few thousand rows at a time.
+
+    Token-id sums are stored only when parts repeat their token ids (small vocabularies or big parts).
+    When they are not, the stored moments are used without them (the token-id factor is then reported
+    as unknown) unless `scan_for_tokens` asks for a full scan to compute it."""
+    layout = slot_layout(cache)
+    stored = stored_moments(cache, layout, with_tokens)
+    if stored is None and with_tokens and not scan_for_tokens:
+        stored = stored_moments(cache, layout, with_tokens=False)
+    if stored is not None:
+        if progress is not None:
+            progress(cache.num_seqs, cache.num_seqs)
+        return stored, layout
+    return scan_moments(cache, layout, with_tokens, progress)
+
+
+def scan_moments(
+    cache: Cache,
+    layout: SlotLayout,
+    with_tokens: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[Moments, SlotLayout]:
     """Stream the cache once (a few thousand rows at a time) into mergeable moments."""
-    layout = slot_layout(cache)
     T = cache.seq_len
     m = Moments(layout.num_slots, T, cache.manifest.vocab_size if with_tokens else None)  # None: no token-id factor
     seqs_per_batch = max(1, 8192 // T)  # ~8k rows at a time: memory stays flat however big the cache

@@ -16,6 +16,7 @@ slot were known. Group sums are all we need: SS_g = sum S_{slot,g}^2 / n_g - sum
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -134,6 +135,74 @@ class Moments:
     def position_mean(self) -> np.ndarray:
         """[T, C] mean at each position."""
         return self.pos_sum / np.maximum(self.pos_count, 1)[:, None]
+
+
+# ------------------------------------------------------------------------- stored (build-time) moments
+# A build writes each part's moments beside the part and their merge beside the manifest, so statistics
+# never rescan coefficients. Token-id sums are kept sparse (only the ids a part holds): a dense
+# [V, C] table per part would be hundreds of MB for a 50k vocabulary.
+
+MOMENT_KEYS = ("count", "num_seqs", "sum", "sumsq", "pos_count", "pos_sum", "seq_term", "minimum", "maximum")
+
+
+def token_sums(values: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """values [n, T, C], tokens [n, T] -> (ids [u] sorted, counts [u], sums [u, C] float64) of the ids seen."""
+    flat = values.reshape(-1, values.shape[-1]).astype(np.float64, copy=False)
+    ids, inverse, counts = np.unique(tokens.reshape(-1), return_inverse=True, return_counts=True)
+    order = np.argsort(inverse, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    return ids.astype(np.int64), counts.astype(np.float64), np.add.reduceat(flat[order], starts, axis=0)
+
+
+def merge_token_sums(pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]], num_slots: int):
+    """Sparse token sums of several blocks -> one (ids, counts, sums) over the union of their ids."""
+    if not pieces:
+        return np.zeros(0, np.int64), np.zeros(0), np.zeros((0, num_slots))
+    ids = np.unique(np.concatenate([p[0] for p in pieces]))
+    counts, sums = np.zeros(len(ids)), np.zeros((len(ids), num_slots))
+    for piece_ids, piece_counts, piece_sums in pieces:  # in order: the same order gives the same bits
+        at = np.searchsorted(ids, piece_ids)
+        counts[at] += piece_counts
+        sums[at] += piece_sums
+    return ids, counts, sums
+
+
+def moments_arrays(m: Moments, tokens: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> dict:
+    """A `Moments` (without its dense token table) and optional sparse token sums -> named arrays to store."""
+    out = {key: np.asarray(getattr(m, key)) for key in MOMENT_KEYS}
+    if tokens is not None:
+        out["tok_ids"], out["tok_count"], out["tok_sum"] = tokens
+    return out
+
+
+def merge_moment_arrays(
+    blocks: Iterator[dict], num_slots: int, seq_len: int, vocab_size: int | None
+) -> tuple[Moments, bool]:
+    """Stored moments of several blocks (parts, in part order) -> (one Moments, whether it has token sums).
+
+    Sums are accumulated in place in the order given, so the same blocks in the same order give the same
+    bits. The token-id table is filled only when every block carries token sums and `vocab_size` is known."""
+    m = Moments(num_slots, seq_len, vocab_size)
+    with_tokens = m.tok_sum is not None
+    for block in blocks:
+        m.count += int(block["count"])
+        m.num_seqs += int(block["num_seqs"])
+        for key in ("sum", "sumsq", "pos_count", "pos_sum", "seq_term"):
+            getattr(m, key)[...] += block[key]
+        m.minimum = np.minimum(m.minimum, block["minimum"])
+        m.maximum = np.maximum(m.maximum, block["maximum"])
+        if with_tokens and "tok_ids" in block:
+            ids = block["tok_ids"]
+            if len(ids) and ids.max() >= m.vocab_size:
+                with_tokens = False  # an id beyond the recorded vocabulary: no token factor, as when scanning
+            else:
+                m.tok_count[ids] += block["tok_count"]
+                m.tok_sum[ids] += block["tok_sum"]
+        else:
+            with_tokens = False
+    if not with_tokens:
+        m.vocab_size, m.tok_count, m.tok_sum = None, None, None
+    return m, with_tokens
 
 
 def family_grand_means(m: Moments, families: list[str]) -> dict[str, float]:

@@ -25,6 +25,7 @@ import shutil
 import socket
 import threading
 import time
+import zipfile
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -37,11 +38,18 @@ import pyarrow.parquet as pq
 from fca.tables.errors import CacheError
 from fca.tables.fidelity import check_dtype
 from fca.tables.spec import SiteSpec
+from fca.tables.stats import Moments, merge_moment_arrays, merge_token_sums, moments_arrays, token_sums
 
 SCHEMA_VERSION = 1
 KEY_COLUMNS = ("seq", "pos", "token", "target", "live_nll")
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
+# Parts recorded since progress.json was last rewritten, one JSON record per line. Rewriting progress.json
+# for every part costs O(parts) each, O(parts^2) in all; it is
+# rewritten only once the journal holds more than 1/8 of its parts, so recording costs O(1) per part.
+PROGRESS_JOURNAL = "progress.journal.jsonl"
+MOMENTS = "moments.npz"  # the merged moments of all parts, written by `finish` (see `write_arrays`)
+TOKEN_SUMS_ALLOWANCE = 2**20  # bytes of a part's token-id sums that are always kept (see `_close_part`)
 
 
 def cache_schema(specs: dict[str, SiteSpec], coefficient_type: pa.DataType = pa.float32()) -> pa.Schema:
@@ -207,6 +215,55 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def write_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Named arrays as an .npz that `np.load` reads, written atomically and byte-for-byte reproducibly:
+    `np.savez` stamps each member with the current time, which would make equal moments hash differently."""
+    tmp = path.with_name(path.name + ".tmp")
+    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as z:
+        for name, array in arrays.items():
+            info = zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
+            with z.open(info, "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asarray(array, order="C"), allow_pickle=False)  # keeps 0-d
+    os.replace(tmp, path)
+
+
+def read_arrays(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as z:
+        return {name: z[name] for name in z.files}
+
+
+def moments_file(part_file: str) -> str:
+    """The moments sidecar of a part: `part-00000.parquet` -> `part-00000.moments.npz`."""
+    return part_file.removesuffix(".parquet") + ".moments.npz"
+
+
+def piece_moments(
+    batch: pa.RecordBatch, sites: list[str], num_seqs: int, part_rows: int | None = None
+) -> tuple[Moments, tuple | None]:
+    """Moments (no dense token table) and sparse token sums of a record batch of whole sequences.
+
+    Token sums are None when the part (of `part_rows` rows; None: no token sums) cannot keep them (see
+    `_close_part`): a piece's distinct ids already bound the part's from below, and sorting the rows by
+    token is most of the cost (measured: 5x the other moments on 1.4B-shaped rows)."""
+    T = batch.num_rows // num_seqs
+    values = np.concatenate(
+        [coefficient_values(batch.column(name)).reshape(num_seqs, T, -1) for name in sites], axis=2
+    )  # [n, T, C]
+    tokens = batch.column("token").to_numpy().reshape(num_seqs, T)
+    m = Moments(values.shape[2], T, None)
+    m.add(values, tokens)
+    if part_rows is None or not _tokens_fit(len(np.unique(tokens)), values.shape[2], part_rows):
+        return m, None
+    return m, token_sums(values, tokens)
+
+
+def _tokens_fit(distinct: int, num_slots: int, rows: int) -> bool:
+    """Token-id sums (distinct ids x C float64) are kept while small or at most a quarter of the part's
+    float32 coefficients (ids repeat 8+ times on average): with a large vocabulary and small parts they
+    would outweigh the part."""
+    return 8 * distinct <= rows or distinct * num_slots * 8 <= TOKEN_SUMS_ALLOWANCE
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -297,6 +354,8 @@ class _OpenPart:
     writer: pq.ParquetWriter
     num_seqs: int = 0
     rows: int = 0
+    moments: Moments | None = None  # of the pieces written so far (slots in schema order)
+    token_pieces: list | None = field(default_factory=list)  # their sparse token sums; None: not kept
 
 
 class _PartWorker:
@@ -358,6 +417,15 @@ class CacheWriter:
     Parts may complete out of order; `progress.json` lists the complete ones. If a `.partial` directory
     with the same plan and S exists, the writer resumes: `pending_ranges()` are the sequences of the
     incomplete parts, to be written again in full. A lock beside the destination refuses a second build.
+
+    Every part's moments (`fca.tables.stats`: count, sums, sums of squares, per-position and per-sequence
+    sums, extremes, sparse token-id sums) go beside it as `part-XXXXX.moments.npz`, named with their hash
+    in the part's record; `finish` merges them in part order into `moments.npz` (its hash in the
+    manifest's `moments` entry), which `fca.tables.profiles.cache_moments` reads instead of the parts.
+
+    `shard` (a set of part indices) makes a *shard writer* for distributed builds: it writes only those
+    parts into an existing `<out>.partial/`, takes no lock, resumes nothing and writes no progress; the
+    driver (a normal writer holding the lock) records what `close_shard()` returns with `add_parts`.
     """
 
     def __init__(
@@ -369,6 +437,7 @@ class CacheWriter:
         overwrite: bool = False,
         workers: int = 1,
         max_pending_seqs: int | None = None,
+        shard: Sequence[int] | None = None,
     ) -> None:
         self.out = Path(out)
         self.partial = self.out.with_name(self.out.name + ".partial")
@@ -379,16 +448,27 @@ class CacheWriter:
             raise CacheError(f"{self.out}: seqs_per_part must be at least 1, not {seqs_per_part}")
         self.num_seqs = int(plan["num_seqs"])
         self.num_parts = -(-self.num_seqs // self.seqs_per_part)
+        self.sites = [f.name for f in schema if f.name not in KEY_COLUMNS]
+        self.shard = None if shard is None else sorted({int(k) for k in shard})
         self.lock = BuildLock(self.out.with_name(self.out.name + ".lock"), self.out)
-        self.lock.acquire()
-        try:
-            if self.out.exists() and not overwrite:
-                raise CacheError(f"{self.out}: already exists (pass --overwrite to replace it)")
-            self.parts: dict[int, dict] = self._resume()
-        except BaseException:
-            self.lock.release()
-            raise
+        if self.shard is not None:
+            bad = [k for k in self.shard if not 0 <= k < self.num_parts]
+            if bad:
+                raise CacheError(f"{self.partial}: parts {bad[:5]} are outside the plan's {self.num_parts} parts")
+            if not self.partial.is_dir():
+                raise CacheError(f"{self.partial}: a shard writer needs the driver's partial directory")
+            self.parts: dict[int, dict] = {}
+        else:
+            self.lock.acquire()
+            try:
+                if self.out.exists() and not overwrite:
+                    raise CacheError(f"{self.out}: already exists (pass --overwrite to replace it)")
+                self.parts = self._resume()
+            except BaseException:
+                self.lock.release()
+                raise
         self._mutex = threading.Lock()  # guards `parts` and progress.json
+        self._journaled = 0  # records in the progress journal since progress.json was rewritten
         self._stopping = False
         self._failures: list[BaseException] = []
         self._open: dict[int, _OpenPart] = {}  # parts written in the caller's thread (workers=1)
@@ -404,7 +484,12 @@ class CacheWriter:
             except ValueError:
                 progress = {}
             if progress.get("plan") == self.plan and progress.get("seqs_per_part") == self.seqs_per_part:
-                parts = {int(p["index"]): p for p in progress["parts"] if (self.partial / p["file"]).is_file()}
+                parts = {
+                    int(p["index"]): p
+                    for p in [*progress["parts"], *self._journal()]
+                    if (self.partial / p["file"]).is_file()
+                    and ("moments" not in p or (self.partial / p["moments"]).is_file())
+                }
             else:
                 shutil.rmtree(self.partial)
         elif self.partial.exists():
@@ -414,6 +499,17 @@ class CacheWriter:
             stale.unlink()
         return parts
 
+    def _journal(self) -> list[dict]:
+        """Records of the progress journal; a line cut short by a crash (the last) is skipped."""
+        path = self.partial / PROGRESS_JOURNAL
+        records = []
+        for line in path.read_text().splitlines() if path.is_file() else []:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+        return records
+
     @property
     def done_seqs(self) -> int:
         """Sequences in complete parts."""
@@ -422,9 +518,13 @@ class CacheWriter:
     def part_range(self, k: int) -> tuple[int, int]:
         return k * self.seqs_per_part, min(self.num_seqs, (k + 1) * self.seqs_per_part)
 
+    def pending_parts(self) -> list[int]:
+        """Indices of the incomplete parts (of the shard, for a shard writer), in order."""
+        return [k for k in (self.shard if self.shard is not None else range(self.num_parts)) if k not in self.parts]
+
     def pending_ranges(self) -> list[tuple[int, int]]:
         """(first, last + 1) sequences of every incomplete part, in order: what a build must (re)write."""
-        return [self.part_range(k) for k in range(self.num_parts) if k not in self.parts]
+        return [self.part_range(k) for k in self.pending_parts()]
 
     # -- writing ------------------------------------------------------------------------------------
 
@@ -444,6 +544,8 @@ class CacheWriter:
         while lo < first + num_seqs:
             k = lo // self.seqs_per_part
             hi = min(first + num_seqs, self.part_range(k)[1])
+            if self.shard is not None and k not in self.shard:
+                raise CacheError(f"{self.partial}: part {k} is not in this writer's shard {self.shard[:5]}")
             if k in self.parts:
                 raise CacheError(
                     f"{self.partial}: part {k} is already complete; sequences {lo}..{hi - 1} written twice"
@@ -460,6 +562,11 @@ class CacheWriter:
         if part is None:
             part = open_parts[k] = self._open_part(k)
         part.writer.write_batch(piece)
+        lo, hi = self.part_range(k)
+        part_rows = (hi - lo) * (piece.num_rows // n) if part.token_pieces is not None else None
+        m, tokens = piece_moments(piece, self.sites, n, part_rows)
+        part.moments = m if part.moments is None else part.moments.merge(m)
+        part.token_pieces = None if tokens is None else [*part.token_pieces, tokens]
         part.num_seqs += n
         part.rows += piece.num_rows
         lo, hi = self.part_range(k)
@@ -482,6 +589,13 @@ class CacheWriter:
     def _close_part(self, part: _OpenPart) -> None:
         part.writer.close()
         tmp, final = self.partial / (part.file + ".tmp"), self.partial / part.file
+        moments = moments_file(part.file)
+        tokens = None
+        if part.token_pieces is not None:
+            tokens = merge_token_sums(part.token_pieces, part.moments.num_slots)
+            if not _tokens_fit(len(tokens[0]), part.moments.num_slots, part.rows):
+                tokens = None  # the merged moments then have no token-id factor (`cache_moments`)
+        write_arrays(self.partial / moments, moments_arrays(part.moments, tokens))
         os.replace(tmp, final)
         record = {
             "index": part.index,
@@ -491,9 +605,24 @@ class CacheWriter:
             "rows": part.rows,
             "sha256": file_sha256(final),
             "bytes": final.stat().st_size,
+            "moments": moments,
+            "moments_sha256": file_sha256(self.partial / moments),
         }
+        self.add_parts([record])
+
+    def add_parts(self, records: Sequence[dict]) -> None:
+        """Record complete parts (written here, or by shard writers) and, unless this is a shard writer,
+        save the progress so that a stopped build resumes from them."""
         with self._mutex:
-            self.parts[part.index] = record
+            for record in records:
+                self.parts[int(record["index"])] = record
+            if self.shard is not None:
+                return
+            self._journaled += len(records)
+            if 8 * self._journaled <= len(self.parts):
+                with open(self.partial / PROGRESS_JOURNAL, "a") as journal:
+                    journal.write("".join(json.dumps(r) + "\n" for r in records))
+                return
             _write_json_atomic(
                 self.partial / PROGRESS,
                 {
@@ -502,6 +631,8 @@ class CacheWriter:
                     "parts": [self.parts[i] for i in sorted(self.parts)],
                 },
             )
+            (self.partial / PROGRESS_JOURNAL).unlink(missing_ok=True)  # all of it is in progress.json now
+            self._journaled = 0
 
     def _discard(self, open_parts: dict[int, _OpenPart]) -> None:
         """Close unfinished parts without marking them complete (the partial directory stays resumable)."""
@@ -531,6 +662,51 @@ class CacheWriter:
 
     # -- ending -------------------------------------------------------------------------------------
 
+    def close_shard(self) -> list[dict]:
+        """A shard writer's end: wait for its threads, check its parts are complete, return their records."""
+        try:
+            self._join_workers()
+            self._raise_failure()
+            missing = self.pending_parts()
+            if missing or self._open:
+                raise CacheError(f"{self.partial}: shard parts {(missing or sorted(self._open))[:5]} are incomplete")
+        except BaseException:
+            self.abort()
+            raise
+        return [self.parts[k] for k in self.shard]
+
+    def _merge_moments(self) -> dict | None:
+        """Merge the parts' moments in part order into `moments.npz`; None when a part has none (parts kept
+        from a build by an older FCA): statistics then scan the coefficients, as for older caches."""
+        records = [self.parts[k] for k in range(self.num_parts)]
+        if not records or any("moments" not in r for r in records):
+            return None
+        layout_width = sum(f.type.list_size for f in self.schema if f.name not in KEY_COLUMNS)
+        vocab = (self.plan.get("tokenizer") or {}).get("vocab_size") or (
+            (self.plan.get("model") or {}).get("config") or {}
+        ).get("vocab_size")
+        merged, with_tokens = merge_moment_arrays(
+            (read_arrays(self.partial / r["moments"]) for r in records),
+            layout_width,
+            int(self.plan["seq_len"]),
+            int(vocab) if vocab else None,
+        )
+        arrays = moments_arrays(merged)
+        if with_tokens:  # stored sparse, like the parts': only the ids the cache holds
+            seen = np.flatnonzero(merged.tok_count > 0)
+            arrays.update(tok_ids=seen, tok_count=merged.tok_count[seen], tok_sum=merged.tok_sum[seen])
+        write_arrays(self.partial / MOMENTS, arrays)
+        return {
+            "file": MOMENTS,
+            "sha256": file_sha256(self.partial / MOMENTS),
+            "token_sums": with_tokens,
+            # The parts these moments describe (`Manifest.contents_fingerprint`): a part rewritten later no
+            # longer matches, and readers then scan instead of trusting stale sums.
+            "contents": hashlib.sha256("".join(r["sha256"] for r in records).encode()).hexdigest(),
+            # The per-part sidecars, in part order, for merging a subset of parts.
+            "parts": [[r["moments"], r["moments_sha256"]] for r in records],
+        }
+
     def finish(self, extra: dict | None = None) -> Path:
         """Wait for the workers, check every part is complete, write the manifest, rename into place."""
         try:
@@ -542,13 +718,20 @@ class CacheWriter:
             missing = [k for k in range(self.num_parts) if k not in self.parts]
             if missing:
                 raise CacheError(f"{self.partial}: parts {missing[:5]} were never written")
+            moments = self._merge_moments()
+            # Part records as before (`PartRecord`'s fields); their sidecars are listed in `moments`.
+            sidecar = ("moments", "moments_sha256")
             manifest = {
                 **self.plan,
                 **(extra or {}),
                 "seqs_per_part": self.seqs_per_part,
-                "parts": [self.parts[k] for k in range(self.num_parts)],
+                "parts": [
+                    {key: v for key, v in self.parts[k].items() if key not in sidecar} for k in range(self.num_parts)
+                ],
+                **({"moments": moments} if moments else {}),
             }
             (self.partial / PROGRESS).unlink(missing_ok=True)
+            (self.partial / PROGRESS_JOURNAL).unlink(missing_ok=True)
             _write_json_atomic(self.partial / MANIFEST, manifest)
             if self.out.exists():
                 shutil.rmtree(self.out)
@@ -774,7 +957,7 @@ class Cache:
 
     def dataset(self):
         """A pyarrow Dataset over the part files. pyarrow.dataset is imported here, not with this
-        module: it pulls in pandas (~0.25 s), which opening a cache and reading its footers never need
+        module: it pulls in pandas, which opening a cache and reading its footers never need
         and which would delay the dashboard's first page."""
         import pyarrow.dataset as ds
 
@@ -1002,7 +1185,8 @@ def open_cache(path: str | Path, verify: bool = False) -> Cache:
                 raise CacheError(f"{part}: column {column_field.name!r} is missing")
             if not schema.field(column_field.name).type.equals(column_field.type):
                 raise CacheError(
-                    f"{part}: column {column_field.name!r} has type {schema.field(column_field.name).type}, expected {column_field.type}"
+                    f"{part}: column {column_field.name!r} has type {schema.field(column_field.name).type}, "
+                    f"expected {column_field.type}"
                 )
     if verify:
         cache.verify()

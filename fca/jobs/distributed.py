@@ -1,0 +1,429 @@
+"""Ray as the opt-in engine: cache builds and replays sharded over actors (`--engine ray`).
+
+Nothing here runs unless asked: `ray` is imported inside the functions, so the default single-process
+path never starts or imports it.
+
+Build (`build_cache_distributed`): one actor per GPU (CPU actors where the cluster has none) loads the
+model once and holds the split's windows (the first actor tokenizes the corpus and makes the manifest
+draft, so the draft records the workers' environment; the others get the windows through the object
+store and must report the same environment). The driver holds the build lock and `<out>.partial/`
+(a `CacheWriter`), hands out part indices one at a time, and records each part as its actor commits it
+(`progress.json`), so a stopped build resumes by part. An actor writes part k with a shard writer (the
+same encoder, the same batches from the part's first sequence, its moments sidecar), so the files are
+those of a single-process build. A failed actor's part goes back to the queue for the others; when none
+is left the build stops, resumable. The driver merges moments and writes the manifest last.
+
+Replay (`ShardedExperiment`): each actor opens the `Experiment` once; `run` splits the evaluated
+sequences on batch boundaries (batch composition, hence both exactness checks, unchanged), each actor
+scores its shard with the whole run's derangement and permutations, and the driver concatenates the
+per-sequence NLLs and merges the fidelity measures (max of maxima, sums of counts), so the bootstrap and
+report are those of one process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fca.engine.capture import _library_versions, check_part_seqs, record_pending, seqs_per_part
+from fca.engine.replay import ReplayResults, run_conditions
+from fca.jobs.experiment import CacheSource, Experiment, ModelSource
+from fca.tables.conditions import Condition
+from fca.tables.errors import CacheError
+from fca.tables.fidelity import FidelityMeasure
+from fca.tables.store import CacheWriter, cache_schema, coefficient_arrow_type, spec_from_json
+
+REPO_ROOT = str(Path(__file__).resolve().parents[2])  # so local Ray workers import this very `fca`
+
+
+def connect(address: str | None = None):
+    """The `ray` module, connected: to `address` (a running cluster, or "auto"), else a local cluster
+    started here. A session already connected (a notebook, the tests) is used as it is."""
+    import ray
+
+    if not ray.is_initialized():
+        path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+        ray.init(
+            address=address,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env=None if address else {"env_vars": {"PYTHONPATH": path}},
+        )
+    return ray
+
+
+def worker_resources(ray, workers: int | None) -> tuple[dict, int]:
+    """(actor options, actor count): one GPU per actor where the cluster has GPUs, else one CPU each."""
+    resources = ray.cluster_resources()
+    gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 1))
+    if gpus:
+        return {"num_gpus": 1, "num_cpus": 1}, workers or gpus
+    return {"num_cpus": 1}, workers or max(1, cpus)
+
+
+def _set_threads(threads: int | None) -> None:
+    # Ray sets OMP_NUM_THREADS=1 in its workers; torch's thread count is part of the recorded environment
+    # (CPU reductions may depend on it), so CPU workers use the driver's unless told otherwise.
+    if threads:
+        torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------------------ build
+
+
+class _BuildWorker:
+    """One build actor: the model loaded once, the windows held, parts written on request."""
+
+    def __init__(self, args: dict, threads: int | None, fail_after: int | None = None) -> None:
+        _set_threads(threads)
+        self.args = args
+        self.fail_after = fail_after  # tests: raise after this many parts, as a lost worker would
+        self.written = 0
+        self.model = self.windows = self.plan = None
+
+    def prepare(self) -> tuple[dict, np.ndarray]:
+        """Tokenize the split and make the manifest draft (first actor only)."""
+        from fca.jobs.build import prepare_corpus_build
+
+        self.model, self.windows, self.plan = prepare_corpus_build(**self.args)
+        return self.plan, self.windows
+
+    def load(self, windows: np.ndarray, plan: dict) -> dict:
+        """Load the model, take the windows; -> this actor's environment record (must equal the plan's)."""
+        from fca.engine.environment import current_environment
+        from fca.engine.loading import fingerprint_state, load_model
+
+        a = self.args
+        self.model = load_model(a["model_dir"], device=a["device"], dtype=a["dtype"])
+        self.windows, self.plan = windows, plan
+        return {
+            "environment": {**current_environment(self.model), "batch_size": a["batch_size"]},
+            "fingerprint": fingerprint_state(self.model),
+        }
+
+    def write_part(self, out: str, part_seqs: int, k: int) -> dict:
+        """Write part k into `<out>.partial/` with a shard writer; -> its part record."""
+        if self.fail_after is not None and self.written >= self.fail_after:
+            raise RuntimeError(f"simulated lost worker after {self.written} part(s)")
+        plan = self.plan
+        specs = {name: spec_from_json(d) for name, d in plan["sites"].items()}
+        schema = cache_schema(specs, coefficient_arrow_type(plan.get("coefficient_dtype", "float32")))
+        writer = CacheWriter(out, plan, schema, part_seqs, shard=[k])
+        record_pending(self.model, self.windows, writer, self.args["batch_size"], plan.get("coefficient_dtype"))
+        self.written += 1
+        return writer.close_shard()[0]
+
+
+def build_cache_distributed(
+    model_dir: str | Path,
+    corpus: str | Path,
+    split: str,
+    out: str | Path,
+    num_seqs: int | None = 256,
+    seq_len: int | None = None,
+    batch_size: int = 16,
+    device: str = "auto",
+    dtype: torch.dtype | None = None,
+    split_seed: int = 0,
+    text_column: str = "text",
+    coefficient_dtype: str = "float32",
+    overwrite: bool = False,
+    part_seqs: int | None = None,
+    workers: int | None = None,
+    address: str | None = None,
+    threads: int | None = None,
+    show_progress: bool = True,
+    fail_after: int | None = None,
+) -> Path:
+    """`build_cache_from_corpus` over Ray actors; the same cache, value for value (module docstring).
+
+    `workers`: actors (default one per GPU, else one per CPU of the cluster); `threads`: torch threads
+    of CPU actors (default the driver's); `fail_after`: for tests, every actor fails after that many
+    parts. Raises CacheError when every actor has failed; rerunning resumes from the committed parts."""
+    if Path(out).exists() and not overwrite:  # before starting a cluster and tokenizing for nothing
+        raise CacheError(f"{out}: already exists (pass --overwrite to replace it)")
+    if part_seqs is not None:
+        check_part_seqs(part_seqs, batch_size)
+    ray = connect(address)
+    options, count = worker_resources(ray, workers)
+    if threads is None and "num_gpus" not in options:
+        threads = torch.get_num_threads()
+    args = dict(
+        model_dir=str(model_dir), corpus=str(corpus), split=split, num_seqs=num_seqs, seq_len=seq_len,
+        batch_size=batch_size, device=device, dtype=dtype, split_seed=split_seed, text_column=text_column,
+        coefficient_dtype=coefficient_dtype,
+    )
+    Worker = ray.remote(max_restarts=0)(_BuildWorker)
+    actors = [Worker.options(**options).remote(args, threads, fail_after) for _ in range(count)]
+    try:
+        plan_ref, windows_ref = actors[0].prepare.options(num_returns=2).remote()
+        plan = ray.get(plan_ref)
+        loaded = ray.get([a.load.remote(windows_ref, plan_ref) for a in actors[1:]])
+        for record in loaded:
+            if record["environment"] != plan["environment"] or record["fingerprint"] != plan["model"]["fingerprint"]:
+                raise CacheError(
+                    f"{out}: build workers differ ({record['environment']} vs {plan['environment']}); a cache "
+                    "records one environment, so run its workers on identical devices"
+                )
+        specs = {name: spec_from_json(d) for name, d in plan["sites"].items()}
+        schema = cache_schema(specs, coefficient_arrow_type(coefficient_dtype))
+        S = part_seqs or seqs_per_part(plan["raw_bytes_per_token"], plan["seq_len"], batch_size)
+        check_part_seqs(S, batch_size)
+        writer = CacheWriter(out, plan, schema, S, overwrite=overwrite)
+        try:
+            drive_parts(ray, actors, writer, lambda actor, k: actor.write_part.remote(str(out), S, k), show_progress)
+        except BaseException:
+            writer.abort()
+            raise
+        return writer.finish(
+            {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "library_versions": _library_versions()}
+        )
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+
+
+def drive_parts(
+    ray,
+    actors: list,
+    writer: CacheWriter,
+    submit: Callable[[object, int], object],
+    show_progress: bool = False,
+    in_flight: int = 2,
+) -> dict:
+    """Hand the writer's pending parts to actors, `in_flight` at a time each (the next part waits in the
+    actor's queue, so an actor never idles between parts), and record each part as it commits.
+
+    A part whose actor fails goes back to the queue and that actor is dropped; when no actor is left the
+    build stops (CacheError; committed parts stay recorded). -> counts of parts written and requeued."""
+    from tqdm.auto import tqdm
+
+    queue = list(reversed(writer.pending_parts()))  # popped from the end: lowest index first
+    alive = list(actors)
+    running: dict = {}  # object ref -> (actor, part)
+    requeued, errors = 0, []
+    bar = tqdm(total=writer.num_parts, initial=len(writer.parts), unit="part", disable=not show_progress)
+
+    def fill() -> None:
+        for actor in alive:
+            while queue and sum(a is actor for a, _ in running.values()) < in_flight:
+                k = queue.pop()
+                running[submit(actor, k)] = (actor, k)
+
+    try:
+        fill()
+        while running:
+            done, _ = ray.wait(list(running), num_returns=1)
+            actor, k = running.pop(done[0])
+            try:
+                record = ray.get(done[0])
+            except Exception as err:  # a lost or failing worker: its part is redone by another
+                errors.append(err)
+                queue.append(k)
+                requeued += 1
+                if actor in alive:
+                    alive.remove(actor)
+                if not alive:
+                    raise CacheError(
+                        f"{writer.partial}: every build worker failed (last: {str(err).splitlines()[0]}); "
+                        f"{len(writer.parts)} of {writer.num_parts} parts are committed: rerun to resume"
+                    ) from None
+            else:
+                writer.add_parts([record])
+                bar.update(1)
+            fill()
+    finally:
+        bar.close()
+    return {"requeued": requeued, "errors": len(errors)}
+
+
+# ------------------------------------------------------------------------------------------ replay
+
+
+class _ReplayWorker:
+    """One replay actor: the experiment opened once; scores shards of a run."""
+
+    def __init__(self, model, cache, calibration, device: str, dtype, threads: int | None) -> None:
+        _set_threads(threads)
+        self.experiment = Experiment.open(model, cache, calibration, device=device, dtype=dtype)
+
+    def run(self, conditions: list[Condition], n: int, batch_size: int, seed: int, shard) -> ReplayResults:
+        e = self.experiment
+        profiles = e.profiles() if any(c.needs_profiles for c in conditions) else None
+        return run_conditions(
+            e.model, e.evaluated, conditions, profiles, seqs=list(range(n)), batch_size=batch_size,
+            cross_seed=seed, shard=shard,
+        )
+
+
+def shard_bounds(n: int, batch_size: int, shards: int) -> list[tuple[int, int]]:
+    """Split positions [0, n) into at most `shards` contiguous runs of whole batches, as even as can be."""
+    batches = -(-n // batch_size)
+    cuts = np.linspace(0, batches, min(shards, batches) + 1).round().astype(int)
+    return [(int(a) * batch_size, min(n, int(b) * batch_size)) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+
+
+def merge_results(shards: Sequence[ReplayResults], bounds: Sequence[tuple[int, int]]) -> ReplayResults:
+    """Shard results (each full-length, filled on its bounds) -> the results of one run over all positions."""
+    first = shards[0]
+    n = len(first.seqs)
+    if any(r.replayed_on != first.replayed_on for r in shards):
+        raise CacheError("replay workers ran in different environments; run them on identical devices")
+
+    def joined(get) -> np.ndarray:
+        out = np.zeros(n)
+        for r, (lo, hi) in zip(shards, bounds):
+            out[lo:hi] = get(r)[lo:hi]
+        return out
+
+    measure = FidelityMeasure()
+    for r in shards:
+        f = r.fidelity
+        measure.max_abs_coefficient_diff = max(measure.max_abs_coefficient_diff, f.max_abs_coefficient_diff)
+        measure.max_rel_coefficient_diff = max(measure.max_rel_coefficient_diff, f.max_rel_coefficient_diff)
+        measure.differing_coefficients += f.differing_coefficients
+        measure.coefficients_compared += f.coefficients_compared
+        for site, value in f.per_site_max_abs_diff.items():
+            measure.per_site_max_abs_diff[site] = max(measure.per_site_max_abs_diff.get(site, 0.0), value)
+        measure.stored_live_nll_max_diff = max(measure.stored_live_nll_max_diff, f.stored_live_nll_max_diff)
+        measure.same_batches = measure.same_batches and f.same_batches
+    live, replayed = joined(lambda r: r.live_per_seq), joined(lambda r: r.replayed_per_seq)
+    return ReplayResults(
+        seqs=first.seqs,
+        per_seq_nll={name: joined(lambda r: r.per_seq_nll[name]) for name in first.per_seq_nll},
+        conditions=first.conditions,
+        max_abs_logit_diff=max(r.max_abs_logit_diff for r in shards),
+        nll_live=float(live.mean()),
+        nll_correct=float(replayed.mean()),
+        batches=sum(r.batches for r in shards),
+        fidelity=measure,
+        live_per_seq=live,
+        cache_correct_per_seq=joined(lambda r: r.cache_correct_per_seq),
+        cache_path=first.cache_path,
+        computed_on=first.computed_on,
+        replayed_on=first.replayed_on,
+        coefficient_dtype=first.coefficient_dtype,
+        replayed_per_seq=replayed,
+    )
+
+
+@dataclass
+class ShardedExperiment(Experiment):
+    """An `Experiment` whose `run` scores conditions on Ray actors (everything else runs in the driver:
+    profiles for the report, the variance decomposition, the execution audit)."""
+
+    actors: list = field(default_factory=list, repr=False)
+
+    @classmethod
+    def open_sharded(
+        cls,
+        model: str | Path,
+        cache: CacheSource,
+        calibration: CacheSource | None,
+        dense: ModelSource | None = None,
+        device: str = "auto",
+        dtype: torch.dtype | None = None,
+        verify: bool = False,
+        workers: int | None = None,
+        address: str | None = None,
+        threads: int | None = None,
+    ) -> ShardedExperiment:
+        """Open the experiment in the driver (checks, as `Experiment.open`) and once in each actor. The
+        model and caches are given as paths, which every actor must see (a shared filesystem)."""
+        if not isinstance(model, (str, Path)):
+            raise ValueError("a sharded experiment loads the model in every actor: give its directory, not a module")
+        base = Experiment.open(model, cache, calibration, dense, device=device, dtype=dtype, verify=verify)
+        ray = connect(address)
+        options, count = worker_resources(ray, workers)
+        if threads is None and "num_gpus" not in options:
+            threads = torch.get_num_threads()
+        Worker = ray.remote(max_restarts=0)(_ReplayWorker)
+        paths = [str(p) if p is not None else None for p in (model, base.evaluated.path, _path(base.calibration))]
+        actors = [Worker.options(**options).remote(*paths, device, dtype, threads) for _ in range(count)]
+        return cls(**{f.name: getattr(base, f.name) for f in fields(Experiment)}, actors=actors)
+
+    def run(
+        self,
+        conditions: Sequence[Condition],
+        num_seqs: int | None = None,
+        batch_size: int = 16,
+        seed: int = 0,
+        progress: Callable[[int, int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        profile_progress: Callable[[int, int], None] | None = None,
+    ) -> ReplayResults:
+        import ray
+
+        n = self.evaluated.num_seqs if num_seqs is None else min(num_seqs, self.evaluated.num_seqs)
+        bounds = shard_bounds(n, batch_size, len(self.actors))
+        refs = [a.run.remote(list(conditions), n, batch_size, seed, b) for a, b in zip(self.actors, bounds)]
+        results = ray.get(refs)
+        if progress is not None:
+            progress(n, n)
+        return merge_results(results, bounds)
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+
+
+def _path(cache) -> Path | None:
+    return None if cache is None else cache.path
+
+
+# ------------------------------------------------------------------------------------------ entry points
+
+
+def run_audit_distributed(
+    model: str | Path,
+    cache: str | Path,
+    calibration: str | Path,
+    dense: ModelSource | None = None,
+    device: str = "auto",
+    dtype: torch.dtype | None = None,
+    workers: int | None = None,
+    address: str | None = None,
+    **audit: object,
+) -> dict:
+    """`fca.jobs.audit.run_audit` with the replay sharded over Ray actors: the same report. `audit`: the
+    keyword arguments of `audit_experiment` (batch_size, num_seqs, seed, extra_conditions, ...)."""
+    from fca.jobs.audit import audit_experiment
+
+    experiment = ShardedExperiment.open_sharded(
+        model, cache, calibration, dense, device=device, dtype=dtype, verify=True, workers=workers, address=address
+    )
+    try:
+        return audit_experiment(experiment, **audit)
+    finally:
+        experiment.close()
+
+
+def run_replay_distributed(
+    model: str | Path,
+    cache: str | Path,
+    calibration: str | Path | None,
+    conditions: Sequence[str | Condition],
+    device: str = "auto",
+    workers: int | None = None,
+    address: str | None = None,
+    **replay: object,
+) -> dict:
+    """`fca.jobs.runs.run_replay` with the conditions scored on Ray actors: the same record."""
+    from fca.jobs.runs import run_replay
+
+    experiment = ShardedExperiment.open_sharded(
+        model, cache, calibration, device=device, workers=workers, address=address
+    )
+    try:
+        return run_replay(None, None, None, conditions, experiment=experiment, **replay)
+    finally:
+        experiment.close()

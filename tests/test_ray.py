@@ -1,0 +1,160 @@
+"""Ray as the engine, on a local two-CPU cluster (no network): a distributed build is the single-process
+build, stored moments are the scanned ones, a sharded audit is the single-process audit, and a build
+whose workers are lost resumes to the same cache."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from fca.jobs.build import build_cache_from_corpus  # noqa: E402
+from fca.jobs.distributed import REPO_ROOT, build_cache_distributed, shard_bounds  # noqa: E402
+from fca.tables.errors import CacheError  # noqa: E402
+from fca.tables.profiles import cache_moments, scan_moments, slot_layout  # noqa: E402
+from fca.tables.stats import variance_decomposition  # noqa: E402
+from fca.tables.store import open_cache  # noqa: E402
+
+SIZES = dict(num_seqs=8, seq_len=16, batch_size=2, device="cpu", part_seqs=2)  # 4 parts of 2 sequences
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def single(tiny_demo, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "eval"
+    return build_cache_from_corpus(
+        tiny_demo / "featuregate", tiny_demo / "corpus.txt", "eval", out, show_progress=False, **SIZES
+    )
+
+
+def _distributed(tiny_demo, out, **kw):
+    return build_cache_distributed(
+        tiny_demo / "featuregate", tiny_demo / "corpus.txt", "eval", out, workers=2, show_progress=False,
+        **SIZES, **kw,
+    )
+
+
+def _same_cache(a, b) -> None:
+    ca, cb = open_cache(a, verify=True), open_cache(b, verify=True)
+    ma, mb = ca.manifest.raw, cb.manifest.raw
+    for key in ("parts", "moments", "sites", "num_seqs", "environment", "model", "corpus", "seqs_per_part"):
+        assert ma[key] == mb[key], key  # part records hold each part's sha256; `moments` its sidecars' sha256
+    seqs = list(range(ca.num_seqs))
+    ra, rb = ca.read_seqs(seqs), cb.read_seqs(seqs)
+    assert all(np.array_equal(ra[k], rb[k]) for k in ra)
+
+
+def test_two_workers_build_the_single_process_cache(tiny_demo, single, tmp_path):
+    out = _distributed(tiny_demo, tmp_path / "eval")
+    assert len(open_cache(out).manifest.parts) == 4
+    _same_cache(out, single)
+    assert not (tmp_path / "eval.partial").exists() and not (tmp_path / "eval.lock").exists()
+
+
+def test_stored_moments_equal_a_scan_of_the_coefficients(single):
+    cache = open_cache(single)
+    assert cache.manifest.raw["moments"]["token_sums"]
+    stored, layout = cache_moments(cache)
+    scanned, _ = scan_moments(cache, slot_layout(cache))
+    for key in ("sum", "sumsq", "pos_count", "pos_sum", "seq_term", "minimum", "maximum", "tok_count", "tok_sum"):
+        np.testing.assert_allclose(getattr(stored, key), getattr(scanned, key), rtol=1e-12, atol=1e-12, err_msg=key)
+    assert (stored.count, stored.num_seqs) == (scanned.count, scanned.num_seqs)
+    a, b = variance_decomposition(stored, layout), variance_decomposition(scanned, layout)
+    assert a["layer_identity_share"] == pytest.approx(b["layer_identity_share"], rel=1e-12, abs=1e-12)
+    for name, value in a["factors"].items():
+        assert value == pytest.approx(b["factors"][name], rel=1e-12, abs=1e-12), name
+
+
+def test_lost_workers_then_resume_give_the_same_cache(tiny_demo, single, tmp_path):
+    out = tmp_path / "eval"
+    with pytest.raises(CacheError, match="every build worker failed"):
+        _distributed(tiny_demo, out, fail_after=1)  # each worker commits one part, then is lost
+    assert not out.exists() and not (tmp_path / "eval.lock").exists()
+    progress = json.loads((tmp_path / "eval.partial" / "progress.json").read_text())
+    assert len(progress["parts"]) == 2  # committed parts are kept...
+    assert not (tmp_path / "eval.partial" / "manifest.json").exists()  # ...and nothing looks finished
+    _same_cache(_distributed(tiny_demo, out), single)
+
+
+def test_shard_bounds_fall_on_batches():
+    assert shard_bounds(10, 4, 2) == [(0, 8), (8, 10)] or shard_bounds(10, 4, 2) == [(0, 4), (4, 10)]
+    assert shard_bounds(3, 4, 5) == [(0, 3)]
+    assert all(lo % 4 == 0 for lo, _ in shard_bounds(37, 4, 3))
+
+
+def test_sharded_audit_is_the_single_process_audit(tiny_demo):
+    from fca.jobs.audit import audit_experiment, run_audit
+    from fca.jobs.distributed import ShardedExperiment
+
+    paths = (tiny_demo / "featuregate", tiny_demo / "eval", tiny_demo / "calibration")
+    kw = dict(batch_size=4, latency_runs=1)
+    local = run_audit(*paths, device="cpu", **kw)
+    experiment = ShardedExperiment.open_sharded(*paths, device="cpu", verify=True, workers=2)
+    try:
+        sharded = audit_experiment(experiment, **kw)
+    finally:
+        experiment.close()
+    for key in ("conditions", "exactness", "gap_retention", "variance", "cache", "calibration", "definitions"):
+        assert sharded[key] == local[key], key  # same NLLs, same CIs, same checks: equal, not close
+
+
+# ------------------------------------------------------------------ bookkeeping (no Ray, no model)
+
+
+def _synthetic_writer(out, num_seqs, vocab=64, **kw):
+    from bench.scale_driver import SPECS, T, synthetic_plan
+    from fca.tables.store import CacheWriter, cache_schema
+
+    plan = synthetic_plan(num_seqs)
+    plan["tokenizer"]["vocab_size"] = plan["model"]["config"]["vocab_size"] = vocab
+    return CacheWriter(out, plan, cache_schema(SPECS), 1, **kw), T
+
+
+def test_a_journaled_progress_resumes_every_committed_part(tmp_path):
+    from bench.scale_driver import synthetic_rows
+
+    out = tmp_path / "many"
+    writer, _ = _synthetic_writer(out, 40)
+    for k in range(30):
+        writer.write(*synthetic_rows(k, k + 1))
+    assert (tmp_path / "many.partial" / "progress.journal.jsonl").is_file()  # not rewritten for every part
+    writer.abort()
+    resumed, _ = _synthetic_writer(out, 40)
+    assert resumed.pending_parts() == list(range(30, 40))
+    for k in resumed.pending_parts():
+        resumed.write(*synthetic_rows(k, k + 1))
+    cache = open_cache(resumed.finish(), verify=True)
+    stored, layout = cache_moments(cache)
+    scanned, _ = scan_moments(cache, layout)
+    np.testing.assert_allclose(stored.tok_sum, scanned.tok_sum, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(stored.pos_sum, scanned.pos_sum, rtol=1e-12, atol=1e-12)
+
+
+def test_token_sums_too_large_to_store_are_scanned_or_left_out(tmp_path, monkeypatch):
+    import fca.tables.store as store
+    from bench.scale_driver import synthetic_rows
+
+    # Parts of one 8-token sequence hold ~8 distinct ids (more than rows / 8): without the small-size
+    # allowance their token sums are dropped, as for a large vocabulary.
+    monkeypatch.setattr(store, "TOKEN_SUMS_ALLOWANCE", 0)
+    writer, _ = _synthetic_writer(tmp_path / "c", 4)
+    for k in range(4):
+        writer.write(*synthetic_rows(k, k + 1))
+    cache = open_cache(writer.finish())
+    assert not cache.manifest.raw["moments"]["token_sums"]
+    without, _ = cache_moments(cache)  # stored, without the token-id factor: no coefficient is read
+    assert without.tok_sum is None
+    scanned, _ = cache_moments(cache, scan_for_tokens=True)  # a full scan, token-id factor included
+    assert scanned.tok_sum is not None
+    np.testing.assert_allclose(without.sumsq, scanned.sumsq, rtol=1e-12, atol=1e-12)
