@@ -37,6 +37,9 @@ from fca.tables.store import (
 )
 
 
+REPO = Path(__file__).resolve().parents[2]  # the checkout holding the fca package
+
+
 def _timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
@@ -115,8 +118,8 @@ def _stats_peak_memory(cache_dir: Path, baseline: bool = False) -> float:
         capture_output=True,
         text=True,
         check=True,
-        cwd=Path(__file__).resolve().parent.parent,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     return float(out.stdout.strip().splitlines()[-1])
 
