@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 # Streamlit's chart theme sets fonts, grid and backgrounds; our template adds only the colour cycle
 # (Vega's tableau10, whose colours the single-series charts below use too). A named plotly template
-# such as "plotly_white" would build defaults for every trace type on first use: ~0.1 s of the first
-# page on a fresh server, for styling that the theme then overrides.
+# such as "plotly_white" would build defaults for every trace type on first use, delaying the first page
+# of a fresh server for styling that the theme then overrides.
 COLORWAY = [
     "#4c78a8",
     "#f58518",
@@ -39,29 +39,47 @@ SHARE = "share of coefficient variance (fraction)"
 COEFFICIENT = "coefficient value (unitless)"
 NLL = "NLL (nats / token)"
 PENALTY = "penalty vs correct (nats / token)"
+DEVIATION = "deviation from static profile (calibration SDs)"
 
 
 def _layout(fig: go.Figure, title: str, height: int = 380, **kwargs) -> go.Figure:
-    fig.update_layout(template=TEMPLATE, title=title, height=height, margin=dict(l=60, r=20, t=50, b=60), **kwargs)
+    kwargs.setdefault("margin", dict(l=60, r=20, t=50, b=60))
+    fig.update_layout(template=TEMPLATE, title=title, height=height, **kwargs)
     return fig
 
 
 def share_by_site(df: pd.DataFrame | dict, pooled: float | None = None) -> go.Figure:
-    """df: site, share. Bars per site, a dashed line at the pooled share."""
+    """df: site, share. Bars per site, a dashed line at the pooled share, named in the legend (a label on
+    the line sat on the bars)."""
     fig = go.Figure(
-        go.Bar(x=df["site"], y=df["share"], marker_color="#4c78a8", hovertemplate="%{x}: %{y:.3f}<extra></extra>")
+        go.Bar(
+            x=df["site"],
+            y=df["share"],
+            name="per site",
+            marker_color="#4c78a8",
+            hovertemplate="%{x}: %{y:.3f}<extra></extra>",
+        )
     )
     if pooled is not None:
-        fig.add_hline(
-            y=pooled,
-            line_dash="dash",
-            line_color="#e45756",
-            annotation_text=f"pooled {pooled:.3f}",
-            annotation_position="top left",
+        fig.add_hline(y=pooled, line_dash="dash", line_color="#e45756")
+        fig.add_trace(  # legend entry only: an hline has none
+            go.Scatter(
+                x=[None],
+                y=[None],
+                mode="lines",
+                line=dict(dash="dash", color="#e45756"),
+                name=f"pooled over all sites: {pooled:.3f}",
+            )
         )
     fig.update_yaxes(title=SHARE, range=[0, 1])
     fig.update_xaxes(title="site (layer)")
-    return _layout(fig, "Layer-identity share per site")
+    return _layout(
+        fig,
+        "Layer-identity share per site",
+        showlegend=pooled is not None,
+        # inside the top of the plot: shares rarely reach 1, and above it the legend met the title
+        legend=dict(yanchor="top", y=0.99, xanchor="right", x=0.99, bgcolor="rgba(255,255,255,0.7)"),
+    )
 
 
 def factor_bars(df: pd.DataFrame) -> go.Figure:
@@ -83,9 +101,24 @@ def factor_bars(df: pd.DataFrame) -> go.Figure:
     return _layout(fig, "What explains the variance (shares of the total; they overlap)")
 
 
-def slot_heatmap(df: pd.DataFrame, value_title: str, title: str) -> go.Figure:
+def channel_groups(labels: list[str]) -> list[tuple[str, int, int]]:
+    """(group, first, last) runs of channel labels sharing the part before the first '.' (attn.0-5 |
+    mlp.0-5): where the axis draws its dividers."""
+    runs: list[tuple[str, int, int]] = []
+    for k, label in enumerate(labels):
+        group = str(label).split(".", 1)[0]
+        if runs and runs[-1][0] == group:
+            runs[-1] = (group, runs[-1][1], k)
+        else:
+            runs.append((group, k, k))
+    return runs
+
+
+def slot_heatmap(df: pd.DataFrame, value_title: str, title: str, diverging: bool = False) -> go.Figure:
     """df: site, channel (int), value, label. Sites may have different widths (ragged): the missing
-    cells are NaN and show blank."""
+    cells are NaN and show blank. The channel axis is labelled by the channel labels where every site
+    of that width shares them (attn.0 ... mlp.5), with a divider between label groups. Magnitudes use a
+    sequential scale; `diverging` (signed values around 0) a red-blue one centred on 0."""
     sites = list(dict.fromkeys(df["site"]))
     width = int(df["channel"].max()) + 1 if len(df) else 0
     z = np.full((len(sites), width), np.nan)
@@ -95,19 +128,32 @@ def slot_heatmap(df: pd.DataFrame, value_title: str, title: str) -> go.Figure:
     c = df["channel"].to_numpy(dtype=int)
     z[r, c] = df["value"].to_numpy(dtype=float)
     text[r, c] = df["label"].astype(str).to_numpy()
+    # One label per column only when the sites agree on it (ragged or differently named sites: index).
+    columns = [set(text[:, k]) - {""} for k in range(width)]
+    shared = all(len(names) == 1 for names in columns)
+    ticks = [next(iter(names)) for names in columns] if shared else [str(k) for k in range(width)]
+    scale = dict(colorscale="RdBu_r", zmid=0) if diverging else dict(colorscale="Viridis")
     fig = go.Figure(
         go.Heatmap(
             z=z,
             x=list(range(width)),
             y=sites,
             customdata=text,
-            colorscale="Viridis",
-            colorbar=dict(title=value_title),
+            colorbar=dict(title=dict(text=value_title, side="right")),
             hovertemplate="%{y} channel %{x} (%{customdata}): %{z:.4f}<extra></extra>",
             hoverongaps=False,
+            **scale,
         )
     )
-    fig.update_xaxes(title="channel index within the site")
+    groups = channel_groups(ticks) if shared else []
+    for _, first, _ in groups[1:]:
+        fig.add_vline(x=first - 0.5, line_color="#222", line_width=2)
+    fig.update_xaxes(
+        title="channel (" + " | ".join(f"{g} {a}-{b}" for g, a, b in groups) + ")" if len(groups) > 1 else "channel",
+        tickmode="array",
+        tickvals=list(range(width)),
+        ticktext=ticks,
+    )
     fig.update_yaxes(title="site (layer)", autorange="reversed")
     return _layout(fig, title, height=max(300, 60 + 28 * len(sites)))
 
@@ -141,7 +187,11 @@ def axis_heatmaps(df: pd.DataFrame, value_title: str, title: str) -> go.Figure:
         )
         fig.update_xaxes(title="source index", row=1, col=j + 1)
     fig.update_yaxes(title="site (layer)", autorange="reversed", row=1, col=1)
-    fig.update_layout(coloraxis=dict(colorscale="Viridis", cmin=lo, cmax=hi, colorbar=dict(title=value_title)))
+    fig.update_layout(
+        coloraxis=dict(
+            colorscale="Viridis", cmin=lo, cmax=hi, colorbar=dict(title=dict(text=value_title, side="right"))
+        )
+    )
     return _layout(fig, title, height=max(300, 60 + 28 * len(sites)))
 
 
@@ -185,24 +235,47 @@ def site_distributions(df: pd.DataFrame) -> go.Figure:
     return _layout(fig, "Distribution of coefficients per site (box 25-75%, whiskers 5-95%)")
 
 
-def token_layer_heatmap(z: pd.DataFrame, tokens: list[str], value_title: str, title: str) -> go.Figure:
-    """z: rows = sites, columns = positions. `tokens`: the decoded token at each position (x labels)."""
+def token_axis(fig: go.Figure, labels: list[str]) -> None:
+    """Every token labelled: explicit ticks (plotly's automatic ones skip every other category when
+    they would overlap), small and vertical so 64 fit across a wide page."""
+    fig.update_xaxes(
+        title="position: decoded token",
+        type="category",
+        tickmode="array",
+        tickvals=labels,
+        ticktext=labels,
+        tickangle=-90,
+        tickfont=dict(size=9),
+    )
+
+
+def token_layer_heatmap(
+    z: pd.DataFrame, tokens: list[str], value_title: str, title: str, diverging: bool = False
+) -> go.Figure:
+    """z: rows = sites, columns = positions. `tokens`: the decoded token at each position (x labels).
+    `diverging`: signed values whose neutral is 0 (red-blue, white at 0, symmetric range); otherwise a
+    sequential scale (levels and magnitudes such as an SD or an RMS deviation)."""
     positions = [int(c) for c in z.columns]
     labels = [f"{p}:{t}" for p, t in zip(positions, tokens)]
+    values = z.to_numpy(dtype=float)
+    if diverging:
+        bound = float(np.nanmax(np.abs(values))) if values.size and np.isfinite(values).any() else 1.0
+        scale = dict(colorscale="RdBu_r", zmid=0, zmin=-bound, zmax=bound)
+    else:
+        scale = dict(colorscale="Viridis")
     fig = go.Figure(
         go.Heatmap(
-            z=z.to_numpy(dtype=float),
+            z=values,
             x=labels,
             y=list(z.index),
-            colorscale="RdBu_r",
-            colorbar=dict(title=value_title),
-            zmid=float(np.nanmean(z.to_numpy())) if z.size else None,
+            colorbar=dict(title=dict(text=value_title, side="right")),
             hovertemplate="%{y} @ %{x}: %{z:.4f}<extra></extra>",
+            **scale,
         )
     )
-    fig.update_xaxes(title="position: decoded token", tickangle=-60, type="category")
+    token_axis(fig, labels)
     fig.update_yaxes(title="site (layer)", autorange="reversed")
-    return _layout(fig, title, height=max(320, 140 + 28 * len(z.index)))
+    return _layout(fig, title, height=max(360, 200 + 28 * len(z.index)), margin=dict(l=60, r=20, t=50, b=110))
 
 
 def profile_lines(df: pd.DataFrame, token_label: str) -> go.Figure:
@@ -250,7 +323,8 @@ def profile_lines(df: pd.DataFrame, token_label: str) -> go.Figure:
 
 def deviation_heatmap(z: np.ndarray, slots: list[str], tokens: list[str], title: str, first: int = 0) -> go.Figure:
     """z: [t, C] standardised deviation (live - static) / calibration SD of positions first..first+t-1;
-    drawn with slots as rows and positions as columns, so long sequences run along the page."""
+    drawn with slots as rows and positions as columns, so long sequences run along the page. Signed,
+    so red-blue centred on 0 (white: the token gets exactly the static profile); a line between sites."""
     labels = [f"{first + i}:{t}" for i, t in enumerate(tokens)]
     bound = float(np.nanpercentile(np.abs(z), 99)) if z.size else 1.0
     fig = go.Figure(
@@ -262,34 +336,56 @@ def deviation_heatmap(z: np.ndarray, slots: list[str], tokens: list[str], title:
             zmid=0,
             zmin=-bound,
             zmax=bound,
-            colorbar=dict(title="deviation (SDs)"),
+            colorbar=dict(title=dict(text=DEVIATION + " (0 = white)", side="right")),
             hovertemplate="%{x} / %{y}: %{z:.2f} SD<extra></extra>",
         )
     )
-    fig.update_xaxes(title="position: decoded token", type="category", tickangle=-60)
+    token_axis(fig, labels)
+    sites = [str(s).split("/", 1)[0] for s in slots]
+    for i in range(1, len(sites)):
+        if sites[i] != sites[i - 1]:
+            fig.add_hline(y=i - 0.5, line_color="#222", line_width=1)
     fig.update_yaxes(title="slot (site / channel)", autorange="reversed", type="category")
-    return _layout(fig, title, height=min(1000, max(360, 160 + 11 * len(slots))))
+    return _layout(fig, title, height=min(1000, max(400, 200 + 11 * len(slots))), margin=dict(l=60, r=20, t=50, b=110))
 
 
-def token_strip(df: pd.DataFrame, chosen: int | None = None) -> go.Figure:
-    """df: pos, token, deviation. One point per token; click a point to choose that token."""
-    colors = ["#e45756" if p == chosen else "#4c78a8" for p in df["pos"]]
+def token_strip(df: pd.DataFrame, chosen: int | None = None, max_labels: int = 16) -> go.Figure:
+    """df: pos, token, deviation. One point per token; click a point to choose that token. Text labels
+    only for the chosen token and the most deviating ones, at least len/max_labels positions apart (all
+    labels at once pile up); every token is in the hover."""
+    pos = df["pos"].to_numpy()
+    dev = np.nan_to_num(df["deviation"].to_numpy(dtype=float), nan=-np.inf)
+    gap = max(1, len(pos) // max_labels)
+    labelled: list[int] = [] if chosen is None else [i for i, p in enumerate(pos) if p == chosen]
+    for i in np.argsort(-dev, kind="stable"):
+        if len(labelled) >= max_labels:
+            break
+        if all(abs(int(pos[i]) - int(pos[j])) >= gap for j in labelled):
+            labelled.append(int(i))
+    text = ["" for _ in pos]
+    tokens = [str(t) for t in df["token"]]
+    for i in labelled:
+        text[i] = tokens[i]
+    colors = ["#e45756" if p == chosen else "#4c78a8" for p in pos]
     fig = go.Figure(
         go.Scatter(
-            x=df["pos"],
+            x=pos,
             y=df["deviation"],
             mode="markers+text",
-            text=df["token"],
+            text=text,
             textposition="top center",
             marker=dict(size=9, color=colors),
-            textfont=dict(size=9, color="#666"),
-            customdata=df["token"],
+            textfont=dict(size=10, color="#444"),
+            customdata=tokens,
             hovertemplate="position %{x} %{customdata}: %{y:.2f} SD<extra></extra>",
+            cliponaxis=False,
         )
     )
     fig.update_xaxes(title="position in the sequence (token index)")
-    fig.update_yaxes(title="RMS deviation from static profile (SDs)")
-    return _layout(fig, "Tokens of the sequence (click one to inspect it)", height=320)
+    fig.update_yaxes(title="RMS deviation from static profile (SDs)", rangemode="tozero")
+    return _layout(
+        fig, "Tokens of the sequence (labelled: the most deviating; hover for any, click one to inspect it)", height=320
+    )
 
 
 def nll_bars(df: pd.DataFrame, title: str = "NLL per condition") -> go.Figure:
@@ -305,10 +401,10 @@ def nll_bars(df: pd.DataFrame, title: str = "NLL per condition") -> go.Figure:
             hovertemplate="%{x}: %{y:.4f} nats<extra></extra>",
         )
     )
-    lo = float(np.nanmin(df["ci_lo"])) if len(df) else 0.0
+    # Bars start at 0: a bar's length is read as its value, and an axis from ~3 nats made small gaps
+    # look large. The exact values are in the hover and the tables.
     hi = float(np.nanmax(df["ci_hi"])) if len(df) else 1.0
-    pad = max(1e-3, 0.5 * (hi - lo))
-    fig.update_yaxes(title=NLL, range=[lo - pad, hi + pad])
+    fig.update_yaxes(title=NLL, range=[0, 1.08 * hi if np.isfinite(hi) and hi > 0 else 1.0])
     fig.update_xaxes(title="condition")
     return _layout(fig, title)
 
@@ -355,29 +451,63 @@ def latency_bars(df: pd.DataFrame) -> go.Figure:
 
 
 def blocks_bar(df: pd.DataFrame) -> go.Figure:
-    """df: block, fraction (tokens processed / tokens in the batch)."""
-    fig = go.Figure(go.Bar(x=df["block"], y=df["fraction"], marker_color="#54a24b"))
-    fig.update_yaxes(title="fraction of tokens that ran the block", range=[0, 1.05])
+    """df: block, fraction (tokens processed / tokens in the batch). Worth drawing only when some block
+    was skipped (the Execution page says "every block ran for every token" in words otherwise)."""
+    fig = go.Figure(
+        go.Bar(
+            x=df["block"],
+            y=df["fraction"],
+            marker_color="#54a24b",
+            text=[f"{v:.0%}" for v in df["fraction"]],
+            textposition="outside",
+        )
+    )
+    fig.update_yaxes(title="fraction of tokens that ran the block", range=[0, 1.1], tickformat=".0%")
     fig.update_xaxes(title="block index", dtick=1)
     return _layout(fig, "Blocks executed per token")
 
 
 def flops_bar(df: pd.DataFrame) -> go.Figure:
-    """df: part, gflops. A stacked horizontal bar: controllers vs the rest of the forward."""
+    """df: part, gflops (controllers first). One stacked bar of 100% of the forward's FLOPs, each part's
+    share annotated: a controller share under 1% is a sliver, so the numbers are written beside it."""
+    total = float(np.sum(df["gflops"])) or 1.0
+    colors = ["#e45756", "#bab0ac", *COLORWAY]
     fig = go.Figure()
-    for part, value in zip(df["part"], df["gflops"]):
+    for i, (part, value) in enumerate(zip(df["part"], df["gflops"])):
+        share = 100 * float(value) / total
         fig.add_trace(
             go.Bar(
                 y=["forward"],
-                x=[value],
-                name=part,
+                x=[share],
+                name=f"{part}: {share:.2f}% ({float(value):.4f} GFLOP)",
                 orientation="h",
-                hovertemplate=f"{part}: %{{x:.4f}} GFLOP<extra></extra>",
+                marker_color=colors[i % len(colors)],
+                hovertemplate=f"{part}: {share:.2f}% of the forward, {float(value):.4f} GFLOP<extra></extra>",
             )
         )
-    fig.update_xaxes(title="FLOPs of one forward (GFLOP)")
-    fig.update_yaxes(title="")
-    return _layout(fig, "Where the forward's FLOPs go", height=240, barmode="stack")
+    if len(df):
+        first = str(df["part"].iloc[0])
+        share = 100 * float(df["gflops"].iloc[0]) / total
+        fig.add_annotation(
+            x=share,
+            y="forward",
+            text=f"{first}: {share:.2f}%",
+            showarrow=True,
+            arrowhead=2,
+            ax=60,
+            ay=-45,
+            font=dict(size=13),
+        )
+    fig.update_xaxes(title="share of one forward's FLOPs (%)", range=[0, 100], ticksuffix="%")
+    fig.update_yaxes(title="", showticklabels=False)
+    return _layout(
+        fig,
+        "Where the forward's FLOPs go",
+        height=230,
+        barmode="stack",
+        legend=dict(orientation="h", y=-0.45),
+        margin=dict(l=20, r=20, t=70, b=60),
+    )
 
 
 def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
@@ -428,3 +558,210 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
     fig.update_yaxes(title="gap retention (fraction: 0 = global mean, 1 = correct)", range=[lo, hi], tickformat=".0%")
     fig.update_xaxes(title="condition", categoryorder="array", categoryarray=order)
     return _layout(fig, "Gap retention per model across seeds", height=420, legend=dict(orientation="h", y=-0.25))
+
+
+# Charts of the Overview's story: the plotly toolbar stands vertical at the right edge, so it never
+# covers a title (horizontal, it sat on the top line where the titles are).
+STORY_MARGIN = dict(l=60, r=50, t=60, b=60)
+ANCHORS = ("global_mean", "static_layer", "correct")
+ANCHOR_TEXT = {
+    "global_mean": "global mean (no layer identity)",
+    "static_layer": "static profile (layer identity)",
+    "correct": "correct (per-token control)",
+}
+
+
+def _story_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
+    _layout(fig, title, height=height)
+    fig.update_layout(margin=STORY_MARGIN, modebar=dict(orientation="v"))
+    return fig
+
+
+def _nll_interval(conditions: dict, name: str) -> tuple[float, float]:
+    """The 95% interval of a condition's NLL from its paired penalty CI: NLL_correct + [lo, hi]. Paired,
+    so it is the uncertainty of the condition's distance from correct (what the scale is about)."""
+    lo, hi = conditions[name]["penalty_ci95"]
+    row = conditions[name]
+    base = conditions["correct"]["nll"] if "correct" in conditions else row["nll"] - row["penalty"]
+    return base + lo, base + hi
+
+
+def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.Figure:
+    """One NLL axis from the global-mean profile through the static profile to correct, every condition
+    of a report placed on it (one row each, anchors first) with its 95% paired CI.
+    conditions: a report's `conditions` {name: {nll, penalty, penalty_ci95}}; gap_retention: its
+    `gap_retention` {name: fraction or None}. Conditions of an interpolation sweep are left out (they
+    have their own chart)."""
+    retention = gap_retention or {}
+    names = [n for n in ANCHORS if n in conditions]
+    names += [n for n in conditions if n not in ANCHORS and not n.startswith("interpolate:")]
+    fig = go.Figure()
+    if "correct" in conditions and "global_mean" in conditions:
+        x0, x1 = conditions["correct"]["nll"], conditions["global_mean"]["nll"]
+        fig.add_vrect(
+            x0=min(x0, x1),
+            x1=max(x0, x1),
+            fillcolor="rgba(76,120,168,0.08)",
+            line_width=0,
+            annotation_text="what per-token control is worth",
+            annotation_position="top left",
+        )
+    for name in names:
+        row = conditions[name]
+        lo, hi = _nll_interval(conditions, name)
+        kept = retention.get(name)
+        label = "undefined" if kept is None else f"{100 * kept:.1f}% kept"
+        label = "" if name in ("correct", "global_mean") else label
+        anchor = name in ANCHORS
+        fig.add_trace(
+            go.Scatter(
+                x=[row["nll"]],
+                y=[ANCHOR_TEXT.get(name, name)],
+                mode="markers+text",
+                text=[label],
+                textposition="top center",
+                marker=dict(
+                    size=13 if anchor else 10,
+                    symbol="diamond" if anchor else "circle",
+                    color="#4c78a8" if anchor else "#f58518",
+                ),
+                error_x=dict(type="data", symmetric=False, array=[hi - row["nll"]], arrayminus=[row["nll"] - lo]),
+                showlegend=False,
+                hovertemplate=f"{name}: NLL %{{x:.4f}} nats (95% CI {lo:.4f} to {hi:.4f})"
+                + (f"<br>gap retention {label}" if label else "")
+                + "<extra></extra>",
+            )
+        )
+    fig.update_xaxes(title="NLL (nats / token; lower is better). Bars: 95% paired bootstrap CI vs correct")
+    order = [ANCHOR_TEXT.get(n, n) for n in reversed(names)]
+    fig.update_yaxes(title="", type="category", categoryorder="array", categoryarray=order)
+    return _story_layout(
+        fig,
+        "Retention scale: where each condition sits between global mean and correct",
+        height=max(260, 110 + 45 * len(names)),
+    )
+
+
+def sweep_curve(sweep: list[dict], conditions: dict | None = None) -> go.Figure:
+    """NLL against alpha for `interpolate:alpha` = alpha * own + (1 - alpha) * static profile, with 95%
+    paired CIs. sweep: a report's `interpolation_sweep` [{alpha, nll, penalty, penalty_ci95}];
+    conditions: the report's `conditions`, for reference lines at global mean, static profile and correct."""
+    rows = sorted(sweep, key=lambda r: r["alpha"])
+    x = [r["alpha"] for r in rows]
+    y = [r["nll"] for r in rows]
+    base = [r["nll"] - r["penalty"] for r in rows]  # NLL_correct, the same for every row
+    lo = [b + r["penalty_ci95"][0] for b, r in zip(base, rows)]
+    hi = [b + r["penalty_ci95"][1] for b, r in zip(base, rows)]
+    fig = go.Figure(
+        go.Scatter(
+            x=x,
+            y=y,
+            mode="lines+markers",
+            marker=dict(size=9, color="#f58518"),
+            line=dict(color="#f58518"),
+            name="interpolate:alpha",
+            error_y=dict(type="data", symmetric=False, array=np.subtract(hi, y), arrayminus=np.subtract(y, lo)),
+            customdata=np.stack([lo, hi], axis=-1) if rows else None,
+            hovertemplate="alpha %{x:g}: NLL %{y:.4f} nats (95% CI %{customdata[0]:.4f} to %{customdata[1]:.4f})"
+            "<extra></extra>",
+        )
+    )
+    for name in ANCHORS:
+        if conditions and name in conditions:
+            fig.add_hline(
+                y=conditions[name]["nll"],
+                line_dash="dot",
+                line_color="#888",
+                annotation_text=ANCHOR_TEXT[name],
+                annotation_position="top right" if name != "correct" else "bottom right",
+            )
+    fig.update_xaxes(title="alpha (0 = static profile, 1 = own coefficients)", range=[-0.05, 1.05], dtick=0.25)
+    fig.update_yaxes(title=NLL)
+    return _story_layout(
+        fig, "Interpolation sweep: from the static profile to each token's own coefficients", height=380
+    )
+
+
+# Token text: HTML, not a plotly chart, so that the text reads as text (every token legible, in order).
+# Sequential scale for magnitudes (white = the lowest value shown), diverging scale centred on 0 for
+# deviations (white = equal to the static profile).
+_WHITE, _BLUE, _RED = (255, 255, 255), (33, 102, 172), (178, 24, 43)
+
+
+def _mix(a: tuple[int, int, int], b: tuple[int, int, int], t: float) -> tuple[int, int, int]:
+    return tuple(round(x + (y - x) * t) for x, y in zip(a, b))
+
+
+def token_colour(value: float, lo: float, hi: float, diverging: bool) -> tuple[tuple[int, int, int], float]:
+    """(rgb, strength in [0, 1]) of one value. Sequential: white at `lo`, blue at `hi`. Diverging:
+    `hi` is the bound, blue at -hi, white at 0, red at +hi."""
+    if not np.isfinite(value):
+        return _WHITE, 0.0
+    if diverging:
+        t = float(np.clip(value / hi, -1.0, 1.0)) if hi > 0 else 0.0
+        return _mix(_WHITE, _RED if t > 0 else _BLUE, abs(t)), abs(t)
+    t = float(np.clip((value - lo) / (hi - lo), 0.0, 1.0)) if hi > lo else 0.0
+    return _mix(_WHITE, _BLUE, t), t
+
+
+def token_text_html(
+    tokens: list[str], values, titles: list[str] | None = None, diverging: bool = False, bound: float | None = None
+) -> tuple[str, float, float]:
+    """The text as one `<span>` per token (escaped; background = the token's value; `title` = hover text).
+    tokens: decoded tokens (`\\n` shown as a line break); values: [T] floats; titles: [T] hover texts.
+    Returns (html, lo, hi): the scale's ends (diverging: -bound, +bound, bound = max |value| unless given)."""
+    from html import escape
+
+    v = np.asarray(values, dtype=float)
+    finite = v[np.isfinite(v)]
+    if diverging:
+        hi = float(bound) if bound is not None else (float(np.abs(finite).max()) if finite.size else 0.0)
+        lo = -hi
+    else:
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
+    spans = []
+    for i, (token, value) in enumerate(zip(tokens, v)):
+        rgb, strength = token_colour(value, lo, hi, diverging)
+        text = escape(token).replace("\\n", "\u21b5<br>")  # decode_tokens shows a newline as the two chars \n
+        title = escape(titles[i] if titles else f"{i}: {value:.4f}", quote=True)
+        spans.append(
+            f'<span title="{title}" style="background:rgb{rgb};color:{"#fff" if strength > 0.6 else "#111"};'
+            f'padding:2px 1px;border-radius:3px">{text}</span>'
+        )
+    body = "".join(spans)
+    return f'<div style="white-space:pre-wrap;line-height:2.1;font-size:1.05rem">{body}</div>', lo, hi
+
+
+def colour_legend_html(lo: float, hi: float, diverging: bool, what: str) -> str:
+    """A gradient bar with its ends and what white means."""
+    from html import escape
+
+    if diverging:
+        gradient = f"rgb{_BLUE}, rgb{_WHITE}, rgb{_RED}"
+        ends = f"{lo:+.3g} (below the static profile) | white = 0, equal to the static profile | {hi:+.3g} (above)"
+    else:
+        gradient = f"rgb{_WHITE}, rgb{_BLUE}"
+        ends = f"white = {lo:.3g} (lowest in this sequence) | blue = {hi:.3g} (highest)"
+    return (
+        f'<div style="font-size:0.85rem">{escape(what)}<div style="height:12px;max-width:420px;border:1px solid #ccc;'
+        f'background:linear-gradient(to right, {gradient})"></div>{escape(ends)}</div>'
+    )
+
+
+def run_sweep_curve(conditions: dict) -> go.Figure | None:
+    """The interpolation sweep of one replay run (the Replay lab's), drawn like the report's: NLL against
+    alpha with 95% paired CIs, reference lines at the run's correct / static / global-mean NLL.
+    conditions: a run record's `results.conditions` {spec: {nll, penalty, penalty_ci95}}. None when the
+    run has fewer than two `interpolate:alpha` conditions of the same sites (no curve to draw)."""
+    points: dict[str, list[dict]] = {}  # sites suffix ("" = all sites) -> interpolations there
+    for name, row in conditions.items():
+        kind, _, rest = name.partition(":")
+        if kind != "interpolate" or not rest:
+            continue
+        alpha, _, sites = rest.partition("@")
+        try:
+            points.setdefault(sites, []).append({**row, "alpha": float(alpha.split("+")[0])})
+        except ValueError:
+            continue
+    sweep = max(points.values(), key=len, default=[])
+    return sweep_curve(sweep, conditions) if len(sweep) >= 2 else None

@@ -1,16 +1,25 @@
 """A replay run in a background thread, so the page stays responsive and a Cancel button can stop it.
 
-The thread never touches Streamlit; the page polls `done`, `total`, `record` and `error`. Cancelling
-sets an event that `fca.jobs.runs.run_replay(should_stop=...)` checks between batches.
+The thread never touches Streamlit; the page polls `phase`, `done`, `total`, `record` and `error`.
+A run has two steps the page shows apart: `loading` (the calibration profiles, and whatever else
+`prepare` loads before the first batch) and `replaying` (progress after every batch). Cancelling
+sets an event that is checked after loading and, by `fca.jobs.runs.run_replay(should_stop=...)`,
+before every batch; `done` then says how many sequences were replayed when it stopped.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fca.tables.errors import Cancelled
+
+# Seconds to wait after each batch: lets a demo or the browser test watch the progress and press
+# Cancel on a tiny cache whose batches take milliseconds. Unset (0) in normal use.
+BATCH_DELAY_ENV = "FCA_REPLAY_BATCH_DELAY_S"
 
 
 @dataclass
@@ -18,10 +27,11 @@ class ReplayJob:
     settings: dict  # the keyword arguments of run_replay (what the CLI would be given)
     done: int = 0
     total: int = 0
+    phase: str = "queued"  # queued -> loading -> replaying -> finished
+    started: float = field(default_factory=time.monotonic)
     record: dict | None = None
     error: str | None = None
     cancelled: bool = False
-    shown: bool = False  # the page has rerun once to show the finished result
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
 
@@ -29,22 +39,49 @@ class ReplayJob:
     def running(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
-    def progress(self, done: int, total: int) -> None:
-        self.done, self.total = done, total
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
 
-    def start(self, run: Callable[..., dict], lock: threading.Lock | None = None) -> "ReplayJob":
+    def progress(self, done: int, total: int) -> None:
+        self.phase, self.done, self.total = "replaying", done, total
+        delay = float(os.environ.get(BATCH_DELAY_ENV) or 0)
+        if delay > 0:
+            self.stop.wait(delay)  # a Cancel ends the wait: the next batch check sees it at once
+
+    def start(
+        self,
+        run: Callable[..., dict],
+        lock: threading.Lock | None = None,
+        prepare: Callable[[], object] | None = None,
+    ) -> ReplayJob:
+        """Run `prepare()` (the loading step), then `run(**settings, progress=..., should_stop=...)`,
+        holding `lock` (the model's) throughout."""
+
+        def steps() -> None:
+            self.phase = "loading"
+            if prepare is not None:
+                prepare()
+            if self.stop.is_set():
+                raise Cancelled("replay cancelled before the first batch")
+            self.phase = "replaying"
+            self.record = run(**self.settings, progress=self.progress, should_stop=self.stop.is_set)
+
         def target() -> None:
             try:
                 if lock is None:
-                    self.record = run(**self.settings, progress=self.progress, should_stop=self.stop.is_set)
+                    steps()
                 else:
                     with lock:
-                        self.record = run(**self.settings, progress=self.progress, should_stop=self.stop.is_set)
+                        steps()
             except Cancelled:
                 self.cancelled = True
             except Exception as err:  # shown on the page; the thread must never die silently
                 self.error = f"{type(err).__name__}: {err}"
+            finally:
+                self.phase = "finished"
 
+        self.started = time.monotonic()
         self.thread = threading.Thread(target=target, name="fca-replay", daemon=True)
         self.thread.start()
         return self

@@ -18,10 +18,10 @@ if str(REPO) not in sys.path:  # a fresh clone runs without installing the packa
 
 import streamlit as st  # noqa: E402
 
-st.set_page_config(page_title="FCA: Frozen-Controller Auditing", page_icon=":material/ac_unit:", layout="wide")
+st.set_page_config(page_title="FCA: Frozen-Controller Auditing", page_icon="❄️", layout="wide")
 
 from app import resources  # noqa: E402
-from app.views.common import SELECTION_KEY, Selection  # noqa: E402
+from app.views.common import SELECTION_KEY, Selection, match_typed, typed_path, typed_problem  # noqa: E402
 from fca.tables import catalog  # noqa: E402
 from fca.tables.errors import CacheError  # noqa: E402
 
@@ -29,6 +29,7 @@ PAGES = [
     st.Page("views/overview.py", title="Overview", icon=":material/fact_check:", url_path="overview", default=True),
     st.Page("views/variance.py", title="Variance", icon=":material/grid_on:", url_path="variance"),
     st.Page("views/profiles.py", title="Profiles", icon=":material/show_chart:", url_path="profiles"),
+    st.Page("views/token_text.py", title="Token text", icon=":material/text_fields:", url_path="token_text"),
     st.Page("views/replay_lab.py", title="Replay lab", icon=":material/science:", url_path="replay_lab"),
     st.Page("views/execution.py", title="Execution", icon=":material/speed:", url_path="execution"),
     st.Page("views/study.py", title="Study", icon=":material/stacked_line_chart:", url_path="study"),
@@ -48,6 +49,16 @@ def default_cache(entries: list[catalog.CacheEntry]) -> int:
     return next((i for i, e in enumerate(entries) if e.split != "calibration" and e.error is None), 0)
 
 
+def _on_cache_typed(roots: list[Path]) -> None:
+    """Before the rerun: a typed path that names a listed cache selects that entry (not "Add: ...")."""
+    choice = st.session_state.get("cache")
+    listed = [str(e.path) for e in resources.caches(tuple(str(r) for r in roots))]
+    if choice and choice not in listed:
+        matched = match_typed(choice, roots, listed, REPO)
+        if matched is not None:
+            st.session_state["cache"] = matched
+
+
 def sidebar() -> Selection:
     roots = catalog.configured_roots(REPO)
     sel = Selection(roots=roots)
@@ -62,6 +73,11 @@ def sidebar() -> Selection:
                 + ". Build one with `python -m fca build-cache`."
             )
         by_path = {str(e.path): e for e in entries}
+        # Caches inside the repository are named from its root (`cache/demo/eval`), so typing the path
+        # one would type in a shell filters to the listed cache instead of offering "Add: ...".
+        shown = {
+            p: str(e.path.relative_to(REPO)) if e.path.is_relative_to(REPO) else e.label for p, e in by_path.items()
+        }
         # One widget both picks a found cache and takes a typed path (accept_new_options); a second
         # input widget would cost the first page another ~20 browser chunks before its first chart.
         choice = st.selectbox(
@@ -71,20 +87,36 @@ def sidebar() -> Selection:
             key="cache",
             accept_new_options=True,
             format_func=lambda p: (
-                f"{by_path[p].label} ({by_path[p].split or '?'}, {by_path[p].num_seqs} seq)" if p in by_path else p
+                f"{shown[p]} ({by_path[p].split or '?'}, {by_path[p].num_seqs} seq)" if p in by_path else p
             ),
             placeholder="type a cache directory",
+            on_change=_on_cache_typed,
+            args=(roots,),
             help="Pick a cache, or type the path of one inside a configured root: "
             + ", ".join(str(r) for r in roots)
             + " (add more with FCA_CACHE_ROOTS)",
         )
+        # The catalog is re-scanned at most every 2 s, and only when the page reruns; a cache built
+        # while the page sits idle shows up on the next rerun, or at once with this button.
+        st.button(
+            "Re-scan for new caches",
+            key="cache_rescan",
+            type="tertiary",
+            icon=":material/refresh:",
+            help="look again for caches built since this page was opened",
+            on_click=resources.caches.clear,
+        )
         typed = (choice or "").strip()
-        if choice in by_path:
-            sel.entry = by_path[choice]
-        elif typed and not catalog.path_allowed(typed, roots):
+        matched = None if choice in by_path else match_typed(typed, roots, list(by_path), REPO)
+        if choice in by_path or matched is not None:
+            sel.entry = by_path[choice if choice in by_path else matched]
+        elif typed and not catalog.path_allowed(typed_path(typed, roots, REPO), roots):
             st.error(f"{typed}: outside the configured roots; set FCA_CACHE_ROOTS to allow it")
+        elif typed and (problem := typed_problem(typed, roots, REPO)):
+            sel.cache_error = problem  # shown by the page as "This cache cannot be used: ..."
+            return sel
         elif typed:
-            sel.entry = catalog.read_entry(Path(typed).expanduser().resolve())
+            sel.entry = catalog.read_entry(typed_path(typed, roots, REPO))
         entry = sel.entry
         if entry is None:
             return sel

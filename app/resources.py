@@ -185,9 +185,9 @@ def caches(roots: tuple[str, ...]) -> list[catalog.CacheEntry]:
     return catalog.discover_caches(roots)
 
 
-# The warm-up waits this long after a page was sent: the browser needs ~1.5 s on 2 CPU cores to
-# evaluate plotly.js and draw, and a warm-up started at once (even at the lowest CPU priority: it holds
-# the GIL the server needs to send plotly.js) delayed a fresh server's first chart by 0.3-0.6 s.
+# The warm-up waits this long after a page was sent: the browser is then still evaluating plotly.js and
+# drawing, and a warm-up started at once (even at the lowest CPU priority: it holds the GIL the server
+# needs to send plotly.js) delayed a fresh server's first chart.
 WARM_UP_DELAY_S = 3.0
 # The model is preloaded only below this size: a larger one (MUDDPythia-1.4B in float32 is ~5.7 GB)
 # loads when a page asks for it, not merely because its cache was looked at.
@@ -201,7 +201,7 @@ def warm_up(
 ) -> None:
     """Fill, in a background thread, the caches that the other pages will ask for: the statistics of the
     selected cache and of its calibration cache (Variance, Profiles) and the model (Replay lab,
-    Execution; importing torch and loading it takes ~3 s on 2 CPU cores). Started once per selection
+    Execution; importing torch and loading it is the slowest step of a first visit). Started once per selection
     and server process, a few seconds after a page has been sent (WARM_UP_DELAY_S). The
     thread shows nothing: a resource that fails here fails again on the page that needs it, which shows
     the error. Cache keys are shared, so a page asking for a value while it is being filled waits for it

@@ -1,7 +1,7 @@
 """Dashboard speed as a user meets it, in headless Chromium (Debian's `chromium`) against
 `streamlit run app/main.py` on a loopback port.
 
-    python -m bench.app_latency [--cache cache/demo/eval] [--runs 5] [--pause 0]
+    python -m bench.app_latency [--cache cache/demo/eval] [--runs 5] [--pause 0] [--compare DIR]
 
 Each run starts a fresh server. Prints medians (and ranges) in seconds of: server start; cold start to
 the first chart and to the finished Overview; the same for a new session on the running server; every
@@ -10,6 +10,8 @@ interactions on the Variance and Profiles pages. `--pause S`: seconds spent on t
 first page is opened (0, the default, clicks at once: the worst case; a reader gives the background
 warm-up, app/resources.py, time to fill the caches). A page or interaction counts as done when
 its script run has finished and the browser has drawn the next frame (bench/browser.py).
+`--compare DIR`: also time the app of another checkout (e.g. a copy of the tree before a change),
+alternating servers run by run so both see the same machine load; prints {"this": ..., "DIR": ...}.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
+import bench.browser as browser_module
 from bench.browser import (
     CHROMIUM,
     CHROMIUM_ARGS,
@@ -109,16 +112,28 @@ def main() -> None:
     parser.add_argument(
         "--pause", type=float, default=0.0, help="seconds on the Overview before opening the other pages"
     )
+    parser.add_argument("--compare", type=Path, help="another checkout's root: its app is timed too, interleaved")
     args = parser.parse_args()
-    results: dict[str, list[float]] = {}
+    trees = {"this": browser_module.REPO}
+    if args.compare is not None:
+        trees[str(args.compare)] = args.compare.resolve()
+    results: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             for _ in range(args.runs):
-                for key, value in one_server(browser, args.cache, args.pause).items():
-                    results.setdefault(key, []).append(value)
+                for name, root in trees.items():  # interleaved: each run times every tree once
+                    browser_module.REPO = root  # start_server runs `streamlit run app/main.py` here
+                    cache = args.cache if args.cache.is_absolute() else root / args.cache
+                    for key, value in one_server(browser, cache, args.pause).items():
+                        results[name].setdefault(key, []).append(value)
         finally:
             browser.close()
+    summaries = {name: summarise(values) for name, values in results.items()}
+    print(json.dumps(summaries if args.compare is not None else summaries["this"], indent=1))
+
+
+def summarise(results: dict[str, list[float]]) -> dict[str, dict]:
     summary = {}
     for key, values in results.items():
         measured = [v for v in values if not math.isnan(v)]
@@ -133,7 +148,7 @@ def main() -> None:
         )
         if len(measured) < len(values):
             summary[key]["unmeasured"] = len(values) - len(measured)
-    print(json.dumps(summary, indent=1))
+    return summary
 
 
 if __name__ == "__main__":

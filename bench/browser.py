@@ -19,6 +19,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
@@ -38,9 +39,11 @@ new MutationObserver(records => records.forEach((r, i) => {
   // a record holds the old value; the new one is the next record's old value, or the current one
   const now = i + 1 < records.length ? records[i + 1].oldValue : r.target.getAttribute('data-test-script-state');
   if (now === 'notRunning' && r.oldValue !== 'notRunning') window.__fcaFinishedRuns++;
-})).observe(document, {subtree: true, attributes: true, attributeOldValue: true, attributeFilter: ['data-test-script-state']});
+})).observe(document,
+  {subtree: true, attributes: true, attributeOldValue: true, attributeFilter: ['data-test-script-state']});
 """
-SETTLED = """([origin, n]) => (performance.timeOrigin === origin ? window.__fcaFinishedRuns > n : window.__fcaFinishedRuns > 0)
+SETTLED = """([origin, n]) => (performance.timeOrigin === origin
+    ? window.__fcaFinishedRuns > n : window.__fcaFinishedRuns > 0)
   && document.querySelector('[data-testid="stApp"]')?.getAttribute('data-test-script-state') === 'notRunning'"""
 NEXT_FRAME = "() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))"
 
@@ -97,10 +100,32 @@ def stop_server(proc: subprocess.Popen) -> None:
     proc.wait(10)
 
 
-def new_page(browser, width: int = 1400, height: int = 1000):
-    """A page in a fresh context (no cache shared with other pages) that counts finished runs."""
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+def is_loopback(url: str) -> bool:
+    """Inline data and the page's own objects never leave the machine; anything else must be loopback."""
+    return url.startswith(("data:", "blob:", "about:")) or urlsplit(url).hostname in LOOPBACK_HOSTS
+
+
+def new_page(browser, width: int = 1400, height: int = 1000, outside: list[str] | None = None):
+    """A page in a fresh context (no cache shared with other pages) that counts finished runs. Given a
+    list `outside`, every request (and websocket) that would leave loopback is blocked and its URL
+    appended there, so a test can fail on it (the app must serve all its assets itself). The bench
+    passes none: routing every request through Python would add to the latencies it measures."""
     page = browser.new_page(viewport={"width": width, "height": height})
     page.add_init_script(COUNT_FINISHED_RUNS)
+    if outside is not None:
+
+        def route(r) -> None:
+            if is_loopback(r.request.url):
+                r.continue_()
+            else:
+                outside.append(r.request.url)
+                r.abort()
+
+        page.context.route("**/*", route)
+        page.on("websocket", lambda ws: None if is_loopback(ws.url) else outside.append(ws.url))
     return page
 
 

@@ -94,14 +94,9 @@ def _dtype(name: str | None):
 
 
 def cmd_build_cache(args: argparse.Namespace) -> None:
-    from fca.jobs.build import build_cache_from_corpus
     from fca.tables.store import open_cache
 
-    out = build_cache_from_corpus(
-        args.model,
-        args.corpus,
-        args.split,
-        args.out,
+    common = dict(
         num_seqs=args.num_seqs,
         seq_len=args.seq_len,
         batch_size=args.batch,
@@ -111,12 +106,36 @@ def cmd_build_cache(args: argparse.Namespace) -> None:
         text_column=args.text_column,
         coefficient_dtype=args.coefficient_dtype,
         overwrite=args.overwrite,
-        workers=args.writers,
+        part_seqs=args.part_seqs,
     )
+    if args.engine == "ray":  # actors write their parts inline: --writers is the single-process knob
+        from fca.jobs.distributed import build_cache_distributed
+
+        out = build_cache_distributed(
+            args.model, args.corpus, args.split, args.out, workers=args.workers, address=args.address, **common
+        )
+    else:
+        from fca.jobs.build import build_cache_from_corpus
+
+        out = build_cache_from_corpus(args.model, args.corpus, args.split, args.out, workers=args.writers, **common)
     cache = open_cache(out)
     size = cache.manifest.total_bytes
     print(
-        f"wrote {out}: {cache.num_seqs} sequences x {cache.seq_len} tokens, {len(cache.sites)} sites, {size / 1e6:.2f} MB"
+        f"wrote {out}: {cache.num_seqs} sequences x {cache.seq_len} tokens, {len(cache.sites)} sites, "
+        f"{size / 1e6:.2f} MB"
+    )
+
+
+def _add_engine_flags(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        default="local",
+        help=f"local: one process (default); ray: {what} sharded over Ray actors (pip install ray)",
+    )
+    p.add_argument("--address", default=None, help="Ray cluster address (default: start a local cluster)")
+    p.add_argument(
+        "--workers", type=int, default=None, help="Ray actors (default: one per GPU, else one per CPU)"
     )
 
 
@@ -132,11 +151,27 @@ def _progress_bars():
     return progress, bars
 
 
+def _alphas(text: str) -> tuple[float, ...]:
+    """`--sweep 0,0.5,1` -> (0.0, 0.5, 1.0); `none` or an empty text -> no sweep."""
+    if text.strip().lower() in ("", "none"):
+        return ()
+    try:
+        return tuple(float(a) for a in text.split(",") if a.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sweep takes comma-separated numbers or 'none', not {text!r}") from None
+
+
 def cmd_audit(args: argparse.Namespace) -> None:
     from fca.jobs.audit import run_audit
     from fca.tables.report import exactness_sentences, render_markdown, write_report
 
     progress, bars = _progress_bars()
+    if args.engine == "ray":
+        from functools import partial
+
+        from fca.jobs.distributed import run_audit_distributed
+
+        run_audit = partial(run_audit_distributed, workers=args.workers, address=args.address)  # noqa: F811
     try:
         report = run_audit(
             args.model,
@@ -150,6 +185,7 @@ def cmd_audit(args: argparse.Namespace) -> None:
             seed=args.seed,
             extra_conditions=args.extra_conditions,
             progress=progress,
+            sweep=args.sweep,
         )
     finally:
         for bar in bars.values():
@@ -203,6 +239,12 @@ def cmd_replay(args: argparse.Namespace) -> None:
     from fca.jobs.runs import run_replay
     from fca.tables.report import exactness_sentences
 
+    if args.engine == "ray":
+        from functools import partial
+
+        from fca.jobs.distributed import run_replay_distributed
+
+        run_replay = partial(run_replay_distributed, workers=args.workers, address=args.address)  # noqa: F811
     record = run_replay(
         args.model,
         args.cache,
@@ -365,6 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-seed", type=int, default=0)
     p.add_argument("--text-column", default="text")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument(
+        "--part-seqs",
+        type=int,
+        default=None,
+        help="sequences per part file, a multiple of --batch (default: about 32 MB raw per part; see docs/scale.md)",
+    )
+    _add_engine_flags(p, "windows")
     p.set_defaults(func=cmd_build_cache)
 
     p = sub.add_parser("audit", help="the three-property report of a model on an evaluated and a calibration cache")
@@ -380,6 +429,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-seqs", type=int, default=None, help="evaluate only the first N sequences")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--extra-conditions", nargs="*", default=[], help="e.g. interpolate:0.5 token_shuffle+independent")
+    p.add_argument(
+        "--sweep",
+        type=_alphas,
+        default="0,0.25,0.5,0.75,1",
+        metavar="A,B,...",
+        help="alphas of the interpolation sweep (0: static profile, 1: own coefficients); 'none' to skip it",
+    )
+    _add_engine_flags(p, "replayed sequences")
     p.set_defaults(func=cmd_audit)
 
     p = sub.add_parser("report", help="render an audit JSON as Markdown")
@@ -404,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-save", action="store_true")
+    _add_engine_flags(p, "replayed sequences")
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("bench", help="performance ratios measured in one run (capture, replay, batching, Parquet)")

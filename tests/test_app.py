@@ -47,7 +47,8 @@ def no_exceptions(at) -> None:
 
 def test_fca_imports_neither_streamlit_nor_plotly():
     code = (
-        "import sys, fca, fca.tables.catalog, fca.jobs.runs, fca.jobs.audit, fca.tables.profiles, fca.tables.stats, fca.tables.store, fca.engine.execution;"
+        "import sys, fca, fca.tables.catalog, fca.jobs.runs, fca.jobs.audit, fca.tables.profiles, fca.tables.stats, "
+        "fca.tables.store, fca.engine.execution;"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('streamlit', 'plotly')]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
@@ -143,7 +144,8 @@ def test_overview_and_sidebar_never_import_pandas(tiny_demo):
         "from streamlit.testing.v1 import AppTest\n"
         f"at = AppTest.from_file({MAIN!r}, default_timeout=60).run()\n"
         "assert not at.exception and not at.error, [e.value for e in (*at.exception, *at.error)]\n"
-        "assert len(at.get('plotly_chart')) == 2 and len(at.metric) == 3 and len(at.get('download_button')) == 3\n"
+        # retention scale, penalties, shares (the fixture's report has no interpolation sweep)
+        "assert len(at.get('plotly_chart')) == 3 and len(at.metric) == 3 and len(at.get('download_button')) == 3\n"
         "assert 'pandas' not in sys.modules, 'the overview imported pandas'\n"
     )
     env = {**os.environ, "FCA_CACHE_ROOTS": str(tiny_demo), "FCA_DEFAULT_CACHE": str(tiny_demo / "eval")}
@@ -335,7 +337,9 @@ def test_ui_replay_equals_python_api(tiny_demo, monkeypatch):
     assert ui["spec"]["conditions"] == api["spec"]["conditions"]
     assert ui["results"]["per_sequence_nll"] == api["results"]["per_sequence_nll"]  # identical, not merely close
     assert Path(ui["path"]).is_file() and Path(ui["path"]).parent == tiny_demo / "eval.runs"
-    assert any(Path(ui["path"]).stem in v for v in at.dataframe[-1].value["run"].tolist())
+    from fca.jobs.runs import run_label
+
+    assert run_label(ui["spec"]) in at.dataframe[-1].value["run"].tolist()  # runs are named by what they ran
 
 
 def test_lab_replays_the_shipped_demo(tmp_path, monkeypatch):
@@ -411,3 +415,320 @@ def test_mismatched_model_fingerprint_shows_error(tiny_demo, tmp_path, monkeypat
     render(at, "views/variance.py")  # the statistics do not need the model: still shown
     no_exceptions(at)
     assert len(at.get("plotly_chart")) >= 1
+
+
+# ------------------------------------------------------------------ issue 12: figures, fragments, sidebar, state
+
+
+def _charts(at) -> list[dict]:
+    return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+
+
+def test_heatmaps_label_every_token_and_centre_diverging_scales_on_zero():
+    from app import figures
+
+    tokens = [f"t{i}" for i in range(64)]
+    z = pd.DataFrame(np.linspace(-1, 3, 3 * 64).reshape(3, 64), index=["a", "b", "c"], columns=range(10, 74))
+    diverging = figures.token_layer_heatmap(z, tokens, "mean deviation (0 = white)", "t", diverging=True)
+    trace = diverging.data[0]
+    assert trace.zmid == 0 and trace.zmin == -trace.zmax == -3  # symmetric around the neutral value
+    assert trace.colorbar.title.text == "mean deviation (0 = white)"
+    assert list(diverging.layout.xaxis.tickvals) == [f"{p}:{t}" for p, t in zip(range(10, 74), tokens)]
+    magnitude = figures.token_layer_heatmap(z.abs(), tokens, "RMS deviation (>= 0)", "t").data[0]
+    assert magnitude.zmid is None and "RdBu" not in str(magnitude.colorscale)  # sequential for magnitudes
+
+    dev = figures.deviation_heatmap(np.ones((64, 4)) - 0.5, ["s0/x", "s0/y", "s1/x", "s1/y"], tokens, "t", first=5)
+    assert dev.data[0].zmid == 0 and "0 = white" in dev.data[0].colorbar.title.text
+    assert len(dev.layout.xaxis.tickvals) == 64 and dev.layout.xaxis.ticktext[0] == "5:t0"
+    assert len(dev.layout.shapes) == 1  # one divider between the two sites
+
+
+def test_slot_heatmap_groups_the_channel_axis():
+    from app import figures
+
+    labels = [f"attn.{i}" for i in range(6)] + [f"mlp.{i}" for i in range(6)]
+    df = pd.DataFrame(
+        {
+            "site": [s for s in ("b0", "b1") for _ in labels],
+            "channel": list(range(12)) * 2,
+            "label": labels * 2,
+            "value": np.arange(24.0),
+        }
+    )
+    fig = figures.slot_heatmap(df, "mean coefficient over tokens (unitless)", "t")
+    assert list(fig.layout.xaxis.ticktext) == labels and list(fig.layout.xaxis.tickvals) == list(range(12))
+    assert [s.x0 for s in fig.layout.shapes] == [5.5]  # the attn | mlp divider
+    assert "attn 0-5 | mlp 6-11" in fig.layout.xaxis.title.text
+    assert fig.data[0].colorbar.title.text == "mean coefficient over tokens (unitless)"
+    assert figures.channel_groups(["q", "q", "k"]) == [("q", 0, 1), ("k", 2, 2)]
+
+
+def test_token_strip_labels_a_few_spread_tokens_and_the_chosen_one():
+    from app import figures
+
+    T = 128
+    strip = pd.DataFrame({"pos": np.arange(T), "token": [f"w{i}" for i in range(T)], "deviation": np.arange(T) % 7})
+    fig = figures.token_strip(strip, chosen=3, max_labels=16)
+    text = list(fig.data[0].text)
+    shown = [i for i, t in enumerate(text) if t]
+    assert 3 in shown and len(shown) <= 16
+    assert all(b - a >= T // 16 for a, b in zip(shown, shown[1:]))  # spaced: labels cannot pile up
+    assert list(fig.data[0].customdata) == strip["token"].tolist()  # every token is in the hover
+
+
+def test_flops_bar_states_the_controller_share():
+    from app import figures
+
+    fig = figures.flops_bar(pd.DataFrame({"part": ["controllers", "rest of the model"], "gflops": [0.0283, 6.241]}))
+    assert sum(t.x[0] for t in fig.data) == pytest.approx(100)
+    assert "controllers: 0.45%" in fig.layout.annotations[0].text
+
+
+def test_variance_page_controls_and_colour_scales(tiny_demo, monkeypatch):
+    at = render(app_for(monkeypatch, [tiny_demo], tiny_demo / "eval"), "views/variance.py")
+    no_exceptions(at)
+    at.selectbox(key="var_summary").set_value("mean deviation from slot mean (SDs)").run()
+    no_exceptions(at)
+    tokens = next(c for c in _charts(at) if "token x layer" in json.dumps(c) or "deviation" in json.dumps(c))
+    heat = next(t for t in tokens["data"] if t["type"] == "heatmap")
+    assert heat["zmid"] == 0 and "0 = white" in heat["colorbar"]["title"]["text"]
+    at.selectbox(key="var_summary").set_value("RMS deviation from slot mean (SDs)").run()
+    at.radio(key="var_quantity").set_value("standard deviation").run()
+    no_exceptions(at)
+    assert not at.error
+
+
+def test_profiles_empty_sites_says_all_are_shown(tiny_demo, monkeypatch):
+    at = render(app_for(monkeypatch, [tiny_demo], tiny_demo / "eval"), "views/profiles.py")
+    at.multiselect(key="prof_sites").set_value([]).run()
+    no_exceptions(at)
+    assert any("No site chosen: showing all" in c.value for c in at.caption)
+    at.selectbox(key="prof_band").set_value("25-75%").run()
+    at.number_input(key="prof_token").set_value(3).run()
+    no_exceptions(at)
+    assert "position 3" in json.dumps(_charts(at))
+
+
+def test_execution_measurement_belongs_to_its_cache(tiny_demo, tmp_path, monkeypatch):
+    other = tmp_path / "other"
+    for name in ("featuregate", "dense", "eval", "calibration", "audit.json"):
+        (shutil.copytree if (tiny_demo / name).is_dir() else shutil.copy)(tiny_demo / name, other / name)
+    report = json.loads((other / "audit.json").read_text())
+    report["execution"]["controller_flops_share"] = 0.1234  # marks this cache's report
+    (other / "audit.json").write_text(json.dumps(report))
+    # Root tmp_path, so the copy is listed as `other/eval`, not a second `eval` (the box matches labels).
+    at = render(app_for(monkeypatch, [tiny_demo, tmp_path], tiny_demo / "eval"), "views/execution.py")
+    at.sidebar.selectbox(key="device").set_value("cpu").run()
+    at.button(key="exec_measure").click().run()
+    no_exceptions(at)
+    assert any("measured just now" in c.value for c in at.caption)
+    at.sidebar.selectbox(key="cache").set_value(str(other / "eval")).run()
+    no_exceptions(at)
+    assert not any("measured just now" in c.value for c in at.caption)
+    assert any("audit report beside the cache" in c.value for c in at.caption)
+    assert at.metric[2].value == "12.34%"  # the new cache's report, not the previous measurement
+    at.sidebar.selectbox(key="cache").set_value(str(tiny_demo / "eval")).run()
+    assert any("measured just now" in c.value for c in at.caption)  # kept for the cache it measured
+
+
+def test_sidebar_matches_typed_paths_and_explains_missing_ones(tiny_demo, tmp_path, monkeypatch):
+    from app.views.common import match_typed, typed_problem
+
+    root = tmp_path / "root"
+    shutil.copytree(tiny_demo / "eval", root / "local" / "eval")
+    listed = [str(root / "local" / "eval"), str(REPO / "cache" / "demo" / "eval")]
+    for typed, path in {
+        "local/eval/": root / "local" / "eval",  # a label, relative to its root
+        f"{root}/local/eval//": root / "local" / "eval",
+        " local/eval ": root / "local" / "eval",
+        "cache/demo/eval/": REPO / "cache" / "demo" / "eval",  # relative to the repository, as in the issue
+    }.items():
+        assert match_typed(typed, [root], listed, REPO) == str(path), typed
+    assert match_typed("cache/demo/nope", [root], listed, REPO) is None
+
+    missing = typed_problem(str(root / "missing"), [root], REPO)
+    assert missing == f"There is no folder {root / 'missing'} (relative paths are read from {REPO})."
+    assert "not a cache" in typed_problem("local", [root], REPO)
+    assert typed_problem("local/eval/", [root], REPO) is None
+
+    # AppTest cannot type into the box; what it can do: a cache built while the page is open appears
+    # when asked (or on a rerun after the 2 s re-scan).
+    at = app_for(monkeypatch, [root], root / "local" / "eval").run()
+    assert "local/eval (eval, 8 seq)" in at.sidebar.selectbox(key="cache").options
+    shutil.copytree(tiny_demo / "eval", root / "new" / "eval")
+    at.sidebar.button(key="cache_rescan").click().run()
+    assert "new/eval (eval, 8 seq)" in at.sidebar.selectbox(key="cache").options
+
+
+# ------------------------------------------------------------------ the Replay lab's state
+
+
+def _lab_copy(tiny_demo: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny demo, so runs saved here are the only ones its lab lists."""
+    root = tmp_path / "lab"
+    for part in ("featuregate", "eval", "calibration"):
+        shutil.copytree(tiny_demo / part, root / part)
+    return root
+
+
+def _lab_settings(root: Path, **kw) -> dict:
+    settings = dict(
+        model=str(root / "featuregate"),
+        cache=str(root / "eval"),
+        calibration=str(root / "calibration"),
+        conditions=["static_layer"],
+        num_seqs=4,
+        seed=0,
+        device="cpu",
+        batch_size=2,
+    )
+    return {**settings, **kw}
+
+
+LAB_WIDGETS = ["lab_kinds", "lab_sites", "lab_sweep", "lab_alpha", "lab_independent", "lab_num_seqs", "lab_seed"]
+
+
+def test_lab_run_labels_and_csv_rows_are_plain():
+    from fca.jobs.runs import run_label, run_labels, saved_run_rows, sweep_conditions
+
+    spec = {"conditions": ["correct", "static_layer", "global_mean"], "num_seqs": 16, "seed": 3, "batch_size": 2}
+    assert run_label(spec) == "static_layer + global_mean, n=16, seed 3"
+    assert run_label({**spec, "conditions": ["correct"]}) == "correct, n=16, seed 3"
+    sweep = ["correct", *[c.spec for c in sweep_conditions(["layers.0.gate"], 3)]]
+    assert run_label({**spec, "conditions": sweep}) == "interpolate:0,0.25,0.5,0.75,1@layers.0.gate, n=16, seed 3"
+    results = {
+        "conditions": {
+            "correct": {"nll": 3.0, "penalty": 0.0, "penalty_ci95": [0.0, 0.0]},
+            "static_layer": {"nll": 3.5, "penalty": 0.5, "penalty_ci95": [0.4, 0.6]},
+        },
+        "per_sequence_nll": {"correct": [2.0, 4.0], "static_layer": [3.0, 4.0]},
+    }
+    records = [{"spec": spec, "results": results, "created": f"2025-01-02T03:04:0{i}Z"} for i in range(2)]
+    labels = run_labels(records)
+    assert len(set(labels)) == 2 and all(x.startswith("static_layer + global_mean, n=16, seed 3 (") for x in labels)
+    rows = saved_run_rows(records)
+    assert [r["run"] for r in rows] == [labels[0]] * 2 + [labels[1]] * 2
+    columns = list(rows[0])
+    assert {"run", "sequences", "seed", "batch size", "penalty 95% CI low", "penalty 95% CI high"} <= set(columns)
+    assert not {"ci_lo", "ci_hi", "lo", "hi"} & set(columns)
+    correct = rows[0]
+    half = 1.96 * np.std([2.0, 4.0], ddof=1) / np.sqrt(2)  # hand-computed CI of the mean
+    assert correct["NLL 95% CI low"] == pytest.approx(3.0 - half) and correct["sequences"] == 16
+
+
+def test_lab_sweep_figure_is_pure():
+    from app.figures import run_sweep_curve
+
+    conditions = {"correct": {"nll": 3.0, "penalty": 0.0, "penalty_ci95": [0.0, 0.0]}}
+    assert run_sweep_curve(conditions) is None
+    for alpha, nll in [(0.0, 3.4), (0.5, 3.2), (1.0, 3.0)]:
+        conditions[f"interpolate:{alpha}"] = {"nll": nll, "penalty": nll - 3.0, "penalty_ci95": [nll - 3.1, nll - 2.9]}
+    fig = run_sweep_curve(conditions)
+    assert list(fig.data[0].x) == [0.0, 0.5, 1.0] and list(fig.data[0].y) == [3.4, 3.2, 3.0]
+    assert "alpha" in fig.layout.xaxis.title.text and fig.layout.title.text
+
+
+def test_lab_form_is_locked_while_a_run_is_in_flight(tiny_demo, tmp_path, monkeypatch):
+    import threading
+
+    from app.jobs import ReplayJob
+
+    root = _lab_copy(tiny_demo, tmp_path)
+    at = render(app_for(monkeypatch, [root], root / "eval"), "views/replay_lab.py")
+    gate = threading.Event()
+    job = ReplayJob(_lab_settings(root), total=4)
+    job.start(lambda **kw: gate.wait(60) and None)  # in flight until the gate opens
+    try:
+        at.session_state["replay_job"] = job
+        at.run()
+        no_exceptions(at)
+        widgets = [*at.multiselect, *at.checkbox, *at.slider, *at.number_input]
+        lab = [w for w in widgets if (w.key or "").startswith("lab_")]
+        assert {w.key for w in lab} >= set(LAB_WIDGETS) and all(w.disabled for w in lab)
+        assert at.number_input(key="lab_batch").disabled and at.button(key="lab_run").disabled
+        assert at.button(key="lab_cancel") is not None and not at.button(key="lab_cancel").disabled
+        assert any("Preview, not yet run" in c.value for c in at.caption)
+    finally:
+        gate.set()
+        job.wait(60)
+    at.run()
+    no_exceptions(at)
+    assert not at.button(key="lab_run").disabled and not at.multiselect(key="lab_kinds").disabled
+
+
+def test_lab_results_show_their_own_settings_and_join_the_comparison(tiny_demo, tmp_path, monkeypatch):
+    """Cancel, then two runs: each result shows its record's settings and command (not the form's), a
+    stale "cancelled" note goes when a run starts or belongs to another cache, and each new run joins
+    "Compare runs" by its name."""
+    from app.jobs import ReplayJob
+    from fca.jobs.runs import run_label
+
+    root = _lab_copy(tiny_demo, tmp_path)
+    at = render(app_for(monkeypatch, [root], root / "eval"), "views/replay_lab.py")
+    at.sidebar.selectbox(key="device").set_value("cpu").run()
+    elsewhere = _lab_settings(root, cache=str(tmp_path / "another" / "eval"))
+    at.session_state["replay_job"] = ReplayJob(elsewhere, done=1, total=4, cancelled=True)
+    at.run()
+    assert not at.warning, "a finished run of another cache says nothing here"
+    cancelled = ReplayJob(_lab_settings(root), done=2, total=4, cancelled=True)
+    at.session_state["replay_job"] = cancelled
+    at.run()
+    assert [w.value for w in at.warning] == ["Cancelled after 2 of 4 sequences; nothing was saved."]
+
+    def run_lab(seed: int) -> dict:
+        at.number_input(key="lab_num_seqs").set_value(4)
+        at.number_input(key="lab_seed").set_value(seed)
+        at.button(key="lab_run").click().run()
+        no_exceptions(at)
+        assert not at.warning, "the previous run's note is gone once a new run starts"
+        job = at.session_state["replay_job"]
+        job.wait(60)
+        assert job.record is not None, job.error
+        at.run()
+        no_exceptions(at)
+        return job.record
+
+    first = run_lab(seed=3)
+    at.number_input(key="lab_seed").set_value(4).run()  # the form moves on; the result shown must not
+    assert any("seed **3**" in m.value for m in at.markdown)
+    commands = [c.value for c in at.code]
+    assert any("--seed 4" in c for c in commands) and any("--seed 3" in c for c in commands)
+    result_command = next(c for c in commands if "--seed 3" in c)
+    assert f"--num-seqs {first['spec']['num_seqs']}" in result_command
+    assert f"--batch {first['spec']['batch_size']}" in result_command
+    assert at.subheader[0].value == f"Result: {run_label(first['spec'])}"
+    compare = at.multiselect(key=f"lab_compare::{root / 'eval'}")
+    assert compare.value == [Path(first["path"]).stem]
+    compare.set_value([]).run()  # the user clears the comparison; the next run still joins it
+    second = run_lab(seed=5)
+    compare = at.multiselect(key=f"lab_compare::{root / 'eval'}")
+    assert compare.value == [Path(second["path"]).stem]
+    assert at.subheader[0].value == f"Result: {run_label(second['spec'])}"
+    assert run_label(second["spec"]) == "static_layer + global_mean, n=4, seed 5"
+    assert len(at.get("plotly_chart")) >= 3
+
+
+def test_lab_interpolation_sweep_in_one_run(tiny_demo, tmp_path, monkeypatch):
+    from fca.jobs.runs import sweep_conditions
+
+    root = _lab_copy(tiny_demo, tmp_path)
+    at = render(app_for(monkeypatch, [root], root / "eval"), "views/replay_lab.py")
+    at.sidebar.selectbox(key="device").set_value("cpu")
+    at.multiselect(key="lab_kinds").set_value(["static_layer"])
+    at.checkbox(key="lab_sweep").check().run()
+    assert at.slider(key="lab_alpha").disabled  # the sweep sets the alphas
+    sweep = [c.spec for c in sweep_conditions()]  # interpolate:0 ... interpolate:1
+    assert " ".join(sweep) in at.code[0].value
+    at.number_input(key="lab_num_seqs").set_value(4)
+    at.button(key="lab_run").click().run()
+    job = at.session_state["replay_job"]
+    job.wait(60)
+    assert job.record is not None, job.error
+    at.run()
+    no_exceptions(at)
+    names = list(job.record["results"]["conditions"])
+    assert names == ["correct", "static_layer", *sweep]
+    nll = job.record["results"]["conditions"]
+    assert nll[sweep[0]]["nll"] == pytest.approx(nll["static_layer"]["nll"])  # alpha 0: the static profile
+    assert nll[sweep[-1]]["nll"] == pytest.approx(nll["correct"]["nll"])  # alpha 1: each token's own coefficients
+    assert at.get("plotly_chart")  # the sweep is drawn with the result

@@ -1,8 +1,12 @@
 """The dashboard in a real browser: `streamlit run` on a loopback port, headless Debian Chromium driven
-by Playwright, every page opened; no exception box, and the plotly charts are drawn."""
+by Playwright, every page opened; no exception box, the plotly charts are drawn, the Replay lab driven
+through run, cancel, a second run and the comparison, and no request ever leaves loopback."""
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,7 +20,8 @@ from bench.browser import (
     wait_settled,
 )
 
-# url path ("" is the default page, the overview) -> does the page draw a chart before any interaction (the replay lab draws after a run)
+# url path ("" is the default page, the overview) -> does the page draw a chart before any interaction
+# (the replay lab draws after a run)
 PAGES = {"": True, "variance": True, "profiles": True, "replay_lab": False, "execution": True}
 
 pytestmark = pytest.mark.skipif(
@@ -38,8 +43,9 @@ def test_every_page_in_chromium(server):
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        outside: list[str] = []
         try:
-            page = new_page(browser)
+            page = new_page(browser, outside=outside)
             for path, has_chart in PAGES.items():
                 page.goto(f"{server}/{path}")
                 if has_chart:
@@ -60,6 +66,7 @@ def test_every_page_in_chromium(server):
             wait_settled(page)
             page.locator(".js-plotly-plot").first.locator(".scatterlayer .point").nth(3).click(force=True)
             page.wait_for_function("() => document.body.innerText.includes('live: position 3 ')", timeout=20_000)
+            assert not outside, f"requests left loopback: {outside}"
         finally:
             browser.close()
 
@@ -71,8 +78,9 @@ def test_typed_cache_path_in_chromium(server, tiny_demo):
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        outside: list[str] = []
         try:
-            page = new_page(browser)
+            page = new_page(browser, outside=outside)
             page.goto(server)
             page.wait_for_selector(".js-plotly-plot", timeout=45_000)
             wait_settled(page)
@@ -95,5 +103,133 @@ def test_typed_cache_path_in_chromium(server, tiny_demo):
             type_cache(tiny_demo.parent, "outside the configured roots")
             assert "outside the configured roots" in sidebar.inner_text()
             assert page.locator('[data-testid="stException"]').count() == 0
+            assert not outside, f"requests left loopback: {outside}"
+        finally:
+            browser.close()
+
+
+def test_replay_lab_in_chromium(tiny_demo, tmp_path):
+    """Run, cancel, a second run, the comparison: the form is locked while a run is in flight, each result
+    shows the settings and command of its saved record (not the form's), a cancelled run says how far it
+    got and its note goes when the next run starts, and both finished runs join "Compare runs" by name."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import sync_playwright
+
+    root = tmp_path / "lab"  # a private copy: the runs saved here are this test's only
+    for part in ("featuregate", "dense", "eval", "calibration"):
+        shutil.copytree(tiny_demo / part, root / part)
+    # A batch of the tiny cache takes milliseconds; a second's pause after each lets the test see the
+    # progress and press Cancel while the run is in flight (app/jobs.py, BATCH_DELAY_ENV).
+    env = {"FCA_CACHE_ROOTS": str(root), "FCA_DEFAULT_CACHE": str(root / "eval"), "FCA_REPLAY_BATCH_DELAY_S": "1"}
+    proc, url, _ = start_server(env)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        outside: list[str] = []
+        try:
+            page = new_page(browser, outside=outside)
+            page.goto(f"{url}/replay_lab")
+            run_button = page.get_by_role("button", name="Run", exact=True)
+            run_button.wait_for(timeout=45_000)
+            wait_settled(page)
+            body = lambda: page.inner_text("body")  # noqa: E731
+
+            def wait_text(text: str, timeout: int = 60_000) -> None:
+                page.wait_for_function("t => document.body.innerText.includes(t)", arg=text, timeout=timeout)
+
+            def codes() -> list[str]:
+                return [c.inner_text() for c in page.locator('[data-testid="stCode"]').all()]
+
+            def set_number(label: str, value: int) -> None:
+                box = page.get_by_label(label, exact=True)
+                box.fill(str(value))
+                box.press("Enter")
+                flag = {"Sequences": "--num-seqs", "Seed": "--seed", "Batch size": "--batch"}[label]
+                wait_text(f"{flag} {value}")  # the live preview follows the form
+
+            def run(seqs: int, seed: int) -> None:
+                set_number("Sequences", seqs)
+                set_number("Seed", seed)
+                set_number("Batch size", 1)
+                run_button.click()
+                wait_text("Replaying: 1 / ")
+                # Locked while in flight: every setting, not just Run.
+                assert run_button.is_disabled()
+                for label in ("Sequences", "Seed", "Batch size"):
+                    assert page.get_by_label(label, exact=True).is_disabled(), label
+                assert page.get_by_role("checkbox", name="Interpolation sweep").is_disabled()
+                assert "Cancelled after" not in body(), "the previous run's note is gone once a run starts"
+
+            def newest_record() -> dict:
+                return json.loads(sorted((root / "eval.runs").glob("*.json"))[-1].read_text())
+
+            def check_result(record: dict) -> None:
+                spec = record["spec"]
+                wait_text("Result: ")
+                shown = body()
+                assert f"on {spec['num_seqs']} sequences, seed {spec['seed']}, batch {spec['batch_size']}" in shown
+                command = codes()[1]  # [0] is the form's preview, [1] the result's own command
+                assert f"--num-seqs {spec['num_seqs']}" in command and f"--seed {spec['seed']}" in command
+                assert f"--batch {spec['batch_size']}" in command
+                assert "--conditions " + " ".join(spec["conditions"]) in command
+
+            # 1. a run to the end
+            run(seqs=2, seed=3)
+            wait_text("Result: ")
+            wait_settled(page)
+            first = newest_record()
+            check_result(first)
+            assert first["spec"]["seed"] == 3 and first["spec"]["num_seqs"] == 2
+            # the form moves on; the result keeps its own settings, the preview says what would run
+            set_number("Seed", 9)
+            assert "--seed 9" in codes()[0] and "--seed 3" in codes()[1]
+            # 2. a run cancelled in flight
+            run(seqs=8, seed=4)
+            # The progress panel redraws twice a second; a click that lands while the button is being
+            # redrawn can be lost, so click again until the panel says it is stopping (a user would too).
+            for _ in range(10):
+                page.get_by_role("button", name="Cancel").click()
+                try:
+                    page.wait_for_function("() => /Cancelling|Cancelled after/.test(document.body.innerText)",
+                                           timeout=2_000)
+                    break
+                except PlaywrightTimeout:  # the click was lost: click again
+                    continue
+            wait_text("Cancelled after")
+            done, total = map(int, re.search(r"Cancelled after (\d+) of (\d+) sequences", body()).groups())
+            assert total == 8 and 1 <= done < 8
+            assert len(list((root / "eval.runs").glob("*.json"))) == 1, "a cancelled run saves nothing"
+            # 3. a second run to the end: the note goes, and it joins the comparison
+            run(seqs=2, seed=5)
+            wait_text("Result: ")
+            wait_settled(page)
+            second = newest_record()
+            check_result(second)
+            assert second["spec"]["seed"] == 5 and "Cancelled after" not in body()
+            labels = ["static_layer + global_mean, n=2, seed 3", "static_layer + global_mean, n=2, seed 5"]
+            page.wait_for_selector(".js-plotly-plot .legendtext", timeout=30_000)
+            wait_settled(page)
+            legend = page.locator(".js-plotly-plot").last.locator(".legendtext").all_text_contents()
+            assert sorted(legend) == labels, legend
+            assert page.locator('[data-testid="stException"]').count() == 0
+            assert not outside, f"requests left loopback: {outside}"
+        finally:
+            browser.close()
+            stop_server(proc)
+
+
+def test_outside_requests_are_caught():
+    """The guard the tests above rely on: a request leaving loopback is blocked and reported (the old
+    page icon, a Material Symbols SVG from fonts.gstatic.com, was such a request)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        outside: list[str] = []
+        try:
+            page = new_page(browser, outside=outside)
+            icon = "https://fonts.gstatic.com/s/i/short-term/release/materialsymbolsrounded/ac_unit/default/24px.svg"
+            page.set_content(f'<link rel="icon" href="{icon}"><img src="{icon}">')
+            page.wait_for_function("() => document.images[0].complete")
+            assert icon in outside
         finally:
             browser.close()

@@ -45,6 +45,39 @@ class Selection:
         return self.cache.fingerprint if self.cache is not None else ""
 
 
+def typed_path(typed: str, roots: list[Path], repo: Path) -> Path:
+    """A cache path typed in the sidebar as the folder it names: `~` expanded, trailing slashes and
+    spaces dropped, and a relative path read from the repository (where `cache/...` lives), else from
+    the first root that holds it (so a listed label such as `demo/eval` names its cache too)."""
+    text = typed.strip().rstrip("/\\") or typed.strip()
+    path = Path(text).expanduser()
+    if path.is_absolute():
+        return path.resolve()
+    for base in (repo, *roots):
+        if (Path(base) / path).exists():
+            return (Path(base) / path).resolve()
+    return (repo / path).resolve()
+
+
+def match_typed(typed: str, roots: list[Path], listed: list[str], repo: Path) -> str | None:
+    """The listed cache (its path, as in `listed`) that a typed path names, if any."""
+    if not typed.strip():
+        return None
+    path = str(typed_path(typed, roots, repo))
+    return path if path in listed else None
+
+
+def typed_problem(typed: str, roots: list[Path], repo: Path) -> str | None:
+    """Why a typed path (inside the configured roots) cannot be opened as a cache, in one plain sentence
+    instead of an OSError's "[Errno 2] ..." (None: it can be tried)."""
+    path = typed_path(typed, roots, repo)
+    if not path.is_dir():
+        return f"There is no folder {typed.strip()} (relative paths are read from {repo})."
+    if not (path / "manifest.json").is_file():
+        return f"{typed.strip()} is a folder but not a cache: it has no manifest.json."
+    return None
+
+
 def selection() -> Selection:
     return st.session_state[SELECTION_KEY]
 

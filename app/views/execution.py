@@ -8,6 +8,7 @@ import streamlit as st
 
 from app import figures, resources
 from app.views.common import download, guard, require_cache, teach
+from fca.tables import catalog
 
 MEASURED_KEY = "execution_measured"
 PROBE_SEQS = 8  # sequences of the cache in the timing batch (as in `python -m fca audit`)
@@ -27,6 +28,18 @@ if sel.report_path is not None:
     with guard("Audit report"):
         report_exe = resources.report(str(sel.report_path), resources.file_stamp(sel.report_path)).get("execution")
 
+# A measurement belongs to what was measured: this cache, these weights, this device, this Dense twin.
+# Keyed so, a switch of cache (or model) shows that selection's report, and switching back shows the
+# measurement again.
+weights = catalog.weights_path(sel.model_dir) if sel.model_dir is not None else None
+measured_key = (
+    str(cache.path),
+    cache.fingerprint,
+    str(sel.model_dir),
+    resources.file_stamp(weights) if weights is not None else "",
+    sel.device,
+    str(sel.dense_dir),
+)
 left, right = st.columns([2, 1])
 with right:
     measure = st.button(
@@ -39,15 +52,16 @@ if measure:
     with guard("Measurement"), st.spinner("Timing the model and its Dense twin…"):
         experiment, lock = resources.experiment(sel.model_dir, sel.device, cache, sel.calibration_cache, sel.dense_dir)
         with lock:
-            st.session_state[MEASURED_KEY] = experiment.measure_execution(runs=5)
+            result = experiment.measure_execution(runs=5)
+        st.session_state.setdefault(MEASURED_KEY, {})[measured_key] = result
 
-measured = st.session_state.get(MEASURED_KEY)
+measured = st.session_state.get(MEASURED_KEY, {}).get(measured_key)
 exe = measured or report_exe
 with left:
     st.caption(
         "Source: "
         + (
-            "measured just now in this session"
+            f"measured just now in this session (cache `{sel.entry.label if sel.entry else cache.path}`)"
             if measured
             else "the audit report beside the cache"
             if report_exe
@@ -65,11 +79,25 @@ c1.metric(
     "not measured" if ratio is None else f"{ratio:.3f}x",
     help=None
     if ratio is None
-    else f"range over runs {exe['ratio_min']:.2f}-{exe['ratio_max']:.2f}; batch {exe['batch_shape']} on {exe['device']}",
+    else f"range over runs {exe['ratio_min']:.2f}-{exe['ratio_max']:.2f}; "
+    f"batch {exe['batch_shape']} on {exe['device']}",
 )
 c2.metric("Blocks executed per token", f"{exe['blocks_executed_per_token']:.2f} of {exe['num_blocks']}")
 c3.metric("Controller FLOPs share", f"{100 * exe['controller_flops_share']:.2f}%")
 
+fractions = np.asarray(exe["tokens_per_block"]) / exe["tokens"]
+share = 100 * exe["controller_flops_share"]
+skipped = bool((fractions < 1).any())
+st.markdown(
+    (
+        f"**Some blocks were skipped**: a token ran {exe['blocks_executed_per_token']:.2f} of "
+        f"{exe['num_blocks']} blocks on average (per block below)."
+        if skipped
+        else f"**Every block ran for every token ({exe['num_blocks']} of {exe['num_blocks']})**: nothing is "
+        "skipped, so the controllers save no compute; they only rescale what every block computes."
+    )
+    + f" The controllers themselves cost **{share:.2f}%** of the forward's FLOPs."
+)
 charts = st.columns(2)
 if ratio is not None:
     lat = pd.DataFrame({"model": ["dynamic", "Dense twin"], "ms": [exe["model_ms_median"], exe["dense_ms_median"]]})
@@ -80,17 +108,16 @@ if ratio is not None:
     )
 else:
     charts[0].info("No Dense twin was found beside the model, so latency was not compared.")
-blocks = pd.DataFrame(
-    {"block": range(exe["num_blocks"]), "fraction": np.asarray(exe["tokens_per_block"]) / exe["tokens"]}
-)
-charts[1].plotly_chart(figures.blocks_bar(blocks), key="exec_blocks")
 flops = pd.DataFrame(
     {
         "part": ["controllers", "rest of the model"],
         "gflops": [exe["controller_flops"] / 1e9, (exe["total_flops"] - exe["controller_flops"]) / 1e9],
     }
 )
-st.plotly_chart(figures.flops_bar(flops), key="exec_flops")
+charts[1].plotly_chart(figures.flops_bar(flops), key="exec_flops")
+if skipped:  # six identical bars at 100% say less than the sentence above
+    blocks = pd.DataFrame({"block": range(exe["num_blocks"]), "fraction": fractions})
+    st.plotly_chart(figures.blocks_bar(blocks), key="exec_blocks")
 if exe.get("experts"):
     st.json(exe["experts"], expanded=False)
 download(pd.DataFrame([{k: v for k, v in exe.items() if not isinstance(v, (list, dict))}]), "execution.csv")

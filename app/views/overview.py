@@ -9,12 +9,98 @@ container keeps their place), and neither this page nor the sidebar imports pand
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import streamlit as st
 
 from app import figures, resources
-from app.views.common import download, guard, require_cache, teach
-from fca.tables.report import exactness_sentences, render_markdown
+from app.views.common import Selection, download, guard, require_cache, teach
+from fca.tables.report import exactness_sentences, render_markdown, retention_sentence
+
+# The plotly toolbar stands vertical at the right edge instead of on the titles' line.
+CHART_CONFIG = {"displaylogo": False}
+
+
+def chart(fig, key: str) -> None:
+    fig.update_layout(modebar=dict(orientation="v"), margin=dict(r=50))
+    st.plotly_chart(fig, key=key, config=CHART_CONFIG)
+
+
+def shown_path(path: Path) -> str:
+    """A path as a user types it in a shell at the repository root: relative when it is below it."""
+    try:
+        return os.path.relpath(path) if Path(path).resolve().is_relative_to(Path.cwd()) else str(path)
+    except ValueError:  # another drive (Windows)
+        return str(path)
+
+
+def free_report_path(folder: Path, stem: str) -> Path:
+    """`folder/audit.json` unless a file is there (a shipped report, or another cache's): then the first
+    free `audit-<stem>[-n].json`, so the suggested command never overwrites a report."""
+    path = folder / "audit.json"
+    n = 1
+    while path.exists():
+        path = folder / (f"audit-{stem}.json" if n == 1 else f"audit-{stem}-{n}.json")
+        n += 1
+    return path
+
+
+def suggest_audit(sel: Selection) -> tuple[str, str | None]:
+    """(explanation, command or None): the audit to run for the selected cache, with real paths from
+    the catalog. A calibration cache is the static profile's source, not what is audited: the command
+    then audits an evaluated cache of the same model against it."""
+    entry, cache = sel.entry, sel.cache
+    model = shown_path(sel.model_dir) if sel.model_dir else None
+    if entry is not None and entry.split == "calibration":
+        evaluated = [
+            e
+            for e in sel.entries
+            if e.error is None and e.split != "calibration" and e.model_fingerprint == entry.model_fingerprint
+        ]
+        evaluated.sort(key=lambda e: (e.path.parent != entry.path.parent, e.label))
+        if not evaluated:
+            return (
+                "This is a calibration cache: it provides the static profile, and an audit evaluates another "
+                "split of the same model. Build an evaluated cache first (`python -m fca build-cache --split eval`).",
+                None,
+            )
+        target, calibration = evaluated[0].path, cache.path
+        why = (
+            f"This is a calibration cache: it provides the static profile. Its model's evaluated cache is "
+            f"`{evaluated[0].label}` (pick it in the sidebar to see its report, if it has one); to audit it:"
+        )
+    elif sel.calibration is None:
+        return (
+            "An audit needs a calibration cache of the same model (an independent split) for the static "
+            "profile, and none was found. Build one with `python -m fca build-cache --split calibration`.",
+            None,
+        )
+    else:
+        target, calibration = cache.path, sel.calibration.path
+        why = "No audit report describes this cache yet. Make one with the CLI:"
+    if model is None:
+        return why.rsplit(";", 1)[0] + ". No model directory was found beside it, so it cannot be audited here.", None
+    out = free_report_path(target.parent, target.name)
+    dense = f"--dense {shown_path(sel.dense_dir)} " if sel.dense_dir else ""
+    command = (
+        f"python -m fca audit --model {model} --cache {shown_path(target)} --calibration {shown_path(calibration)} "
+        f"{dense}--json {shown_path(out)} --markdown {shown_path(out.with_suffix('.md'))}"
+    )
+    return why, command
+
+
+def definition_lines(value: dict) -> str:
+    """A definitions entry as a Markdown list; nested dicts (the condition specs) as `name`: key value."""
+    lines = []
+    for k, v in value.items():
+        if isinstance(v, dict):
+            v = ", ".join(f"{kk} {vv}" for kk, vv in v.items() if vv not in (None, False))
+        elif isinstance(v, list):
+            v = ", ".join(f"`{x}`" for x in v)
+        lines.append(f"- `{k}`: {v}")
+    return "\n".join(lines)
+
 
 sel = require_cache()
 cache = sel.cache
@@ -34,24 +120,22 @@ if sel.report_path is not None:
         report = resources.report(str(sel.report_path), resources.file_stamp(sel.report_path))
 
 if report is None:
+    why, command = suggest_audit(sel)
     st.warning(
-        "No audit report beside this cache, so only the variation figures (computed from the cache) are shown. "
-        "Make one with the CLI:"
+        "No audit report for this cache, so only the variation figures (computed from the cache) are shown. " + why
     )
-    model = sel.model_dir or "MODEL_DIR"
-    cal = sel.calibration.path if sel.calibration else "CALIBRATION_CACHE"
-    st.code(
-        f"python -m fca audit --model {model} --cache {cache.path} --calibration {cal} "
-        f"{'--dense ' + str(sel.dense_dir) + ' ' if sel.dense_dir else ''}--json {cache.path.parent / 'audit.json'} "
-        f"--markdown {cache.path.parent / 'audit.md'}",
-        language="bash",
-    )
+    if command:
+        st.code(command, language="bash")
     with guard("Cache statistics"):
         stats = resources.cache_stats(str(cache.path), cache.fingerprint)
         dec = stats["decomposition"]
-        st.metric("Layer-identity share of variance", f"{100 * (dec['layer_identity_share'] or 0):.1f}%")
+        st.metric(
+            "Variance from layer identity",
+            f"{100 * (dec['layer_identity_share'] or 0):.1f}%",
+            help="share of the coefficient variance explained by the site and channel alone",
+        )
         sites = {"site": list(dec["per_site"]), "share": list(dec["per_site"].values())}
-        st.plotly_chart(figures.share_by_site(sites, dec["layer_identity_share"]), key="overview_share")
+        chart(figures.share_by_site(sites, dec["layer_identity_share"]), "overview_share")
     st.stop()
 
 # Stale or foreign reports are shown, with the mismatch stated (they are still worth reading).
@@ -71,37 +155,55 @@ var, cond, exe, retention = (
     report["execution"],
     report.get("gap_retention", {}),
 )
+# Column names say what they hold (the CSV download uses them as they are).
 rows = [
     {
         "condition": k,
-        "nll": v["nll"],
-        "penalty": v["penalty"],
-        "lo": v["penalty_ci95"][0],
-        "hi": v["penalty_ci95"][1],
+        "nll_nats": v["nll"],
+        "penalty_nats": v["penalty"],
+        "penalty_ci95_low": v["penalty_ci95"][0],
+        "penalty_ci95_high": v["penalty_ci95"][1],
         "gap_retention": retention.get(k),
     }
     for k, v in cond.items()
 ]
+sweep = report.get("interpolation_sweep") or []
 cards = st.container()  # the three metric cards, filled after the charts below are sent
+st.subheader("The story in one look")
+st.markdown(f"**{retention_sentence(report)}**")
+chart(figures.retention_scale(cond, retention), "overview_retention")
+st.caption(
+    "Gap retention = (NLL global mean - NLL condition) / (NLL global mean - NLL correct): 0% is no better than one "
+    "number per coefficient family, 100% as good as each token's own coefficients. Bars: 95% paired bootstrap CI "
+    "of the penalty vs correct, drawn around the condition's NLL."
+)
+if sweep:
+    chart(figures.sweep_curve(sweep, cond), "overview_sweep")
+    st.caption(
+        "Each point replays alpha x own coefficients + (1 - alpha) x static profile at every site and token. "
+        "A curve that falls mostly near alpha = 1 means only the exact per-token values help; one that falls "
+        "early means a little per-token variation recovers most of the gap."
+    )
+else:
+    st.caption("This report has no interpolation sweep; `python -m fca audit` adds one (`--sweep 0,0.25,0.5,0.75,1`).")
 left, right = st.columns(2)
 with left:
-    perturbed = [r for r in rows if r["condition"] != "correct"]
-    st.plotly_chart(
-        figures.penalty_bars({key: [r[key] for r in perturbed] for key in ("condition", "penalty", "lo", "hi")}),
-        key="overview_penalty",
-    )
+    perturbed = [r for r in rows if r["condition"] != "correct" and not r["condition"].startswith("interpolate:")]
+    columns = {"condition": "condition", "penalty": "penalty_nats", "lo": "penalty_ci95_low", "hi": "penalty_ci95_high"}
+    chart(figures.penalty_bars({key: [r[col] for r in perturbed] for key, col in columns.items()}), "overview_penalty")
 with right:
     sites = {"site": list(var["per_site"]), "share": list(var["per_site"].values())}
-    st.plotly_chart(figures.share_by_site(sites, var["layer_identity_share"]), key="overview_share")
+    chart(figures.share_by_site(sites, var["layer_identity_share"]), "overview_share")
 
 with cards:
     c1, c2, c3 = st.columns(3)
 with c1:
     st.subheader("1. Variation")
     st.metric(
-        "Layer identity explains",
-        f"{100 * (var['layer_identity_share'] or 0):.1f}% of variance",
-        help="SS between slot (site x channel) means / SS total, within each coefficient family",
+        "Variance from layer identity",
+        f"{100 * (var['layer_identity_share'] or 0):.1f}%",
+        help="Share of the coefficient variance explained by the site and channel alone: SS between slot "
+        "(site x channel) means / SS total, within each coefficient family",
     )
     st.caption(
         "High: a fixed per-layer profile captures most of what the controller does. Low: coefficients vary "
@@ -112,9 +214,10 @@ with c2:
     static = cond.get("static_layer", {})
     static_retention = retention.get("static_layer")
     st.metric(
-        "Static-layer penalty",
-        f"{static.get('penalty', float('nan')):+.4f} nats/token",
-        help="NLL(static_layer) - NLL(correct): the cost of replacing every token's coefficients by the calibration mean",
+        "Static-profile penalty",
+        f"{static.get('penalty', float('nan')):+.3f} nats",
+        help="Nats per token: NLL(static_layer) - NLL(correct), the cost of replacing every token's coefficients "
+        "by the calibration mean of its site and channel",
     )
     shown = "undefined" if static_retention is None else f"{100 * static_retention:.1f}%"
     st.caption(
@@ -126,7 +229,7 @@ with c3:
     ratio = exe.get("latency_ratio_vs_dense")
     st.metric(
         "Latency vs Dense twin",
-        "not measured" if ratio is None else f"{ratio:.2f}x",
+        "n/a" if ratio is None else f"{ratio:.2f}x",
         help="median over interleaved runs of forward time (model / Dense twin), same device and batch",
     )
     st.caption(
@@ -136,9 +239,11 @@ with c3:
 
 # A Markdown table, not st.dataframe: the first page then needs no data-grid bundle in the browser.
 st.markdown(
-    "| condition | NLL (nats) | penalty | 95% CI | gap retention |\n|---|---|---|---|---|\n"
+    "| condition | NLL (nats/token) | penalty vs correct (nats/token) | penalty 95% CI | gap retention |\n"
+    "|---|---|---|---|---|\n"
     + "\n".join(
-        f"| {r['condition']} | {r['nll']:.4f} | {r['penalty']:+.4f} | [{r['lo']:+.4f}, {r['hi']:+.4f}] | "
+        f"| {r['condition']} | {r['nll_nats']:.4f} | {r['penalty_nats']:+.4f} | "
+        f"[{r['penalty_ci95_low']:+.4f}, {r['penalty_ci95_high']:+.4f}] | "
         + ("" if r["gap_retention"] is None else f"{100 * r['gap_retention']:.1f}%")
         + " |"
         for r in rows
@@ -148,12 +253,13 @@ st.markdown(
 m, ex = report["model"], report["exactness"]
 st.subheader("Model and data")
 st.markdown(
-    f"- **Model** `{m['name']}` ({m['model_type']}), {m['parameters']:,} parameters, {m['controller_parameters']:,} in controllers; "
-    f"fingerprint `{m['fingerprint'][:16]}`\n"
-    f"- **Evaluated cache** `{report['cache']['path']}`: {report['cache']['split']} split, {report['cache']['sequences']} x "
-    f"{report['cache']['seq_len']} tokens, fingerprint `{str(report['cache'].get('fingerprint'))[:16]}`\n"
-    f"- **Calibration cache** `{report['calibration']['path']}`: {report['calibration']['tokens']:,} tokens, fingerprint "
-    f"`{str(report['calibration'].get('fingerprint'))[:16]}`\n"
+    f"- **Model** `{m['name']}` ({m['model_type']}), {m['parameters']:,} parameters, "
+    f"{m['controller_parameters']:,} in controllers; fingerprint `{m['fingerprint'][:16]}`\n"
+    f"- **Evaluated cache** `{report['cache']['path']}`: {report['cache']['split']} split, "
+    f"{report['cache']['sequences']} x {report['cache']['seq_len']} tokens, "
+    f"fingerprint `{str(report['cache'].get('fingerprint'))[:16]}`\n"
+    f"- **Calibration cache** `{report['calibration']['path']}`: {report['calibration']['tokens']:,} tokens, "
+    f"fingerprint `{str(report['calibration'].get('fingerprint'))[:16]}`\n"
     + (
         f"- **Dense twin** `{report['dense']['name']}`, fingerprint `{report['dense']['fingerprint'][:16]}`\n"
         if report.get("dense")
@@ -166,9 +272,7 @@ st.markdown(
 with st.expander("What each figure means (the report's definitions)"):
     for key, value in report.get("definitions", {}).items():
         if isinstance(value, dict):
-            st.markdown(
-                f"**{key}**\n" + "\n".join(f"- `{k}`: {v}" for k, v in value.items() if not isinstance(v, dict))
-            )
+            st.markdown(f"**{key.replace('_', ' ')}**\n" + definition_lines(value))
         else:
             st.markdown(f"**{key}**: {value}")
 

@@ -20,7 +20,8 @@ teach(
     "The **static profile** (dashed) is what the `static_layer` condition feeds the frozen model: the mean of each "
     "slot over the calibration split. The shaded **band** shows where the calibration tokens usually are. The red "
     "line is one token's live coefficients: where it leaves the band, this token is steered differently from a "
-    "typical one. The heatmap below shows that deviation, in calibration standard deviations, for every token of the sequence."
+    "typical one. The heatmap below shows that deviation, in calibration standard deviations, for every token "
+    "of the sequence."
 )
 
 reference = sel.calibration_cache
@@ -28,22 +29,36 @@ if reference is None:
     st.warning("No calibration cache of this model was found, so the profile and band come from this cache itself.")
     reference = cache
 
+ref_stats = None
 with guard("Profiles"):
     ref_stats = resources.cache_stats(str(reference.path), reference.fingerprint)
-    c1, c2, c3 = st.columns([1, 1, 2])
-    seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, 0, key="prof_seq"))
-    band_name = c2.selectbox("Calibration band", list(BANDS), key="prof_band")
-    sites = cache.sites
-    chosen_sites = c3.multiselect("Sites", sites, default=sites[:MAX_SITES], key="prof_sites") or sites
-    lo_q, hi_q = BANDS[band_name]
-    band = resources.calibration_band(str(reference.path), reference.fingerprint, lo_q, hi_q)
-    data = resources.sequence(str(cache.path), cache.fingerprint, seq)
-    T = cache.seq_len
+if ref_stats is None:
+    st.stop()
+T = cache.seq_len
 
-    # Per slot of the chosen sites: live [T], static mean, SD and band, looked up by site name so the
-    # two caches' column order does not matter.
+
+# Three nested fragments, so a widget reruns only what depends on it: the sequence and sites (all
+# three charts), the token and band (strip and profile), the heatmap's window (the heatmap).
+@st.fragment
+def sequence_view() -> None:
+    with guard("Profiles"):  # inside: a fragment's own rerun bypasses guards around its call
+        _sequence_view()
+
+
+def _sequence_view() -> None:
+    c1, c3 = st.columns([1, 3])
+    seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, 0, key="prof_seq"))
+    sites = cache.sites
+    chosen_sites = c3.multiselect("Sites", sites, default=sites[:MAX_SITES], key="prof_sites")
+    if not chosen_sites:
+        c3.caption(f"No site chosen: showing all {len(sites)} sites.")
+        chosen_sites = sites
+    data = resources.sequence(str(cache.path), cache.fingerprint, seq)
+
+    # Per slot of the chosen sites: live [T], static mean and SD, looked up by site name so the two
+    # caches' column order does not matter.
     offsets = dict(zip(ref_stats["sites"], np.cumsum([0, *ref_stats["widths"][:-1]])))
-    live, static, sd, lo, hi, slots = [], [], [], [], [], []
+    live, static, sd, slots = [], [], [], []
     for site in chosen_sites:
         spec = cache.manifest.sites[site]
         K = spec.num_channels
@@ -51,42 +66,64 @@ with guard("Profiles"):
         live.append(data[site])  # [T, K]
         static.append(ref_stats["slot_mean"][start : start + K])
         sd.append(ref_stats["slot_sd"][start : start + K])
-        lo.append(band[site][0])
-        hi.append(band[site][1])
         slots += [f"{site}/{label}" for label in (spec.channel_labels or range(K))]
     live_m, static_v, sd_v = np.concatenate(live, axis=1), np.concatenate(static), np.concatenate(sd)
     deviation = (live_m - static_v) / np.where(sd_v > 0, sd_v, 1.0)  # [T, C] in calibration SDs
     tokens = resources.decode_tokens(str(sel.model_dir) if sel.model_dir else "", tuple(int(t) for t in data["token"]))
 
-    # A click on the token strip picks the token: apply it before the index widget is drawn.
-    clicked = (st.session_state.get("prof_strip") or {}).get("selection", {}).get("points", [])
-    if clicked and st.session_state.get("prof_last_click") != (seq, clicked[0].get("x")):
-        st.session_state["prof_last_click"] = (seq, clicked[0].get("x"))
-        st.session_state["prof_token"] = int(clicked[0]["x"])
-    if st.session_state.get("prof_token", 0) >= T:
-        st.session_state["prof_token"] = 0
-    token = int(st.number_input("Token index (or click a point below)", 0, T - 1, key="prof_token"))
-
-    strip = pd.DataFrame({"pos": np.arange(T), "token": tokens, "deviation": np.sqrt((deviation**2).mean(1))})
-    st.plotly_chart(figures.token_strip(strip, token), key="prof_strip", on_select="rerun", selection_mode="points")
-
-    profile = pd.DataFrame(
-        {"slot": slots, "live": live_m[token], "static": static_v, "lo": np.concatenate(lo), "hi": np.concatenate(hi)}
-    )
-    st.plotly_chart(figures.profile_lines(profile, f"position {token} {tokens[token]!r}"), key="prof_lines")
-    download(profile, f"profile_seq{seq}_tok{token}.csv")
-
-    start = 0
-    if T > WINDOW:
-        start = st.slider("First position in the heatmap", 0, T - WINDOW, 0, key="prof_window")
-    span = slice(start, min(T, start + WINDOW))
-    st.plotly_chart(
-        figures.deviation_heatmap(
-            deviation[span], slots, tokens[span], f"Sequence {seq}: deviation from the static profile", span.start
-        ),
-        key="prof_heatmap",
-    )
+    token_view(seq, chosen_sites, slots, live_m, static_v, deviation, tokens)
+    heatmap_view(seq, slots, deviation, tokens)
     dev_df = pd.DataFrame(deviation, columns=slots)
     dev_df.insert(0, "token", tokens)
     dev_df.insert(0, "position", np.arange(T))
     download(dev_df, f"deviation_seq{seq}.csv", key="dl-deviation")
+
+
+@st.fragment
+def token_view(seq, chosen_sites, slots, live_m, static_v, deviation, tokens) -> None:
+    with guard("Token profile"):
+        # A click on the token strip picks the token: apply it before the index widget is drawn.
+        clicked = (st.session_state.get("prof_strip") or {}).get("selection", {}).get("points", [])
+        if clicked and st.session_state.get("prof_last_click") != (seq, clicked[0].get("x")):
+            st.session_state["prof_last_click"] = (seq, clicked[0].get("x"))
+            st.session_state["prof_token"] = int(clicked[0]["x"])
+        if st.session_state.get("prof_token", 0) >= T:
+            st.session_state["prof_token"] = 0
+        c1, c2 = st.columns([3, 1])
+        token = int(c1.number_input("Token index (or click a point below)", 0, T - 1, key="prof_token"))
+        band_name = c2.selectbox("Calibration band", list(BANDS), key="prof_band")
+
+        strip = pd.DataFrame({"pos": np.arange(T), "token": tokens, "deviation": np.sqrt((deviation**2).mean(1))})
+        st.plotly_chart(figures.token_strip(strip, token), key="prof_strip", on_select="rerun", selection_mode="points")
+
+        lo_q, hi_q = BANDS[band_name]
+        band = resources.calibration_band(str(reference.path), reference.fingerprint, lo_q, hi_q)
+        profile = pd.DataFrame(
+            {
+                "slot": slots,
+                "live": live_m[token],
+                "static": static_v,
+                "lo": np.concatenate([band[site][0] for site in chosen_sites]),
+                "hi": np.concatenate([band[site][1] for site in chosen_sites]),
+            }
+        )
+        st.plotly_chart(figures.profile_lines(profile, f"position {token} {tokens[token]!r}"), key="prof_lines")
+        download(profile, f"profile_seq{seq}_tok{token}.csv", key="dl-profile")
+
+
+@st.fragment
+def heatmap_view(seq, slots, deviation, tokens) -> None:
+    with guard("Deviation heatmap"):
+        start = 0
+        if T > WINDOW:
+            start = st.slider("First position in the heatmap", 0, T - WINDOW, 0, key="prof_window")
+        span = slice(start, min(T, start + WINDOW))
+        st.plotly_chart(
+            figures.deviation_heatmap(
+                deviation[span], slots, tokens[span], f"Sequence {seq}: deviation from the static profile", span.start
+            ),
+            key="prof_heatmap",
+        )
+
+
+sequence_view()

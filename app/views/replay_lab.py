@@ -1,18 +1,33 @@
-"""Replay lab: run conditions on the frozen model from the UI, save each run beside the cache."""
+"""Replay lab: run conditions on the frozen model from the UI, save each run beside the cache.
+
+State, in words: one run at a time per session (`JOB_KEY`), in a background thread (app/jobs.py).
+While it runs every setting is disabled and a fragment polls its progress; when it ends the page
+reruns once and shows the result with the settings and command of *that* run (read from its record),
+apart from the live preview of what the form would run next. A finished run of another cache is not
+shown (its error or "cancelled" note belongs to that cache), and a newly saved run joins "Compare runs".
+"""
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import streamlit as st
 
 from app import figures, resources
 from app.jobs import ReplayJob
 from app.views.common import download, guard, require_cache, teach
-from fca.jobs.runs import list_runs, run_replay
+from fca.jobs.runs import (
+    SWEEP_ALPHAS,
+    condition_rows,
+    list_runs,
+    replay_command,
+    run_label,
+    run_labels,
+    run_replay,
+    saved_run_rows,
+    sweep_conditions,
+)
 from fca.tables.conditions import Condition
 from fca.tables.report import exactness_sentences
 
@@ -25,6 +40,27 @@ KINDS = {
     "interpolate": "alpha x live + (1 - alpha) x static profile",
     "position_profile": "the calibration mean at each position",
 }
+# Default batch: progress and Cancel act between batches, so batches must be short, also on a loaded
+# machine. Results depend on the batch composition (the exactness check compares within a batch), so
+# each result's command carries its --batch and gives the same numbers.
+DEFAULT_BATCH = 2
+# Columns the shared bar figures read (app/figures.py), from the plain names of our tables.
+FIGURE_COLUMNS = {
+    "NLL (nats/token)": "nll",
+    "NLL 95% CI low": "ci_lo",
+    "NLL 95% CI high": "ci_hi",
+    "penalty (nats/token)": "penalty",
+    "penalty 95% CI low": "lo",
+    "penalty 95% CI high": "hi",
+}
+
+
+def rel(path: str | Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
 
 sel = require_cache()
 cache = sel.cache
@@ -34,7 +70,7 @@ teach(
     "own recorded coefficients) always runs and must reproduce the live model exactly; every other condition is "
     "scored by its **penalty**: the extra NLL in nats per token, with a 95% bootstrap CI over sequences. A penalty "
     "near zero means the model does not need what the controller computes per token. Each run is saved beside the "
-    "cache, and the command below reproduces it from the CLI with the same numbers."
+    "cache, shown with its own settings and the command that reproduces it from the CLI with the same numbers."
 )
 
 if sel.model_dir is None:
@@ -48,7 +84,8 @@ if opened is None:
     st.stop()
 if sel.calibration is None:
     st.error(
-        "The replay lab needs a calibration cache of the same model (a different split) beside this one; none was found."
+        "The replay lab needs a calibration cache of the same model (a different split) beside this one; "
+        "none was found."
     )
     st.stop()
 experiment, lock = opened
@@ -58,106 +95,154 @@ st.caption(
 )
 
 job: ReplayJob | None = st.session_state.get(JOB_KEY)
+if job is not None and not job.running and job.settings["cache"] != str(cache.path):
+    # A finished run of another cache: its result, error or "cancelled" note does not belong here.
+    del st.session_state[JOB_KEY]
+    job = None
 busy = job is not None and job.running
-with st.form("replay_settings", border=True):
-    c1, c2 = st.columns([3, 2])
-    kinds = c1.multiselect(
-        "Conditions (correct always runs)",
-        list(KINDS),
-        default=["static_layer", "global_mean"],
-        key="lab_kinds",
-        help="; ".join(f"{k}: {v}" for k, v in KINDS.items()),
+
+
+def form_settings(kinds: list[str], freeze: list[str], alpha: float, independent: bool, sweep: bool) -> dict:
+    """run_replay's keyword arguments for the form's values (what Run would run)."""
+    seed = int(st.session_state["lab_seed"])
+    sites = tuple(freeze) or None
+    conditions = [
+        Condition(kind, alpha if kind == "interpolate" else None, sites, kind == "token_shuffle" and independent, seed)
+        for kind in kinds
+        if not (sweep and kind == "interpolate")
+    ]
+    if sweep:
+        conditions += sweep_conditions(freeze, seed)
+    return dict(
+        model=str(sel.model_dir),
+        cache=str(cache.path),
+        calibration=str(sel.calibration.path),
+        conditions=list(dict.fromkeys(c.spec for c in conditions)),
+        num_seqs=int(st.session_state["lab_num_seqs"]),
+        seed=seed,
+        device=sel.device,
+        batch_size=int(st.session_state["lab_batch"]),
     )
-    freeze = c2.multiselect(
-        "Freeze only these sites (empty: all sites)",
-        cache.sites,
-        key="lab_sites",
-        help="the other sites keep their correct coefficients",
-    )
-    c3, c4, c5, c6, c7 = st.columns(5)
-    alpha = c3.slider(
-        "alpha (interpolate)", 0.0, 1.0, 0.5, 0.05, key="lab_alpha", help="1 = live coefficients, 0 = static profile"
-    )
-    independent = c4.checkbox("token_shuffle: one permutation per site", key="lab_independent")
-    num_seqs = int(c5.number_input("Sequences", 2, cache.num_seqs, min(16, cache.num_seqs), key="lab_num_seqs"))
-    seed = int(c6.number_input("Seed", 0, 2**31 - 1, 0, key="lab_seed"))
-    batch = int(c7.number_input("Batch size", 1, 256, 16, key="lab_batch"))
-    submitted = st.form_submit_button("Run", type="primary", disabled=busy)
-
-st.caption("  \n".join(f"**{k}**: {KINDS[k]}" for k in kinds))
-specs = [
-    Condition(
-        kind,
-        alpha if kind == "interpolate" else None,
-        tuple(freeze) or None,
-        kind == "token_shuffle" and independent,
-        seed,
-    ).spec
-    for kind in kinds
-]
-settings = dict(
-    model=str(sel.model_dir),
-    cache=str(cache.path),
-    calibration=str(sel.calibration.path),
-    conditions=specs,
-    num_seqs=num_seqs,
-    seed=seed,
-    device=sel.device,
-    batch_size=batch,
-)
 
 
-def _rel(p: str) -> str:
-    try:
-        return str(Path(p).relative_to(Path.cwd()))
-    except ValueError:
-        return p
+@st.fragment
+def settings_form() -> None:
+    """The settings, a live preview of the command they give, and Run. A fragment: changing a setting
+    reruns only this part; Run starts the job and reruns the page, which then draws everything locked."""
+    current: ReplayJob | None = st.session_state.get(JOB_KEY)
+    locked = current is not None and current.running
+    with st.container(border=True):
+        c1, c2 = st.columns([3, 2])
+        kinds = c1.multiselect(
+            "Conditions (correct always runs)",
+            list(KINDS),
+            default=["static_layer", "global_mean"],
+            key="lab_kinds",
+            disabled=locked,
+            help="; ".join(f"{k}: {v}" for k, v in KINDS.items()),
+        )
+        freeze = c2.multiselect(
+            "Freeze only these sites (empty: all sites)",
+            cache.sites,
+            key="lab_sites",
+            disabled=locked,
+            help="the other sites keep their correct coefficients",
+        )
+        c3, c4, c5, c6, c7 = st.columns(5)
+        sweep = c3.checkbox(
+            "Interpolation sweep",
+            key="lab_sweep",
+            disabled=locked,
+            help=f"interpolate at alpha {', '.join(f'{a:g}' for a in SWEEP_ALPHAS)} in one run, drawn as NLL "
+            "against alpha (0 = static profile, 1 = each token's own coefficients)",
+        )
+        alpha = c3.slider(
+            "alpha (interpolate)",
+            0.0,
+            1.0,
+            0.5,
+            0.05,
+            key="lab_alpha",
+            disabled=locked or sweep,
+            help="1 = live coefficients, 0 = static profile",
+        )
+        independent = c4.checkbox("token_shuffle: one permutation per site", key="lab_independent", disabled=locked)
+        c5.number_input("Sequences", 2, cache.num_seqs, min(16, cache.num_seqs), key="lab_num_seqs", disabled=locked)
+        c6.number_input("Seed", 0, 2**31 - 1, 0, key="lab_seed", disabled=locked)
+        c7.number_input(
+            "Batch size",
+            1,
+            256,
+            DEFAULT_BATCH,
+            key="lab_batch",
+            disabled=locked,
+            help="sequences per forward pass; progress and Cancel act between batches, and results depend on "
+            "the batch composition (the command below carries it)",
+        )
+        settings = form_settings(kinds, freeze, alpha, independent, sweep)
+        if kinds or sweep:
+            explained = [f"**{k}**: {KINDS[k]}" for k in kinds if not (sweep and k == "interpolate")]
+            if sweep:
+                explained.append(
+                    f"**interpolation sweep**: {KINDS['interpolate']}, alpha "
+                    + ", ".join(f"{a:g}" for a in SWEEP_ALPHAS)
+                )
+            st.caption("  \n".join(explained))
+        st.caption(
+            "**Preview, not yet run**: the command these settings give"
+            + (" (locked while a run is in progress)" if locked else "")
+        )
+        st.code(replay_command(settings, Path.cwd()), language="bash", wrap_lines=True)
+        if st.button("Run", type="primary", disabled=locked, key="lab_run"):
+            with guard("Replay"):
+                started = ReplayJob(settings, total=settings["num_seqs"])
+                started.start(
+                    lambda **kw: run_replay(**kw, experiment=experiment),
+                    lock,
+                    prepare=experiment.profiles,  # the loading step, shown apart from the replay
+                )
+                st.session_state[JOB_KEY] = started
+                st.rerun()  # the whole page: lock the form, drop the previous result, show progress
 
 
-st.caption("The same run from the command line:")
-st.code(
-    "python -m fca replay "
-    + " ".join(
-        [
-            f"--model {shlex.quote(_rel(settings['model']))}",
-            f"--cache {shlex.quote(_rel(settings['cache']))}",
-            f"--calibration {shlex.quote(_rel(settings['calibration']))}",
-            "--conditions " + " ".join(shlex.quote(s) for s in ["correct", *specs]),
-            f"--num-seqs {num_seqs}",
-            f"--seed {seed}",
-            f"--batch {batch}",
-            f"--device {sel.device}",
-        ]
-    ),
-    language="bash",
-    wrap_lines=True,
-)
-
-if submitted and not busy:
-    with guard("Replay"):
-        job = ReplayJob(settings, total=num_seqs).start(lambda **kw: run_replay(**kw, experiment=experiment), lock)
-        st.session_state[JOB_KEY] = job
+settings_form()
 
 
-@st.fragment(run_every=0.5 if (job is not None and job.running) else None)
+# What the last whole-page run drew: (which job, was it running). The progress fragment compares it
+# with the job's state to know when the page must rerun to show a result.
+RENDERED_KEY = "lab_rendered_job"
+st.session_state[RENDERED_KEY] = (id(job), busy) if job is not None else None
+
+
+def cancel(current: ReplayJob) -> None:
+    current.stop.set()  # a callback: it runs first thing in the rerun the click causes
+
+
+@st.fragment(run_every=0.5 if busy else None)
 def progress_panel() -> None:
-    """Polls the background run; reruns the whole page once when it ends, to draw the results."""
+    """Polls the background run; when it has ended, reruns the whole page to draw the result. Asked on
+    every poll until a whole-page run has drawn the ended job, so a rerun request lost in a race with
+    the poll's own is asked again half a second later."""
     current: ReplayJob | None = st.session_state.get(JOB_KEY)
     if current is None:
         return
     if current.running:
-        total = max(current.total, 1)
-        text = (
-            f"Replaying: {current.done} / {current.total} sequences"
-            if current.done
-            else "Starting: loading the model and profiles, then the first batch…"
-        )
-        st.progress(current.done / total, text=text)
-        if st.button("Cancel", key="lab_cancel"):
-            current.stop.set()
-            st.toast("Cancelling after the current batch…")
-    elif not current.shown:
-        current.shown = True
+        elapsed = f"{current.elapsed:.0f} s"
+        if current.phase in ("queued", "loading"):
+            st.progress(0.0, text=f"Loading the model and calibration profiles… ({elapsed})")
+        else:
+            total = max(current.total, 1)
+            st.progress(
+                min(current.done / total, 1.0),
+                text=f"Replaying: {current.done} / {current.total} sequences ({elapsed})",
+            )
+        if current.settings["cache"] != str(cache.path):
+            st.caption(f"This run replays `{rel(current.settings['cache'])}`.")
+        stopping = current.stop.is_set()
+        st.button("Cancel", key="lab_cancel", disabled=stopping, on_click=cancel, args=(current,))
+        if stopping:
+            st.caption("Cancelling: the run stops before its next batch…")
+    elif st.session_state.get(RENDERED_KEY) != (id(current), False):
         st.rerun()
 
 
@@ -165,77 +250,79 @@ progress_panel()
 
 if job is not None and not job.running:
     if job.cancelled:
-        st.warning("The run was cancelled; nothing was saved.")
+        st.warning(f"Cancelled after {job.done} of {job.total} sequences; nothing was saved.")
     elif job.error:
         st.error(f"The run failed: {job.error}")
     elif job.record is not None:
         record = job.record
+        spec = record["spec"]
+        # The result's own settings: from its record (what actually ran), paths from the job.
+        ran = {**job.settings, **{k: spec[k] for k in ("conditions", "num_seqs", "seed", "batch_size")}}
+        st.subheader(f"Result: {run_label(spec)}")
+        st.markdown(
+            f"Conditions {', '.join(f'`{c}`' for c in spec['conditions'])} on **{spec['num_seqs']}** sequences, "
+            f"seed **{spec['seed']}**, batch **{spec['batch_size']}**, on **{record.get('device')}**."
+        )
+        st.caption("The command that reproduces this result:")
+        st.code(replay_command(ran, Path.cwd()), language="bash", wrap_lines=True)
         mechanism, fidelity = exactness_sentences(record["results"]["exactness"])
-        st.success(f"{mechanism}  \n{fidelity}  \nSaved `{_rel(record.get('path', ''))}`.")
-        per_seq = record["results"]["per_sequence_nll"]
-        rows = []
-        for name, row in record["results"]["conditions"].items():
-            values = np.asarray(per_seq[name])
-            half = 1.96 * values.std(ddof=1) / np.sqrt(len(values)) if len(values) > 1 else 0.0
-            rows.append(
-                {
-                    "condition": name,
-                    "nll": row["nll"],
-                    "ci_lo": row["nll"] - half,
-                    "ci_hi": row["nll"] + half,
-                    "penalty": row["penalty"],
-                    "lo": row["penalty_ci95"][0],
-                    "hi": row["penalty_ci95"][1],
-                }
-            )
-        result = pd.DataFrame(rows)
+        st.success(f"{mechanism}  \n{fidelity}  \nSaved `{rel(record.get('path', ''))}`.")
+        result = pd.DataFrame(condition_rows(record))
         st.dataframe(result, hide_index=True, key="lab_result")
+        plotted = result.rename(columns=FIGURE_COLUMNS)
         left, right = st.columns(2)
         left.plotly_chart(
-            figures.nll_bars(result, "NLL per condition (95% CI of the mean over sequences)"), key="lab_nll"
+            figures.nll_bars(plotted, "NLL per condition (95% CI of the mean over sequences)"), key="lab_nll"
         )
-        right.plotly_chart(figures.penalty_bars(result[result["condition"] != "correct"]), key="lab_penalty")
+        right.plotly_chart(figures.penalty_bars(plotted[plotted["condition"] != "correct"]), key="lab_penalty")
+        sweep_figure = figures.run_sweep_curve(record["results"]["conditions"])
+        if sweep_figure is not None:
+            st.plotly_chart(sweep_figure, key="lab_sweep_chart")
         download(result, "replay_result.csv")
 
 st.subheader("Saved runs of this cache")
 runs = list_runs(cache.path)
 if not runs:
-    st.caption(f"None yet. Runs are saved in `{_rel(str(cache.path))}.runs/`.")
+    st.caption(f"None yet. Runs are saved in `{rel(cache.path)}.runs/`.")
 else:
+    ids = [Path(r["path"]).stem for r in runs]  # newest first
+    labels = dict(zip(ids, run_labels(runs)))
     table = pd.DataFrame(
         [
             {
-                "run": Path(r["path"]).stem,
+                "run": labels[i],
                 "created": r.get("created"),
                 "conditions": ", ".join(r["spec"]["conditions"]),
                 "sequences": r["spec"]["num_seqs"],
                 "seed": r["spec"]["seed"],
+                "batch size": r["spec"].get("batch_size"),
                 "device": r.get("device"),
                 "model ok": r["spec"].get("model_fingerprint") == cache.manifest.model.fingerprint,
             }
-            for r in runs
+            for i, r in zip(ids, runs)
         ]
     )
     st.dataframe(table, hide_index=True, key="lab_runs")
-    chosen = st.multiselect("Compare runs", table["run"].tolist(), default=table["run"].tolist()[:2], key="lab_compare")
-    long = pd.DataFrame(
-        [
-            {
-                "run": Path(r["path"]).stem,
-                "condition": name,
-                "nll": row["nll"],
-                "penalty": row["penalty"],
-                "lo": row["penalty_ci95"][0],
-                "hi": row["penalty_ci95"][1],
-            }
-            for r in runs
-            if Path(r["path"]).stem in chosen
-            for name, row in r["results"]["conditions"].items()
-        ]
-    )
-    if len(long):
+    # Per cache, so a choice never leaks to another cache. Runs saved since this page last ran (the one
+    # just finished, or one from the CLI) join the choice; a first visit compares the newest two.
+    compare_key, seen_key = f"lab_compare::{cache.path}", f"lab_seen_runs::{cache.path}"
+    previous, seen = st.session_state.get(compare_key), st.session_state.get(seen_key)
+    if previous is None or seen is None:
+        value = ids[:2]
+    else:
+        value = [i for i in ids if i not in seen] + [i for i in previous if i in ids]
+    st.session_state[compare_key] = list(dict.fromkeys(value))
+    st.session_state[seen_key] = set(ids)
+    chosen = st.multiselect("Compare runs", ids, format_func=labels.get, key=compare_key)
+    picked = [r for i, r in zip(ids, runs) if i in chosen]
+    rows = saved_run_rows(picked, [labels[i] for i in ids if i in chosen])
+    if rows:
+        long = pd.DataFrame(rows)
+        plotted = long.rename(columns=FIGURE_COLUMNS)
         st.plotly_chart(
-            figures.penalty_bars(long[long["condition"] != "correct"], "Penalty vs correct, saved runs side by side"),
+            figures.penalty_bars(
+                plotted[plotted["condition"] != "correct"], "Penalty vs correct, saved runs side by side"
+            ),
             key="lab_compare_chart",
         )
         download(long, "saved_runs.csv")

@@ -23,8 +23,27 @@ teach(
     "(overlapping shares of the same total, so they need not add up)."
 )
 
+stats = None
 with guard("Cache statistics"):
     stats = resources.cache_stats(str(cache.path), cache.fingerprint)
+if stats is None:
+    st.stop()
+
+# Each chart with controls is a fragment: its widgets rerun that chart only, not the page and sidebar.
+QUANTITIES = {  # shown per slot: colour bar title, column name in slots.csv
+    "mean": ("mean coefficient over tokens (unitless)", "mean_coefficient"),
+    "standard deviation": ("SD of the coefficient over tokens (unitless)", "sd_coefficient"),
+    "layer-identity share": ("layer-identity share of the slot (fraction)", "layer_identity_share"),
+}
+CELLS = {  # token x layer cell value: colour bar title, diverging (signed around 0)
+    "mean over channels": ("mean coefficient over the site's channels (unitless)", False),
+    "SD over channels": ("SD over the site's channels (unitless, >= 0)", False),
+    "mean deviation from slot mean (SDs)": ("mean deviation from slot mean, SDs (0 = white)", True),
+    "RMS deviation from slot mean (SDs)": ("RMS deviation from slot mean, SDs (>= 0)", False),
+}
+
+
+def overview_charts() -> None:
     dec = stats["decomposition"]
     families = {f: v for f, v in dec["per_family"].items()}
     cols = st.columns(1 + min(len(families), 4))
@@ -49,12 +68,20 @@ with guard("Cache statistics"):
         st.plotly_chart(figures.factor_bars(factors), key="var_factors")
         download(factors, "variance_factors.csv")
 
+
+@st.fragment
+def slot_section() -> None:
+    with guard("Site x channel"):  # inside: a fragment's own rerun bypasses guards around its call
+        _slot_section()
+
+
+def _slot_section() -> None:
     # Site x channel: sites may have different widths (MUDD layer i has C*(i+2) channels, MoE routers
     # one per expert), so the table is long (site, channel) and the figure pads with blanks.
+    dec = stats["decomposition"]
     st.subheader("Site x channel")
-    quantity = st.radio(
-        "Show per slot", ["mean", "standard deviation", "layer-identity share"], horizontal=True, key="var_quantity"
-    )
+    quantity = st.radio("Show per slot", list(QUANTITIES), horizontal=True, key="var_quantity")
+    color_title, column = QUANTITIES[quantity]
     values = {
         "mean": stats["slot_mean"],
         "standard deviation": stats["slot_sd"],
@@ -77,7 +104,6 @@ with guard("Cache statistics"):
                 structured.append({"site": site, "group": group, "index": b, "value": float(values[offset + k])})
         offset += K
     slots = pd.DataFrame(rows)
-    unit = "share (fraction)" if quantity == "layer-identity share" else "coefficient (unitless)"
     view = "flat channels"
     if structured:
         first_axes = next(spec.axes for spec in cache.manifest.sites.values() if len(spec.axes) == 2)
@@ -89,25 +115,37 @@ with guard("Cache statistics"):
         )
     if view == "flat channels":
         st.plotly_chart(
-            figures.slot_heatmap(slots, unit, f"{quantity.capitalize()} of each site's channels"), key="var_heatmap"
+            figures.slot_heatmap(slots, color_title, f"{quantity.capitalize()} of each site's channels"),
+            key="var_heatmap",
         )
     else:
         st.plotly_chart(
-            figures.axis_heatmaps(pd.DataFrame(structured), unit, f"{quantity.capitalize()} per {first_axes[0][0]}"),
+            figures.axis_heatmaps(
+                pd.DataFrame(structured), color_title, f"{quantity.capitalize()} per {first_axes[0][0]}"
+            ),
             key="var_axes",
         )
-    download(slots, "slots.csv")
+    download(slots.rename(columns={"value": column}), "slots.csv", key="dl-slots")
 
+
+def distributions() -> None:
     st.subheader("Distributions per site")
     quant = resources.site_quantiles(str(cache.path), cache.fingerprint)
     st.caption(
-        f"Quantiles over a sample of {int(quant['sampled_tokens'].iloc[0]):,} tokens per site (the first sequences of the cache), "
-        "so this chart costs the same on caches of any size."
+        f"Quantiles over a sample of {int(quant['sampled_tokens'].iloc[0]):,} tokens per site (the first sequences "
+        "of the cache), so this chart costs the same on caches of any size."
     )
     st.plotly_chart(figures.site_distributions(quant), key="var_dist")
     download(quant, "site_distributions.csv")
 
-with guard("Sequence view"):
+
+@st.fragment
+def sequence_section() -> None:
+    with guard("Sequence view"):
+        _sequence_section()
+
+
+def _sequence_section() -> None:
     st.subheader("One sequence: token x layer")
     st.caption(
         "Each cell summarises one site's coefficients at one token. Vertical stripes mean a token moves every "
@@ -115,11 +153,8 @@ with guard("Sequence view"):
     )
     c1, c2, c3 = st.columns([1, 2, 2])
     seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, 0, key="var_seq"))
-    summary = c2.selectbox(
-        "Cell value",
-        ["mean over channels", "SD over channels", "RMS deviation from slot mean (SDs)"],
-        key="var_summary",
-    )
+    summary = c2.selectbox("Cell value", list(CELLS), key="var_summary")
+    color_title, diverging = CELLS[summary]
     T = cache.seq_len
     start = 0
     if T > WINDOW:
@@ -132,17 +167,28 @@ with guard("Sequence view"):
     matrix, offset = {}, 0
     for site, width in zip(stats["sites"], stats["widths"]):
         v = data[site][span]  # [t, K]
-        if summary.startswith("mean"):
+        if summary.startswith("mean over"):
             matrix[site] = v.mean(1)
         elif summary.startswith("SD"):
             matrix[site] = v.std(1)
         else:
             mu, sd = stats["slot_mean"][offset : offset + width], stats["slot_sd"][offset : offset + width]
-            matrix[site] = np.sqrt((((v - mu) / np.where(sd > 0, sd, 1)) ** 2).mean(1))
+            standardised = (v - mu) / np.where(sd > 0, sd, 1)  # [t, K] in slot SDs
+            matrix[site] = standardised.mean(1) if diverging else np.sqrt((standardised**2).mean(1))
         offset += width
     z = pd.DataFrame(matrix, index=range(span.start, span.stop)).T
-    unit = "SDs" if summary.startswith("RMS") else "coefficient (unitless)"
-    st.plotly_chart(figures.token_layer_heatmap(z, tokens, unit, f"Sequence {seq}: {summary}"), key="var_tokens")
+    st.plotly_chart(
+        figures.token_layer_heatmap(z, tokens, color_title, f"Sequence {seq}: {summary}", diverging=diverging),
+        key="var_tokens",
+    )
     out = z.T.reset_index(names="position")
     out.insert(1, "token", tokens)
-    download(out, f"sequence_{seq}_token_x_layer.csv")
+    download(out, f"sequence_{seq}_token_x_layer.csv", key="dl-sequence")
+
+
+with guard("Cache statistics"):
+    overview_charts()
+slot_section()
+with guard("Distributions"):
+    distributions()
+sequence_section()

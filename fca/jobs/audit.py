@@ -25,6 +25,9 @@ from fca.tables.scoring import BOOTSTRAP_RESAMPLES, gap_retention, summarize_con
 from fca.tables.stats import variance_decomposition
 from fca.tables.store import Cache
 
+# The interpolation sweep of the CLI audit: alpha 0 is the static profile, 1 the own coefficients.
+DEFAULT_SWEEP = (0.0, 0.25, 0.5, 0.75, 1.0)
+
 
 def run_audit(
     model: ModelSource,
@@ -39,10 +42,12 @@ def run_audit(
     extra_conditions: Sequence[str | Condition] = (),
     latency_runs: int = 7,
     progress: Callable[[str, int, int], None] | None = None,
+    sweep: Sequence[float] = (),
 ) -> dict:
     """The three-property report of `model` (a directory, or a module held in memory: `fca.audit`) on an
     evaluated and a calibration cache (directories or opened caches), with its Dense twin's latency when
-    `dense` is given. Cache part hashes are verified first."""
+    `dense` is given. Cache part hashes are verified first. `sweep`: alphas of an interpolation sweep
+    (`interpolate:alpha` conditions and an `interpolation_sweep` section; the CLI uses DEFAULT_SWEEP)."""
     experiment = Experiment.open(model, cache, calibration, dense, device=device, dtype=dtype, verify=True)
     return audit_experiment(
         experiment,
@@ -52,6 +57,7 @@ def run_audit(
         extra_conditions=extra_conditions,
         latency_runs=latency_runs,
         progress=progress,
+        sweep=sweep,
     )
 
 
@@ -63,6 +69,7 @@ def audit_experiment(
     extra_conditions: Sequence[str | Condition] = (),
     latency_runs: int = 7,
     progress: Callable[[str, int, int], None] | None = None,
+    sweep: Sequence[float] = (),
 ) -> dict:
     """The report of an opened experiment. Nothing is reported unless both exactness checks pass."""
     started = time.perf_counter()
@@ -70,6 +77,8 @@ def audit_experiment(
     model, evaluated, calibration = experiment.model, experiment.evaluated, experiment.calibration
     conditions = [Condition(kind, seed=seed) for kind in PAPER_CONDITIONS]
     conditions += [c if isinstance(c, Condition) else parse_condition(c, seed) for c in extra_conditions]
+    swept = [Condition("interpolate", float(a), seed=seed) for a in sorted(set(map(float, sweep)))]
+    conditions += [c for c in swept if c not in conditions]  # an extra interpolate:0.5 is run once
     results = experiment.run(
         conditions, num_seqs, batch_size, seed, progress=step("replay"), profile_progress=step("calibration profiles")
     )
@@ -104,11 +113,27 @@ def audit_experiment(
         "exactness": exactness,
         "conditions": table,
         "gap_retention": gap_retention(table),
+        **({"interpolation_sweep": _sweep_section(table, swept)} if swept else {}),
         "variance": variance,
         "execution": execution,
         "definitions": {**_definitions(evaluated, layout, seed, conditions), **family_of(model).definitions(model)},
         "seconds": round(time.perf_counter() - started, 1),
     }
+
+
+def _sweep_section(table: dict, swept: Sequence[Condition]) -> list[dict]:
+    """One row per alpha, in increasing order, with the condition's name so readers (the study) can
+    tell the sweep's conditions from the others."""
+    return [
+        {
+            "alpha": c.alpha,
+            "condition": c.name,
+            "nll": table[c.name]["nll"],
+            "penalty": table[c.name]["penalty"],
+            "penalty_ci95": table[c.name]["penalty_ci95"],
+        }
+        for c in swept
+    ]
 
 
 def _cache_entry(cache: Cache, evaluated_seqs: int) -> dict:
@@ -135,31 +160,41 @@ def _definitions(cache: Cache, layout, seed: int, conditions: Sequence[Condition
         "nll": "mean next-token negative log-likelihood in nats over all predicted positions of the evaluated windows",
         "penalty": "NLL_X - NLL_correct; 95% CI: paired percentile bootstrap over sequences "
         f"({BOOTSTRAP_RESAMPLES} resamples, seed {seed})",
-        "gap_retention": "(NLL_global_mean - NLL_X) / (NLL_global_mean - NLL_correct); null when the global_mean penalty CI reaches 0",
+        "gap_retention": "(NLL_global_mean - NLL_X) / (NLL_global_mean - NLL_correct); "
+        "null when the global_mean penalty CI reaches 0",
         "conditions": {
             "correct": "each sequence's own cached coefficients",
-            "cross_input": f"coefficients of another evaluated sequence, pi = a uniform derangement of the evaluated sequences (seed {seed})",
-            "token_shuffle": f"positions permuted within each sequence, one permutation per sequence shared by all sites (seed {seed}, keyed by sequence index)",
+            "cross_input": "coefficients of another evaluated sequence, "
+            f"pi = a uniform derangement of the evaluated sequences (seed {seed})",
+            "token_shuffle": "positions permuted within each sequence, one permutation per sequence shared by all "
+            f"sites (seed {seed}, keyed by sequence index)",
             "static_layer": "per-site, per-channel mean over all tokens of the calibration cache, at every token",
             "global_mean": "the calibration grand mean of each coefficient family, at every site, channel and token",
         },
+        # Its own key, not in `conditions`: studies compare `conditions` with audits made before the sweep.
+        "interpolation_sweep": "interpolate:alpha = alpha * own coefficients + (1 - alpha) * static_layer "
+        "profile at every site and token (alpha 0: the static profile, 1: correct), scored like the conditions",
         "condition_specs": {c.name: c.to_json() for c in conditions},
         "global_mean_families": families,
-        "layer_identity_share": "within each family, SS_between(slot means per site and channel) / SS_total(around the family grand mean), "
+        "layer_identity_share": "within each family, SS_between(slot means per site and channel) / "
+        "SS_total(around the family grand mean), "
         "pooled over families as sum SS_between / sum SS_total, on the evaluated cache",
-        "variance_factors": "site, channel within site: parts of the slot effect; position, token id and sequence: group means within each slot, "
-        "each as a share of SS_total (they overlap and do not add up); residual_after_slot = 1 - layer_identity_share",
+        "variance_factors": "site, channel within site: parts of the slot effect; position, token id and sequence: "
+        "group means within each slot, each as a share of SS_total (they overlap and do not add up); "
+        "residual_after_slot = 1 - layer_identity_share",
         "splits": {"evaluated": cache.manifest.corpus.split, "calibration": "calibration"},
-        "exactness": f"mechanism: in every evaluated batch, live logits vs Correct replay of the coefficients recorded in that same "
-        f"pass, same batch composition; max |diff| <= {MECHANISM_TOLERANCE:g} and identical NLL",
+        "exactness": "mechanism: in every evaluated batch, live logits vs Correct replay of the coefficients "
+        f"recorded in that same pass, same batch composition; max |diff| <= {MECHANISM_TOLERANCE:g} and identical NLL",
         "cache_fidelity": "cached coefficients of the evaluated sequences vs those recorded now (max |diff|; relative: "
         "|diff| / (|recorded| + rms of the site's recorded)) and Correct-from-cache NLL vs live NLL; "
         "bit-identical required when the cache was written in this environment and batch composition, "
         f"else accepted within the tolerances by model dtype {FOREIGN_TOLERANCES} plus one storage unit "
         f"for reduced-precision caches {STORAGE_ULP}; the conditions are built from the cache and "
         "Correct-from-cache is the reference row",
-        "controller_flops": "FLOPs inside controller sites / FLOPs of the whole forward (matrix products and attention, via torch FlopCounterMode)",
-        "latency": "median over interleaved runs of (model forward time / Dense twin forward time), same device and batch",
+        "controller_flops": "FLOPs inside controller sites / FLOPs of the whole forward "
+        "(matrix products and attention, via torch FlopCounterMode)",
+        "latency": "median over interleaved runs of (model forward time / Dense twin forward time), "
+        "same device and batch",
         "coefficient": "; ".join(
             sorted({f"{s.family}: {s.coefficient}" for s in cache.site_specs.values() if s.coefficient})
         )

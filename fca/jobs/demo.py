@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fca.engine.models.featuregate import FeatureGateConfig
-from fca.jobs.audit import run_audit
+from fca.jobs.audit import DEFAULT_SWEEP, run_audit
 from fca.jobs.build import build_cache_from_corpus
 from fca.jobs.train import TrainSettings, train
 from fca.tables import data
@@ -53,7 +53,9 @@ def make_demo(out: Path, corpus: Path, steps: int = 800, retrain: bool = False, 
             device="cpu",
             overwrite=True,
         )
-    report = run_audit(out / "featuregate", out / "eval", out / "calibration", out / "dense", device="cpu")
+    report = run_audit(
+        out / "featuregate", out / "eval", out / "calibration", out / "dense", device="cpu", sweep=DEFAULT_SWEEP
+    )
     write_report(report, out / "audit.json", out / "audit.md")
     print(render_markdown(report))
     return report

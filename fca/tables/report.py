@@ -89,8 +89,9 @@ def render_markdown(report: dict) -> str:
         "",
         f"Model `{m['model_type']}`, {m['parameters']:,} parameters ({m['controller_parameters']:,} in controllers), "
         f"fingerprint `{m['fingerprint'][:16]}`, {m['dtype']} on {m['device']}.",
-        f"Evaluated cache `{report['cache']['path']}` ({report['cache']['split']} split, {report['cache']['sequences']} x "
-        f"{report['cache']['seq_len']} tokens); calibration cache `{report['calibration']['path']}` "
+        f"Evaluated cache `{report['cache']['path']}` ({report['cache']['split']} split, "
+        f"{report['cache']['sequences']} x {report['cache']['seq_len']} tokens); "
+        f"calibration cache `{report['calibration']['path']}` "
         f"({report['calibration']['split']} split, {report['calibration']['tokens']:,} tokens)."
         + (
             ""
@@ -101,7 +102,8 @@ def render_markdown(report: dict) -> str:
         "**Exactness.** " + " ".join(exactness_sentences(ex)),
         "",
         "## 1. Coefficient variation",
-        f"Layer identity (the site and channel alone) explains **{100 * (var['layer_identity_share'] or 0):.1f}%** of the coefficient variance.",
+        "Layer identity (the site and channel alone) explains "
+        f"**{100 * (var['layer_identity_share'] or 0):.1f}%** of the coefficient variance.",
         "",
         "| factor | share of variance |",
         "|---|---|",
@@ -119,10 +121,10 @@ def render_markdown(report: dict) -> str:
     for name, row in report["conditions"].items():
         lo, hi = row["penalty_ci95"]
         retention = report["gap_retention"].get(name)
-        lines.append(
-            f"| {name} | {row['nll']:.4f} | {row['penalty']:+.4f} | [{lo:+.4f}, {hi:+.4f}] | "
-            f"{'' if name in ('correct', 'global_mean') else (f'{100 * retention:.2f}%' if retention is not None else 'undefined')} |"
-        )
+        shown = f"{100 * retention:.2f}%" if retention is not None else "undefined"
+        shown = "" if name in ("correct", "global_mean") else shown
+        lines.append(f"| {name} | {row['nll']:.4f} | {row['penalty']:+.4f} | [{lo:+.4f}, {hi:+.4f}] | {shown} |")
+    lines += dependence_story_markdown(report)
     lines += [
         "",
         "## 3. Actual execution",
@@ -133,16 +135,18 @@ def render_markdown(report: dict) -> str:
     ]
     if exe.get("latency_ratio_vs_dense") is not None:
         lines.append(
-            f"- Latency vs the Dense twin: **{exe['latency_ratio_vs_dense']:.3f}x** (median of {exe['runs']} interleaved runs, "
-            f"batch {exe['batch_shape']}, {exe['device']}; {exe['model_ms_median']:.1f} ms vs {exe['dense_ms_median']:.1f} ms)."
+            f"- Latency vs the Dense twin: **{exe['latency_ratio_vs_dense']:.3f}x** "
+            f"(median of {exe['runs']} interleaved runs, batch {exe['batch_shape']}, {exe['device']}; "
+            f"{exe['model_ms_median']:.1f} ms vs {exe['dense_ms_median']:.1f} ms)."
         )
     else:
         lines.append("- Latency vs a Dense twin: not measured (no --dense given).")
     if exe.get("experts"):
         e = exe["experts"]
         lines.append(
-            f"- Experts run per token: {e['experts_run_per_token_mean']:.2f} of {e['experts_available']:g} per MoE layer "
-            f"(top-{e['top_k']}, {100 * e['expert_fraction']:.1f}% of expert compute), counted from the dispatched indices."
+            f"- Experts run per token: {e['experts_run_per_token_mean']:.2f} of {e['experts_available']:g} "
+            f"per MoE layer (top-{e['top_k']}, {100 * e['expert_fraction']:.1f}% of expert compute), "
+            "counted from the dispatched indices."
         )
     if exe.get("note"):
         lines.append(f"- Note: {exe['note']}")
@@ -167,3 +171,43 @@ def write_report(report: dict, json_path: str | Path | None = None, markdown_pat
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(text)
         tmp.replace(path)
+
+
+# Static-layer gap retention of the gated models in the paper this tool audits: the range over its models.
+PAPER_STATIC_RETENTION = (0.987, 0.994)
+
+
+def retention_sentence(report: dict) -> str:
+    """One plain sentence on the static profile's gap retention (DESIGN.md, "Gap retention") beside the
+    paper's, from a report's `conditions` and `gap_retention`; says why when it is undefined."""
+    lo, hi = (f"{100 * x:.1f}" for x in PAPER_STATIC_RETENTION)
+    paper = f"the paper's gated models kept {lo}-{hi}%"
+    conditions = report.get("conditions") or {}
+    if not all(k in conditions for k in ("correct", "global_mean", "static_layer")):
+        return "This report lacks the correct, static_layer or global_mean condition, so retention is not defined."
+    retention = (report.get("gap_retention") or {}).get("static_layer")
+    if retention is None:
+        return (
+            "Per-token control is not clearly worth anything here (the global-mean profile's penalty CI reaches 0), "
+            f"so the static profile's retention is undefined; {paper}."
+        )
+    return f"A fixed per-layer profile keeps {100 * retention:.0f}% of what per-token control is worth here; {paper}."
+
+
+def dependence_story_markdown(report: dict) -> list[str]:
+    """Markdown lines after the conditions table: the retention sentence and the interpolation sweep."""
+    lines = ["", retention_sentence(report)]
+    sweep = report.get("interpolation_sweep")
+    if sweep:
+        lines += [
+            "",
+            "### Interpolation sweep: alpha * own coefficients + (1 - alpha) * static profile",
+            "",
+            "| alpha | NLL (nats) | penalty vs correct | 95% CI |",
+            "|---|---|---|---|",
+        ]
+        for row in sweep:
+            lo, hi = row["penalty_ci95"]
+            lines.append(f"| {row['alpha']:g} | {row['nll']:.4f} | {row['penalty']:+.4f} | [{lo:+.4f}, {hi:+.4f}] |")
+        lines += ["", "alpha 0 is the static profile (static_layer), 1 the own coefficients (correct)."]
+    return lines

@@ -212,11 +212,29 @@ def _short(value) -> str:
 _MISSING = object()
 
 
+def without_sweep(report: dict) -> dict:
+    """The report without its interpolation sweep's conditions (in `conditions`, `gap_retention` and
+    `definitions.condition_specs`): a study averages the conditions every audit has, and audits made
+    before the sweep, or with other alphas, stay comparable. The sweep itself is not averaged."""
+    swept = {row.get("condition") for row in report.get("interpolation_sweep") or ()}
+    if not swept:
+        return report
+    out = {key: value for key, value in report.items() if key != "interpolation_sweep"}
+    out["conditions"] = {k: v for k, v in report["conditions"].items() if k not in swept}
+    out["gap_retention"] = {k: v for k, v in (report.get("gap_retention") or {}).items() if k not in swept}
+    definitions = dict(report.get("definitions") or {})
+    if isinstance(definitions.get("condition_specs"), dict):
+        definitions["condition_specs"] = {k: v for k, v in definitions["condition_specs"].items() if k not in swept}
+    out["definitions"] = definitions
+    return out
+
+
 def check_comparable(audits: Sequence[tuple[str, dict]]) -> None:
     """Raise StudyError (one line, the field and both files) unless every audit was made with the same
-    definitions as the first, and no model appears twice."""
+    definitions as the first, and no model appears twice. Interpolation sweeps are left out."""
     if not audits:
         raise StudyError("a study needs at least one audit report")
+    audits = [(name, without_sweep(report)) for name, report in audits]
     first_name, first = audits[0]
     seen: dict[str, str] = {}
     for name, report in audits:
@@ -272,6 +290,7 @@ def seed_row(report: dict, audit: str, training: dict) -> dict:
 def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | None = None) -> dict:
     """The study of `audits` [(name or path shown in the study, report)], in the given order.
     `trainings`: each model's training summary (see `training_info`), or None for none."""
+    audits = [(name, without_sweep(report)) for name, report in audits]
     check_comparable(audits)
     trainings = list(trainings) if trainings is not None else [training_info(r) for _, r in audits]
     rows = [seed_row(report, name, training) for (name, report), training in zip(audits, trainings, strict=True)]

@@ -1,0 +1,213 @@
+"""The Overview's one-look story: the retention sentence and scale, the interpolation sweep (pure
+functions on hand-made reports, a real tiny audit, the shipped demo), the token-text view, and the
+Overview's suggested audit command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app import figures
+from fca.tables.report import PAPER_STATIC_RETENTION, render_markdown, retention_sentence
+from fca.tables.study import build_study, study_from_files, without_sweep
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "cache" / "demo"
+
+
+def row(nll: float, penalty: float, lo: float, hi: float) -> dict:
+    return {"nll": nll, "penalty": penalty, "penalty_ci95": [lo, hi]}
+
+
+# correct 3.0, global mean 4.0, static profile 3.58: the static profile keeps (4 - 3.58) / (4 - 3) = 42%.
+CONDITIONS = {
+    "correct": row(3.0, 0.0, 0.0, 0.0),
+    "cross_input": row(3.9, 0.9, 0.85, 0.95),
+    "static_layer": row(3.58, 0.58, 0.5, 0.6),
+    "global_mean": row(4.0, 1.0, 0.9, 1.1),
+    "interpolate:0.5": row(3.2, 0.2, 0.15, 0.25),
+}
+RETENTION = {"cross_input": 0.1, "static_layer": 0.42, "interpolate:0.5": 0.8}
+SWEEP = [
+    {"alpha": 1.0, "condition": "interpolate:1", **row(3.0, 0.0, 0.0, 0.0)},
+    {"alpha": 0.0, "condition": "interpolate:0", **row(3.58, 0.58, 0.5, 0.6)},
+    {"alpha": 0.5, "condition": "interpolate:0.5", **row(3.2, 0.2, 0.15, 0.25)},
+]
+
+
+# ------------------------------------------------------------------ pure: sentence and figures
+
+
+def test_retention_sentence_in_plain_words():
+    text = retention_sentence({"conditions": CONDITIONS, "gap_retention": RETENTION})
+    assert text.startswith("A fixed per-layer profile keeps 42% of what per-token control is worth here")
+    assert f"{100 * PAPER_STATIC_RETENTION[0]:.1f}-{100 * PAPER_STATIC_RETENTION[1]:.1f}%" in text
+    assert "98.7-99.4%" in text
+    undefined = retention_sentence({"conditions": CONDITIONS, "gap_retention": {"static_layer": None}})
+    assert "undefined" in undefined and "42%" not in undefined
+    assert "lacks" in retention_sentence({"conditions": {"correct": CONDITIONS["correct"]}, "gap_retention": {}})
+
+
+def test_retention_scale_places_every_condition_with_its_ci():
+    fig = figures.retention_scale(CONDITIONS, RETENTION)
+    by_label = {t.y[0]: t for t in fig.data}
+    # anchors by their plain names, other conditions by their own; the sweep's conditions are left out
+    assert set(by_label) == {
+        "global mean (no layer identity)",
+        "static profile (layer identity)",
+        "correct (per-token control)",
+        "cross_input",
+    }
+    static = by_label["static profile (layer identity)"]
+    assert static.x[0] == 3.58 and static.text[0] == "42.0% kept"
+    # CI = NLL_correct + paired penalty CI = [3.5, 3.6] around 3.58
+    assert static.error_x.array[0] == pytest.approx(0.02) and static.error_x.arrayminus[0] == pytest.approx(0.08)
+    assert by_label["correct (per-token control)"].text[0] == ""
+    band = fig.layout.shapes[0]
+    assert (band.x0, band.x1) == (3.0, 4.0)
+    assert fig.layout.title.text and fig.layout.xaxis.title.text.startswith("NLL")
+    assert fig.layout.modebar.orientation == "v"  # the toolbar does not sit on the title
+
+
+def test_sweep_curve_sorted_with_cis_and_anchor_lines():
+    fig = figures.sweep_curve(SWEEP, CONDITIONS)
+    curve = fig.data[0]
+    assert list(curve.x) == [0.0, 0.5, 1.0] and list(curve.y) == [3.58, 3.2, 3.0]
+    np.testing.assert_allclose(curve.error_y.array, [0.02, 0.05, 0.0], atol=1e-12)
+    np.testing.assert_allclose(curve.error_y.arrayminus, [0.08, 0.05, 0.0], atol=1e-12)
+    assert sorted(s.y0 for s in fig.layout.shapes) == [3.0, 3.58, 4.0]
+    assert "alpha" in fig.layout.xaxis.title.text and "NLL" in fig.layout.yaxis.title.text
+
+
+def test_nll_bars_start_at_zero_and_pooled_label_off_the_bars():
+    import pandas as pd
+
+    df = pd.DataFrame({"condition": ["correct", "static"], "nll": [3.4, 3.9], "ci_lo": [3.3, 3.8], "ci_hi": [3.5, 4.0]})
+    assert figures.nll_bars(df).layout.yaxis.range[0] == 0
+    fig = figures.share_by_site({"site": ["a", "b"], "share": [0.1, 0.3]}, 0.195)
+    assert not fig.layout.annotations  # the label sat on a bar; it is a legend entry now
+    assert any("0.195" in (t.name or "") for t in fig.data)
+
+
+def test_token_text_html_escapes_every_token_into_one_span():
+    tokens = ["<b>", " a&b", 'say "hi"', "end\\n"]
+    html, lo, hi = figures.token_text_html(tokens, [0.0, 1.0, 0.5, np.nan], ["t0 <x>", "t1", "t2", "t3"])
+    assert html.count("<span ") == len(tokens) and "<b>" not in html
+    assert "&lt;b&gt;" in html and " a&amp;b" in html and "&quot;hi&quot;" in html and "<br>" in html
+    assert 'title="t0 &lt;x&gt;"' in html
+    assert (lo, hi) == (0.0, 1.0)
+    assert "rgb(255, 255, 255)" in html.split("<span ")[1]  # the lowest value is white
+    assert figures.token_colour(1.0, 0.0, 1.0, diverging=False)[0] == (33, 102, 172)
+    # diverging: white at 0, symmetric bound
+    html, lo, hi = figures.token_text_html(["a", "b"], [-0.5, 0.25], diverging=True)
+    assert (lo, hi) == (-0.5, 0.5)
+    assert figures.token_colour(0.0, lo, hi, diverging=True)[0] == (255, 255, 255)
+    assert figures.token_colour(0.5, lo, hi, diverging=True)[0] == (178, 24, 43)
+    legend = figures.colour_legend_html(lo, hi, True, "deviation")
+    assert "white = 0, equal to the static profile" in legend
+    assert "white = 0.1 (lowest" in figures.colour_legend_html(0.1, 0.9, False, "coefficient")
+
+
+# ------------------------------------------------------------------ the sweep in real audits
+
+
+def test_sweep_section_in_a_tiny_audit(tiny_demo):
+    from fca.jobs.audit import run_audit
+
+    report = run_audit(
+        tiny_demo / "featuregate", tiny_demo / "eval", tiny_demo / "calibration", device="cpu", sweep=(1, 0, 0.5)
+    )
+    sweep = report["interpolation_sweep"]
+    assert [r["alpha"] for r in sweep] == [0.0, 0.5, 1.0]
+    assert [r["condition"] for r in sweep] == ["interpolate:0", "interpolate:0.5", "interpolate:1"]
+    c = report["conditions"]
+    for r in sweep:
+        assert set(r) == {"alpha", "condition", "nll", "penalty", "penalty_ci95"}
+        assert r["nll"] == c[r["condition"]]["nll"] and r["penalty_ci95"] == c[r["condition"]]["penalty_ci95"]
+    # the ends are the static profile and the own coefficients
+    assert sweep[0]["nll"] == pytest.approx(c["static_layer"]["nll"], abs=1e-6)
+    assert sweep[-1]["nll"] == pytest.approx(c["correct"]["nll"], abs=1e-9)
+    assert "interpolate:0.5" in report["definitions"]["condition_specs"]
+    text = render_markdown(report)
+    assert "### Interpolation sweep" in text and "| 0.5 |" in text and retention_sentence(report) in text
+    # a study leaves the sweep out, so it stays comparable with audits made without one
+    stripped = without_sweep(report)
+    assert set(stripped["conditions"]) == {"correct", "cross_input", "token_shuffle", "static_layer", "global_mean"}
+    assert "interpolate:0.5" not in stripped["definitions"]["condition_specs"]
+    other = {**stripped, "model": {**stripped["model"], "fingerprint": "another"}}  # an audit made without a sweep
+    assert "interpolation_sweep" not in other
+    study = build_study([("a", report), ("b", other)])
+    assert set(study["summary"]["conditions"]) == set(stripped["conditions"])
+
+
+def test_shipped_demo_report_has_a_sweep_and_its_study_still_builds():
+    report = json.loads((DEMO / "audit.json").read_text())
+    sweep = report["interpolation_sweep"]
+    assert [r["alpha"] for r in sweep] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert sweep[0]["nll"] == pytest.approx(report["conditions"]["static_layer"]["nll"], abs=1e-6)
+    assert sweep[-1]["nll"] == pytest.approx(report["conditions"]["correct"]["nll"], abs=1e-9)
+    assert "Interpolation sweep" in (DEMO / "audit.md").read_text()
+    study_dir = REPO / "cache" / "demo-study"
+    paths = [DEMO / "audit.json", study_dir / "seed1" / "audit.json", study_dir / "seed2" / "audit.json"]
+    study = study_from_files(paths, relative_to=study_dir)
+    shipped = json.loads((study_dir / "study.json").read_text())
+    assert [r["audit"] for r in study["seeds"]] == [r["audit"] for r in shipped["seeds"]]
+    assert all(not Path(r["audit"]).is_absolute() for r in shipped["seeds"])
+    assert study["summary"]["conditions"] == shipped["summary"]["conditions"]
+
+
+# ------------------------------------------------------------------ AppTest: Overview and token text
+
+
+def _app(monkeypatch, roots: list[Path], default: Path):
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("FCA_CACHE_ROOTS", ":".join(str(r) for r in roots))
+    monkeypatch.setenv("FCA_DEFAULT_CACHE", str(default))
+    return AppTest.from_file(str(REPO / "app" / "main.py"), default_timeout=60)
+
+
+def _chart_titles(at) -> list[str]:
+    return [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
+
+
+def test_overview_tells_the_story_of_the_shipped_demo(monkeypatch):
+    at = _app(monkeypatch, [], DEMO / "eval").run()
+    assert not at.exception, [e.value for e in at.exception]
+    titles = _chart_titles(at)
+    assert any(t.startswith("Retention scale") for t in titles)
+    assert any(t.startswith("Interpolation sweep") for t in titles)
+    report = json.loads((DEMO / "audit.json").read_text())
+    assert any(retention_sentence(report) in m.value for m in at.markdown)
+    assert [m.value for m in at.metric][0].endswith("%")  # short values: the unit is in the label or help
+    table = next(m.value for m in at.markdown if m.value.startswith("| condition"))
+    assert "ci_lo" not in table and "penalty 95% CI" in table
+    assert not any(m.value.strip() == "**condition_specs**" for m in at.markdown)
+
+
+def test_overview_suggests_a_real_audit_for_a_calibration_cache(monkeypatch):
+    at = _app(monkeypatch, [], DEMO / "calibration").run()
+    assert not at.exception, [e.value for e in at.exception]
+    command = at.code[0].value
+    assert "CALIBRATION_CACHE" not in command and "MODEL_DIR" not in command
+    assert "--cache cache/demo/eval --calibration cache/demo/calibration" in command
+    assert "--json cache/demo/audit.json" not in command and "audit-eval.json" in command
+
+
+def test_token_text_page_colours_every_token(tiny_demo, monkeypatch):
+    at = _app(monkeypatch, [tiny_demo], tiny_demo / "eval")
+    at.switch_page("views/token_text.py")
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    legend, text = (h.proto.body for h in at.get("html"))
+    seq_len = json.loads((tiny_demo / "audit.json").read_text())["cache"]["seq_len"]
+    assert text.count("<span ") == seq_len and "white =" in legend
+    at.radio(key="tt_mode").set_value("deviation from the static profile").run()
+    at.selectbox(key="tt_channel").set_value(1).run()
+    assert not at.exception, [e.value for e in at.exception]
+    legend, text = (h.proto.body for h in at.get("html"))
+    assert "equal to the static profile" in legend and "channel 1" in legend
+    assert text.count("<span ") == seq_len and "deviation" in text
