@@ -44,7 +44,16 @@ def build_cache_from_corpus(
     `part_seqs`: sequences per part file (default: about 32 MB raw per part).
     """
     model, windows, plan = prepare_corpus_build(
-        model_dir, corpus, split, num_seqs, seq_len, batch_size, device, dtype, split_seed, text_column,
+        model_dir,
+        corpus,
+        split,
+        num_seqs,
+        seq_len,
+        batch_size,
+        device,
+        dtype,
+        split_seed,
+        text_column,
         coefficient_dtype,
     )
     if show_progress:
@@ -94,19 +103,12 @@ def prepare_corpus_build(
     T = seq_len or int(config.get("max_seq_len", config.get("block_size", 1024)))
     tokenizer = data.load_tokenizer(model_dir)
     windows = data.split_windows(corpus, split, tokenizer, T, split_seed, num_seqs, text_column)  # [N, T + 1]
-    N = len(windows)
-    row_bytes = bytes_per_token(specs, COEFFICIENT_BYTES[coefficient_dtype])
-    plan = cache_plan(
-        specs,
-        T,
-        N,
-        model={
-            "path": model_dir.name,
-            "model_type": config.get("model_type"),
-            "fingerprint": fingerprint_state(model),
-            "config": config,
-            "dtype": model_dtype_name(model),
-        },
+    plan = manifest_draft(
+        model,
+        windows,
+        batch_size,
+        coefficient_dtype,
+        model_record={"path": model_dir.name, "model_type": config.get("model_type"), "config": config},
         corpus={
             "name": Path(corpus).name,
             "fingerprint": file_sha256(Path(corpus)) if Path(corpus).is_file() else None,
@@ -114,12 +116,34 @@ def prepare_corpus_build(
             "split_seed": split_seed,
             "text_column": text_column,
         },
-        coefficient_dtype=coefficient_dtype,
         tokenizer={"fingerprint": file_sha256(model_dir / "tokenizer.json"), "vocab_size": tokenizer.get_vocab_size()},
-        raw_bytes_per_token=row_bytes,
-        environment={**current_environment(model), "batch_size": batch_size},
     )
     return model, windows, plan
+
+
+def manifest_draft(
+    model: nn.Module,
+    windows: np.ndarray,
+    batch_size: int,
+    coefficient_dtype: str,
+    model_record: dict,
+    corpus: dict,
+    tokenizer: dict,
+) -> dict:
+    """The manifest draft of a build of `model` over `windows` [N, T + 1]: sites and sizes, the model's
+    record completed with its fingerprint and dtype, and the environment the coefficients are computed in."""
+    specs = site_specs(model)
+    return cache_plan(
+        specs,
+        windows.shape[1] - 1,
+        len(windows),
+        model={**model_record, "fingerprint": fingerprint_state(model), "dtype": model_dtype_name(model)},
+        corpus=corpus,
+        coefficient_dtype=coefficient_dtype,
+        tokenizer=tokenizer,
+        raw_bytes_per_token=bytes_per_token(specs, COEFFICIENT_BYTES[coefficient_dtype]),
+        environment={**current_environment(model), "batch_size": batch_size},
+    )
 
 
 def build_cache(
@@ -147,25 +171,19 @@ def build_cache(
     specs = site_specs(model)
     if not specs:
         raise ValueError(f"{type(model).__name__}: the model has no controller sites (declare them with attach_sites)")
-    N, T = windows.shape[0], windows.shape[1] - 1
-    row_bytes = bytes_per_token(specs, COEFFICIENT_BYTES[coefficient_dtype])
     config = model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None
-    plan = cache_plan(
-        specs,
-        T,
-        N,
-        model={
+    plan = manifest_draft(
+        model,
+        windows,
+        batch_size,
+        coefficient_dtype,
+        model_record={
             "path": model_name or type(model).__name__,
             "model_type": (config or {}).get("model_type", type(model).__name__),
-            "fingerprint": fingerprint_state(model),
             "config": config,
-            "dtype": model_dtype_name(model),
         },
         corpus={"name": corpus_name, "fingerprint": hashlib.sha256(windows.tobytes()).hexdigest(), "split": split},
-        coefficient_dtype=coefficient_dtype,
         tokenizer={"fingerprint": None, "vocab_size": _vocab_size(model, windows)},
-        raw_bytes_per_token=row_bytes,
-        environment={**current_environment(model), "batch_size": batch_size},
     )
     return write_cache(
         model,
