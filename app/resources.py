@@ -188,7 +188,7 @@ def caches(roots: tuple[str, ...]) -> list[catalog.CacheEntry]:
 # The warm-up waits this long after a page was sent: the browser is then still evaluating plotly.js and
 # drawing, and a warm-up started at once (even at the lowest CPU priority: it holds the GIL the server
 # needs to send plotly.js) delayed a fresh server's first chart.
-WARM_UP_DELAY_S = 3.0
+WARM_UP_DELAY_S: float | None = 3.0  # None: no warm-up (the tests, which run many apps in one process)
 # The model is preloaded only below this size: a larger one (MUDDPythia-1.4B in float32 is ~5.7 GB)
 # loads when a page asks for it, not merely because its cache was looked at.
 WARM_UP_MAX_MODEL_BYTES = 1 << 30
@@ -206,6 +206,8 @@ def warm_up(
     thread shows nothing: a resource that fails here fails again on the page that needs it, which shows
     the error. Cache keys are shared, so a page asking for a value while it is being filled waits for it
     instead of computing it twice."""
+    if WARM_UP_DELAY_S is None:
+        return
     key = (str(cache.path), cache.fingerprint, str(model_dir), device, str(calibration.path) if calibration else "")
     with _warm_guard:
         if key in _warm_started:

@@ -72,3 +72,12 @@ def tiny_demo(tmp_path_factory) -> Path:
     )
     write_report(report, root / "audit.json", root / "audit.md")
     return root
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_background_warm_up():
+    """AppTest runs the app in this process, and the app's background warm-up would outlive the tests and
+    log after pytest has closed its output. The test of the warm-up itself sets a delay of 0."""
+    from app import resources
+
+    resources.WARM_UP_DELAY_S = None
