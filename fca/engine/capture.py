@@ -67,17 +67,19 @@ def default_writers(device: torch.device) -> int:
     return min(4, os.cpu_count() or 1) if device.type == "cuda" else 1
 
 
-def _library_versions() -> dict:
+def finish_stamp() -> dict:
+    """What a finished cache's manifest says of its making: creation time and library versions."""
     import pyarrow
     import transformers
 
-    return {
+    versions = {
         "fca": "0.1.0",
         "torch": torch.__version__,
         "pyarrow": pyarrow.__version__,
         "transformers": transformers.__version__,
         "numpy": np.__version__,
     }
+    return {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "library_versions": versions}
 
 
 @torch.no_grad()
@@ -249,9 +251,7 @@ def write_cache(
         record_pending(model, windows, writer, batch_size, coefficient_dtype, step)
     finally:
         bar.close()
-    return writer.finish(
-        {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "library_versions": _library_versions()}
-    )
+    return writer.finish(finish_stamp())
 
 
 def record_pending(

@@ -23,7 +23,6 @@ report are those of one process.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fca.engine.capture import _library_versions, check_part_seqs, record_pending, seqs_per_part
+from fca.engine.capture import check_part_seqs, finish_stamp, record_pending, seqs_per_part
 from fca.engine.replay import ReplayResults, run_conditions
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource
 from fca.tables.conditions import Condition
@@ -155,8 +154,16 @@ def build_cache_distributed(
     if threads is None and "num_gpus" not in options:
         threads = torch.get_num_threads()
     args = dict(
-        model_dir=str(model_dir), corpus=str(corpus), split=split, num_seqs=num_seqs, seq_len=seq_len,
-        batch_size=batch_size, device=device, dtype=dtype, split_seed=split_seed, text_column=text_column,
+        model_dir=str(model_dir),
+        corpus=str(corpus),
+        split=split,
+        num_seqs=num_seqs,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        device=device,
+        dtype=dtype,
+        split_seed=split_seed,
+        text_column=text_column,
         coefficient_dtype=coefficient_dtype,
     )
     Worker = ray.remote(max_restarts=0)(_BuildWorker)
@@ -181,9 +188,7 @@ def build_cache_distributed(
         except BaseException:
             writer.abort()
             raise
-        return writer.finish(
-            {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "library_versions": _library_versions()}
-        )
+        return writer.finish(finish_stamp())
     finally:
         for actor in actors:
             ray.kill(actor)
@@ -257,8 +262,14 @@ class _ReplayWorker:
         e = self.experiment
         profiles = e.profiles() if any(c.needs_profiles for c in conditions) else None
         return run_conditions(
-            e.model, e.evaluated, conditions, profiles, seqs=list(range(n)), batch_size=batch_size,
-            cross_seed=seed, shard=shard,
+            e.model,
+            e.evaluated,
+            conditions,
+            profiles,
+            seqs=list(range(n)),
+            batch_size=batch_size,
+            cross_seed=seed,
+            shard=shard,
         )
 
 
