@@ -13,10 +13,13 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
+
 from fca.engine.replay import check_exactness
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource
 from fca.tables.conditions import Condition, parse_condition
-from fca.tables.scoring import summarize_conditions
+from fca.tables.scoring import BOOTSTRAP_RESAMPLES, summarize_conditions
+from fca.tables.stats import paired_bootstrap_ci
 
 
 def runs_dir(cache_dir: str | Path) -> Path:
@@ -156,24 +159,21 @@ def run_labels(records: Sequence[dict]) -> list[str]:
 
 
 def condition_rows(record: dict) -> list[dict]:
-    """One row per condition of a run, in plain words: mean NLL with a 95% CI of the mean over sequences
-    (normal approximation), and the penalty vs correct with its 95% paired bootstrap CI."""
+    """One row per condition of a run, in plain words: mean NLL with the 95% bootstrap CI of the mean over
+    sequences, and the penalty vs correct with its 95% paired bootstrap CI (the same resampling as the
+    audit's, `fca.tables.scoring`)."""
     per_seq = record["results"].get("per_sequence_nll", {})
+    seed = int(record.get("spec", {}).get("seed", 0))
     rows = []
     for name, row in record["results"]["conditions"].items():
-        values = [float(v) for v in per_seq.get(name, [])]
-        n = len(values)
-        if n > 1:
-            mean = sum(values) / n
-            half = 1.96 * (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5 / n**0.5
-        else:
-            half = 0.0
+        values = np.asarray(per_seq.get(name, []), dtype=np.float64)
+        lo, hi = paired_bootstrap_ci(values, BOOTSTRAP_RESAMPLES, seed) if len(values) > 1 else (row["nll"], row["nll"])
         rows.append(
             {
                 "condition": name,
                 "NLL (nats/token)": row["nll"],
-                "NLL 95% CI low": row["nll"] - half,
-                "NLL 95% CI high": row["nll"] + half,
+                "NLL 95% CI low": lo,
+                "NLL 95% CI high": hi,
                 "penalty (nats/token)": row["penalty"],
                 "penalty 95% CI low": row["penalty_ci95"][0],
                 "penalty 95% CI high": row["penalty_ci95"][1],
