@@ -2,7 +2,7 @@
 
     python -m bench.ratios [--model DIR] [--corpus PATH] [--json PATH]
 
-The same as `python -m fca bench`; see fca/bench.py for what each ratio times.
+The same as `python -m fca bench`; see fca/jobs/bench.py for what each ratio times.
 """
 
 import sys
