@@ -121,8 +121,8 @@ def test_interrupted_build_leaves_no_manifest_and_resumes(demo, tmp_path):
         if stop_after["n"] == 2:
             raise KeyboardInterrupt
 
-    with pytest.raises(KeyboardInterrupt):
-        build_cache_from_corpus(
+    def build(**kw):
+        return build_cache_from_corpus(
             demo / "featuregate",
             demo / "prose.txt",
             "eval",
@@ -130,22 +130,16 @@ def test_interrupted_build_leaves_no_manifest_and_resumes(demo, tmp_path):
             num_seqs=N_SEQS,
             batch_size=2,
             device="cpu",
-            progress=interrupt,
             show_progress=False,
+            **kw,
         )
+
+    with pytest.raises(KeyboardInterrupt):
+        build(progress=interrupt)
     assert not out.exists() and not (out.with_name("cache.partial") / MANIFEST).exists()
     with pytest.raises(CacheError, match="missing; not a finished cache"):
         open_cache(out.with_name("cache.partial"))
-    build_cache_from_corpus(
-        demo / "featuregate",
-        demo / "prose.txt",
-        "eval",
-        out,
-        num_seqs=N_SEQS,
-        batch_size=2,
-        device="cpu",
-        show_progress=False,
-    )
+    build()
     resumed, clean = open_cache(out, verify=True), open_cache(demo / "eval")
     for seqs in ([0, 5, 11],):
         a, b = resumed.read_seqs(seqs), clean.read_seqs(seqs)

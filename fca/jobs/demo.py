@@ -37,28 +37,55 @@ DEMO_AUDIT = Path("cache/demo/audit.json")  # seed 0 of every demo study
 def make_demo(out: Path, corpus: Path, steps: int = 800, retrain: bool = False, seed: int = 0) -> dict:
     if not corpus.exists():
         data.extract_kjv(corpus)
+    train_pair(out, corpus, DEMO_CONFIG, TrainSettings(steps=steps, seed=seed), retrain=retrain)
+    report = cache_and_audit(out, corpus, DEMO_SEQS, split_seed=0, sweep=DEFAULT_SWEEP)
+    write_report(report, out / "audit.json", out / "audit.md")
+    print(render_markdown(report))
+    return report
+
+
+def train_pair(
+    out: Path,
+    corpus: Path,
+    config: dict,
+    settings: TrainSettings,
+    device: str = "cpu",
+    retrain: bool = False,
+    show_progress: bool = True,
+) -> None:
+    """A FeatureGate model and its Dense twin (same seed and batches) into `out/featuregate` and `out/dense`;
+    a model already there is kept unless `retrain`."""
     for arch in ("featuregate", "dense"):
         model_dir = out / arch
         if retrain or not (model_dir / "model.safetensors").is_file():
-            config = FeatureGateConfig(**DEMO_CONFIG, gated=(arch == "featuregate"))
-            train(corpus, model_dir, config, TrainSettings(steps=steps, seed=seed))
+            model_config = FeatureGateConfig(**config, gated=(arch == "featuregate"))
+            train(corpus, model_dir, model_config, settings, device=device, show_progress=show_progress)
+
+
+def cache_and_audit(
+    out: Path,
+    corpus: Path,
+    num_seqs: int,
+    split_seed: int,
+    device: str = "cpu",
+    sweep: Sequence[float] = (),
+    show_progress: bool = True,
+) -> dict:
+    """The eval and calibration caches of `out/featuregate` (batches of 16) and its audit against `out/dense`."""
     for split in ("eval", "calibration"):
         build_cache_from_corpus(
             out / "featuregate",
             corpus,
             split,
             out / split,
-            num_seqs=DEMO_SEQS,
+            num_seqs=num_seqs,
             batch_size=16,
-            device="cpu",
+            device=device,
+            split_seed=split_seed,
             overwrite=True,
+            show_progress=show_progress,
         )
-    report = run_audit(
-        out / "featuregate", out / "eval", out / "calibration", out / "dense", device="cpu", sweep=DEFAULT_SWEEP
-    )
-    write_report(report, out / "audit.json", out / "audit.md")
-    print(render_markdown(report))
-    return report
+    return run_audit(out / "featuregate", out / "eval", out / "calibration", out / "dense", device=device, sweep=sweep)
 
 
 def audit_seed(
@@ -78,25 +105,8 @@ def audit_seed(
     the audit run on `audit_device` (CPU by default, like the shipped demo, so every seed's latency
     ratio is measured the same way). Returns the audit JSON's path."""
     settings = replace(settings, seed=seed)
-    for arch in ("featuregate", "dense"):
-        model_dir = out / arch
-        if retrain or not (model_dir / "model.safetensors").is_file():
-            model_config = FeatureGateConfig(**config, gated=(arch == "featuregate"))
-            train(corpus, model_dir, model_config, settings, device=device, show_progress=show_progress)
-    for split in ("eval", "calibration"):
-        build_cache_from_corpus(
-            out / "featuregate",
-            corpus,
-            split,
-            out / split,
-            num_seqs=num_seqs,
-            batch_size=16,
-            device=audit_device,
-            split_seed=settings.split_seed,
-            overwrite=True,
-            show_progress=show_progress,
-        )
-    report = run_audit(out / "featuregate", out / "eval", out / "calibration", out / "dense", device=audit_device)
+    train_pair(out, corpus, config, settings, device=device, retrain=retrain, show_progress=show_progress)
+    report = cache_and_audit(out, corpus, num_seqs, settings.split_seed, audit_device, show_progress=show_progress)
     log = json.loads((out / "featuregate" / "training_log.json").read_text())
     # The training summary travels inside the report, since the model beside it is not committed.
     report["training"] = summarize_training_log(log)
