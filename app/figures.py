@@ -9,6 +9,7 @@ charts before pandas is imported (see app/views/overview.py).
 
 from __future__ import annotations
 
+import textwrap
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,6 +36,11 @@ COLORWAY = [
     "#bab0ac",
 ]
 TEMPLATE = {"layout": {"colorway": COLORWAY, "hoverlabel": {"align": "left"}}}
+# The plotly toolbar sits on the figure's top edge; titles stand on their own lines below it (on the
+# toolbar's line they were covered by it; a vertical toolbar at the right edge covers colour bars and
+# legends instead). Pixels: the toolbar's line, a title line, a one-line horizontal legend.
+TOOLBAR_HEIGHT, TITLE_LINE, LEGEND_ROW = 48, 22, 28
+TITLE_CHARS = 34  # characters per title line: what a chart half a 1024 px page wide holds
 SHARE = "share of coefficient variance (fraction)"
 COEFFICIENT = "coefficient value (unitless)"
 NLL = "NLL (nats / token)"
@@ -42,9 +48,31 @@ PENALTY = "penalty vs correct (nats / token)"
 DEVIATION = "deviation from static profile (calibration SDs)"
 
 
-def _layout(fig: go.Figure, title: str, height: int = 380, **kwargs) -> go.Figure:
-    kwargs.setdefault("margin", dict(l=60, r=20, t=50, b=60))
-    fig.update_layout(template=TEMPLATE, title=title, height=height, **kwargs)
+def colorbar(title: str) -> dict:
+    """A colour bar whose title, written along it, is wrapped so it never runs past the bar's ends (where
+    it would reach the toolbar and the title)."""
+    return dict(title=dict(text="<br>".join(textwrap.wrap(title, 26)), side="right"))
+
+
+def _layout(fig: go.Figure, title: str, height: int = 380, legend_row: bool = False, **kwargs) -> go.Figure:
+    """Title wrapped (to stay inside a chart on a 1024 px screen) and placed below the toolbar's line,
+    above the plot area; `legend_row`: a horizontal legend sits between the title and the plot."""
+    lines = textwrap.wrap(title, TITLE_CHARS, break_on_hyphens=False) or [""]
+    title_height = TOOLBAR_HEIGHT + TITLE_LINE * len(lines) + 12 + (LEGEND_ROW if legend_row else 0)
+    margin = kwargs.setdefault("margin", dict(l=60, r=20, t=title_height, b=60))
+    margin["t"] = max(margin.get("t", 0), title_height)
+    title_below_toolbar = dict(
+        text="<br>".join(lines),
+        x=0.5,
+        xanchor="center",
+        xref="container",  # the figure's centre: the plot area's is off-centre beside long axis labels
+        y=1 - TOOLBAR_HEIGHT / height,
+        yanchor="top",
+        yref="container",
+    )
+    if legend_row:
+        kwargs["legend"] = dict(orientation="h", x=1, xanchor="right", y=1, yanchor="bottom")
+    fig.update_layout(template=TEMPLATE, title=title_below_toolbar, height=height, **kwargs)
     return fig
 
 
@@ -93,12 +121,14 @@ def factor_bars(df: pd.DataFrame) -> go.Figure:
             marker_color="#72b7b2",
             text=[f"{v:.3f}" if np.isfinite(v) else "n/a" for v in shares],
             textposition="outside",
+            cliponaxis=False,  # the value of a bar near the axis end is written past the plot area
             hovertemplate="%{y}: %{x:.3f}<extra></extra>",
         )
     )
-    fig.update_xaxes(title=SHARE, range=[0, 1.1])
+    fig.update_xaxes(title="share of variance (fraction)", range=[0, 1.1])  # beside long factor names: short
     fig.update_yaxes(title="factor", autorange="reversed")
-    return _layout(fig, "What explains the variance (shares of the total; they overlap)")
+    # right margin: the value written past the longest bar
+    return _layout(fig, "What explains the variance (shares of the total; they overlap)", margin=dict(l=60, r=50, b=60))
 
 
 def channel_groups(labels: list[str]) -> list[tuple[str, int, int]]:
@@ -139,7 +169,7 @@ def slot_heatmap(df: pd.DataFrame, value_title: str, title: str, diverging: bool
             x=list(range(width)),
             y=sites,
             customdata=text,
-            colorbar=dict(title=dict(text=value_title, side="right")),
+            colorbar=colorbar(value_title),
             hovertemplate="%{y} channel %{x} (%{customdata}): %{z:.4f}<extra></extra>",
             hoverongaps=False,
             **scale,
@@ -187,11 +217,7 @@ def axis_heatmaps(df: pd.DataFrame, value_title: str, title: str) -> go.Figure:
         )
         fig.update_xaxes(title="source index", row=1, col=j + 1)
     fig.update_yaxes(title="site (layer)", autorange="reversed", row=1, col=1)
-    fig.update_layout(
-        coloraxis=dict(
-            colorscale="Viridis", cmin=lo, cmax=hi, colorbar=dict(title=dict(text=value_title, side="right"))
-        )
-    )
+    fig.update_layout(coloraxis=dict(colorscale="Viridis", cmin=lo, cmax=hi, colorbar=colorbar(value_title)))
     return _layout(fig, title, height=max(300, 60 + 28 * len(sites)))
 
 
@@ -237,7 +263,7 @@ def site_distributions(df: pd.DataFrame) -> go.Figure:
 
 def token_axis(fig: go.Figure, labels: list[str]) -> None:
     """Every token labelled: explicit ticks (plotly's automatic ones skip every other category when
-    they would overlap), small and vertical so 64 fit across a wide page."""
+    they would overlap), small and vertical so 32 fit across the chart on a 1024 px screen."""
     fig.update_xaxes(
         title="position: decoded token",
         type="category",
@@ -268,7 +294,7 @@ def token_layer_heatmap(
             z=values,
             x=labels,
             y=list(z.index),
-            colorbar=dict(title=dict(text=value_title, side="right")),
+            colorbar=colorbar(value_title),
             hovertemplate="%{y} @ %{x}: %{z:.4f}<extra></extra>",
             **scale,
         )
@@ -317,7 +343,10 @@ def profile_lines(df: pd.DataFrame, token_label: str) -> go.Figure:
     fig.update_xaxes(title="slot (site / channel, in execution order)", type="category", tickangle=-60)
     fig.update_yaxes(title=COEFFICIENT)
     return _layout(
-        fig, "Live coefficients of one token vs the static profile", height=420, legend=dict(orientation="h", y=1.12)
+        fig,
+        "Live coefficients of one token vs the static profile",
+        height=420,
+        legend_row=True,
     )
 
 
@@ -336,7 +365,7 @@ def deviation_heatmap(z: np.ndarray, slots: list[str], tokens: list[str], title:
             zmid=0,
             zmin=-bound,
             zmax=bound,
-            colorbar=dict(title=dict(text=DEVIATION + " (0 = white)", side="right")),
+            colorbar=colorbar(DEVIATION + " (0 = white)"),
             hovertemplate="%{x} / %{y}: %{z:.2f} SD<extra></extra>",
         )
     )
@@ -560,9 +589,7 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
     return _layout(fig, "Gap retention per model across seeds", height=420, legend=dict(orientation="h", y=-0.25))
 
 
-# Charts of the Overview's story: the plotly toolbar stands vertical at the right edge, so it never
-# covers a title (horizontal, it sat on the top line where the titles are).
-STORY_MARGIN = dict(l=60, r=50, t=60, b=60)
+STORY_MARGIN = dict(l=60, r=50, t=0, b=60)  # t: what the title needs (_layout)
 ANCHORS = ("global_mean", "static_layer", "correct")
 ANCHOR_TEXT = {
     "global_mean": "global mean (no layer identity)",
@@ -572,9 +599,7 @@ ANCHOR_TEXT = {
 
 
 def _story_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
-    _layout(fig, title, height=height)
-    fig.update_layout(margin=STORY_MARGIN, modebar=dict(orientation="v"))
-    return fig
+    return _layout(fig, title, height=height, margin=dict(STORY_MARGIN))
 
 
 def _nll_interval(conditions: dict, name: str) -> tuple[float, float]:
@@ -632,7 +657,7 @@ def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.F
                 + "<extra></extra>",
             )
         )
-    fig.update_xaxes(title="NLL (nats / token; lower is better). Bars: 95% paired bootstrap CI vs correct")
+    fig.update_xaxes(title="NLL (nats / token; lower is better)")  # the caption below explains the bars
     order = [ANCHOR_TEXT.get(n, n) for n in reversed(names)]
     fig.update_yaxes(title="", type="category", categoryorder="array", categoryarray=order)
     return _story_layout(

@@ -71,6 +71,52 @@ def test_every_page_in_chromium(server):
             browser.close()
 
 
+# In a page: what does not fit at the current width. Metric labels and values cut short (an ellipsis
+# hides the rest); per chart, a title or legend under the plotly toolbar, a title over a legend, a title
+# or axis title past the figure's edges.
+LAYOUT_DEFECTS = """() => {
+  const hit = (a, b) => a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom;
+  const out = [];
+  document.querySelectorAll('[data-testid="stMetric"] *').forEach(e => {
+    if (e.children.length === 0 && e.scrollWidth > e.clientWidth + 1) out.push('metric cut: ' + e.innerText);
+  });
+  document.querySelectorAll('.js-plotly-plot').forEach(plot => {
+    const name = (plot.querySelector('.gtitle')?.textContent || 'untitled chart').slice(0, 50);
+    const box = plot.querySelector('.main-svg').getBoundingClientRect();
+    const toolbar = plot.querySelector('.modebar')?.getBoundingClientRect();
+    const legend = plot.querySelector('.legend')?.getBoundingClientRect();
+    plot.querySelectorAll('.gtitle, .legend, .colorbar, .xtitle, .ytitle').forEach(e => {
+      const r = e.getBoundingClientRect(), kind = e.getAttribute('class').split(' ').pop();
+      if (toolbar && hit(toolbar, r)) out.push(`${name}: toolbar over ${kind}`);
+      if (r.left < box.left - 1 || r.right > box.right + 1) out.push(`${name}: ${kind} past the figure's edge`);
+    });
+    const title = plot.querySelector('.gtitle')?.getBoundingClientRect();
+    if (title && legend && hit(title, legend)) out.push(`${name}: title over legend`);
+  });
+  return out;
+}"""
+
+
+def test_pages_fit_a_1024px_screen(server):
+    """At 1024 px (sidebar open) no metric is cut short, the plotly toolbar covers no title, legend or
+    colour bar, and no title runs past its chart."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = new_page(browser, width=1024, height=3000)  # tall: every chart is laid out at once
+            for path in ("", "variance", "profiles", "token_text", "execution", "study"):
+                page.goto(f"{server}/{path}")
+                wait_settled(page)
+                if path not in ("token_text", "study"):
+                    page.wait_for_selector(".js-plotly-plot .main-svg", timeout=45_000)
+                page.wait_for_timeout(500)  # plotly lays out after the run has been drawn
+                assert page.evaluate(LAYOUT_DEFECTS) == [], path or "overview"
+        finally:
+            browser.close()
+
+
 def test_typed_cache_path_in_chromium(server, tiny_demo):
     """The Cache box takes a typed path: one inside the configured roots is opened (a model folder there
     is refused as a cache, with the reason), one outside them is refused before anything is read."""

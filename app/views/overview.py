@@ -18,12 +18,10 @@ from app import figures, resources
 from app.views.common import Selection, download, guard, require_cache, teach
 from fca.tables.report import exactness_sentences, render_markdown, retention_sentence
 
-# The plotly toolbar stands vertical at the right edge instead of on the titles' line.
 CHART_CONFIG = {"displaylogo": False}
 
 
 def chart(fig, key: str) -> None:
-    fig.update_layout(modebar=dict(orientation="v"), margin=dict(r=50))
     st.plotly_chart(fig, key=key, config=CHART_CONFIG)
 
 
@@ -130,7 +128,7 @@ if report is None:
         stats = resources.cache_stats(str(cache.path), cache.fingerprint)
         dec = stats["decomposition"]
         st.metric(
-            "Variance from layer identity",
+            "Layer-identity share",
             f"{100 * (dec['layer_identity_share'] or 0):.1f}%",
             help="share of the coefficient variance explained by the site and channel alone",
         )
@@ -200,7 +198,7 @@ with cards:
 with c1:
     st.subheader("1. Variation")
     st.metric(
-        "Variance from layer identity",
+        "Layer-identity share",
         f"{100 * (var['layer_identity_share'] or 0):.1f}%",
         help="Share of the coefficient variance explained by the site and channel alone: SS between slot "
         "(site x channel) means / SS total, within each coefficient family",

@@ -9,8 +9,8 @@ import streamlit as st
 from app import figures, resources
 from app.views.common import download, guard, require_cache, teach
 
-# Positions shown at once in the token x layer heatmap: labels stay legible and the figure small.
-WINDOW = 64
+# Positions shown at once in the token x layer heatmap: every label stays legible on a 1024 px screen.
+WINDOW = 32
 
 sel = require_cache()
 cache = sel.cache
