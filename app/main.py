@@ -160,12 +160,14 @@ def sidebar() -> Selection:
     return sel
 
 
+resources.page_ran()
 page = st.navigation(PAGES)
 selection = sidebar()
 st.session_state[SELECTION_KEY] = selection
 if selection.cache_error:
     st.error(f"This cache cannot be used: {selection.cache_error}")
 page.run()
+resources.page_ran()  # the warm-up's steps wait for a quiet moment after this one
 if selection.cache is not None:  # after the page: fill the caches the next pages will need
     resources.warm_up(
         selection.cache, selection.model_dir, selection.device, selection.calibration_cache, selection.dense_dir

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,8 @@ if TYPE_CHECKING:  # pandas is imported where a DataFrame is built (the sidebar 
 # Sequences sampled for per-site distributions: quantiles need the values, not mergeable sums, so a
 # fixed-size sample keeps them bounded on caches of any size.
 SAMPLE_TOKENS = 65_536
+# The calibration band the Profiles page shows first (quantiles of the calibration coefficients).
+DEFAULT_BAND = (0.05, 0.95)
 
 
 def file_stamp(path: str | Path) -> str:
@@ -185,27 +188,42 @@ def caches(roots: tuple[str, ...]) -> list[catalog.CacheEntry]:
     return catalog.discover_caches(roots)
 
 
-# The warm-up waits this long after a page was sent: the browser is then still evaluating plotly.js and
+# The warm-up starts this long after a page was sent: the browser is then still evaluating plotly.js and
 # drawing, and a warm-up started at once (even at the lowest CPU priority: it holds the GIL the server
 # needs to send plotly.js) delayed a fresh server's first chart.
 WARM_UP_DELAY_S: float | None = 3.0  # None: no warm-up (the tests, which run many apps in one process)
+# Each warm-up step waits until no page has run for this long: a step (importing torch holds the GIL
+# for a second) started while a reader clicks through the pages made each of those page switches slow.
+WARM_UP_IDLE_S = 1.5
 # The model is preloaded only below this size: a larger one (MUDDPythia-1.4B in float32 is ~5.7 GB)
 # loads when a page asks for it, not merely because its cache was looked at.
 WARM_UP_MAX_MODEL_BYTES = 1 << 30
 _warm_started: set[tuple[str, ...]] = set()
 _warm_guard = threading.Lock()
+_last_page_run = [time.monotonic()]
+
+
+def page_ran() -> None:
+    """Called by every script run: the warm-up keeps out of the way while pages are being opened."""
+    _last_page_run[0] = time.monotonic()
+
+
+def _wait_until_idle() -> None:
+    while (quiet := time.monotonic() - _last_page_run[0]) < WARM_UP_IDLE_S:
+        time.sleep(WARM_UP_IDLE_S - quiet)
 
 
 def warm_up(
     cache: Cache, model_dir: Path | None, device: str, calibration: Cache | None, dense_dir: Path | None = None
 ) -> None:
     """Fill, in a background thread, the caches that the other pages will ask for: the statistics of the
-    selected cache and of its calibration cache (Variance, Profiles) and the model (Replay lab,
-    Execution; importing torch and loading it is the slowest step of a first visit). Started once per selection
-    and server process, a few seconds after a page has been sent (WARM_UP_DELAY_S). The
-    thread shows nothing: a resource that fails here fails again on the page that needs it, which shows
-    the error. Cache keys are shared, so a page asking for a value while it is being filled waits for it
-    instead of computing it twice."""
+    selected cache and of its calibration cache (Variance, Profiles), the first sequence with its decoded
+    tokens and the default calibration band (what those pages draw first), and the model (Replay lab,
+    Execution; importing torch and loading it is the slowest step of a first visit). Started once per
+    selection and server process, a few seconds after a page has been sent (WARM_UP_DELAY_S), each step
+    when no page has run for WARM_UP_IDLE_S. The thread shows nothing: a resource that fails here fails
+    again on the page that needs it, which shows the error. Cache keys are shared, so a page asking for a
+    value while it is being filled waits for it instead of computing it twice."""
     if WARM_UP_DELAY_S is None:
         return
     key = (str(cache.path), cache.fingerprint, str(model_dir), device, str(calibration.path) if calibration else "")
@@ -213,9 +231,19 @@ def warm_up(
         if key in _warm_started:
             return
         _warm_started.add(key)
+    reference = calibration or cache  # where the Profiles page takes its profile and band from
+    model = str(model_dir) if model_dir else ""
+
+    def first_sequence() -> None:
+        ids = sequence(str(cache.path), cache.fingerprint, 0)["token"]
+        decode_tokens(model, tuple(int(t) for t in ids))
+
     steps = [
         lambda: cache_stats(str(cache.path), cache.fingerprint),
+        lambda: cache_stats(str(reference.path), reference.fingerprint),
+        first_sequence,
         lambda: site_quantiles(str(cache.path), cache.fingerprint),
+        lambda: calibration_band(str(reference.path), reference.fingerprint, *DEFAULT_BAND),
     ]
     if calibration is not None:
         steps.append(lambda: profiles(str(calibration.path), calibration.fingerprint))
@@ -233,6 +261,7 @@ def warm_up(
         except (AttributeError, OSError):
             pass
         for step in steps:
+            _wait_until_idle()
             try:
                 step()
             except Exception:  # noqa: BLE001 (see the docstring: the page shows it)

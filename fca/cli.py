@@ -134,9 +134,7 @@ def _add_engine_flags(p: argparse.ArgumentParser, what: str) -> None:
         help=f"local: one process (default); ray: {what} sharded over Ray actors (pip install ray)",
     )
     p.add_argument("--address", default=None, help="Ray cluster address (default: start a local cluster)")
-    p.add_argument(
-        "--workers", type=int, default=None, help="Ray actors (default: one per GPU, else one per CPU)"
-    )
+    p.add_argument("--workers", type=int, default=None, help="Ray actors (default: one per GPU, else one per CPU)")
 
 
 def _progress_bars():

@@ -337,7 +337,7 @@ def test_ui_replay_equals_python_api(tiny_demo, monkeypatch):
     assert ui["spec"]["conditions"] == api["spec"]["conditions"]
     assert ui["results"]["per_sequence_nll"] == api["results"]["per_sequence_nll"]  # identical, not merely close
     assert Path(ui["path"]).is_file() and Path(ui["path"]).parent == tiny_demo / "eval.runs"
-    from fca.jobs.runs import run_label
+    from fca.tables.runs import run_label
 
     assert run_label(ui["spec"]) in at.dataframe[-1].value["run"].tolist()  # runs are named by what they ran
 
@@ -589,7 +589,7 @@ LAB_WIDGETS = ["lab_kinds", "lab_sites", "lab_sweep", "lab_alpha", "lab_independ
 
 
 def test_lab_run_labels_and_csv_rows_are_plain():
-    from fca.jobs.runs import run_label, run_labels, saved_run_rows, sweep_conditions
+    from fca.tables.runs import run_label, run_labels, saved_run_rows, sweep_conditions
 
     spec = {"conditions": ["correct", "static_layer", "global_mean"], "num_seqs": 16, "seed": 3, "batch_size": 2}
     assert run_label(spec) == "static_layer + global_mean, n=16, seed 3"
@@ -662,7 +662,7 @@ def test_lab_results_show_their_own_settings_and_join_the_comparison(tiny_demo, 
     stale "cancelled" note goes when a run starts or belongs to another cache, and each new run joins
     "Compare runs" by its name."""
     from app.jobs import ReplayJob
-    from fca.jobs.runs import run_label
+    from fca.tables.runs import run_label
 
     root = _lab_copy(tiny_demo, tmp_path)
     at = render(app_for(monkeypatch, [root], root / "eval"), "views/replay_lab.py")
@@ -710,7 +710,7 @@ def test_lab_results_show_their_own_settings_and_join_the_comparison(tiny_demo, 
 
 
 def test_lab_interpolation_sweep_in_one_run(tiny_demo, tmp_path, monkeypatch):
-    from fca.jobs.runs import sweep_conditions
+    from fca.tables.runs import sweep_conditions
 
     root = _lab_copy(tiny_demo, tmp_path)
     at = render(app_for(monkeypatch, [root], root / "eval"), "views/replay_lab.py")

@@ -235,8 +235,9 @@ def test_replay_lab_in_chromium(tiny_demo, tmp_path):
             for _ in range(10):
                 page.get_by_role("button", name="Cancel").click()
                 try:
-                    page.wait_for_function("() => /Cancelling|Cancelled after/.test(document.body.innerText)",
-                                           timeout=2_000)
+                    page.wait_for_function(
+                        "() => /Cancelling|Cancelled after/.test(document.body.innerText)", timeout=2_000
+                    )
                     break
                 except PlaywrightTimeout:  # the click was lost: click again
                     continue

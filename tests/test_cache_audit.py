@@ -470,7 +470,8 @@ def test_gap_retention_undefined_without_gap():
 
 
 def test_replay_cli_saves_runs(demo, capsys):
-    from fca.jobs.runs import list_runs, run_replay
+    from fca.jobs.runs import run_replay
+    from fca.tables.runs import list_runs
 
     assert (
         main(

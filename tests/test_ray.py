@@ -40,8 +40,14 @@ def single(tiny_demo, tmp_path_factory):
 
 def _distributed(tiny_demo, out, **kw):
     return build_cache_distributed(
-        tiny_demo / "featuregate", tiny_demo / "corpus.txt", "eval", out, workers=2, show_progress=False,
-        **SIZES, **kw,
+        tiny_demo / "featuregate",
+        tiny_demo / "corpus.txt",
+        "eval",
+        out,
+        workers=2,
+        show_progress=False,
+        **SIZES,
+        **kw,
     )
 
 

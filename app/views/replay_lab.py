@@ -17,19 +17,19 @@ import streamlit as st
 from app import figures, resources
 from app.jobs import ReplayJob
 from app.views.common import download, guard, require_cache, teach
-from fca.jobs.runs import (
+from fca.jobs.runs import run_replay
+from fca.tables.conditions import Condition
+from fca.tables.report import exactness_sentences
+from fca.tables.runs import (
     SWEEP_ALPHAS,
     condition_rows,
     list_runs,
     replay_command,
     run_label,
     run_labels,
-    run_replay,
     saved_run_rows,
     sweep_conditions,
 )
-from fca.tables.conditions import Condition
-from fca.tables.report import exactness_sentences
 
 JOB_KEY = "replay_job"
 KINDS = {

@@ -36,7 +36,6 @@ from fca.tables.store import (
     record_batch,
 )
 
-
 REPO = Path(__file__).resolve().parents[2]  # the checkout holding the fca package
 
 

@@ -1,0 +1,178 @@
+"""Saved replay runs, as records: where they live, how they are named, tabulated and re-run.
+
+Runs live in `<cache>.runs/<created>-<spec hash>.json`, never inside the cache itself, so a cache's
+contents and hashes never change. Torch-free (the dashboard draws the Replay lab's form and saved runs
+with it); the replay itself is `fca.jobs.runs.run_replay`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from fca.tables.conditions import Condition, parse_condition
+from fca.tables.scoring import BOOTSTRAP_RESAMPLES
+from fca.tables.stats import paired_bootstrap_ci
+
+
+def runs_dir(cache_dir: str | Path) -> Path:
+    cache_dir = Path(cache_dir)
+    return cache_dir.with_name(cache_dir.name + ".runs")
+
+
+def save_run(cache_dir: str | Path, record: dict) -> Path:
+    folder = runs_dir(cache_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(json.dumps(record["spec"], sort_keys=True).encode()).hexdigest()[:10]
+    path = folder / f"{record['created'].replace(':', '').replace('-', '')}-{digest}.json"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({k: v for k, v in record.items() if k != "path"}, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def list_runs(cache_dir: str | Path) -> list[dict]:
+    """Saved runs of a cache, newest first; unreadable files are skipped."""
+    runs = []
+    for path in sorted(runs_dir(cache_dir).glob("*.json"), reverse=True):
+        try:
+            runs.append({**json.loads(path.read_text()), "path": str(path)})
+        except (OSError, json.JSONDecodeError):
+            continue
+    return runs
+
+
+# ------------------------------------------------------------------ runs as people read them
+# Torch-free helpers over run records (and the settings given to `run_replay`), shared by the Replay
+# lab and anyone listing runs: a run is named by what it ran, and tables use plain column names.
+
+SWEEP_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)  # 0 = static profile, 1 = each token's own coefficients
+
+
+def sweep_conditions(sites: Sequence[str] | None = None, seed: int = 0) -> list[Condition]:
+    """`interpolate:alpha` at every SWEEP_ALPHAS (freezing only `sites`, or all when None): one run."""
+    return [Condition("interpolate", a, tuple(sites) if sites else None, seed=seed) for a in SWEEP_ALPHAS]
+
+
+def run_label(spec: dict) -> str:
+    """What a run ran, e.g. "static_layer + global_mean, n=16, seed 3". Correct always runs and is left
+    out unless it ran alone; interpolations of the same sites are listed as one sweep of alphas."""
+    names = [c for c in spec.get("conditions", []) if c != "correct"] or ["correct"]
+    parts: list[str] = []
+    sweeps: dict[str, list[str]] = {}  # interpolations at the same sites -> their alphas
+    for name in names:
+        try:
+            c = parse_condition(name)
+        except ValueError:  # a record written by another version: show its text as it is
+            parts.append(name)
+            continue
+        if c.kind != "interpolate":
+            parts.append(name)
+            continue
+        key = "" if c.sites is None else "@" + ",".join(c.sites)
+        if key not in sweeps:
+            sweeps[key] = []
+            parts.append(f"\0{key}")  # placeholder: keeps the sweep where its first alpha was
+        sweeps[key].append(f"{c.alpha:g}")
+    text = " + ".join(f"interpolate:{','.join(sweeps[p[1:]])}{p[1:]}" if p.startswith("\0") else p for p in parts)
+    return f"{text}, n={spec.get('num_seqs', '?')}, seed {spec.get('seed', '?')}"
+
+
+def run_labels(records: Sequence[dict]) -> list[str]:
+    """`run_label` of each record; runs of the same settings are told apart by their creation time."""
+    labels = [run_label(r.get("spec", {})) for r in records]
+    repeated = {x for x in labels if labels.count(x) > 1}
+    labels = [f"{x} ({r.get('created', '')[11:19]})" if x in repeated else x for x, r in zip(labels, records)]
+    seen: dict[str, int] = {}
+    for i, x in enumerate(labels):  # same settings in the same second: number them
+        seen[x] = seen.get(x, 0) + 1
+        labels[i] = x if seen[x] == 1 else f"{x} #{seen[x]}"
+    return labels
+
+
+def condition_rows(record: dict) -> list[dict]:
+    """One row per condition of a run, in plain words: mean NLL with the 95% bootstrap CI of the mean over
+    sequences, and the penalty vs correct with its 95% paired bootstrap CI (the same resampling as the
+    audit's, `fca.tables.scoring`)."""
+    per_seq = record["results"].get("per_sequence_nll", {})
+    seed = int(record.get("spec", {}).get("seed", 0))
+    rows = []
+    for name, row in record["results"]["conditions"].items():
+        values = np.asarray(per_seq.get(name, []), dtype=np.float64)
+        lo, hi = paired_bootstrap_ci(values, BOOTSTRAP_RESAMPLES, seed) if len(values) > 1 else (row["nll"], row["nll"])
+        rows.append(
+            {
+                "condition": name,
+                "NLL (nats/token)": row["nll"],
+                "NLL 95% CI low": lo,
+                "NLL 95% CI high": hi,
+                "penalty (nats/token)": row["penalty"],
+                "penalty 95% CI low": row["penalty_ci95"][0],
+                "penalty 95% CI high": row["penalty_ci95"][1],
+            }
+        )
+    return rows
+
+
+def saved_run_rows(records: Sequence[dict], labels: Sequence[str] | None = None) -> list[dict]:
+    """Rows of `saved_runs.csv`: one per (run, condition), each with the run's name and settings."""
+    labels = run_labels(records) if labels is None else labels
+    rows = []
+    for label, r in zip(labels, records):
+        spec = r.get("spec", {})
+        settings = {
+            "run": label,
+            "created": r.get("created"),
+            "sequences": spec.get("num_seqs"),
+            "seed": spec.get("seed"),
+            "batch size": spec.get("batch_size"),
+            "device": r.get("device"),
+        }
+        rows += [{**settings, **row} for row in condition_rows(r)]
+    return rows
+
+
+def sweep_rows(record: dict) -> list[dict]:
+    """The interpolations of a run (alpha, NLL and its CI, penalty), by alpha; empty when it has none."""
+    rows = []
+    for row in condition_rows(record):
+        try:
+            c = parse_condition(row["condition"])
+        except ValueError:
+            continue
+        if c.kind == "interpolate":
+            rows.append({"alpha": c.alpha, **row})
+    return sorted(rows, key=lambda r: r["alpha"])
+
+
+def replay_command(settings: dict, relative_to: str | Path | None = None) -> str:
+    """The `python -m fca replay` command for `run_replay`'s keyword arguments (`settings`: model,
+    cache, calibration, conditions, num_seqs, seed, batch_size, device); paths are shown relative to
+    `relative_to` when they lie inside it."""
+    import shlex
+
+    def rel(p: str | Path) -> str:
+        if relative_to is not None:
+            try:
+                return str(Path(p).resolve().relative_to(Path(relative_to).resolve()))
+            except ValueError:
+                pass
+        return str(p)
+
+    conditions = [c if isinstance(c, str) else c.spec for c in settings["conditions"]]
+    conditions = list(dict.fromkeys(["correct", *conditions]))
+    parts = [
+        f"--model {shlex.quote(rel(settings['model']))}",
+        f"--cache {shlex.quote(rel(settings['cache']))}",
+        f"--calibration {shlex.quote(rel(settings['calibration']))}",
+        "--conditions " + " ".join(shlex.quote(s) for s in conditions),
+        f"--num-seqs {settings['num_seqs']}",
+        f"--seed {settings['seed']}",
+        f"--batch {settings['batch_size']}",
+        f"--device {settings.get('device', 'auto')}",
+    ]
+    return "python -m fca replay " + " ".join(parts)
