@@ -4,7 +4,7 @@ Two measurements (docs/scale.md quotes them):
 1. `--parts N --workers W`: N tiny synthetic parts (one 8-token sequence of 4 channels each) written by
    W Ray actors with shard writers and recorded by the same driver as a real build
    (`fca.jobs.distributed.drive_parts` + `CacheWriter`), then finished (moments merged, manifest
-   written) and opened. Reports the driver's CPU seconds per part (`time.process_time` of the driver
+   written), opened and two sequences read (first and last part). Reports the driver's CPU seconds per part (`time.process_time` of the driver
    process over the drive), wall time per part, time in `add_parts` (progress.json) and in `finish`.
 2. `--records M,...`: the bookkeeping alone at M parts (no files, no Ray): recording M part records one
    by one, the manifest's size and the time to parse it into a `Manifest`, the lookup of a part by index.
@@ -99,8 +99,11 @@ def drive(parts: int, workers: int, root: Path) -> dict:
         writer.finish()
         finish = time.perf_counter() - start
         start = time.perf_counter()
-        open_cache(out)
+        cache = open_cache(out)
         opened = time.perf_counter() - start
+        start = time.perf_counter()
+        cache.read_seqs([0, parts - 1])  # the first and last parts' footers, and one row group of each
+        first_read = time.perf_counter() - start
     finally:
         ray.shutdown()
     return {
@@ -111,6 +114,7 @@ def drive(parts: int, workers: int, root: Path) -> dict:
         "add_parts_ms_per_part": 1e3 * in_add[0] / parts,
         "finish_s": finish,
         "open_cache_s": opened,
+        "read_two_seqs_s": first_read,
         "manifest_bytes": (out / "manifest.json").stat().st_size,
     }
 

@@ -393,7 +393,7 @@ def test_corrupt_part_file_shows_error_and_app_recovers(tiny_demo, tmp_path, mon
     part.write_bytes(b"this is not parquet" * 10)
     at = render(app_for(monkeypatch, [tmp_path, tiny_demo], tmp_path / "bad" / "eval"), "views/variance.py")
     no_exceptions(at)
-    assert any("not a readable Parquet file" in e.value for e in at.error)
+    assert any("not the part the manifest records" in e.value for e in at.error)
     at.sidebar.selectbox(key="cache").set_value(str(tiny_demo / "eval")).run()  # the app keeps working
     no_exceptions(at)
     assert not at.error and len(at.get("plotly_chart")) >= 1

@@ -232,7 +232,8 @@ def test_nan_coefficients(demo, tmp_path, capsys):
     )
     pq.write_table(table, part, compression="zstd")
     manifest = json.loads((bad / MANIFEST).read_text())
-    manifest["parts"][0]["sha256"] = fca.tables.store.file_sha256(part)  # a consistent cache that holds NaN
+    # a consistent cache that holds NaN: its record says the new part's hash and size
+    manifest["parts"][0].update(sha256=fca.tables.store.file_sha256(part), bytes=part.stat().st_size)
     (bad / MANIFEST).write_text(json.dumps(manifest))
     before = _snapshot(bad)
     with pytest.raises(CacheError, match="non-finite"):
@@ -259,6 +260,11 @@ def test_missing_site_column(demo, tmp_path, capsys):
     bad = _copy(demo, tmp_path)
     part = next(bad.glob("part-*.parquet"))
     pq.write_table(pq.read_table(part).drop_columns(["blocks.1.gate"]), part)
+    with pytest.raises(CacheError, match="not the part the manifest records"):
+        open_cache(bad)  # its size is not the recorded one
+    manifest = json.loads((bad / MANIFEST).read_text())  # recorded as it now is: the schema check refuses it
+    manifest["parts"][0].update(sha256=fca.tables.store.file_sha256(part), bytes=part.stat().st_size)
+    (bad / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CacheError, match="column 'blocks.1.gate' is missing"):
         open_cache(bad)
     err = _cli_error(["inspect", str(bad)], capsys)

@@ -102,6 +102,27 @@ def test_three_workers_write_the_same_cache_as_one(artifacts, tmp_path, small_pa
     assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [2 * T, 2 * T]
 
 
+def test_a_part_is_read_only_when_a_read_needs_it(artifacts, tmp_path, small_parts):
+    """Opening reads one part's schema; reading sequences opens only the footers of the parts holding
+    them (found from the manifest), so a part whose columns are wrong is refused when it is first read."""
+    from fca.tables.store import MANIFEST, file_sha256
+
+    cache_dir = _build(artifacts, tmp_path / "lazy", workers=1)
+    whole = open_cache(cache_dir).read_seqs(range(N_SEQS))
+    third = cache_dir / "part-00002.parquet"  # sequences 8..11, rewritten without a site column
+    pq.write_table(pq.read_table(third).drop_columns(["blocks.1.gate"]), third)
+    manifest = json.loads((cache_dir / MANIFEST).read_text())
+    manifest["parts"][2].update(sha256=file_sha256(third), bytes=third.stat().st_size)
+    (cache_dir / MANIFEST).write_text(json.dumps(manifest))
+    cache = open_cache(cache_dir)
+    assert cache._footers == {}
+    got = cache.read_seqs([5, 1])  # parts 1 and 0
+    assert sorted(cache._footers) == [0, 1]
+    assert all(np.array_equal(got[k], whole[k][[5, 1]]) for k in got)
+    with pytest.raises(CacheError, match="part-00002.parquet: column 'blocks.1.gate' is missing"):
+        cache.read_seqs([9])
+
+
 def _synthetic(num_seqs, seqs_per_part, workers, out, batch=3, dtype="float32"):
     """Random coefficients through CacheWriter directly, batches crossing part boundaries."""
     specs = {

@@ -924,11 +924,13 @@ def read_manifest(cache_dir: str | Path) -> Manifest:
 
 @dataclass
 class Cache:
-    """A finished cache opened for reading. Nothing but the manifest and part footers is read here."""
+    """A finished cache opened for reading. Opening reads the manifest and one part's schema; a part's
+    footer (its schema, checked, and its row groups' `seq` ranges) is read when a read first needs it,
+    so opening and reading a few sequences cost the same with 10 parts or 10^5."""
 
     path: Path
     manifest: Manifest
-    _row_group_index: list | None = field(default=None, init=False, repr=False, compare=False)
+    _footers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _read_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     @property
@@ -963,41 +965,57 @@ class Cache:
 
         return ds.dataset([str(p) for p in self.part_paths()], format="parquet")
 
-    def _row_groups(self) -> list[tuple[Path, pq.ParquetFile, int, int, int]]:
-        """(path, open part file, row group, first seq, last seq) of every row group, from the footers'
-        `seq` statistics; read once per opened cache, so a replay's reads go straight to their row groups."""
-        if self._row_group_index is None:
-            index = []
-            for path in self.part_paths():
-                try:
-                    part = pq.ParquetFile(path)
-                    for i in range(part.metadata.num_row_groups):
-                        stats = part.metadata.row_group(i).column(0).statistics
-                        if stats is None or not stats.has_min_max:
-                            raise CacheError(f"{path}: row group {i} has no `seq` statistics")
-                        index.append((path, part, i, int(stats.min), int(stats.max)))
-                except (pa.ArrowInvalid, OSError) as err:
-                    raise CacheError(f"{path}: unreadable part file ({str(err).splitlines()[0]})") from None
-            self._row_group_index = index
-        return self._row_group_index
+    def _part_starts(self) -> np.ndarray:
+        """[parts + 1] first sequence of every part in manifest order, and the end (the manifest's part
+        records say it; older caches listed parts in order without it)."""
+        sizes = [p.num_seqs for p in self.manifest.parts]
+        firsts = [p.first_seq for p in self.manifest.parts]
+        starts = np.concatenate([[0], np.cumsum(sizes)]) if None in firsts else np.array([*firsts, self.num_seqs])
+        return starts.astype(np.int64)
 
-    def _read_rows(self, wanted: list[int], columns: list[str]) -> pa.Table:
-        """The rows of the sorted sequences `wanted`: only the row groups whose `seq` range meets them are
-        read (a row group holds whole sequences), then rows of other sequences are dropped."""
-        groups = self._row_groups()
-        lo, hi = np.array([g[3] for g in groups]), np.array([g[4] for g in groups])
-        w = np.asarray(wanted)
-        # a row group is needed when some wanted seq lies in [first, last]
-        needed = np.searchsorted(w, lo, side="left") < np.searchsorted(w, hi, side="right")
-        pieces = []
-        for (path, part, i, _, _), need in zip(groups, needed):
-            if not need:
-                continue
+    def _footer(self, position: int) -> tuple[Path, pq.ParquetFile, list[tuple[int, int, int]]]:
+        """(path, open part file, [(row group, first seq, last seq)]) of the part at `position` in the
+        manifest, its schema checked: read once per opened cache, on the first read that needs it."""
+        if position not in self._footers:
+            path = self.path / self.manifest.parts[position].file
             try:
-                with self._read_lock:  # one open file, read from the prefetch thread and the caller's
-                    pieces.append(part.read_row_group(i, columns=columns))
+                part = pq.ParquetFile(path)
+                check_part_schema(path, part.schema_arrow, self.expected_schema())
+                groups = []
+                for i in range(part.metadata.num_row_groups):
+                    stats = part.metadata.row_group(i).column(0).statistics
+                    if stats is None or not stats.has_min_max:
+                        raise CacheError(f"{path}: row group {i} has no `seq` statistics")
+                    groups.append((i, int(stats.min), int(stats.max)))
             except (pa.ArrowInvalid, OSError) as err:
                 raise CacheError(f"{path}: unreadable part file ({str(err).splitlines()[0]})") from None
+            self._footers[position] = (path, part, groups)
+        return self._footers[position]
+
+    def expected_schema(self) -> pa.Schema:
+        return cache_schema(self.site_specs, coefficient_arrow_type(self.coefficient_dtype))
+
+    def _read_rows(self, wanted: list[int], columns: list[str]) -> pa.Table:
+        """The rows of the sorted sequences `wanted`: only the parts holding them (found from the manifest
+        by arithmetic) and in those only the row groups whose `seq` range meets them are read (a row
+        group holds whole sequences), then rows of other sequences are dropped."""
+        w = np.asarray(wanted)
+        starts = self._part_starts()
+        positions = np.unique(np.searchsorted(starts, w, side="right") - 1)
+        pieces = []
+        for position in positions:
+            path, part, groups = self._footer(int(position))
+            lo, hi = np.array([g[1] for g in groups]), np.array([g[2] for g in groups])
+            # a row group is needed when some wanted seq lies in [first, last]
+            needed = np.searchsorted(w, lo, side="left") < np.searchsorted(w, hi, side="right")
+            for (i, _, _), need in zip(groups, needed):
+                if not need:
+                    continue
+                try:
+                    with self._read_lock:  # one open file, read from the prefetch thread and the caller's
+                        pieces.append(part.read_row_group(i, columns=columns))
+                except (pa.ArrowInvalid, OSError) as err:
+                    raise CacheError(f"{path}: unreadable part file ({str(err).splitlines()[0]})") from None
         if not pieces:
             return pa.schema([pa.field("seq", pa.int32())]).empty_table()
         table = pa.concat_tables(pieces)
@@ -1157,9 +1175,21 @@ def _prefetch(
         reader.join()
 
 
+def check_part_schema(part: Path, schema: pa.Schema, expected: pa.Schema) -> None:
+    for column_field in expected:
+        if column_field.name not in schema.names:
+            raise CacheError(f"{part}: column {column_field.name!r} is missing")
+        if not schema.field(column_field.name).type.equals(column_field.type):
+            raise CacheError(
+                f"{part}: column {column_field.name!r} has type {schema.field(column_field.name).type}, "
+                f"expected {column_field.type}"
+            )
+
+
 def open_cache(path: str | Path, verify: bool = False) -> Cache:
-    """Open a finished cache: checks the manifest, the part files' footers and schemas (and with
-    `verify=True` their hashes). Raises `CacheError` with a one-line reason."""
+    """Open a finished cache: checks the manifest, that every part file is there with its recorded
+    size, and the first part's schema (the others' when first read; `verify=True` checks every part's
+    hash). Raises `CacheError` with a one-line reason."""
     path = Path(path)
     manifest_path = path / MANIFEST
     if not path.is_dir():
@@ -1172,22 +1202,29 @@ def open_cache(path: str | Path, verify: bool = False) -> Cache:
         )
         raise CacheError(f"{manifest_path}: missing; not a finished cache{hint}")
     cache = Cache(path, read_manifest(path))
-    expected = cache_schema(cache.site_specs, coefficient_arrow_type(cache.coefficient_dtype))
-    for part in cache.part_paths():
-        if not part.is_file():
-            raise CacheError(f"{part}: part file missing")
+    # Every part must be there with the size the manifest records (a stat each: truncated or overwritten
+    # parts are refused here); one part's schema is read now, each other's when a read first needs it
+    # (`Cache._footer`), so a cache of 10^5 parts opens as fast as one of 10.
+    for record in cache.manifest.parts:
+        part = path / record.file
         try:
-            schema = pq.read_schema(part)
+            size = part.stat().st_size
+        except FileNotFoundError:
+            raise CacheError(f"{part}: part file missing") from None
+        if size != record.bytes:
+            if verify:
+                cache.verify()  # names the part whose hash differs
+            raise CacheError(
+                f"{part}: not the part the manifest records ({size:,} bytes, recorded {record.bytes:,}: "
+                "truncated or overwritten)"
+            )
+    if cache.manifest.parts:
+        first = path / cache.manifest.parts[0].file
+        try:
+            schema = pq.read_schema(first)
         except (pa.ArrowInvalid, OSError) as err:
-            raise CacheError(f"{part}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
-        for column_field in expected:
-            if column_field.name not in schema.names:
-                raise CacheError(f"{part}: column {column_field.name!r} is missing")
-            if not schema.field(column_field.name).type.equals(column_field.type):
-                raise CacheError(
-                    f"{part}: column {column_field.name!r} has type {schema.field(column_field.name).type}, "
-                    f"expected {column_field.type}"
-                )
+            raise CacheError(f"{first}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
+        check_part_schema(first, schema, cache.expected_schema())
     if verify:
         cache.verify()
     return cache
