@@ -94,7 +94,8 @@ def _dtype(name: str | None):
 
 
 def cmd_build_cache(args: argparse.Namespace) -> None:
-    from fca.tables.store import open_cache
+    from fca.tables.remote import is_uri, remote_manifest
+    from fca.tables.store import Manifest, open_cache
 
     common = dict(
         num_seqs=args.num_seqs,
@@ -118,11 +119,13 @@ def cmd_build_cache(args: argparse.Namespace) -> None:
         from fca.jobs.build import build_cache_from_corpus
 
         out = build_cache_from_corpus(args.model, args.corpus, args.split, args.out, workers=args.writers, **common)
-    cache = open_cache(out)
-    size = cache.manifest.total_bytes
+    if is_uri(str(out)):  # published to a filesystem URI: its manifest says what was written
+        manifest = Manifest.from_json(remote_manifest(str(out)), str(out))
+    else:
+        manifest = open_cache(out).manifest
     print(
-        f"wrote {out}: {cache.num_seqs} sequences x {cache.seq_len} tokens, {len(cache.sites)} sites, "
-        f"{size / 1e6:.2f} MB"
+        f"wrote {out}: {manifest.num_seqs} sequences x {manifest.seq_len} tokens, {len(manifest.sites)} sites, "
+        f"{manifest.total_bytes / 1e6:.2f} MB"
     )
 
 

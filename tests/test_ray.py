@@ -93,6 +93,52 @@ def test_lost_workers_then_resume_give_the_same_cache(tiny_demo, single, tmp_pat
     _same_cache(_distributed(tiny_demo, out), single)
 
 
+def test_build_to_a_filesystem_uri_commits_parts_and_resumes(tiny_demo, single, tmp_path):
+    """`--out` a pyarrow filesystem URI (here file://, through the same pyarrow filesystem calls as
+    s3:// or gs://): actors commit parts under `<uri>.partial/`, a stopped build keeps them and resumes,
+    the published cache is the local build's, and nothing at the URI looks finished before it is."""
+    uri = (tmp_path / "remote" / "eval").as_uri()
+    root = tmp_path / "remote"
+    with pytest.raises(CacheError, match="every build worker failed"):
+        _distributed(tiny_demo, uri, fail_after=1)
+    assert len(list((root / "eval.partial").glob("part-*.record.json"))) == 2  # one committed per worker
+    kept = {p.name: p.stat().st_mtime_ns for p in (root / "eval.partial").glob("part-*.parquet")}
+    assert len(kept) == 2 and not (root / "eval").exists() and not (root / "eval.lock").exists()
+    assert _distributed(tiny_demo, uri) == uri
+    assert {name: (root / "eval" / name).stat().st_mtime_ns for name in kept} == kept  # moved, not redone
+    assert not (root / "eval.partial").exists() and not (root / "eval.lock").exists()
+    _same_cache(root / "eval", single)
+    with pytest.raises(CacheError, match="already exists"):
+        _distributed(tiny_demo, uri)
+
+
+def test_single_process_build_to_a_uri_and_refusals(tiny_demo, single, tmp_path):
+    from fca.tables.remote import RemoteParts
+
+    uri = (tmp_path / "eval").as_uri()
+    out = build_cache_from_corpus(
+        tiny_demo / "featuregate", tiny_demo / "corpus.txt", "eval", uri, show_progress=False, **SIZES
+    )
+    assert out == uri
+    _same_cache(tmp_path / "eval", single)
+    held = RemoteParts(uri).lock().acquire()  # another build holds the URI
+    try:
+        with pytest.raises(CacheError, match=r"another build holds .*eval.lock"):
+            build_cache_from_corpus(
+                tiny_demo / "featuregate",
+                tiny_demo / "corpus.txt",
+                "eval",
+                uri,
+                overwrite=True,
+                show_progress=False,
+                **SIZES,
+            )
+    finally:
+        held.release()
+    with pytest.raises(CacheError, match="not a filesystem pyarrow can open"):
+        RemoteParts("nosuchscheme://bucket/cache")
+
+
 def test_shard_bounds_fall_on_batches():
     assert shard_bounds(10, 4, 2) == [(0, 8), (8, 10)] or shard_bounds(10, 4, 2) == [(0, 4), (4, 10)]
     assert shard_bounds(3, 4, 5) == [(0, 3)]

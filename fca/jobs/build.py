@@ -15,6 +15,8 @@ from fca.engine.environment import current_environment, model_dtype_name
 from fca.engine.loading import fingerprint_state, load_model, read_config
 from fca.engine.sites import model_logits, site_specs
 from fca.tables import data
+from fca.tables.errors import CacheError
+from fca.tables.remote import RemoteParts, is_uri, staging
 from fca.tables.store import COEFFICIENT_BYTES, cache_plan, file_sha256
 
 
@@ -36,13 +38,49 @@ def build_cache_from_corpus(
     show_progress: bool = True,
     workers: int | None = None,
     part_seqs: int | None = None,
-) -> Path:
+) -> Path | str:
     """Record every site's coefficients on `num_seqs` windows of one split and write them as a cache.
 
     Memory does not grow with `num_seqs`: one batch is in flight while the previous one is written.
     Deterministic: the same model, corpus, split seed and sizes give the same cache contents.
     `part_seqs`: sequences per part file (default: about 32 MB raw per part).
+    `out` may be a pyarrow filesystem URI (s3://..., file://...): the cache is built in a local staging
+    directory and published there when complete (fca.tables.remote; a stopped build starts over, while
+    `--engine ray` commits part by part and resumes); the return value is then the URI.
     """
+    if is_uri(str(out)):
+        remote = RemoteParts(str(out))
+        if remote.finished() and not overwrite:
+            raise CacheError(f"{out}: already exists (pass --overwrite to replace it)")
+        lock = remote.lock().acquire()
+        try:
+            with staging() as stage:
+                if show_progress:
+                    from tqdm.auto import tqdm
+
+                    tqdm.write(f"{out}: built in {stage}, published there when complete")
+                local = build_cache_from_corpus(
+                    model_dir,
+                    corpus,
+                    split,
+                    stage / "cache",
+                    num_seqs,
+                    seq_len,
+                    batch_size,
+                    device,
+                    dtype,
+                    split_seed,
+                    text_column,
+                    coefficient_dtype,
+                    False,
+                    progress,
+                    show_progress,
+                    workers,
+                    part_seqs,
+                )
+                return remote.publish(local)
+        finally:
+            lock.release()
     model, windows, plan = prepare_corpus_build(
         model_dir,
         corpus,

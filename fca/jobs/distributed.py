@@ -36,6 +36,7 @@ from fca.jobs.experiment import CacheSource, Experiment, ModelSource
 from fca.tables.conditions import Condition
 from fca.tables.errors import CacheError
 from fca.tables.fidelity import FidelityMeasure
+from fca.tables.remote import RemoteParts, is_uri, staging
 from fca.tables.store import CacheWriter, cache_schema, coefficient_arrow_type, spec_from_json
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])  # so local Ray workers import this very `fca`
@@ -107,15 +108,27 @@ class _BuildWorker:
         }
 
     def write_part(self, out: str, part_seqs: int, k: int) -> dict:
-        """Write part k into `<out>.partial/` with a shard writer; -> its part record."""
+        """Write part k into `<out>.partial/` with a shard writer; -> its part record. A URI `out`: the part
+        is written in a local staging directory and committed under `<out>.partial/` (fca.tables.remote)."""
         if self.fail_after is not None and self.written >= self.fail_after:
             raise RuntimeError(f"simulated lost worker after {self.written} part(s)")
+        if not is_uri(out):
+            record = self._write_part(out, part_seqs, k)
+        else:
+            with staging() as stage:
+                local = stage / "cache"
+                local.with_name(local.name + ".partial").mkdir()
+                record = self._write_part(str(local), part_seqs, k)
+                RemoteParts(out).commit(local.with_name(local.name + ".partial"), record)
+        self.written += 1
+        return record
+
+    def _write_part(self, out: str, part_seqs: int, k: int) -> dict:
         plan = self.plan
         specs = {name: spec_from_json(d) for name, d in plan["sites"].items()}
         schema = cache_schema(specs, coefficient_arrow_type(plan.get("coefficient_dtype", "float32")))
         writer = CacheWriter(out, plan, schema, part_seqs, shard=[k])
         record_pending(self.model, self.windows, writer, self.args["batch_size"], plan.get("coefficient_dtype"))
-        self.written += 1
         return writer.close_shard()[0]
 
 
@@ -139,13 +152,17 @@ def build_cache_distributed(
     threads: int | None = None,
     show_progress: bool = True,
     fail_after: int | None = None,
-) -> Path:
+) -> Path | str:
     """`build_cache_from_corpus` over Ray actors; the same cache, value for value (module docstring).
 
     `workers`: actors (default one per GPU, else one per CPU of the cluster); `threads`: torch threads
     of CPU actors (default the driver's); `fail_after`: for tests, every actor fails after that many
-    parts. Raises CacheError when every actor has failed; rerunning resumes from the committed parts."""
-    if Path(out).exists() and not overwrite:  # before starting a cluster and tokenizing for nothing
+    parts. Raises CacheError when every actor has failed; rerunning resumes from the committed parts.
+    `out` may be a pyarrow filesystem URI (s3://..., file://...): parts are committed there one by one
+    and the cache is published when complete (fca.tables.remote); the return value is then the URI."""
+    remote = RemoteParts(str(out)) if is_uri(str(out)) else None
+    finished = remote.finished() if remote is not None else Path(out).exists()
+    if finished and not overwrite:  # before starting a cluster and tokenizing for nothing
         raise CacheError(f"{out}: already exists (pass --overwrite to replace it)")
     if part_seqs is not None:
         check_part_seqs(part_seqs, batch_size)
@@ -182,6 +199,8 @@ def build_cache_distributed(
         schema = cache_schema(specs, coefficient_arrow_type(coefficient_dtype))
         S = part_seqs or seqs_per_part(plan["raw_bytes_per_token"], plan["seq_len"], batch_size)
         check_part_seqs(S, batch_size)
+        if remote is not None:
+            return _build_to_uri(ray, actors, remote, plan, schema, S, show_progress)
         writer = CacheWriter(out, plan, schema, S, overwrite=overwrite)
         try:
             drive_parts(ray, actors, writer, lambda actor, k: actor.write_part.remote(str(out), S, k), show_progress)
@@ -194,6 +213,32 @@ def build_cache_distributed(
             ray.kill(actor)
 
 
+def _build_to_uri(ray, actors, remote: RemoteParts, plan: dict, schema, S: int, show_progress: bool) -> str:
+    """The driver of a URI build: the build's bookkeeping (progress, moments merge, manifest) in a local
+    staging copy, the parts committed at the URI by the actors, the cache published there at the end."""
+    lock = remote.lock().acquire()
+    try:
+        with staging() as stage:
+            writer = CacheWriter(stage / "cache", plan, schema, S, overwrite=True)
+            try:
+                writer.add_parts(remote.start(plan, S))  # committed by an earlier run: kept
+                drive_parts(
+                    ray,
+                    actors,
+                    writer,
+                    lambda actor, k: actor.write_part.remote(remote.uri, S, k),
+                    show_progress,
+                    where=remote.uri,
+                )
+                remote.fetch_sidecars([writer.parts[k] for k in range(writer.num_parts)], writer.partial)
+            except BaseException:
+                writer.abort()
+                raise
+            return remote.publish(writer.finish(finish_stamp()))
+    finally:
+        lock.release()
+
+
 def drive_parts(
     ray,
     actors: list,
@@ -201,12 +246,14 @@ def drive_parts(
     submit: Callable[[object, int], object],
     show_progress: bool = False,
     in_flight: int = 2,
+    where: str | None = None,
 ) -> dict:
     """Hand the writer's pending parts to actors, `in_flight` at a time each (the next part waits in the
     actor's queue, so an actor never idles between parts), and record each part as it commits.
 
     A part whose actor fails goes back to the queue and that actor is dropped; when no actor is left the
-    build stops (CacheError; committed parts stay recorded). -> counts of parts written and requeued."""
+    build stops (CacheError naming `where`, default the writer's directory; committed parts stay
+    recorded). -> counts of parts written and requeued."""
     from tqdm.auto import tqdm
 
     queue = list(reversed(writer.pending_parts()))  # popped from the end: lowest index first
@@ -236,7 +283,7 @@ def drive_parts(
                     alive.remove(actor)
                 if not alive:
                     raise CacheError(
-                        f"{writer.partial}: every build worker failed (last: {str(err).splitlines()[0]}); "
+                        f"{where or writer.partial}: every build worker failed (last: {str(err).splitlines()[0]}); "
                         f"{len(writer.parts)} of {writer.num_parts} parts are committed: rerun to resume"
                     ) from None
             else:
