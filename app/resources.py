@@ -9,6 +9,7 @@ once per server process. `st.cache_resource` holds shared read-only objects (mod
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -147,6 +148,7 @@ def _experiment(
     )
 
     experiment = Experiment.open(model_dir, cache, calibration or None, dense=dense_dir or None, device=device)
+    settle_heap()  # torch and the model: the largest part of the heap
     return experiment, threading.Lock()
 
 
@@ -201,6 +203,18 @@ WARM_UP_MAX_MODEL_BYTES = 1 << 30
 _warm_started: set[tuple[str, ...]] = set()
 _warm_guard = threading.Lock()
 _last_page_run = [time.monotonic()]
+
+
+def settle_heap() -> None:
+    """Collect, then move every object alive now out of the garbage collector's sight (`gc.freeze`).
+    The server's heap (streamlit, plotly, pandas, torch and a model: millions of objects) was traversed
+    by every full collection, and page runs set those off: they cost each page switch about 0.2 s
+    (measured: 0.45 s -> 0.17 s). Called by the warm-up, and after a model loads, in a server only (the
+    tests run many apps in one process, where frozen garbage would pile up)."""
+    if WARM_UP_DELAY_S is None:
+        return
+    gc.collect()
+    gc.freeze()
 
 
 def page_ran() -> None:
@@ -260,12 +274,14 @@ def warm_up(
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (AttributeError, OSError):
             pass
+        settle_heap()  # what the first pages imported (streamlit, plotly, pandas)
         for step in steps:
             _wait_until_idle()
             try:
                 step()
             except Exception:  # noqa: BLE001 (see the docstring: the page shows it)
                 pass
+        settle_heap()
 
     timer = threading.Timer(WARM_UP_DELAY_S, fill)
     timer.name, timer.daemon = "fca-warm-up", True
