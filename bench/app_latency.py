@@ -6,7 +6,8 @@
 Each run starts a fresh server. Prints medians (and ranges) in seconds of: server start; cold start to
 the first chart and to the finished Overview; the same for a new session on the running server; every
 page opened from the sidebar, first (statistics computed) and again (served from the caches); and
-interactions on the Variance and Profiles pages. `--pause S`: seconds spent on the Overview before the
+interactions on the Variance (its lazy sections: a tab opened runs only that section) and Profiles
+pages. `--pause S`: seconds spent on the Overview before the
 first page is opened (0, the default, clicks at once: the worst case; a reader gives the background
 warm-up, app/resources.py, time to fill the caches). A page or interaction counts as done when
 its script run has finished and the browser has drawn the next frame (bench/browser.py).
@@ -89,11 +90,14 @@ def one_server(browser, cache: Path, pause_s: float = 0.0) -> dict[str, float]:
             for name, label in PAGES.items():
                 out[f"{visit}_open_{name}_s"] = open_page(label)
         open_page("Variance")
-        box = page.get_by_role("spinbutton", name="Sequence")
-        out["variance_change_sequence_s"] = timed(page, lambda: (box.fill("3"), box.press("Enter")))
         out["variance_change_quantity_s"] = timed(
             page, lambda: page.get_by_text("standard deviation", exact=True).click()
         )
+        out["variance_open_section_s"] = timed(
+            page, lambda: page.get_by_role("tab", name="One sequence: token x layer").click()
+        )
+        box = page.get_by_role("spinbutton", name="Sequence")
+        out["variance_change_sequence_s"] = timed(page, lambda: (box.fill("3"), box.press("Enter")))
         open_page("Profiles")
         box = page.get_by_role("spinbutton", name="Token index (or click a point below)")
         out["profiles_change_token_s"] = timed(page, lambda: (box.fill("5"), box.press("Enter")))

@@ -171,10 +171,11 @@ def test_csv_download_of_rows_matches_dataframe():
 # ------------------------------------------------------------------ one AppTest per page
 
 
+VARIANCE_SECTIONS = ["Site x channel", "Distributions per site", "One sequence: token x layer"]
 KEY_WIDGETS = {
     "views/overview.py": lambda at: len(at.metric) == 3 and len(at.download_button) >= 2,
     "views/variance.py": lambda at: (
-        at.radio(key="var_quantity") is not None and at.number_input(key="var_seq") is not None
+        at.radio(key="var_quantity") is not None and [t.label for t in at.tabs] == VARIANCE_SECTIONS
     ),
     "views/profiles.py": lambda at: (
         at.number_input(key="prof_token") is not None and at.selectbox(key="prof_band") is not None
@@ -256,6 +257,11 @@ def test_ragged_cache_opens_in_every_page(page, tmp_path, monkeypatch):
     if page == "views/variance.py":
         at.radio(key="var_view").set_value(at.radio(key="var_view").options[1]).run()  # one panel per stream
         no_exceptions(at)
+        for section in VARIANCE_SECTIONS[1:]:  # the other (lazy) sections, on sites of different widths
+            at.session_state["var_section"] = section
+            at.run()
+            no_exceptions(at)
+            assert not at.error and len(at.get("plotly_chart")) >= 3, section
     if page == "views/replay_lab.py":  # no model beside the cache: said, not crashed
         assert any("model directory" in e.value for e in at.error)
 
@@ -487,12 +493,25 @@ def test_flops_bar_states_the_controller_share():
 def test_variance_page_controls_and_colour_scales(tiny_demo, monkeypatch):
     at = render(app_for(monkeypatch, [tiny_demo], tiny_demo / "eval"), "views/variance.py")
     no_exceptions(at)
+    # Lazy tabs: only the open section runs (the first by default); opening another runs it instead.
+    assert at.radio(key="var_quantity") is not None and not [n for n in at.number_input if n.key == "var_seq"]
+    at.session_state["var_section"] = VARIANCE_SECTIONS[1]
+    at.run()
+    no_exceptions(at)
+    assert any(c["data"][0]["type"] == "box" for c in _charts(at)) and not [
+        r for r in at.radio if r.key == "var_quantity"
+    ]
+    at.session_state["var_section"] = VARIANCE_SECTIONS[2]
+    at.run()
+    assert at.number_input(key="var_seq") is not None
     at.selectbox(key="var_summary").set_value("mean deviation from slot mean (SDs)").run()
     no_exceptions(at)
     tokens = next(c for c in _charts(at) if "token x layer" in json.dumps(c) or "deviation" in json.dumps(c))
     heat = next(t for t in tokens["data"] if t["type"] == "heatmap")
     assert heat["zmid"] == 0 and "0 = white" in heat["colorbar"]["title"]["text"]
     at.selectbox(key="var_summary").set_value("RMS deviation from slot mean (SDs)").run()
+    at.session_state["var_section"] = VARIANCE_SECTIONS[0]
+    at.run()
     at.radio(key="var_quantity").set_value("standard deviation").run()
     no_exceptions(at)
     assert not at.error

@@ -113,6 +113,19 @@ def test_pages_fit_a_1024px_screen(server):
                     page.wait_for_selector(".js-plotly-plot .main-svg", timeout=45_000)
                 page.wait_for_timeout(500)  # plotly lays out after the run has been drawn
                 assert page.evaluate(LAYOUT_DEFECTS) == [], path or "overview"
+                if path == "variance":  # its lazy sections, each drawn when its tab opens
+                    for tab, chart in (
+                        ("Distributions per site", "Distribution"),
+                        ("One sequence: token x layer", "Sequence 0"),
+                    ):
+                        page.get_by_role("tab", name=tab).click()
+                        page.wait_for_function(
+                            "t => [...document.querySelectorAll('.gtitle')].some(e => e.textContent.startsWith(t))",
+                            arg=chart,
+                            timeout=30_000,
+                        )
+                        page.wait_for_timeout(500)
+                        assert page.evaluate(LAYOUT_DEFECTS) == [], tab
         finally:
             browser.close()
 

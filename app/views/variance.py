@@ -79,7 +79,6 @@ def _slot_section() -> None:
     # Site x channel: sites may have different widths (MUDD layer i has C*(i+2) channels, MoE routers
     # one per expert), so the table is long (site, channel) and the figure pads with blanks.
     dec = stats["decomposition"]
-    st.subheader("Site x channel")
     quantity = st.radio("Show per slot", list(QUANTITIES), horizontal=True, key="var_quantity")
     color_title, column = QUANTITIES[quantity]
     values = {
@@ -129,7 +128,6 @@ def _slot_section() -> None:
 
 
 def distributions() -> None:
-    st.subheader("Distributions per site")
     quant = resources.site_quantiles(str(cache.path), cache.fingerprint)
     st.caption(
         f"Quantiles over a sample of {int(quant['sampled_tokens'].iloc[0]):,} tokens per site (the first sequences "
@@ -146,7 +144,6 @@ def sequence_section() -> None:
 
 
 def _sequence_section() -> None:
-    st.subheader("One sequence: token x layer")
     st.caption(
         "Each cell summarises one site's coefficients at one token. Vertical stripes mean a token moves every "
         "layer at once; horizontal bands mean a layer behaves the same for every token."
@@ -188,7 +185,15 @@ def _sequence_section() -> None:
 
 with guard("Cache statistics"):
     overview_charts()
-slot_section()
-with guard("Distributions"):
-    distributions()
-sequence_section()
+# Lazy tabs: only the open one runs and is drawn (three charts fewer on a first visit).
+SECTIONS = ["Site x channel", "Distributions per site", "One sequence: token x layer"]
+slots_tab, distributions_tab, sequence_tab = st.tabs(SECTIONS, key="var_section", on_change="rerun")
+if slots_tab.open:
+    with slots_tab:
+        slot_section()
+if distributions_tab.open:
+    with distributions_tab, guard("Distributions"):
+        distributions()
+if sequence_tab.open:
+    with sequence_tab:
+        sequence_section()
