@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -270,10 +269,8 @@ def warm_up(
         steps.append(small_model)
 
     def fill() -> None:
-        try:  # lowest CPU priority for this thread (Linux: per thread), so the browser drawing the page goes first
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
+        # Normal priority: a page that needs a value this thread is filling waits for it, and at the
+        # lowest priority (tried) this thread then lost the CPU to the browser and made that page slower.
         settle_heap()  # what the first pages imported (streamlit, plotly, pandas)
         for step in steps:
             _wait_until_idle()
