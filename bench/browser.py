@@ -4,7 +4,9 @@
 When a run has finished: Streamlit writes the script's state on its root element
 (`data-test-script-state`: initial, rerunRequested, running, notRunning). An init script counts the
 changes into `notRunning` (a fast run may skip showing `running`); a page is settled when that count
-has grown and the state reads `notRunning`. Streamlit's status widget is no signal: it shows only for
+has grown, the state reads `notRunning`, no element is still a loading placeholder (`stSkeleton`: the
+chart component, fetched on first use, and plotly.js load after the run has finished) and every plotly
+chart has drawn its SVG. Streamlit's status widget is no signal: it shows only for
 runs longer than a delay. Now and then (about one sidebar click in 30 here) a run goes by without the
 attribute changing at all, so callers that can wait for content instead should.
 """
@@ -44,7 +46,9 @@ new MutationObserver(records => records.forEach((r, i) => {
 """
 SETTLED = """([origin, n]) => (performance.timeOrigin === origin
     ? window.__fcaFinishedRuns > n : window.__fcaFinishedRuns > 0)
-  && document.querySelector('[data-testid="stApp"]')?.getAttribute('data-test-script-state') === 'notRunning'"""
+  && document.querySelector('[data-testid="stApp"]')?.getAttribute('data-test-script-state') === 'notRunning'
+  && !document.querySelector('[data-testid="stSkeleton"]')
+  && [...document.querySelectorAll('.js-plotly-plot')].every(plot => plot.querySelector('.main-svg'))"""
 NEXT_FRAME = "() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))"
 
 
