@@ -86,6 +86,7 @@ class _BuildWorker:
         self.fail_after = fail_after  # tests: raise after this many parts, as a lost worker would
         self.written = 0
         self.model = self.windows = self.plan = None
+        self.remote: RemoteParts | None = None  # where a URI build commits its parts
 
     def prepare(self) -> tuple[dict, np.ndarray]:
         """Tokenize the split and make the manifest draft (first actor only)."""
@@ -119,7 +120,9 @@ class _BuildWorker:
                 local = stage / "cache"
                 local.with_name(local.name + ".partial").mkdir()
                 record = self._write_part(str(local), part_seqs, k)
-                RemoteParts(out).commit(local.with_name(local.name + ".partial"), record)
+                if self.remote is None or self.remote.uri != out:  # one filesystem client per actor
+                    self.remote = RemoteParts(out)
+                self.remote.commit(local.with_name(local.name + ".partial"), record)
         self.written += 1
         return record
 
