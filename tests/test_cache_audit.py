@@ -514,3 +514,21 @@ def test_replay_cli_saves_runs(demo, capsys):
     )
     assert again["results"]["conditions"] == runs[0]["results"]["conditions"]
     assert not (demo / "eval" / "runs").exists()  # runs live beside the cache, never inside it
+
+
+def test_blocked_moments_equal_the_whole_array_moments():
+    """The writer's cache-sized blocks (`Moments.add_blocked`) give the sums of `Moments.add` over the
+    whole array, whatever the block size (positions not a multiple of it, one-row blocks)."""
+    rng = np.random.default_rng(3)
+    values = (rng.standard_normal((4, 37, 9)) + rng.standard_normal(9)).astype(np.float32)  # [n, T, C]
+    tokens = rng.integers(0, 50, (4, 37))
+    whole = Moments(9, 37, None)
+    whole.add(values, tokens)
+    whole.add(values[:3], tokens[:3])
+    for rows in (1, 8, 37, 64):
+        blocked = Moments(9, 37, None)
+        blocked.add_blocked(values, rows)
+        blocked.add_blocked(values[:3], rows)
+        assert (blocked.count, blocked.num_seqs) == (whole.count, whole.num_seqs)
+        for key in ("sum", "sumsq", "pos_count", "pos_sum", "seq_term", "minimum", "maximum"):
+            np.testing.assert_allclose(getattr(blocked, key), getattr(whole, key), rtol=1e-13, atol=0, err_msg=key)

@@ -104,6 +104,38 @@ class Moments:
             self.tok_count += np.bincount(ids, minlength=self.vocab_size)[: self.vocab_size]
             np.add.at(self.tok_sum, ids, flat)
 
+    def add_blocked(self, values: np.ndarray, rows: int = 128) -> None:
+        """`add` without token-id sums, in blocks small enough to stay in a core's cache: `rows`
+        positions at a time, every sequence of the block in turn, widened to float64 in a scratch block.
+        `add` widens the whole [n, T, C] array and reads it once per statistic: on a writer thread that
+        made the moments cost half as much as encoding the piece (47 ms vs 17 ms for 8 x 1,024 tokens of
+        1.4B-shaped coefficients), and two writers shared the memory bandwidth instead of scaling. The
+        same sums in another order: equal to `add` to ~1e-16 relative. values: [n, T, C] of n whole
+        sequences, as stored (float32)."""
+        n, T, C = values.shape
+        if n == 0:
+            return
+        self.count += n * T
+        self.num_seqs += n
+        self.pos_count[:T] += n
+        seq_sums = np.zeros((n, C))  # [n, C]
+        scratch = np.empty((min(rows, T), C))  # [rows, C] float64
+        for t0 in range(0, T, rows):
+            t1 = min(T, t0 + rows)
+            x = scratch[: t1 - t0]
+            block_pos = self.pos_sum[t0:t1]  # [r, C], a view: accumulated in place
+            for i in range(n):
+                stored = values[i, t0:t1]  # [r, C]
+                np.copyto(x, stored)
+                s = x.sum(0)
+                self.sum += s
+                seq_sums[i] += s
+                self.sumsq += np.einsum("ij,ij->j", x, x)
+                block_pos += x
+                np.minimum(self.minimum, stored.min(0), out=self.minimum)  # extremes: exact before widening
+                np.maximum(self.maximum, stored.max(0), out=self.maximum)
+        self.seq_term += (seq_sums**2).sum(0) / T
+
     def merge(self, other: "Moments") -> "Moments":
         both_tok = self.tok_sum is not None and other.tok_sum is not None
         return Moments(

@@ -251,7 +251,7 @@ def piece_moments(
     )  # [n, T, C]
     tokens = batch.column("token").to_numpy().reshape(num_seqs, T)
     m = Moments(values.shape[2], T, None)
-    m.add(values, tokens)
+    m.add_blocked(values)
     if part_rows is None or not _tokens_fit(len(np.unique(tokens)), values.shape[2], part_rows):
         return m, None
     return m, token_sums(values, tokens)
