@@ -4,8 +4,9 @@ Two measurements (docs/scale.md quotes them):
 1. `--parts N --workers W`: N tiny synthetic parts (one 8-token sequence of 4 channels each) written by
    W Ray actors with shard writers and recorded by the same driver as a real build
    (`fca.jobs.distributed.drive_parts` + `CacheWriter`), then finished (moments merged, manifest
-   written), opened and two sequences read (first and last part). Reports the driver's CPU seconds per part (`time.process_time` of the driver
-   process over the drive), wall time per part, time in `add_parts` (progress.json) and in `finish`.
+   written), opened and two sequences read (first and last part). Reports the driver's CPU seconds per
+   part (`time.process_time` of the driver process over the drive), wall time per part, time in
+   `add_parts` (progress.json) and in `finish`, and the open and the first read.
 2. `--records M,...`: the bookkeeping alone at M parts (no files, no Ray): recording M part records one
    by one, the manifest's size and the time to parse it into a `Manifest`, the lookup of a part by index.
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 
 import numpy as np
 import pytest
@@ -135,6 +136,13 @@ def test_single_process_build_to_a_uri_and_refusals(tiny_demo, single, tmp_path)
             )
     finally:
         held.release()
+    # A lock left by a build that died on this host is taken over.
+    (tmp_path / "eval.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 1, "started": ""}))
+    build_cache_from_corpus(
+        tiny_demo / "featuregate", tiny_demo / "corpus.txt", "eval", uri, overwrite=True, show_progress=False, **SIZES
+    )
+    _same_cache(tmp_path / "eval", single)
+    assert not (tmp_path / "eval.lock").exists()
     with pytest.raises(CacheError, match="not a filesystem pyarrow can open"):
         RemoteParts("nosuchscheme://bucket/cache")
 

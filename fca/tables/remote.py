@@ -34,6 +34,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from fca.tables.errors import CacheError
+from fca.tables.store import holder_is_dead
 
 PLAN = "plan.json"
 RECORD_SUFFIX = ".record.json"
@@ -98,7 +99,9 @@ def remote_manifest(uri: str) -> dict:
 
 class RemoteLock:
     """`<uri>.lock`: the holder's host, pid and start time. Checked, then created (see the module
-    docstring); a lock left by a killed build is removed with `fca`'s message naming it."""
+    docstring). A lock whose holder died on this host is taken over (the new build resumes from what the
+    dead one committed); one held from another host cannot be checked, and the message says to delete
+    it if that build is dead."""
 
     def __init__(self, fs: pafs.FileSystem, path: str, uri: str) -> None:
         self.fs, self.path, self.uri = fs, path, uri
@@ -110,6 +113,9 @@ class RemoteLock:
                 holder = read_json(self.fs, self.path)
             except (OSError, ValueError):
                 holder = {}
+            if holder_is_dead(holder):
+                self.fs.delete_file(self.path)
+                return self.acquire()
             raise CacheError(
                 f"{self.uri}: another build holds {self.uri}.lock (host {holder.get('host')}, pid "
                 f"{holder.get('pid')}, since {holder.get('started')}); if that build is dead, delete the lock and rerun"

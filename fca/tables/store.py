@@ -274,6 +274,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def holder_is_dead(holder: dict) -> bool:
+    """A lock's holder (its `host` and `pid`) that is known dead: on this host, no such process. A holder
+    on another host cannot be checked and counts as alive."""
+    pid = holder.get("pid")
+    return holder.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid)
+
+
 class BuildLock:
     """One build per cache: a lock file created atomically (O_CREAT | O_EXCL) holding the builder's pid,
     host and start time. A lock whose holder is not alive on this host is stale (a killed build): it is
@@ -293,8 +300,7 @@ class BuildLock:
         return holder if isinstance(holder, dict) else None
 
     def _stale(self, holder: dict) -> bool:
-        pid = holder.get("pid")
-        return holder.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid)
+        return holder_is_dead(holder)
 
     def _take_over(self, holder: dict) -> None:
         """Remove a stale lock, unless another build replaced it meanwhile (then put that one back)."""
