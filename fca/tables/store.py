@@ -937,6 +937,7 @@ class Cache:
     path: Path
     manifest: Manifest
     _footers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _starts: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
     _read_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     @property
@@ -973,30 +974,36 @@ class Cache:
 
     def _part_starts(self) -> np.ndarray:
         """[parts + 1] first sequence of every part in manifest order, and the end (the manifest's part
-        records say it; older caches listed parts in order without it)."""
-        sizes = [p.num_seqs for p in self.manifest.parts]
-        firsts = [p.first_seq for p in self.manifest.parts]
-        starts = np.concatenate([[0], np.cumsum(sizes)]) if None in firsts else np.array([*firsts, self.num_seqs])
-        return starts.astype(np.int64)
+        records say it; older caches listed parts in order without it). Computed once per opened cache."""
+        if self._starts is None:
+            sizes = [p.num_seqs for p in self.manifest.parts]
+            firsts = [p.first_seq for p in self.manifest.parts]
+            starts = np.concatenate([[0], np.cumsum(sizes)]) if None in firsts else np.array([*firsts, self.num_seqs])
+            self._starts = starts.astype(np.int64)
+        return self._starts
 
     def _footer(self, position: int) -> tuple[Path, pq.ParquetFile, list[tuple[int, int, int]]]:
         """(path, open part file, [(row group, first seq, last seq)]) of the part at `position` in the
         manifest, its schema checked: read once per opened cache, on the first read that needs it."""
-        if position not in self._footers:
-            path = self.path / self.manifest.parts[position].file
-            try:
-                part = pq.ParquetFile(path)
-                check_part_schema(path, part.schema_arrow, self.expected_schema())
-                groups = []
-                for i in range(part.metadata.num_row_groups):
-                    stats = part.metadata.row_group(i).column(0).statistics
-                    if stats is None or not stats.has_min_max:
-                        raise CacheError(f"{path}: row group {i} has no `seq` statistics")
-                    groups.append((i, int(stats.min), int(stats.max)))
-            except (pa.ArrowInvalid, OSError) as err:
-                raise CacheError(f"{path}: unreadable part file ({str(err).splitlines()[0]})") from None
-            self._footers[position] = (path, part, groups)
-        return self._footers[position]
+        with self._read_lock:  # the prefetch thread and the caller's may ask for the same part at once
+            if position not in self._footers:
+                self._footers[position] = self._read_footer(position)
+            return self._footers[position]
+
+    def _read_footer(self, position: int) -> tuple[Path, pq.ParquetFile, list[tuple[int, int, int]]]:
+        path = self.path / self.manifest.parts[position].file
+        try:
+            part = pq.ParquetFile(path)
+            check_part_schema(path, part.schema_arrow, self.expected_schema())
+            groups = []
+            for i in range(part.metadata.num_row_groups):
+                stats = part.metadata.row_group(i).column(0).statistics
+                if stats is None or not stats.has_min_max:
+                    raise CacheError(f"{path}: row group {i} has no `seq` statistics")
+                groups.append((i, int(stats.min), int(stats.max)))
+        except (pa.ArrowInvalid, OSError) as err:
+            raise CacheError(f"{path}: unreadable part file ({str(err).splitlines()[0]})") from None
+        return path, part, groups
 
     def expected_schema(self) -> pa.Schema:
         return cache_schema(self.site_specs, coefficient_arrow_type(self.coefficient_dtype))
@@ -1182,6 +1189,7 @@ def _prefetch(
 
 
 def check_part_schema(part: Path, schema: pa.Schema, expected: pa.Schema) -> None:
+    """CacheError naming the part and column when `schema` lacks a column of `expected` or types it otherwise."""
     for column_field in expected:
         if column_field.name not in schema.names:
             raise CacheError(f"{part}: column {column_field.name!r} is missing")
