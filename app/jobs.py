@@ -1,8 +1,8 @@
 """A replay run in a background thread, so the page stays responsive and a Cancel button can stop it.
 
 The thread never touches Streamlit; the page polls `phase`, `done`, `total`, `record` and `error`.
-A run has two steps the page shows apart: `loading` (the calibration profiles, and whatever else
-`prepare` loads before the first batch) and `replaying` (progress after every batch). Cancelling
+A run has two steps the page shows apart: `loading` (the model, unless it is loaded already, and the
+calibration profiles) and `replaying` (progress after every batch). Cancelling
 sets an event that is checked after loading and, by `fca.jobs.runs.run_replay(should_stop=...)`,
 before every batch; `done` then says how many sequences were replayed when it stopped.
 """
@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from fca.tables.errors import Cancelled
@@ -52,28 +53,28 @@ class ReplayJob:
     def start(
         self,
         run: Callable[..., dict],
-        lock: threading.Lock | None = None,
-        prepare: Callable[[], object] | None = None,
+        open_experiment: Callable[[], tuple[object, threading.Lock]] | None = None,
     ) -> ReplayJob:
-        """Run `prepare()` (the loading step), then `run(**settings, progress=..., should_stop=...)`,
-        holding `lock` (the model's) throughout."""
+        """The loading step: `open_experiment()` -> (experiment, its lock), the model loaded now unless
+        it already was, then the experiment's calibration profiles; then the replay:
+        `run(**settings, experiment=..., progress=..., should_stop=...)`. The lock is held from the
+        profiles to the end. Without `open_experiment`, `run` gets neither experiment nor lock."""
 
         def steps() -> None:
             self.phase = "loading"
-            if prepare is not None:
-                prepare()
-            if self.stop.is_set():
-                raise Cancelled("replay cancelled before the first batch")
-            self.phase = "replaying"
-            self.record = run(**self.settings, progress=self.progress, should_stop=self.stop.is_set)
+            experiment, lock = open_experiment() if open_experiment is not None else (None, None)
+            with lock if lock is not None else nullcontext():
+                if experiment is not None:
+                    experiment.profiles()
+                if self.stop.is_set():
+                    raise Cancelled("replay cancelled before the first batch")
+                self.phase = "replaying"
+                given = {} if experiment is None else {"experiment": experiment}
+                self.record = run(**self.settings, **given, progress=self.progress, should_stop=self.stop.is_set)
 
         def target() -> None:
             try:
-                if lock is None:
-                    steps()
-                else:
-                    with lock:
-                        steps()
+                steps()
             except Cancelled:
                 self.cancelled = True
             except Exception as err:  # shown on the page; the thread must never die silently

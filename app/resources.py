@@ -129,6 +129,9 @@ def decode_tokens(model_dir: str, ids: tuple[int, ...]) -> list[str]:
     return [tok.decode([i]).replace("\n", "\\n") or f"<{i}>" for i in ids]
 
 
+_opened: set[tuple[str, ...]] = set()  # keys of `_experiment` loaded so far (a hint: it may have evicted one)
+
+
 @st.cache_resource(show_spinner="Loading the model...", max_entries=4)
 def _experiment(
     model_dir: str,
@@ -148,6 +151,9 @@ def _experiment(
 
     experiment = Experiment.open(model_dir, cache, calibration or None, dense=dense_dir or None, device=device)
     settle_heap()  # torch and the model: the largest part of the heap
+    _opened.add(
+        (model_dir, device, model_stamp, cache, cache_fingerprint, calibration, calibration_fingerprint, dense_dir)
+    )
     return experiment, threading.Lock()
 
 
@@ -159,11 +165,10 @@ def model_bytes(model_dir: str | Path) -> int:
     return path.stat().st_size
 
 
-def experiment(
+def _experiment_key(
     model_dir: str | Path, device: str, cache: Cache, calibration: Cache | None, dense_dir: str | Path | None
-):
-    """The selection as one opened and checked experiment (model, caches, Dense twin loaded when needed)."""
-    return _experiment(
+) -> tuple[str, ...]:
+    return (
         str(model_dir),
         device,
         file_stamp(weights_path(Path(model_dir))),
@@ -173,6 +178,21 @@ def experiment(
         calibration.fingerprint if calibration else "",
         str(dense_dir or ""),
     )
+
+
+def experiment(
+    model_dir: str | Path, device: str, cache: Cache, calibration: Cache | None, dense_dir: str | Path | None
+):
+    """The selection as one opened and checked experiment (model, caches, Dense twin loaded when needed)."""
+    return _experiment(*_experiment_key(model_dir, device, cache, calibration, dense_dir))
+
+
+def experiment_ready(
+    model_dir: str | Path, device: str, cache: Cache, calibration: Cache | None, dense_dir: str | Path | None
+) -> bool:
+    """Whether `experiment(...)` is loaded already (in this server process), so a page can show it at
+    once instead of loading it; the Replay lab loads it as a run's first step otherwise."""
+    return _experiment_key(model_dir, device, cache, calibration, dense_dir) in _opened
 
 
 @st.cache_data(show_spinner=False, max_entries=16)

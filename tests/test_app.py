@@ -408,14 +408,19 @@ def test_corrupt_part_file_shows_error_and_app_recovers(tiny_demo, tmp_path, mon
 def test_mismatched_model_fingerprint_shows_error(tiny_demo, tmp_path, monkeypatch):
     for name in ("featuregate", "eval", "calibration", "audit.json"):
         (shutil.copytree if (tiny_demo / name).is_dir() else shutil.copy)(tiny_demo / name, tmp_path / name)
-    manifest = json.loads((tmp_path / "eval" / "manifest.json").read_text())
-    manifest["model"]["fingerprint"] = "0" * 64
-    (tmp_path / "eval" / "manifest.json").write_text(json.dumps(manifest))
+    for split in ("eval", "calibration"):  # both caches say another model made them (so they still pair)
+        manifest = json.loads((tmp_path / split / "manifest.json").read_text())
+        manifest["model"]["fingerprint"] = "0" * 64
+        (tmp_path / split / "manifest.json").write_text(json.dumps(manifest))
     at = app_for(monkeypatch, [tmp_path], tmp_path / "eval")
     render(at, "views/overview.py")
     no_exceptions(at)
     assert any("different model" in e.value or "do not describe this cache" in e.value for e in at.error)
-    render(at, "views/replay_lab.py")
+    render(at, "views/replay_lab.py")  # drawn without the model; the run that loads it says so
+    no_exceptions(at)
+    next(b for b in at.button if b.label == "Run").click().run()
+    at.session_state["replay_job"].wait(60)
+    at.run()
     no_exceptions(at)
     assert any("made by a different model" in e.value for e in at.error), [e.value for e in at.error]
     render(at, "views/variance.py")  # the statistics do not need the model: still shown

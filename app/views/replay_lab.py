@@ -5,6 +5,8 @@ While it runs every setting is disabled and a fragment polls its progress; when 
 reruns once and shows the result with the settings and command of *that* run (read from its record),
 apart from the live preview of what the form would run next. A finished run of another cache is not
 shown (its error or "cancelled" note belongs to that cache), and a newly saved run joins "Compare runs".
+The page never waits for the model: a run loads it as its first step, unless the warm-up or an earlier
+run has (its errors, such as a model that did not make this cache, are then the run's).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import streamlit as st
 from app import figures, resources
 from app.jobs import ReplayJob
 from app.views.common import download, guard, require_cache, teach
-from fca.jobs.runs import run_replay
 from fca.tables.conditions import Condition
 from fca.tables.report import exactness_sentences
 from fca.tables.runs import (
@@ -77,22 +78,29 @@ if sel.model_dir is None:
     st.error("The replay lab needs the model directory the cache names, beside the cache; none was found.")
     st.stop()
 
-opened = None
-with guard("Model"):
-    opened = resources.experiment(sel.model_dir, sel.device, cache, sel.calibration_cache, sel.dense_dir)
-if opened is None:
-    st.stop()
 if sel.calibration is None:
     st.error(
         "The replay lab needs a calibration cache of the same model (a different split) beside this one; "
         "none was found."
     )
     st.stop()
-experiment, lock = opened
-st.caption(
-    f"Model `{sel.model_dir.name}` (fingerprint `{experiment.model_fingerprint[:12]}`) on **{experiment.device}** "
-    f"matches the cache; calibration: `{sel.calibration.label}`."
-)
+selection = (sel.model_dir, sel.device, cache, sel.calibration_cache, sel.dense_dir)
+if resources.experiment_ready(*selection):
+    opened = None
+    with guard("Model"):
+        opened = resources.experiment(*selection)
+    if opened is None:
+        st.stop()
+    experiment = opened[0]
+    st.caption(
+        f"Model `{sel.model_dir.name}` (fingerprint `{experiment.model_fingerprint[:12]}`) on **{experiment.device}** "
+        f"matches the cache; calibration: `{sel.calibration.label}`."
+    )
+else:  # not loaded yet: the page draws at once, and a run loads it as its first step
+    st.caption(
+        f"Model `{sel.model_dir.name}`: loaded and checked against the cache when the first run starts (shown "
+        f"as the run's first step), then kept for the next runs; calibration: `{sel.calibration.label}`."
+    )
 
 job: ReplayJob | None = st.session_state.get(JOB_KEY)
 if job is not None and not job.running and job.settings["cache"] != str(cache.path):
@@ -196,11 +204,9 @@ def settings_form() -> None:
         if st.button("Run", type="primary", disabled=locked, key="lab_run"):
             with guard("Replay"):
                 started = ReplayJob(settings, total=settings["num_seqs"])
-                started.start(
-                    lambda **kw: run_replay(**kw, experiment=experiment),
-                    lock,
-                    prepare=experiment.profiles,  # the loading step, shown apart from the replay
-                )
+                from fca.jobs.runs import run_replay  # torch: imported by a run, not by drawing the page
+
+                started.start(run_replay, open_experiment=lambda: resources.experiment(*selection))
                 st.session_state[JOB_KEY] = started
                 st.rerun()  # the whole page: lock the form, drop the previous result, show progress
 
