@@ -60,6 +60,15 @@ def test_every_page_in_chromium(server):
                     assert page.locator(".js-plotly-plot").count() >= 1, path
                 assert page.locator('[data-testid="stSidebar"]').count() == 1
                 assert "Page not found" not in page.inner_text("body"), path
+            # Downloads are written when clicked (deferred), from the table the page shows.
+            page.goto(f"{server}/variance")
+            page.wait_for_selector(".js-plotly-plot", timeout=45_000)
+            wait_settled(page)
+            with page.expect_download(timeout=30_000) as download:
+                page.get_by_role("button", name="Download CSV").first.click()
+            assert download.value.suggested_filename == "layer_identity_per_site.csv"
+            lines = Path(download.value.path()).read_text().splitlines()
+            assert lines[0] == "site,share" and len(lines) == 1 + 2  # the tiny demo's two sites
             # Profiles: clicking a token in the strip chart selects it (Streamlit's plotly selection event).
             page.goto(f"{server}/profiles")
             page.wait_for_selector(".js-plotly-plot .scatterlayer .point", timeout=45_000)

@@ -119,4 +119,8 @@ def csv_bytes(table: pd.DataFrame | list[dict]) -> bytes:
 
 
 def download(table: pd.DataFrame | list[dict], name: str, label: str = "Download CSV", key: str | None = None) -> None:
-    st.download_button(label, csv_bytes(table), file_name=name, mime="text/csv", key=key or f"dl-{name}")
+    """A CSV download of `table`, written only when clicked (deferred: drawing a page serialised and
+    sent every table, and the browser fetched each one) and without rerunning the page."""
+    st.download_button(
+        label, lambda: csv_bytes(table), file_name=name, mime="text/csv", key=key or f"dl-{name}", on_click="ignore"
+    )
