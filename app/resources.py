@@ -209,13 +209,17 @@ def caches(roots: tuple[str, ...]) -> list[catalog.CacheEntry]:
     return catalog.discover_caches(roots)
 
 
-# The warm-up starts this long after a page was sent: the browser is then still evaluating plotly.js and
-# drawing, and a warm-up started at once (even at the lowest CPU priority: it holds the GIL the server
-# needs to send plotly.js) delayed a fresh server's first chart.
-WARM_UP_DELAY_S: float | None = 3.0  # None: no warm-up (the tests, which run many apps in one process)
-# Each warm-up step waits until no page has run for this long: a step (importing torch holds the GIL
-# for a second) started while a reader clicks through the pages made each of those page switches slow.
+# The warm-up starts this long after a page was sent, so that the browser has the page (and asks for
+# plotly.js) first. Its first steps (statistics, a sequence, a band: numpy and Arrow, mostly without the
+# GIL) then run while the browser evaluates plotly.js and draws; measured against 3 s, first visits of
+# Variance and Profiles went from 0.65-0.68 s to 0.41-0.50 s, and the first chart came no later.
+WARM_UP_DELAY_S: float | None = 1.0  # None: no warm-up (the tests, which run many apps in one process)
+# Each warm-up step waits until no page has run for this long: a step started while a reader clicks
+# through the pages made each of those page switches slow.
 WARM_UP_IDLE_S = 1.5
+# Loading the model waits for a longer quiet spell: importing torch holds the GIL for about a second,
+# and started this early it delayed a new session's first chart (2.5 s -> 3.4 s).
+WARM_UP_MODEL_IDLE_S = 3.0
 # The model is preloaded only below this size: a larger one (MUDDPythia-1.4B in float32 is ~5.7 GB)
 # loads when a page asks for it, not merely because its cache was looked at.
 WARM_UP_MAX_MODEL_BYTES = 1 << 30
@@ -241,9 +245,9 @@ def page_ran() -> None:
     _last_page_run[0] = time.monotonic()
 
 
-def _wait_until_idle() -> None:
-    while (quiet := time.monotonic() - _last_page_run[0]) < WARM_UP_IDLE_S:
-        time.sleep(WARM_UP_IDLE_S - quiet)
+def _wait_until_idle(idle_s: float = WARM_UP_IDLE_S) -> None:
+    while (quiet := time.monotonic() - _last_page_run[0]) < idle_s:
+        time.sleep(idle_s - quiet)
 
 
 def warm_up(
@@ -253,8 +257,8 @@ def warm_up(
     selected cache and of its calibration cache (Variance, Profiles), the first sequence with its decoded
     tokens and the default calibration band (what those pages draw first), and the model (Replay lab,
     Execution; importing torch and loading it is the slowest step of a first visit). Started once per
-    selection and server process, a few seconds after a page has been sent (WARM_UP_DELAY_S), each step
-    when no page has run for WARM_UP_IDLE_S. The thread shows nothing: a resource that fails here fails
+    selection and server process, a second after a page has been sent (WARM_UP_DELAY_S), each step when
+    no page has run for WARM_UP_IDLE_S (the model: WARM_UP_MODEL_IDLE_S). The thread shows nothing: a resource that fails here fails
     again on the page that needs it, which shows the error. Cache keys are shared, so a page asking for a
     value while it is being filled waits for it instead of computing it twice."""
     if WARM_UP_DELAY_S is None:
@@ -280,6 +284,7 @@ def warm_up(
     ]
     if calibration is not None:
         steps.append(lambda: profiles(str(calibration.path), calibration.fingerprint))
+    loads_model = set()  # the steps that wait for WARM_UP_MODEL_IDLE_S
     if model_dir is not None:
 
         def small_model() -> None:
@@ -287,13 +292,14 @@ def warm_up(
                 experiment(model_dir, device, cache, calibration, dense_dir)
 
         steps.append(small_model)
+        loads_model.add(small_model)
 
     def fill() -> None:
         # Normal priority: a page that needs a value this thread is filling waits for it, and at the
         # lowest priority (tried) this thread then lost the CPU to the browser and made that page slower.
         settle_heap()  # what the first pages imported (streamlit, plotly, pandas)
         for step in steps:
-            _wait_until_idle()
+            _wait_until_idle(WARM_UP_MODEL_IDLE_S if step in loads_model else WARM_UP_IDLE_S)
             try:
                 step()
             except Exception:  # noqa: BLE001 (see the docstring: the page shows it)
