@@ -399,3 +399,19 @@ def test_prefetch_raises_in_the_caller_and_stops_when_closed(artifacts, tmp_path
     next(it)
     it.close()
     assert not [t for t in threading.enumerate() if t.name == "fca-cache-prefetch"]
+
+
+def test_moments_merged_while_building_equal_those_merged_at_the_end(tmp_path):
+    """A writer merges each part's moments once it and the parts before it are complete (any worker
+    order); the result is the bits of merging every sidecar in part order at the end."""
+    from fca.tables.stats import merge_moment_arrays
+    from fca.tables.store import MOMENTS, read_arrays
+
+    for workers in (1, 3):
+        out, _ = _synthetic(23, 4, workers, tmp_path / f"w{workers}")
+        cache = open_cache(out)
+        records = cache.manifest.raw["moments"]["parts"]
+        again, _ = merge_moment_arrays((read_arrays(out / name) for name, _ in records), 3 + 4, cache.seq_len, None)
+        stored = read_arrays(out / MOMENTS)
+        for key in ("sum", "sumsq", "pos_sum", "seq_term", "minimum", "maximum"):
+            assert np.array_equal(stored[key], getattr(again, key)), (workers, key)

@@ -207,34 +207,52 @@ def moments_arrays(m: Moments, tokens: tuple[np.ndarray, np.ndarray, np.ndarray]
     return out
 
 
-def merge_moment_arrays(
-    blocks: Iterator[dict], num_slots: int, seq_len: int, vocab_size: int | None
-) -> tuple[Moments, bool]:
-    """Stored moments of several blocks (parts, in part order) -> (one Moments, whether it has token sums).
+class MomentsMerger:
+    """Stored moments of several blocks (parts), added one at a time in part order: a writer merges each
+    part as soon as it and the parts before it are complete, instead of reading every sidecar back at
+    the end. Sums are accumulated in place in the order given, so the same blocks in the same order give
+    the same bits. The token-id table is filled only when every block carries token sums and
+    `vocab_size` is known."""
 
-    Sums are accumulated in place in the order given, so the same blocks in the same order give the same
-    bits. The token-id table is filled only when every block carries token sums and `vocab_size` is known."""
-    m = Moments(num_slots, seq_len, vocab_size)
-    with_tokens = m.tok_sum is not None
-    for block in blocks:
+    def __init__(self, num_slots: int, seq_len: int, vocab_size: int | None) -> None:
+        self.moments = Moments(num_slots, seq_len, vocab_size)
+        self.with_tokens = self.moments.tok_sum is not None
+
+    def add(self, block: dict) -> None:
+        m = self.moments
         m.count += int(block["count"])
         m.num_seqs += int(block["num_seqs"])
         for key in ("sum", "sumsq", "pos_count", "pos_sum", "seq_term"):
             getattr(m, key)[...] += block[key]
         m.minimum = np.minimum(m.minimum, block["minimum"])
         m.maximum = np.maximum(m.maximum, block["maximum"])
-        if with_tokens and "tok_ids" in block:
+        if self.with_tokens and "tok_ids" in block:
             ids = block["tok_ids"]
             if len(ids) and ids.max() >= m.vocab_size:
-                with_tokens = False  # an id beyond the recorded vocabulary: no token factor, as when scanning
+                self.with_tokens = False  # an id beyond the recorded vocabulary: no token factor, as when scanning
             else:
                 m.tok_count[ids] += block["tok_count"]
                 m.tok_sum[ids] += block["tok_sum"]
         else:
-            with_tokens = False
-    if not with_tokens:
-        m.vocab_size, m.tok_count, m.tok_sum = None, None, None
-    return m, with_tokens
+            self.with_tokens = False
+
+    def result(self) -> tuple[Moments, bool]:
+        """(the merged Moments, whether it has token sums)."""
+        m = self.moments
+        if not self.with_tokens:
+            m.vocab_size, m.tok_count, m.tok_sum = None, None, None
+        return m, self.with_tokens
+
+
+def merge_moment_arrays(
+    blocks: Iterator[dict], num_slots: int, seq_len: int, vocab_size: int | None
+) -> tuple[Moments, bool]:
+    """Stored moments of several blocks (parts, in part order) -> (one Moments, whether it has token sums);
+    see `MomentsMerger`."""
+    merger = MomentsMerger(num_slots, seq_len, vocab_size)
+    for block in blocks:
+        merger.add(block)
+    return merger.result()
 
 
 def family_grand_means(m: Moments, families: list[str]) -> dict[str, float]:

@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 from fca.tables.errors import CacheError
 from fca.tables.fidelity import check_dtype
 from fca.tables.spec import SiteSpec
-from fca.tables.stats import Moments, merge_moment_arrays, merge_token_sums, moments_arrays, token_sums
+from fca.tables.stats import Moments, MomentsMerger, merge_token_sums, moments_arrays, token_sums
 
 SCHEMA_VERSION = 1
 KEY_COLUMNS = ("seq", "pos", "token", "target", "live_nll")
@@ -474,6 +474,12 @@ class CacheWriter:
                 self.lock.release()
                 raise
         self._mutex = threading.Lock()  # guards `parts` and progress.json
+        # Moments merged in part order as parts complete (`_merge_completed`); `_kept`: parts of an earlier run.
+        self._merge_lock = threading.Lock()
+        self._merger = self._new_merger()
+        self._merged_through = 0  # parts [0, this) are merged; -1: merging while building is off
+        self._held: dict[int, dict] = {}
+        self._kept = set(self.parts)
         self._journaled = 0  # records in the progress journal since progress.json was rewritten
         self._stopping = False
         self._failures: list[BaseException] = []
@@ -601,7 +607,8 @@ class CacheWriter:
             tokens = merge_token_sums(part.token_pieces, part.moments.num_slots)
             if not _tokens_fit(len(tokens[0]), part.moments.num_slots, part.rows):
                 tokens = None  # the merged moments then have no token-id factor (`cache_moments`)
-        write_arrays(self.partial / moments, moments_arrays(part.moments, tokens))
+        arrays = moments_arrays(part.moments, tokens)
+        write_arrays(self.partial / moments, arrays)
         os.replace(tmp, final)
         record = {
             "index": part.index,
@@ -615,6 +622,8 @@ class CacheWriter:
             "moments_sha256": file_sha256(self.partial / moments),
         }
         self.add_parts([record])
+        if self.shard is None:  # a shard writer's parts are merged by the driver's writer
+            self._merge_completed(part.index, arrays)
 
     def add_parts(self, records: Sequence[dict]) -> None:
         """Record complete parts (written here, or by shard writers) and, unless this is a shard writer,
@@ -681,22 +690,48 @@ class CacheWriter:
             raise
         return [self.parts[k] for k in self.shard]
 
-    def _merge_moments(self) -> dict | None:
-        """Merge the parts' moments in part order into `moments.npz`; None when a part has none (parts kept
-        from a build by an older FCA): statistics then scan the coefficients, as for older caches."""
-        records = [self.parts[k] for k in range(self.num_parts)]
-        if not records or any("moments" not in r for r in records):
-            return None
-        layout_width = sum(f.type.list_size for f in self.schema if f.name not in KEY_COLUMNS)
+    def _new_merger(self) -> MomentsMerger:
+        width = sum(f.type.list_size for f in self.schema if f.name not in KEY_COLUMNS)
         vocab = (self.plan.get("tokenizer") or {}).get("vocab_size") or (
             (self.plan.get("model") or {}).get("config") or {}
         ).get("vocab_size")
-        merged, with_tokens = merge_moment_arrays(
-            (read_arrays(self.partial / r["moments"]) for r in records),
-            layout_width,
-            int(self.plan["seq_len"]),
-            int(vocab) if vocab else None,
-        )
+        return MomentsMerger(width, int(self.plan["seq_len"]), int(vocab) if vocab else None)
+
+    def _merge_completed(self, k: int, arrays: dict) -> None:
+        """Part k's moments, just written: merged now if every part before it is, else held until they
+        are (in part order, so the bits do not depend on which worker finished first). Parts kept from an
+        earlier run are merged from their sidecars when their turn comes. What is left at `finish` is
+        read from the sidecars there (the driver of a distributed build merges everything that way)."""
+        with self._merge_lock:
+            if self._merged_through < 0:  # a kept part has no moments: nothing will be merged
+                return
+            self._held[k] = arrays
+            while True:
+                k = self._merged_through
+                if k in self._held:
+                    block = self._held.pop(k)
+                elif k in self._kept and "moments" not in self.parts[k]:
+                    self._merged_through, self._held = -1, {}
+                    return
+                elif k in self._kept:
+                    block = read_arrays(self.partial / self.parts[k]["moments"])
+                else:
+                    break
+                self._merger.add(block)
+                self._merged_through += 1
+
+    def _merge_moments(self) -> dict | None:
+        """Merge the parts' moments in part order into `moments.npz` (the parts not merged while the
+        build ran are read from their sidecars); None when a part has none (parts kept from a build by an
+        older FCA): statistics then scan the coefficients, as for older caches."""
+        records = [self.parts[k] for k in range(self.num_parts)]
+        if not records or any("moments" not in r for r in records):
+            return None
+        with self._merge_lock:
+            for r in records[max(self._merged_through, 0) :]:  # (-1 cannot be: every record has moments)
+                self._merger.add(read_arrays(self.partial / r["moments"]))
+            self._merged_through = self.num_parts
+            merged, with_tokens = self._merger.result()
         arrays = moments_arrays(merged)
         if with_tokens:  # stored sparse, like the parts': only the ids the cache holds
             seen = np.flatnonzero(merged.tok_count > 0)
