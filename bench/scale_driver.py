@@ -94,7 +94,13 @@ def drive(parts: int, workers: int, root: Path) -> dict:
 
         writer.add_parts = timed_add
         wall, cpu = time.perf_counter(), time.process_time()
-        drive_parts(ray, actors, writer, lambda actor, k: actor.write_part.remote(str(out), plan, 1, k))
+        drive_parts(
+            ray,
+            actors,
+            writer,
+            lambda actor, k: actor.write_part.remote(str(out), plan, 1, k),
+            on_commit=lambda record: writer.merge_committed(record["index"]),  # as a real build does
+        )
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         start = time.perf_counter()
         writer.finish()

@@ -206,7 +206,14 @@ def build_cache_distributed(
             return _build_to_uri(ray, actors, remote, plan, schema, S, show_progress)
         writer = CacheWriter(out, plan, schema, S, overwrite=overwrite)
         try:
-            drive_parts(ray, actors, writer, lambda actor, k: actor.write_part.remote(str(out), S, k), show_progress)
+            drive_parts(
+                ray,
+                actors,
+                writer,
+                lambda actor, k: actor.write_part.remote(str(out), S, k),
+                show_progress,
+                on_commit=lambda record: writer.merge_committed(record["index"]),
+            )
         except BaseException:
             writer.abort()
             raise
@@ -224,7 +231,16 @@ def _build_to_uri(ray, actors, remote: RemoteParts, plan: dict, schema, S: int, 
         with staging() as stage:
             writer = CacheWriter(stage / "cache", plan, schema, S, overwrite=True)
             try:
-                writer.add_parts(remote.start(plan, S))  # committed by an earlier run: kept
+                kept = remote.start(plan, S)  # committed by an earlier run: kept
+                writer.add_parts(kept)
+                remote.fetch_sidecars(kept, writer.partial)
+                for record in kept:
+                    writer.merge_committed(record["index"])
+
+                def commit(record: dict) -> None:  # its sidecar here, for the merge
+                    remote.fetch_sidecars([record], writer.partial)
+                    writer.merge_committed(record["index"])
+
                 drive_parts(
                     ray,
                     actors,
@@ -232,8 +248,8 @@ def _build_to_uri(ray, actors, remote: RemoteParts, plan: dict, schema, S: int, 
                     lambda actor, k: actor.write_part.remote(remote.uri, S, k),
                     show_progress,
                     where=remote.uri,
+                    on_commit=commit,
                 )
-                remote.fetch_sidecars([writer.parts[k] for k in range(writer.num_parts)], writer.partial)
             except BaseException:
                 writer.abort()
                 raise
@@ -250,13 +266,15 @@ def drive_parts(
     show_progress: bool = False,
     in_flight: int = 2,
     where: str | None = None,
+    on_commit: Callable[[dict], None] | None = None,
 ) -> dict:
     """Hand the writer's pending parts to actors, `in_flight` at a time each (the next part waits in the
     actor's queue, so an actor never idles between parts), and record each part as it commits.
 
     A part whose actor fails goes back to the queue and that actor is dropped; when no actor is left the
     build stops (CacheError naming `where`, default the writer's directory; committed parts stay
-    recorded). -> counts of parts written and requeued."""
+    recorded). `on_commit(record)` runs after each part is recorded (the builds merge its moments
+    there). -> counts of parts written and requeued."""
     from tqdm.auto import tqdm
 
     queue = list(reversed(writer.pending_parts()))  # popped from the end: lowest index first
@@ -291,6 +309,8 @@ def drive_parts(
                     ) from None
             else:
                 writer.add_parts([record])
+                if on_commit is not None:
+                    on_commit(record)
                 bar.update(1)
             fill()
     finally:

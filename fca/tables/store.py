@@ -697,23 +697,30 @@ class CacheWriter:
         ).get("vocab_size")
         return MomentsMerger(width, int(self.plan["seq_len"]), int(vocab) if vocab else None)
 
-    def _merge_completed(self, k: int, arrays: dict) -> None:
-        """Part k's moments, just written: merged now if every part before it is, else held until they
-        are (in part order, so the bits do not depend on which worker finished first). Parts kept from an
-        earlier run are merged from their sidecars when their turn comes. What is left at `finish` is
-        read from the sidecars there (the driver of a distributed build merges everything that way)."""
+    def merge_committed(self, k: int) -> None:
+        """Merge part k's moments from its sidecar once the parts before it are merged: what the driver
+        of a distributed build calls as each shard writer's part commits, so that its finish does not
+        read every sidecar at the end."""
+        self._merge_completed(k, None)
+
+    def _merge_completed(self, k: int, arrays: dict | None) -> None:
+        """Part k's moments (None: in its sidecar), just committed: merged now if every part before it
+        is, else held until they are (in part order, so the bits do not depend on which worker finished
+        first). Parts kept from an earlier run are merged from their sidecars when their turn comes. What
+        is left at `finish` is read from the sidecars there."""
         with self._merge_lock:
             if self._merged_through < 0:  # a kept part has no moments: nothing will be merged
                 return
             self._held[k] = arrays
             while True:
                 k = self._merged_through
-                if k in self._held:
-                    block = self._held.pop(k)
-                elif k in self._kept and "moments" not in self.parts[k]:
-                    self._merged_through, self._held = -1, {}
+                if "moments" not in self.parts.get(k, {"moments": None}):
+                    self._merged_through, self._held = -1, {}  # a part by an older FCA: no stored moments
                     return
-                elif k in self._kept:
+                if self._held.get(k) is not None:
+                    block = self._held.pop(k)
+                elif k in self._held or k in self._kept:
+                    self._held.pop(k, None)
                     block = read_arrays(self.partial / self.parts[k]["moments"])
                 else:
                     break
