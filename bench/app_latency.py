@@ -93,9 +93,9 @@ def one_server(browser, cache: Path, pause_s: float = 0.0) -> dict[str, float]:
         out["variance_change_quantity_s"] = timed(
             page, lambda: page.get_by_text("standard deviation", exact=True).click()
         )
-        out["variance_open_section_s"] = timed(
-            page, lambda: page.get_by_role("tab", name="One sequence: token x layer").click()
-        )
+        section = page.get_by_role("tab", name="One sequence: token x layer")
+        if section.count():  # (a checkout from before the lazy sections: the sequence view is on the page)
+            out["variance_open_section_s"] = timed(page, section.click)
         box = page.get_by_role("spinbutton", name="Sequence")
         out["variance_change_sequence_s"] = timed(page, lambda: (box.fill("3"), box.press("Enter")))
         open_page("Profiles")
