@@ -205,6 +205,14 @@ def test_profiles_token_by_index(tiny_demo, monkeypatch):
     at.number_input(key="prof_token").set_value(5).run()
     no_exceptions(at)
     assert "position 5" in json.dumps([c.proto.spec for c in at.get("plotly_chart")])
+    # The heatmap is a lazy tab: drawn only once opened, and then the token view is not run.
+    titles = lambda: [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]  # noqa: E731
+    assert not any("deviation from the" in t for t in titles()) and len(titles()) == 2
+    at.session_state["prof_section"] = "Every token: deviation heatmap"
+    at.run()
+    no_exceptions(at)
+    assert len(titles()) == 1 and "deviation from the" in titles()[0].replace("<br>", " ")
+    assert not [n for n in at.number_input if n.key == "prof_token"]
 
 
 def _ragged_caches(root: Path) -> Path:

@@ -106,6 +106,13 @@ LAYOUT_DEFECTS = """() => {
 }"""
 
 
+# Pages' lazy tabs: (tab, the start of the title of the chart it draws).
+LAZY_SECTIONS = {
+    "variance": [("Distributions per site", "Distribution"), ("One sequence: token x layer", "Sequence 0")],
+    "profiles": [("Every token: deviation heatmap", "Sequence 0")],
+}
+
+
 def test_pages_fit_a_1024px_screen(server):
     """At 1024 px (sidebar open) no metric is cut short, the plotly toolbar covers no title, legend or
     colour bar, and no title runs past its chart."""
@@ -122,19 +129,15 @@ def test_pages_fit_a_1024px_screen(server):
                     page.wait_for_selector(".js-plotly-plot .main-svg", timeout=45_000)
                 page.wait_for_timeout(500)  # plotly lays out after the run has been drawn
                 assert page.evaluate(LAYOUT_DEFECTS) == [], path or "overview"
-                if path == "variance":  # its lazy sections, each drawn when its tab opens
-                    for tab, chart in (
-                        ("Distributions per site", "Distribution"),
-                        ("One sequence: token x layer", "Sequence 0"),
-                    ):
-                        page.get_by_role("tab", name=tab).click()
-                        page.wait_for_function(
-                            "t => [...document.querySelectorAll('.gtitle')].some(e => e.textContent.startsWith(t))",
-                            arg=chart,
-                            timeout=30_000,
-                        )
-                        page.wait_for_timeout(500)
-                        assert page.evaluate(LAYOUT_DEFECTS) == [], tab
+                for tab, chart in LAZY_SECTIONS.get(path, []):  # each drawn when its tab opens
+                    page.get_by_role("tab", name=tab).click()
+                    page.wait_for_function(
+                        "t => [...document.querySelectorAll('.gtitle')].some(e => e.textContent.startsWith(t))",
+                        arg=chart,
+                        timeout=30_000,
+                    )
+                    page.wait_for_timeout(500)
+                    assert page.evaluate(LAYOUT_DEFECTS) == [], tab
         finally:
             browser.close()
 

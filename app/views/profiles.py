@@ -11,6 +11,7 @@ from app.views.common import download, guard, require_cache, teach
 
 WINDOW = 32  # positions shown at once in the heatmap: every label legible on a 1024 px screen
 MAX_SITES = 12  # sites preselected when a model has many (the user can add the rest)
+PROFILE_SECTIONS = ["One token vs the static profile", "Every token: deviation heatmap"]
 BANDS = {"5-95%": resources.DEFAULT_BAND, "1-99%": (0.01, 0.99), "10-90%": (0.10, 0.90), "25-75%": (0.25, 0.75)}
 
 sel = require_cache()
@@ -20,8 +21,8 @@ teach(
     "The **static profile** (dashed) is what the `static_layer` condition feeds the frozen model: the mean of each "
     "slot over the calibration split. The shaded **band** shows where the calibration tokens usually are. The red "
     "line is one token's live coefficients: where it leaves the band, this token is steered differently from a "
-    "typical one. The heatmap below shows that deviation, in calibration standard deviations, for every token "
-    "of the sequence."
+    "typical one. The second tab's heatmap shows that deviation, in calibration standard deviations, for every "
+    "token of the sequence."
 )
 
 reference = sel.calibration_cache
@@ -71,8 +72,14 @@ def _sequence_view() -> None:
     deviation = (live_m - static_v) / np.where(sd_v > 0, sd_v, 1.0)  # [T, C] in calibration SDs
     tokens = resources.decode_tokens(str(sel.model_dir) if sel.model_dir else "", tuple(int(t) for t in data["token"]))
 
-    token_view(seq, chosen_sites, slots, live_m, static_v, deviation, tokens)
-    heatmap_view(seq, slots, deviation, tokens)
+    # Lazy tabs: only the open one runs and is drawn (a chart fewer on a first visit).
+    one_token, every_token = st.tabs(PROFILE_SECTIONS, key="prof_section", on_change="rerun")
+    if one_token.open:
+        with one_token:
+            token_view(seq, chosen_sites, slots, live_m, static_v, deviation, tokens)
+    if every_token.open:
+        with every_token:
+            heatmap_view(seq, slots, deviation, tokens)
     dev_df = pd.DataFrame(deviation, columns=slots)
     dev_df.insert(0, "token", tokens)
     dev_df.insert(0, "position", np.arange(T))
