@@ -44,8 +44,12 @@ SPECS = {"blocks.0.gate": SiteSpec(axes=(("group", K),), family="gate")}
 
 def synthetic_plan(num_seqs: int) -> dict:
     return cache_plan(
-        SPECS, T, num_seqs, model={"path": "synthetic", "fingerprint": "0" * 64, "config": {"vocab_size": 64}},
-        corpus={"name": "synthetic", "split": "eval"}, tokenizer={"vocab_size": 64},
+        SPECS,
+        T,
+        num_seqs,
+        model={"path": "synthetic", "fingerprint": "0" * 64, "config": {"vocab_size": 64}},
+        corpus={"name": "synthetic", "split": "eval"},
+        tokenizer={"vocab_size": 64},
     )
 
 
@@ -75,8 +79,9 @@ def drive(parts: int, workers: int, root: Path) -> dict:
     from fca.jobs.distributed import REPO_ROOT, drive_parts
 
     path = os.pathsep.join(p for p in (REPO_ROOT, str(ROOT / "bench"), os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.init(
+        num_cpus=workers, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}}
+    )
     try:
         Worker = ray.remote(num_cpus=1)(SyntheticWorker)
         actors = [Worker.remote() for _ in range(workers)]
@@ -130,8 +135,16 @@ def bookkeeping(parts: int, root: Path) -> dict:
     """Record `parts` fake part records one by one (as a driver does), then parse a manifest that lists them."""
     plan = synthetic_plan(parts)
     writer = CacheWriter(root / f"records-{parts}", plan, cache_schema(SPECS), 1)
-    record = {"file": "", "first_seq": 0, "num_seqs": 1, "rows": T, "sha256": "f" * 64, "bytes": 4096,
-              "moments": "", "moments_sha256": "f" * 64}
+    record = {
+        "file": "",
+        "first_seq": 0,
+        "num_seqs": 1,
+        "rows": T,
+        "sha256": "f" * 64,
+        "bytes": 4096,
+        "moments": "",
+        "moments_sha256": "f" * 64,
+    }
     start = time.perf_counter()
     for k in range(parts):
         writer.add_parts([{**record, "index": k, "file": f"part-{k:05d}.parquet", "first_seq": k}])

@@ -175,7 +175,7 @@ VARIANCE_SECTIONS = ["Site x channel", "Distributions per site", "One sequence: 
 KEY_WIDGETS = {
     "views/overview.py": lambda at: len(at.metric) == 3 and len(at.download_button) >= 2,
     "views/variance.py": lambda at: (
-        at.radio(key="var_quantity") is not None and [t.label for t in at.tabs] == VARIANCE_SECTIONS
+        at.selectbox(key="var_quantity") is not None and [t.label for t in at.tabs] == VARIANCE_SECTIONS
     ),
     "views/profiles.py": lambda at: (
         at.number_input(key="prof_token") is not None and at.selectbox(key="prof_band") is not None
@@ -263,7 +263,7 @@ def test_ragged_cache_opens_in_every_page(page, tmp_path, monkeypatch):
         assert not at.error, [e.value for e in at.error]
         assert len(at.get("plotly_chart")) >= 1
     if page == "views/variance.py":
-        at.radio(key="var_view").set_value(at.radio(key="var_view").options[1]).run()  # one panel per stream
+        at.selectbox(key="var_view").set_value(at.selectbox(key="var_view").options[1]).run()  # one panel per stream
         no_exceptions(at)
         for section in VARIANCE_SECTIONS[1:]:  # the other (lazy) sections, on sites of different widths
             at.session_state["var_section"] = section
@@ -507,12 +507,12 @@ def test_variance_page_controls_and_colour_scales(tiny_demo, monkeypatch):
     at = render(app_for(monkeypatch, [tiny_demo], tiny_demo / "eval"), "views/variance.py")
     no_exceptions(at)
     # Lazy tabs: only the open section runs (the first by default); opening another runs it instead.
-    assert at.radio(key="var_quantity") is not None and not [n for n in at.number_input if n.key == "var_seq"]
+    assert at.selectbox(key="var_quantity") is not None and not [n for n in at.number_input if n.key == "var_seq"]
     at.session_state["var_section"] = VARIANCE_SECTIONS[1]
     at.run()
     no_exceptions(at)
     assert any(c["data"][0]["type"] == "box" for c in _charts(at)) and not [
-        r for r in at.radio if r.key == "var_quantity"
+        r for r in at.selectbox if r.key == "var_quantity"
     ]
     at.session_state["var_section"] = VARIANCE_SECTIONS[2]
     at.run()
@@ -525,7 +525,7 @@ def test_variance_page_controls_and_colour_scales(tiny_demo, monkeypatch):
     at.selectbox(key="var_summary").set_value("RMS deviation from slot mean (SDs)").run()
     at.session_state["var_section"] = VARIANCE_SECTIONS[0]
     at.run()
-    at.radio(key="var_quantity").set_value("standard deviation").run()
+    at.selectbox(key="var_quantity").set_value("standard deviation").run()
     no_exceptions(at)
     assert not at.error
 

@@ -79,7 +79,7 @@ def _slot_section() -> None:
     # Site x channel: sites may have different widths (MUDD layer i has C*(i+2) channels, MoE routers
     # one per expert), so the table is long (site, channel) and the figure pads with blanks.
     dec = stats["decomposition"]
-    quantity = st.radio("Show per slot", list(QUANTITIES), horizontal=True, key="var_quantity")
+    quantity = st.selectbox("Show per slot", list(QUANTITIES), key="var_quantity")
     color_title, column = QUANTITIES[quantity]
     values = {
         "mean": stats["slot_mean"],
@@ -106,10 +106,9 @@ def _slot_section() -> None:
     view = "flat channels"
     if structured:
         first_axes = next(spec.axes for spec in cache.manifest.sites.values() if len(spec.axes) == 2)
-        view = st.radio(
+        view = st.selectbox(
             "Layout",
             ["flat channels", f"one panel per {first_axes[0][0]} (x = {first_axes[1][0]})"],
-            horizontal=True,
             key="var_view",
         )
     if view == "flat channels":
