@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,7 @@ from fca.engine.environment import current_environment, model_dtype_name
 from fca.engine.loading import fingerprint_state, load_model, read_config
 from fca.engine.sites import model_logits, site_specs
 from fca.tables import data
-from fca.tables.errors import CacheError
-from fca.tables.remote import RemoteParts, is_uri, staging
+from fca.tables.remote import RemoteParts, is_uri
 from fca.tables.store import COEFFICIENT_BYTES, cache_plan, file_sha256
 
 
@@ -48,72 +48,45 @@ def build_cache_from_corpus(
     directory and published there when complete (fca.tables.remote; a stopped build starts over, while
     `--engine ray` commits part by part and resumes); the return value is then the URI.
     """
-    if is_uri(str(out)):
-        remote = RemoteParts(str(out))
-        if remote.finished() and not overwrite:
-            raise CacheError(f"{out}: already exists (pass --overwrite to replace it)")
-        lock = remote.lock().acquire()
-        try:
-            with staging() as stage:
-                if show_progress:
-                    from tqdm.auto import tqdm
-
-                    tqdm.write(f"{out}: built in {stage}, published there when complete")
-                local = build_cache_from_corpus(
-                    model_dir,
-                    corpus,
-                    split,
-                    stage / "cache",
-                    num_seqs=num_seqs,
-                    seq_len=seq_len,
-                    batch_size=batch_size,
-                    device=device,
-                    dtype=dtype,
-                    split_seed=split_seed,
-                    text_column=text_column,
-                    coefficient_dtype=coefficient_dtype,
-                    progress=progress,
-                    show_progress=show_progress,
-                    workers=workers,
-                    part_seqs=part_seqs,
-                )
-                return remote.publish(local)
-        finally:
-            lock.release()
-    model, windows, plan = prepare_corpus_build(
-        model_dir,
-        corpus,
-        split,
-        num_seqs,
-        seq_len,
-        batch_size,
-        device,
-        dtype,
-        split_seed,
-        text_column,
-        coefficient_dtype,
-    )
-    if show_progress:
-        from tqdm.auto import tqdm
-
-        N, T, row_bytes = plan["num_seqs"], plan["seq_len"], plan["raw_bytes_per_token"]
-        tqdm.write(
-            f"{out}: {N} sequences x {T} tokens x {row_bytes} B = {row_bytes * N * T / 1e6:.1f} MB raw "
-            f"(about {0.85 * row_bytes * N * T / 1e6:.1f} MB as Parquet)"
+    remote = RemoteParts(str(out)) if is_uri(str(out)) else None
+    with remote.staged(overwrite) if remote else nullcontext(None) as stage:
+        target = Path(out) if stage is None else stage / "cache"  # a URI: built here, then published
+        model, windows, plan = prepare_corpus_build(
+            model_dir,
+            corpus,
+            split,
+            num_seqs,
+            seq_len,
+            batch_size,
+            device,
+            dtype,
+            split_seed,
+            text_column,
+            coefficient_dtype,
         )
-    return write_cache(
-        model,
-        windows,
-        out,
-        plan,
-        batch_size,
-        overwrite=overwrite,
-        progress=progress,
-        show_progress=show_progress,
-        desc=f"cache {split}",
-        workers=workers,
-        part_seqs=part_seqs,
-    )
+        if show_progress:
+            from tqdm.auto import tqdm
+
+            N, T, row_bytes = plan["num_seqs"], plan["seq_len"], plan["raw_bytes_per_token"]
+            tqdm.write(
+                f"{out}: {N} sequences x {T} tokens x {row_bytes} B = {row_bytes * N * T / 1e6:.1f} MB raw "
+                f"(about {0.85 * row_bytes * N * T / 1e6:.1f} MB as Parquet)"
+                + ("" if stage is None else f"; built in {stage}, published when complete")
+            )
+        local = write_cache(
+            model,
+            windows,
+            target,
+            plan,
+            batch_size,
+            overwrite=overwrite,
+            progress=progress,
+            show_progress=show_progress,
+            desc=f"cache {split}",
+            workers=workers,
+            part_seqs=part_seqs,
+        )
+        return local if remote is None else remote.publish(local)
 
 
 def prepare_corpus_build(

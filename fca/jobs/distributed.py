@@ -226,36 +226,32 @@ def build_cache_distributed(
 def _build_to_uri(ray, actors, remote: RemoteParts, plan: dict, schema, S: int, show_progress: bool) -> str:
     """The driver of a URI build: the build's bookkeeping (progress, moments merge, manifest) in a local
     staging copy, the parts committed at the URI by the actors, the cache published there at the end."""
-    lock = remote.lock().acquire()
-    try:
-        with staging() as stage:
-            writer = CacheWriter(stage / "cache", plan, schema, S, overwrite=True)
-            try:
-                kept = remote.start(plan, S)  # committed by an earlier run: kept
-                writer.add_parts(kept)
-                remote.fetch_sidecars(kept, writer.partial)
-                for record in kept:
-                    writer.merge_committed(record["index"])
+    with remote.staged(overwrite=True) as stage:  # (an existing cache was refused before the cluster started)
+        writer = CacheWriter(stage / "cache", plan, schema, S, overwrite=True)
+        try:
+            kept = remote.start(plan, S)  # committed by an earlier run: kept
+            writer.add_parts(kept)
+            remote.fetch_sidecars(kept, writer.partial)
+            for record in kept:
+                writer.merge_committed(record["index"])
 
-                def commit(record: dict) -> None:  # its sidecar here, for the merge
-                    remote.fetch_sidecars([record], writer.partial)
-                    writer.merge_committed(record["index"])
+            def commit(record: dict) -> None:  # its sidecar here, for the merge
+                remote.fetch_sidecars([record], writer.partial)
+                writer.merge_committed(record["index"])
 
-                drive_parts(
-                    ray,
-                    actors,
-                    writer,
-                    lambda actor, k: actor.write_part.remote(remote.uri, S, k),
-                    show_progress,
-                    where=remote.uri,
-                    on_commit=commit,
-                )
-            except BaseException:
-                writer.abort()
-                raise
-            return remote.publish(writer.finish(finish_stamp()))
-    finally:
-        lock.release()
+            drive_parts(
+                ray,
+                actors,
+                writer,
+                lambda actor, k: actor.write_part.remote(remote.uri, S, k),
+                show_progress,
+                where=remote.uri,
+                on_commit=commit,
+            )
+        except BaseException:
+            writer.abort()
+            raise
+        return remote.publish(writer.finish(finish_stamp()))
 
 
 def drive_parts(

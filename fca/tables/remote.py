@@ -153,6 +153,19 @@ class RemoteParts:
     def lock(self) -> RemoteLock:
         return RemoteLock(self.fs, self.root + ".lock", self.uri)
 
+    @contextmanager
+    def staged(self, overwrite: bool) -> Iterator[Path]:
+        """A build of this URI: refused when a cache is there (unless `overwrite`), else the URI's lock
+        held and a local staging directory to build in, both let go afterwards."""
+        if self.finished() and not overwrite:
+            raise CacheError(f"{self.uri}: already exists (pass --overwrite to replace it)")
+        lock = self.lock().acquire()
+        try:
+            with staging() as stage:
+                yield stage
+        finally:
+            lock.release()
+
     def start(self, plan: dict, seqs_per_part: int) -> list[dict]:
         """Begin or resume: -> the records of the parts already committed under this plan (others are
         cleared away)."""

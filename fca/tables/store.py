@@ -29,6 +29,7 @@ import zipfile
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -1036,7 +1037,7 @@ class Cache:
         path = self.path / self.manifest.parts[position].file
         try:
             part = pq.ParquetFile(path)
-            check_part_schema(path, part.schema_arrow, self.expected_schema())
+            check_part_schema(path, part.schema_arrow, self.expected_schema)
             groups = []
             for i in range(part.metadata.num_row_groups):
                 stats = part.metadata.row_group(i).column(0).statistics
@@ -1047,7 +1048,9 @@ class Cache:
             raise CacheError(f"{path}: unreadable part file ({str(err).splitlines()[0]})") from None
         return path, part, groups
 
+    @cached_property
     def expected_schema(self) -> pa.Schema:
+        """The part schema the manifest implies (what every part's footer is checked against)."""
         return cache_schema(self.site_specs, coefficient_arrow_type(self.coefficient_dtype))
 
     def _read_rows(self, wanted: list[int], columns: list[str]) -> pa.Table:
@@ -1280,7 +1283,7 @@ def open_cache(path: str | Path, verify: bool = False) -> Cache:
             schema = pq.read_schema(first)
         except (pa.ArrowInvalid, OSError) as err:
             raise CacheError(f"{first}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
-        check_part_schema(first, schema, cache.expected_schema())
+        check_part_schema(first, schema, cache.expected_schema)
     if verify:
         cache.verify()
     return cache
