@@ -381,18 +381,7 @@ def test_cancel_stops_a_run(tiny_demo):
     from app.jobs import ReplayJob
     from fca.jobs.runs import run_replay
 
-    settings = dict(
-        model=str(tiny_demo / "featuregate"),
-        cache=str(tiny_demo / "eval"),
-        calibration=str(tiny_demo / "calibration"),
-        conditions=["static_layer"],
-        num_seqs=8,
-        seed=0,
-        device="cpu",
-        batch_size=1,
-        save=False,
-    )
-    job = ReplayJob(settings)
+    job = ReplayJob(_lab_settings(tiny_demo, num_seqs=8, batch_size=1, save=False))
     job.stop.set()  # what the Cancel button does
     job.start(run_replay).wait(60)
     assert job.cancelled and job.record is None and job.error is None

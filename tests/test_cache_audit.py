@@ -157,6 +157,21 @@ def _snapshot(path):
     return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
 
 
+def _audit_args(model, cache, calibration, report) -> list[str]:
+    """`fca audit` arguments: the model, evaluated and calibration caches, and the JSON report's path."""
+    return [
+        "audit",
+        "--model",
+        str(model),
+        "--cache",
+        str(cache),
+        "--calibration",
+        str(calibration),
+        "--json",
+        str(report),
+    ]
+
+
 def _cli_error(args, capsys):
     code = main(args)
     err = capsys.readouterr().err.strip()
@@ -172,17 +187,7 @@ def test_corrupt_part_file(demo, tmp_path, capsys):
     with pytest.raises(CacheError, match="part-00000.parquet"):
         open_cache(bad)
     err = _cli_error(
-        [
-            "audit",
-            "--model",
-            str(demo / "featuregate"),
-            "--cache",
-            str(bad),
-            "--calibration",
-            str(demo / "calibration"),
-            "--json",
-            str(tmp_path / "r.json"),
-        ],
+        _audit_args(demo / "featuregate", bad, demo / "calibration", tmp_path / "r.json"),
         capsys,
     )
     assert "part-00000.parquet" in err
@@ -200,17 +205,7 @@ def test_modified_part_fails_verification(demo, tmp_path):
 def test_fingerprint_mismatch(demo, tmp_path, capsys):
     other = make_model_dir(tmp_path / "other", demo / "prose.txt", seed=1)
     err = _cli_error(
-        [
-            "audit",
-            "--model",
-            str(other),
-            "--cache",
-            str(demo / "eval"),
-            "--calibration",
-            str(demo / "calibration"),
-            "--json",
-            str(tmp_path / "r.json"),
-        ],
+        _audit_args(other, demo / "eval", demo / "calibration", tmp_path / "r.json"),
         capsys,
     )
     assert "different model" in err and "manifest.json" in err
@@ -239,17 +234,7 @@ def test_nan_coefficients(demo, tmp_path, capsys):
     with pytest.raises(CacheError, match="non-finite"):
         open_cache(bad).read_seqs([0])
     err = _cli_error(
-        [
-            "audit",
-            "--model",
-            str(demo / "featuregate"),
-            "--cache",
-            str(demo / "eval"),
-            "--calibration",
-            str(bad),
-            "--json",
-            str(tmp_path / "r.json"),
-        ],
+        _audit_args(demo / "featuregate", demo / "eval", bad, tmp_path / "r.json"),
         capsys,
     )
     assert "non-finite" in err
@@ -429,36 +414,14 @@ def test_audit_refuses_when_correct_is_not_exact(demo, tmp_path, monkeypatch, ca
     from fca.jobs.experiment import Experiment
 
     monkeypatch.setattr(Experiment, "run", lambda *a, **k: fake)
-    code = main(
-        [
-            "audit",
-            "--model",
-            str(demo / "featuregate"),
-            "--cache",
-            str(demo / "eval"),
-            "--calibration",
-            str(demo / "calibration"),
-            "--json",
-            str(tmp_path / "r.json"),
-        ]
-    )
+    code = main(_audit_args(demo / "featuregate", demo / "eval", demo / "calibration", tmp_path / "r.json"))
     assert code == 3 and "does not reproduce" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
 
 
 def test_calibration_must_be_independent(demo, tmp_path, capsys):
     err = _cli_error(
-        [
-            "audit",
-            "--model",
-            str(demo / "featuregate"),
-            "--cache",
-            str(demo / "eval"),
-            "--calibration",
-            str(demo / "eval"),
-            "--json",
-            str(tmp_path / "r.json"),
-        ],
+        _audit_args(demo / "featuregate", demo / "eval", demo / "eval", tmp_path / "r.json"),
         capsys,
     )
     assert "same split" in err
