@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Every check that needs a CUDA GPU, as one prepared script (about 11 minutes on one H200: exactness 4,
-# study 4, speed 3; name sections to stay within a shorter limit):
-#   bash bench/gpu_checks.sh OUT_DIR [SECTION ...]   sections: exactness study speed demo-seeds
-#                                                    (default: exactness study speed, in that order)
+# Every check that needs a CUDA GPU, as one prepared script (about 12 minutes on one H200: exactness 4,
+# study 4, speed 4; name sections to stay within a shorter limit):
+#   bash bench/gpu_checks.sh OUT_DIR [SECTION ...]   sections: exactness study speed demo-seeds, run in
+#                                                    the order given (default: exactness study speed)
 # It needs the shipped demo and the corpus (data/kjv.txt, from `python -m fca corpus`).
 # OUT_DIR receives log.txt (everything printed), results.jsonl (one JSON object per measurement) and
 # the study's archives (big-study.tar.gz: the larger configuration's audits and study; with demo-seeds,
@@ -56,7 +56,7 @@ if [ "$gpu" = cuda ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 fi
 
-if [[ " $sections " == *" exactness "* ]]; then
+section_exactness() {
   step "demo audited on cuda" 240 python -m fca audit --model $demo/featuregate --cache $demo/eval --calibration $demo/calibration \
     --dense $demo/dense --device $gpu --json "$work/demo_cuda.json"
   record "audit: shipped demo (built on a CPU) on cuda" "$work/demo_cuda.json"
@@ -76,9 +76,9 @@ if [[ " $sections " == *" exactness "* ]]; then
   drift cuda-other-batches-fp32 --model $m --cache "$work/cuda/eval" --device $gpu --batch 6
   drift cuda-other-batches-bf16 --model $m --cache "$work/cuda-bf16/eval" --device $gpu --dtype bfloat16 --batch 6
   drift demo-on-cuda-other-batches --model $m --cache $demo/eval --device $gpu --batch 6
-fi
+}
 
-if [[ " $sections " == *" demo-seeds "* ]]; then
+section_demo_seeds() {
   # Seeds 1 and 2 of the demo configuration, trained here (bf16 autocast, fused AdamW). Their caches
   # and audits are made on a CPU afterwards, like the shipped demo's: `python -m fca demo-study`
   # finds the models in cache/demo-study/seedN/ (unpack the archives there) and skips training.
@@ -89,9 +89,9 @@ if [[ " $sections " == *" demo-seeds "* ]]; then
       tar -C "$work/demo-study" -czf "$out/demo-seed$seed-$arch.tar.gz" "seed$seed/$arch"
     done
   done
-fi
+}
 
-if [[ " $sections " == *" study "* ]]; then
+section_study() {
   # A larger configuration (tens of millions of parameters) for three seeds, each with its Dense twin,
   # cached and audited here. The corpus is the 4 MB King James Bible: it limits what such a model learns.
   big=(--d-model 512 --layers 8 --heads 8 --mlp-groups 8 --seq-len 256 --vocab-size 8192 --steps 400)
@@ -112,15 +112,23 @@ if [[ " $sections " == *" study "* ]]; then
   step "big study" 60 python -m fca study "$work"/big/seed*/audit.json --json "$work/big/study.json" --markdown "$work/big/study.md"
   record "study: larger configuration" "$work/big/study.json"
   tar -C "$work" -czf "$out/big-study.tar.gz" --exclude='*.safetensors' --exclude='*.parquet' big
-fi
+}
 
-if [[ " $sections " == *" speed "* ]]; then
+section_speed() {
   step "bench on cuda" 300 python -m fca bench --device $gpu --json "$work/bench_cuda.json"
   record "bench: demo model on cuda" "$work/bench_cuda.json"
   step "muddpythia 1.4b bf16" 300 python -m bench.muddpythia_scale --device $gpu --dtype bfloat16 --batch 8 --seq-len 1024 \
-    --rounds 3 --stream-seqs 64 --json "$work/mudd.json"
+    --rounds 3 --stream-seqs 64 256 --json "$work/mudd.json"
   record "muddpythia 1.4B shapes, bf16, 8 x 1024" "$work/mudd.json"
-fi
+  step "writer scaling" 120 python -m bench.writer_scale --workers 1 2 4 8 --seqs 64 --repeats 3 --json "$work/writer.json"
+  record "writer scaling, 1.4B-shaped coefficients" "$work/writer.json"
+}
 
+for section in $sections; do
+  case $section in
+    exactness | demo-seeds | study | speed) "section_${section//-/_}" ;;
+    *) echo "!! unknown section: $section"; failed=$((failed + 1)) ;;
+  esac
+done
 echo "== done: $failed step(s) failed"
 rm -rf "$work"

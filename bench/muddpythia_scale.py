@@ -7,8 +7,11 @@ recipe of docs/muddpythia.md until a GPU and the real checkpoint are at hand.
     python -m bench.muddpythia_scale [--batch 2] [--seq-len 128] [--threads 2] [--rounds 2] [--json PATH]
     python -m bench.muddpythia_scale --device cuda --dtype bfloat16 --batch 8 --seq-len 1024 --stream-seqs 64
 
-`--stream-seqs N` also builds a real cache of N random windows through the streaming writer (pinned
-buffers and a writer thread on CUDA) into a temporary directory, and times it against plain forwards.
+`--stream-seqs N [M ...]` also builds real caches of N (M, ...) random windows through the streaming
+writer (pinned buffers and writer threads on CUDA) into a temporary directory, each timed against plain
+forwards over the same windows. The `stream_*` keys are the first count's; `stream_runs` holds every
+count's, and for a bfloat16 model one more build of the largest count stored losslessly in 16 bits.
+A short build pays the last part's encoding after the last forward; a longer one shows the steady rate.
 
 Memory: about 6 GB (1.42 B float32 parameters). Runtime on 2 CPU cores: a few minutes at most.
 """
@@ -63,9 +66,17 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def stream_cache(model: torch.nn.Module, vocab: int, num_seqs: int, seq_len: int, batch: int, seed: int) -> dict:
+def stream_cache(
+    model: torch.nn.Module,
+    vocab: int,
+    num_seqs: int,
+    seq_len: int,
+    batch: int,
+    seed: int,
+    coefficient_dtype: str = "float32",
+) -> dict:
     """Build a cache of random windows through the real writer; time it against plain forwards."""
-    from fca.engine.capture import write_cache
+    from fca.engine.capture import default_writers, write_cache
     from fca.engine.sites import site_specs
     from fca.tables.store import cache_plan, open_cache
 
@@ -76,6 +87,7 @@ def stream_cache(model: torch.nn.Module, vocab: int, num_seqs: int, seq_len: int
         num_seqs,
         model={"path": "random-1.4b", "fingerprint": "random"},
         corpus={"split": "random"},
+        coefficient_dtype=coefficient_dtype,
     )
     device = next(model.parameters()).device
     out = Path(tempfile.mkdtemp(prefix="fca-mudd-")) / "cache"
@@ -93,6 +105,8 @@ def stream_cache(model: torch.nn.Module, vocab: int, num_seqs: int, seq_len: int
         shutil.rmtree(out.parent, ignore_errors=True)
     return {
         "stream_seqs": num_seqs,
+        "stream_coefficient_dtype": coefficient_dtype,
+        "stream_writers": default_writers(device),
         "stream_build_over_forward": build_s / forward_s,
         "stream_tokens_per_s": num_seqs * seq_len / build_s,
         "stream_cache_mb": size / 1e6,
@@ -110,7 +124,9 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures as JSON here")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--stream-seqs", type=int, default=0, help="also stream a cache of this many random windows")
+    parser.add_argument(
+        "--stream-seqs", type=int, nargs="*", default=[], help="also stream caches of these many random windows"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -166,7 +182,14 @@ def main() -> None:
         "cache_bytes_for_256x1024_float32": coefficient_bytes / tokens * 256 * 1024,
     }
     if args.stream_seqs:
-        figures.update(stream_cache(model, config.vocab_size, args.stream_seqs, args.seq_len, args.batch, args.seed))
+        runs = [(n, "float32") for n in args.stream_seqs]
+        if args.dtype == "bfloat16":
+            runs.append((max(args.stream_seqs), "bfloat16"))
+        streamed = [
+            stream_cache(model, config.vocab_size, n, args.seq_len, args.batch, args.seed, dtype) for n, dtype in runs
+        ]
+        figures.update(streamed[0])
+        figures["stream_runs"] = streamed
     for key, value in figures.items():
         print(f"{key:34s} {value:,.4g}" if isinstance(value, float) else f"{key:34s} {value}")
     if args.json:
