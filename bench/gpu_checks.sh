@@ -5,7 +5,8 @@
 #                                                    the order given (default: exactness study speed)
 # It needs the shipped demo and the corpus (data/kjv.txt, from `python -m fca corpus`).
 # OUT_DIR receives log.txt (everything printed), results.jsonl (one JSON object per measurement) and
-# the study's archives (big-study.tar.gz: the larger configuration's audits and study; with demo-seeds,
+# the study's archives (kjv-34m-study.tar.gz: the larger configuration's study and audits, as committed in
+# cache/kjv-34m-study/: `tar -C cache -xzf OUT_DIR/kjv-34m-study.tar.gz` replaces them; with demo-seeds,
 # demo-seedN-ARCH.tar.gz: trained models). A failing step is logged and the next one runs.
 #
 # exactness  the shipped CPU-built demo audited on CUDA (accepted, fidelity reported); caches built and
@@ -96,7 +97,7 @@ section_study() {
   # cached and audited here. The corpus is the 4 MB King James Bible: it limits what such a model learns.
   big=(--d-model 512 --layers 8 --heads 8 --mlp-groups 8 --seq-len 256 --vocab-size 8192 --steps 400)
   for seed in 0 1 2; do
-    d="$work/big/seed$seed"
+    d="$work/kjv-34m-study/seed$seed"
     for arch in featuregate dense; do
       step "train big seed $seed $arch" 150 python -m fca train --arch $arch --seed $seed --device $gpu --corpus $corpus \
         --out "$d/$arch" "${big[@]}"
@@ -109,9 +110,10 @@ section_study() {
       --dense "$d/dense" --device $gpu --json "$d/audit.json" --markdown "$d/audit.md"
     record "audit: larger configuration, seed $seed" "$d/audit.json"
   done
-  step "big study" 60 python -m fca study "$work"/big/seed*/audit.json --json "$work/big/study.json" --markdown "$work/big/study.md"
-  record "study: larger configuration" "$work/big/study.json"
-  tar -C "$work" -czf "$out/big-study.tar.gz" --exclude='*.safetensors' --exclude='*.parquet' big
+  local study="$work/kjv-34m-study"
+  step "big study" 60 python -m fca study "$study"/seed*/audit.json --json "$study/study.json" --markdown "$study/study.md"
+  record "study: larger configuration" "$study/study.json"
+  (cd "$work" && tar -czf "$out/kjv-34m-study.tar.gz" kjv-34m-study/study.* kjv-34m-study/seed*/audit.*)
 }
 
 section_speed() {

@@ -55,6 +55,20 @@ def small_parts(monkeypatch):
     """Parts of SEQS_PER_PART tiny sequences, so a 12-sequence cache has several parts to share out."""
     row_bytes = 4 * 4 + 4 + 4 * 8  # keys, live NLL, the tiny model's two 4-channel gates
     monkeypatch.setattr(capture_module, "TARGET_PART_BYTES", row_bytes * T * SEQS_PER_PART)
+    monkeypatch.setattr(capture_module, "SPREAD_PARTS", 1)  # sized by bytes alone
+
+
+def test_part_size_spreads_a_small_build_over_several_parts():
+    from fca.engine.capture import SPREAD_PARTS, TARGET_PART_BYTES, seqs_per_part
+
+    row, seq_len = 308, 128  # the demo: 39 kB per sequence, so one target part holds 850 sequences
+    assert seqs_per_part(row, seq_len, 16) == TARGET_PART_BYTES // (row * seq_len) // 16 * 16 == 848
+    assert seqs_per_part(row, seq_len, 16, num_seqs=256) == 256 // SPREAD_PARTS == 32  # 8 parts
+    assert seqs_per_part(row, seq_len, 16, num_seqs=100) == 16  # ceil(100 / 8) = 13, up to a whole batch
+    assert seqs_per_part(row, seq_len, 16, num_seqs=8) == 16  # never below one batch
+    assert seqs_per_part(row, seq_len, 16, num_seqs=100_000) == 848  # large builds: parts of the target size
+    big_row = 4904  # MUDDPythia-1.4B at 1,024 tokens: 5 MB per sequence
+    assert seqs_per_part(big_row, 1024, 8, num_seqs=64) == seqs_per_part(big_row, 1024, 8) == 8
 
 
 def _build(artifacts, out, workers, **kw):

@@ -40,6 +40,9 @@ def capture(model: nn.Module, input_ids) -> dict[str, np.ndarray]:
 # Raw bytes per part file before compression. Parts are the unit the writer threads share out, so a
 # few tens of MB keeps them balanced on a build of a few hundred MB while files stay a sensible size.
 TARGET_PART_BYTES = 32 * 2**20
+# A build of fewer than SPREAD_PARTS target parts is cut into this many smaller ones, so that every
+# writer thread of a GPU build has work (default_writers is at most this).
+SPREAD_PARTS = 8
 NLL_KEY = "__nll__"
 
 
@@ -48,10 +51,17 @@ def bytes_per_token(specs, coefficient_bytes: int = 4) -> int:
     return 4 * 4 + 4 + coefficient_bytes * sum(s.num_channels for s in specs.values())
 
 
-def seqs_per_part(row_bytes: int, seq_len: int, batch_size: int) -> int:
+def seqs_per_part(row_bytes: int, seq_len: int, batch_size: int, num_seqs: int | None = None) -> int:
     """Sequences per part file: about TARGET_PART_BYTES raw, a multiple of the batch size so that part
-    boundaries fall between record batches (a resumed build redoes whole batches, as a fresh one)."""
-    return max(batch_size, TARGET_PART_BYTES // (row_bytes * seq_len) // batch_size * batch_size)
+    boundaries fall between record batches (a resumed build redoes whole batches, as a fresh one).
+    Given the build's `num_seqs`, parts are also small enough for it to have SPREAD_PARTS of them where
+    batches allow: a cache smaller than one target part would otherwise be encoded by one writer thread
+    while the others wait. The layout depends on the build's sizes only, never on its number of writers."""
+    by_size = max(batch_size, TARGET_PART_BYTES // (row_bytes * seq_len) // batch_size * batch_size)
+    if num_seqs is None:
+        return by_size
+    spread = -(-num_seqs // SPREAD_PARTS)  # ceil(num_seqs / SPREAD_PARTS), then up to whole batches
+    return min(by_size, max(batch_size, -(-spread // batch_size) * batch_size))
 
 
 def check_part_seqs(part_seqs: int, batch_size: int) -> None:
@@ -62,9 +72,11 @@ def check_part_seqs(part_seqs: int, batch_size: int) -> None:
 
 
 def default_writers(device: torch.device) -> int:
-    """Writer threads for a build: on CUDA the host cores are idle while the GPU computes, so several
-    (at most 4); on CPU one, inline, since the forward pass needs every core."""
-    return min(4, os.cpu_count() or 1) if device.type == "cuda" else 1
+    """Writer threads for a build: on CUDA the host cores are idle while the GPU computes, so several,
+    leaving two cores to the forward's launching thread and the collector (at most SPREAD_PARTS; on one
+    H200's 16 host cores, 8 writers encoded 1.6x as fast as 4); on CPU one, inline, since the forward pass
+    needs every core."""
+    return min(SPREAD_PARTS, max(2, (os.cpu_count() or 1) - 2)) if device.type == "cuda" else 1
 
 
 def finish_stamp() -> dict:
@@ -234,7 +246,7 @@ def write_cache(
         )
     row_bytes = bytes_per_token(specs, COEFFICIENT_BYTES[coefficient_dtype])
     workers = default_writers(device_) if workers is None else max(1, int(workers))
-    part_seqs = part_seqs or seqs_per_part(row_bytes, T, batch_size)
+    part_seqs = part_seqs or seqs_per_part(row_bytes, T, batch_size, N)
     check_part_seqs(part_seqs, batch_size)
     writer = CacheWriter(out, plan, schema, part_seqs, overwrite=overwrite, workers=workers)
     done = writer.done_seqs

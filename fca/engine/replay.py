@@ -13,7 +13,6 @@ from fca.engine.capture import as_input_ids, token_nll
 from fca.engine.environment import current_environment
 from fca.engine.sites import (
     capture_tensors,
-    find_sites,
     model_logits,
     site_modes,
     tensor_provider,
@@ -76,13 +75,12 @@ def replay(
     """
     ids = as_input_ids(input_ids, model)
     param = next(model.parameters())
-    sites = find_sites(model)
-    chosen = set(sites) if only is None else set(only)
-    missing = sorted(chosen - set(coefficients))
-    if missing:
-        raise KeyError(f"no coefficients given for site(s) {missing}")
-    tensors = to_device({name: coefficients[name] for name in chosen}, param.device, param.dtype)
-    with site_modes(model, "replay", provider=tensor_provider(tensors), only=chosen):
+    tensors: dict[str, torch.Tensor] = {}  # filled once the sites are known: one walk of the module tree per call
+    with site_modes(model, "replay", provider=tensor_provider(tensors), only=only) as chosen:
+        missing = sorted(set(chosen) - set(coefficients))
+        if missing:
+            raise KeyError(f"no coefficients given for site(s) {missing}")
+        tensors.update(to_device({name: coefficients[name] for name in chosen}, param.device, param.dtype))
         return model_logits(model(ids), model)
 
 

@@ -117,6 +117,8 @@ def audit_experiment(
         "variance": variance,
         "execution": execution,
         "definitions": {**_definitions(evaluated, layout, seed, conditions), **family_of(model).definitions(model)},
+        # The seed and training run travel inside the report: a study of committed audits needs no models.
+        **({"training": experiment.training} if experiment.training else {}),
         "seconds": round(time.perf_counter() - started, 1),
     }
 

@@ -16,7 +16,6 @@ aggregates their audits with the shipped demo's into a study:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +26,7 @@ from fca.jobs.build import build_cache_from_corpus
 from fca.jobs.train import TrainSettings, train
 from fca.tables import data
 from fca.tables.report import render_markdown, write_report
-from fca.tables.study import study_from_files, summarize_training_log, write_study
+from fca.tables.study import study_from_files, write_study
 
 DEMO_CONFIG = dict(d_model=192, n_layers=6, n_heads=6, mlp_groups=6, max_seq_len=128)
 DEMO_SEQS = 256
@@ -107,9 +106,6 @@ def audit_seed(
     settings = replace(settings, seed=seed)
     train_pair(out, corpus, config, settings, device=device, retrain=retrain, show_progress=show_progress)
     report = cache_and_audit(out, corpus, num_seqs, settings.split_seed, audit_device, show_progress=show_progress)
-    log = json.loads((out / "featuregate" / "training_log.json").read_text())
-    # The training summary travels inside the report, since the model beside it is not committed.
-    report["training"] = summarize_training_log(log)
     write_report(report, out / "audit.json", out / "audit.md")
     return out / "audit.json"
 

@@ -200,7 +200,7 @@ def build_cache_distributed(
                 )
         specs = {name: spec_from_json(d) for name, d in plan["sites"].items()}
         schema = cache_schema(specs, coefficient_arrow_type(coefficient_dtype))
-        S = part_seqs or seqs_per_part(plan["raw_bytes_per_token"], plan["seq_len"], batch_size)
+        S = part_seqs or seqs_per_part(plan["raw_bytes_per_token"], plan["seq_len"], batch_size, plan["num_seqs"])
         check_part_seqs(S, batch_size)
         if remote is not None:
             return _build_to_uri(ray, actors, remote, plan, schema, S, show_progress)

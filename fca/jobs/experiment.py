@@ -24,6 +24,7 @@ from fca.tables.conditions import Condition
 from fca.tables.errors import CacheError
 from fca.tables.profiles import Profiles, calibration_profiles
 from fca.tables.store import Cache, open_cache
+from fca.tables.study import model_training
 
 ModelSource = str | Path | nn.Module
 CacheSource = str | Path | Cache
@@ -66,6 +67,7 @@ class Experiment:
     dense_source: ModelSource | None = None  # the Dense twin, loaded on first use (`dense`)
     device_name: str = "auto"
     dtype: torch.dtype | None = None
+    training: dict = field(default_factory=dict)  # the model directory's training summary (seed, steps, ...)
     _dense: nn.Module | None = field(default=None, repr=False)
     _profiles: Profiles | None = field(default=None, repr=False)
 
@@ -91,7 +93,8 @@ class Experiment:
                 c.check_model(fingerprint, model_dtype_name(loaded))
         if calibrated is not None:
             check_independent(evaluated, calibrated)
-        return cls(loaded, evaluated, calibrated, model_name(model), fingerprint, dense, device, dtype)
+        training = {} if isinstance(model, nn.Module) else model_training(model)
+        return cls(loaded, evaluated, calibrated, model_name(model), fingerprint, dense, device, dtype, training)
 
     @property
     def dense(self) -> nn.Module | None:

@@ -170,11 +170,16 @@ def training_info(report: dict, audit_path: str | Path | None = None) -> dict:
         return dict(report["training"])
     if audit_path is None:
         return {}
-    model_dir = Path(audit_path).parent / str(field(report, "model.name", ""))
-    log = _read_json(model_dir / "training_log.json")
+    return model_training(Path(audit_path).parent / str(field(report, "model.name", "")))
+
+
+def model_training(model_dir: str | Path) -> dict:
+    """The training summary of a model directory: its `training_log.json` summarized, else the seed in
+    its `config.json`, else empty (a model trained elsewhere)."""
+    log = _read_json(Path(model_dir) / "training_log.json")
     if log is not None:
         return summarize_training_log(log)
-    config = _read_json(model_dir / "config.json") or {}
+    config = _read_json(Path(model_dir) / "config.json") or {}
     return {"seed": config["init_seed"]} if "init_seed" in config else {}
 
 
