@@ -72,6 +72,25 @@ def test_a_seed_without_caches_shows_its_audit_in_place(tiny_study, tmp_path, mo
     assert "# FCA audit: featuregate" in shown and fingerprint[:16] in shown
 
 
+@pytest.mark.parametrize(
+    ("name", "seeds", "retention"),
+    [("demo-study", [0, 1, 2], 0.417), ("kjv-34m-study", [0, 1, 2], 0.510)],
+)
+def test_shipped_studies_show_their_seeds(name, seeds, retention, monkeypatch):
+    """Both committed studies render from the repository's own cache root: the demo's three seeds
+    (trained on a CPU and a GPU) and the larger configuration's (trained and audited on an H200)."""
+    from tests.test_app import REPO
+
+    root = REPO / "cache"
+    at = render(app_for(monkeypatch, [root], root / "demo" / "eval"), PAGE)
+    pick_study(at, root / name)
+    no_exceptions(at)
+    assert not at.error, [e.value for e in at.error]
+    assert at.dataframe[0].value["seed"].tolist() == seeds
+    study = json.loads((root / name / "study.json").read_text())
+    assert study["summary"]["conditions"]["static_layer"]["gap_retention"]["mean"] == pytest.approx(retention, abs=5e-4)
+
+
 def test_no_study_explains_how_to_make_one(tmp_path, monkeypatch):
     from fca.tables import study
 
