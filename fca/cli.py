@@ -412,8 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--part-seqs",
         type=int,
         default=None,
-        help="sequences per part file, a multiple of --batch (default: about 32 MB raw per part, at least 8 parts "
-        "where batches allow; see docs/scale.md)",
+        help="sequences per part file, a multiple of --batch (default: about 32 MB raw per part; on CUDA at least 8 "
+        "parts where batches allow; see docs/scale.md)",
     )
     _add_engine_flags(p, "windows")
     p.set_defaults(func=cmd_build_cache)

@@ -87,7 +87,6 @@ def test_cache_layout_and_round_trip(demo):
 
 def test_part_files_readable_without_fca(demo):
     parts = sorted((demo / "eval").glob("part-*.parquet"))
-    assert len(parts) > 1  # a small build is spread over several parts (one per writer thread's share)
     frame = pd.concat([pd.read_parquet(part) for part in parts])
     assert len(frame) == N_SEQS * 16 and list(frame.columns[:5]) == ["seq", "pos", "token", "target", "live_nll"]
     assert sorted(frame["seq"].unique()) == list(range(N_SEQS))

@@ -58,17 +58,18 @@ def small_parts(monkeypatch):
     monkeypatch.setattr(capture_module, "SPREAD_PARTS", 1)  # sized by bytes alone
 
 
-def test_part_size_spreads_a_small_build_over_several_parts():
-    from fca.engine.capture import SPREAD_PARTS, TARGET_PART_BYTES, seqs_per_part
+def test_part_size_spreads_a_small_cuda_build_over_several_parts():
+    from fca.engine.capture import SPREAD_PARTS, TARGET_PART_BYTES, seqs_per_part, spreads_parts
 
+    assert spreads_parts("cuda") and not spreads_parts("cpu")  # on a CPU one writer works inline
     row, seq_len = 308, 128  # the demo: 39 kB per sequence, so one target part holds 850 sequences
     assert seqs_per_part(row, seq_len, 16) == TARGET_PART_BYTES // (row * seq_len) // 16 * 16 == 848
-    assert seqs_per_part(row, seq_len, 16, num_seqs=256) == 256 // SPREAD_PARTS == 32  # 8 parts
-    assert seqs_per_part(row, seq_len, 16, num_seqs=100) == 16  # ceil(100 / 8) = 13, up to a whole batch
-    assert seqs_per_part(row, seq_len, 16, num_seqs=8) == 16  # never below one batch
-    assert seqs_per_part(row, seq_len, 16, num_seqs=100_000) == 848  # large builds: parts of the target size
+    assert seqs_per_part(row, seq_len, 16, spread_over=256) == 256 // SPREAD_PARTS == 32  # 8 parts
+    assert seqs_per_part(row, seq_len, 16, spread_over=100) == 16  # ceil(100 / 8) = 13, up to a whole batch
+    assert seqs_per_part(row, seq_len, 16, spread_over=8) == 16  # never below one batch
+    assert seqs_per_part(row, seq_len, 16, spread_over=100_000) == 848  # large builds: parts of the target size
     big_row = 4904  # MUDDPythia-1.4B at 1,024 tokens: 5 MB per sequence
-    assert seqs_per_part(big_row, 1024, 8, num_seqs=64) == seqs_per_part(big_row, 1024, 8) == 8
+    assert seqs_per_part(big_row, 1024, 8, spread_over=64) == seqs_per_part(big_row, 1024, 8) == 8
 
 
 def _build(artifacts, out, workers, **kw):

@@ -181,7 +181,7 @@ def writer_seconds(
     tokens = rng.integers(0, 50_000, (batch, seq_len))
     nll = np.zeros((batch, seq_len), np.float32)
     start = time.perf_counter()
-    parts = seqs_per_part(bytes_per_token(specs), seq_len, batch, num_seqs)
+    parts = seqs_per_part(bytes_per_token(specs), seq_len, batch, num_seqs)  # as a CUDA build, several writers
     writer = CacheWriter(out, plan, schema, parts, overwrite=True, workers=workers)
     for i, lo in enumerate(range(0, num_seqs, batch)):
         n = min(batch, num_seqs - lo)

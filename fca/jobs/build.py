@@ -43,8 +43,8 @@ def build_cache_from_corpus(
 
     Memory does not grow with `num_seqs`: one batch is in flight while the previous one is written.
     Deterministic: the same model, corpus, split seed and sizes give the same cache contents.
-    `part_seqs`: sequences per part file (default: about 32 MB raw per part, at least 8 parts where
-    batches allow: `seqs_per_part`).
+    `part_seqs`: sequences per part file (default: about 32 MB raw per part; on CUDA at least 8 parts
+    where batches allow: `seqs_per_part`).
     `out` may be a pyarrow filesystem URI (s3://..., file://...): the cache is built in a local staging
     directory and published there when complete (fca.tables.remote; a stopped build starts over, while
     `--engine ray` commits part by part and resumes); the return value is then the URI.

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fca.engine.capture import check_part_seqs, finish_stamp, record_pending, seqs_per_part
+from fca.engine.capture import check_part_seqs, finish_stamp, record_pending, seqs_per_part, spreads_parts
 from fca.engine.replay import ReplayResults, run_conditions
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource
 from fca.tables.conditions import Condition
@@ -200,7 +200,8 @@ def build_cache_distributed(
                 )
         specs = {name: spec_from_json(d) for name, d in plan["sites"].items()}
         schema = cache_schema(specs, coefficient_arrow_type(coefficient_dtype))
-        S = part_seqs or seqs_per_part(plan["raw_bytes_per_token"], plan["seq_len"], batch_size, plan["num_seqs"])
+        spread = plan["num_seqs"] if spreads_parts(plan["environment"]["device_type"]) else None
+        S = part_seqs or seqs_per_part(plan["raw_bytes_per_token"], plan["seq_len"], batch_size, spread)
         check_part_seqs(S, batch_size)
         if remote is not None:
             return _build_to_uri(ray, actors, remote, plan, schema, S, show_progress)
