@@ -403,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="writer threads encoding Parquet parts (default: min(4, cores) on CUDA, 1 on CPU)",
+        help="writer threads encoding Parquet parts (default on CUDA: cores minus two, from 2 to 8; on CPU: 1)",
     )
     p.add_argument("--split-seed", type=int, default=0)
     p.add_argument("--text-column", default="text")
