@@ -79,6 +79,7 @@ def stream_cache(
     from fca.engine.capture import default_writers, write_cache
     from fca.engine.sites import site_specs
     from fca.tables.store import cache_plan, open_cache
+    from fca.tables.timings import Timings
 
     windows = np.random.default_rng(seed).integers(0, vocab, (num_seqs, seq_len + 1))
     plan = cache_plan(
@@ -99,7 +100,8 @@ def stream_cache(
                     model(torch.from_numpy(windows[i : i + batch, :-1]).to(device))
 
         forward_s, _ = timed(forwards)
-        build_s, _ = timed(lambda: write_cache(model, windows, out, plan, batch, overwrite=True))
+        stages = Timings()
+        build_s, _ = timed(lambda: write_cache(model, windows, out, plan, batch, overwrite=True, timings=stages))
         size = open_cache(out).manifest.total_bytes
     finally:
         shutil.rmtree(out.parent, ignore_errors=True)
@@ -111,6 +113,10 @@ def stream_cache(
         "stream_tokens_per_s": num_seqs * seq_len / build_s,
         "stream_cache_mb": size / 1e6,
         "stream_bytes_per_token_on_disk": size / (num_seqs * seq_len),
+        "stream_forward_s": round(forward_s, 4),
+        "stream_build_s": round(build_s, 4),
+        # Where the build's time went, summed per stage over its threads (fca.tables.timings).
+        "stream_stages_s": stages.rounded(),
     }
 
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -101,6 +102,28 @@ def _same_values(a, b):
 
 # ---------------------------------------------------------------------------------------------
 # Parallel writer: same parts for any number of workers.
+
+
+def test_a_build_reports_where_its_time_went(artifacts, tmp_path, small_parts):
+    """`write_cache(timings=)`: each stage of the build, from every thread, in seconds; the forward's
+    stage holds most of a CPU build (the writer works inline), the writers' stages appear with threads."""
+    from fca.tables.timings import Timings
+
+    model = fca.load_model(artifacts / "model")
+    windows = np.random.default_rng(2).integers(0, 300, (N_SEQS, T + 1))
+    plan = cache_plan(site_specs(model), T, N_SEQS, model={"path": "m", "fingerprint": "m"}, corpus={"split": "x"})
+    for workers in (1, 3):
+        stages = Timings()
+        started = time.perf_counter()
+        write_cache(model, windows, tmp_path / f"w{workers}", plan, batch_size=2, workers=workers, timings=stages)
+        wall = time.perf_counter() - started
+        seconds = stages.seconds
+        expected = {"record", "collect", "encode", "moments", "close_part", "finish_wait", "finish"}
+        assert expected <= set(seconds) and ("queue_wait" in seconds) == (workers > 1)
+        assert all(s >= 0 for s in seconds.values())
+        # Stages of the caller's thread cannot add up to more than the build's wall time.
+        own_thread = ("record", "finish_wait", "finish") if workers > 1 else seconds
+        assert sum(seconds[stage] for stage in own_thread) <= wall
 
 
 def test_three_workers_write_the_same_cache_as_one(artifacts, tmp_path, small_parts):

@@ -24,6 +24,7 @@ from fca.tables.store import (
     coefficient_arrow_type,
     record_batch,
 )
+from fca.tables.timings import Timings
 
 
 def capture(model: nn.Module, input_ids) -> dict[str, np.ndarray]:
@@ -147,11 +148,14 @@ class _HostCopies:
             buf = self.buffers[slot][name] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
         return buf[: t.numel()].view(t.shape)
 
-    def start(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], object, int | None]:
+    def start(
+        self, tensors: dict[str, torch.Tensor], timings: Timings
+    ) -> tuple[dict[str, torch.Tensor], object, int | None]:
         """-> (host tensors, event or None, slot or None). Host tensors are valid once the event completes."""
         if not self.cuda:
             return tensors, None, None
-        slot = self.free.get()  # blocks only while both sets are in flight
+        with timings("slot_wait"):  # the forward waits on the host: both sets still being taken out
+            slot = self.free.get()  # blocks only while both sets are in flight
         host = {}
         for name, t in tensors.items():
             host[name] = self._buffer(slot, name, t)
@@ -228,12 +232,14 @@ def write_cache(
     desc: str = "cache",
     workers: int | None = None,
     part_seqs: int | None = None,
+    timings: Timings | None = None,
 ) -> Path:
     """Record passes over `windows` [N, T + 1], written part by part by `workers` writer threads.
 
     `plan` is the manifest draft (it must hold `sites`, `seq_len`, `num_seqs`, `coefficient_dtype`).
     `workers`: writer threads (None: `default_writers`; 1 writes in the forward's thread on CPU).
     The cache's contents do not depend on `workers`. A resumed build redoes the incomplete parts.
+    `timings`: filled with the seconds each stage took (fca.tables.timings), for benches.
     `part_seqs`: sequences per part file (None: `seqs_per_part`); a multiple of `batch_size`.
 
     On CUDA the coefficients go to two reused sets of pinned host buffers by non-blocking copies; a
@@ -258,7 +264,7 @@ def write_cache(
     workers = default_writers(device_) if workers is None else max(1, int(workers))
     part_seqs = part_seqs or seqs_per_part(row_bytes, T, batch_size, N if spreads_parts(device_.type) else None)
     check_part_seqs(part_seqs, batch_size)
-    writer = CacheWriter(out, plan, schema, part_seqs, overwrite=overwrite, workers=workers)
+    writer = CacheWriter(out, plan, schema, part_seqs, overwrite=overwrite, workers=workers, timings=timings)
     done = writer.done_seqs
     bar = tqdm(total=N, initial=done, unit="seq", desc=desc, disable=not show_progress)
 
@@ -288,21 +294,24 @@ def record_pending(
     from each part's first sequence (so batch composition is that of a single-process build), handed
     to `writer`. Does not finish the writer (a shard writer's caller closes it); aborts it on error.
     `step(n)` is called after each batch of n sequences."""
-    schema = writer.schema
+    schema, timings = writer.schema, writer.timings
     device_ = next(model.parameters()).device
     copies = _HostCopies(device_)
 
     def write_batch(lo: int, hi: int, host: dict[str, torch.Tensor], event, slot) -> None:
         try:
             if event is not None:
-                event.synchronize()  # the non-blocking device -> host copies have landed
-            arrays = {k: v.numpy() for k, v in host.items()}
-            if slot is not None:  # pinned buffers are reused for batch n + 2: take the values out first
-                arrays = {k: a.copy() for k, a in arrays.items()}
+                with timings("copy_wait"):  # the GPU has not finished this batch and its copies
+                    event.synchronize()  # the non-blocking device -> host copies have landed
+            with timings("collect"):
+                arrays = {k: v.numpy() for k, v in host.items()}
+                if slot is not None:  # pinned buffers are reused for batch n + 2: take the values out first
+                    arrays = {k: a.copy() for k, a in arrays.items()}
         finally:
             copies.release(slot)
-        nll = arrays.pop(NLL_KEY)
-        rows = record_batch(schema, np.arange(lo, hi), windows[lo:hi, :-1], windows[lo:hi, 1:], nll, arrays)
+        with timings("collect"):
+            nll = arrays.pop(NLL_KEY)
+            rows = record_batch(schema, np.arange(lo, hi), windows[lo:hi, :-1], windows[lo:hi, 1:], nll, arrays)
         writer.write(rows, hi - lo)
 
     # On CUDA a collector thread takes batch n off the pinned buffers (and, with one writer, encodes it)
@@ -317,13 +326,15 @@ def record_pending(
         for first, last in writer.pending_ranges():
             for lo in range(first, last, batch_size):
                 hi = min(last, lo + batch_size)
-                batch = torch.from_numpy(windows[lo:hi]).to(device_)
-                nll, coefficients = record_windows(model, batch)
-                tensors = {k: _storage_tensor(v, coefficient_dtype, k) for k, v in coefficients.items()}
-                tensors[NLL_KEY] = nll.float()
-                host, event, slot = copies.start(tensors)
+                with timings("record"):  # on CUDA, the time to queue the pass (the GPU runs behind)
+                    batch = torch.from_numpy(windows[lo:hi]).to(device_)
+                    nll, coefficients = record_windows(model, batch)
+                    tensors = {k: _storage_tensor(v, coefficient_dtype, k) for k, v in coefficients.items()}
+                    tensors[NLL_KEY] = nll.float()
+                host, event, slot = copies.start(tensors, timings)
                 if background is not None:
-                    background.submit(lo, hi, host, event, slot)
+                    with timings("submit_wait"):  # the collector is two batches behind
+                        background.submit(lo, hi, host, event, slot)
                 else:
                     write_batch(lo, hi, host, event, slot)
                 if step is not None:

@@ -36,6 +36,7 @@ from fca.tables.store import (
     open_cache,
     record_batch,
 )
+from fca.tables.timings import Timings
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout holding the fca package
 
@@ -270,7 +271,10 @@ def run_bench(
     def plain_forward() -> None:
         forward_over(batches)
 
+    stages = [Timings()]
+
     def cache_build() -> None:
+        stages[0] = Timings()
         write_cache(
             model,
             capture_windows,
@@ -278,11 +282,13 @@ def run_bench(
             _plan(model, capture_windows, batch_size),
             batch_size,
             overwrite=True,
+            timings=stages[0],
         )
 
     r = interleaved(cache_build, lambda: forward_over(capture_batches), repeats)
     result["capture_ratio"] = r["ratio"]
     result["capture_seconds"], result["forward_seconds"] = r["a_s"], r["b_s"]
+    result["capture_stages_s"] = stages[0].rounded()  # the last build's, per stage (fca.tables.timings)
 
     # Replay vs live, the coefficients already in memory (as they are after one cache read).
     cached = [capture_tensors(model, w[:, :-1])[1] for w in batches]

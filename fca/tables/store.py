@@ -40,6 +40,7 @@ from fca.tables.errors import CacheError
 from fca.tables.fidelity import check_dtype
 from fca.tables.spec import SiteSpec
 from fca.tables.stats import Moments, MomentsMerger, merge_token_sums, moments_arrays, token_sums
+from fca.tables.timings import Timings
 
 SCHEMA_VERSION = 1
 KEY_COLUMNS = ("seq", "pos", "token", "target", "live_nll")
@@ -381,7 +382,7 @@ class _PartWorker:
 
     def put(self, item: tuple[int, pa.RecordBatch, int] | None) -> None:
         n = 0 if item is None else item[2]
-        with self.cond:
+        with self.cond, self.owner.timings("queue_wait"):
             # An empty queue takes any item, so a batch larger than the bound cannot wait forever.
             while self.pending and self.pending + n > self.max_pending and not self.owner._stopping:
                 self.cond.wait(0.5)
@@ -445,8 +446,10 @@ class CacheWriter:
         workers: int = 1,
         max_pending_seqs: int | None = None,
         shard: Sequence[int] | None = None,
+        timings: Timings | None = None,
     ) -> None:
         self.out = Path(out)
+        self.timings = timings if timings is not None else Timings()  # encode, moments, close_part, ...
         self.partial = self.out.with_name(self.out.name + ".partial")
         self.schema = schema
         self.plan = plan
@@ -574,17 +577,20 @@ class CacheWriter:
         part = open_parts.get(k)
         if part is None:
             part = open_parts[k] = self._open_part(k)
-        part.writer.write_batch(piece)
+        with self.timings("encode"):
+            part.writer.write_batch(piece)
         lo, hi = self.part_range(k)
         part_rows = (hi - lo) * (piece.num_rows // n) if part.token_pieces is not None else None
-        m, tokens = piece_moments(piece, self.sites, n, part_rows)
-        part.moments = m if part.moments is None else part.moments.merge(m)
+        with self.timings("moments"):
+            m, tokens = piece_moments(piece, self.sites, n, part_rows)
+            part.moments = m if part.moments is None else part.moments.merge(m)
         part.token_pieces = None if tokens is None else [*part.token_pieces, tokens]
         part.num_seqs += n
         part.rows += piece.num_rows
         lo, hi = self.part_range(k)
         if part.num_seqs >= hi - lo:
-            self._close_part(open_parts.pop(k))
+            with self.timings("close_part"):  # footer, moments sidecar, hashes, progress record, merge
+                self._close_part(open_parts.pop(k))
 
     def _open_part(self, k: int) -> _OpenPart:
         name = f"part-{k:05d}.parquet"
@@ -759,7 +765,9 @@ class CacheWriter:
     def finish(self, extra: dict | None = None) -> Path:
         """Wait for the workers, check every part is complete, write the manifest, rename into place."""
         try:
-            self._join_workers()
+            with self.timings("finish_wait"):  # the workers' last parts
+                self._join_workers()
+            started = time.perf_counter()
             self._raise_failure()
             if self._open:
                 missing = sorted(self._open)
@@ -785,6 +793,7 @@ class CacheWriter:
             if self.out.exists():
                 shutil.rmtree(self.out)
             os.replace(self.partial, self.out)
+            self.timings.add("finish", time.perf_counter() - started)  # merged moments, manifest, rename
         except BaseException:
             self.abort()
             raise
