@@ -9,8 +9,10 @@ recipe of docs/muddpythia.md until a GPU and the real checkpoint are at hand.
 
 `--stream-seqs N [M ...]` also builds real caches of N (M, ...) random windows through the streaming
 writer (pinned buffers and writer threads on CUDA) into a temporary directory, each timed against plain
-forwards over the same windows. The `stream_*` keys are the first count's; `stream_runs` holds every
-count's, and for a bfloat16 model one more build of the largest count stored losslessly in 16 bits.
+forwards over the same windows, with the default number of writer threads or each of `--stream-writers`.
+The `stream_*` keys are the first build's; `stream_runs` holds every build's (with `stream_stages_s`:
+where its time went), and for a bfloat16 model one more build of the largest count stored losslessly in
+16 bits.
 A short build pays the last part's encoding after the last forward; a longer one shows the steady rate.
 
 Memory: about 6 GB (1.42 B float32 parameters). Runtime on 2 CPU cores: a few minutes at most.
@@ -74,6 +76,7 @@ def stream_cache(
     batch: int,
     seed: int,
     coefficient_dtype: str = "float32",
+    workers: int | None = None,
 ) -> dict:
     """Build a cache of random windows through the real writer; time it against plain forwards."""
     from fca.engine.capture import default_writers, write_cache
@@ -101,14 +104,16 @@ def stream_cache(
 
         forward_s, _ = timed(forwards)
         stages = Timings()
-        build_s, _ = timed(lambda: write_cache(model, windows, out, plan, batch, overwrite=True, timings=stages))
+        build_s, _ = timed(
+            lambda: write_cache(model, windows, out, plan, batch, overwrite=True, workers=workers, timings=stages)
+        )
         size = open_cache(out).manifest.total_bytes
     finally:
         shutil.rmtree(out.parent, ignore_errors=True)
     return {
         "stream_seqs": num_seqs,
         "stream_coefficient_dtype": coefficient_dtype,
-        "stream_writers": default_writers(device),
+        "stream_writers": workers or default_writers(device),
         "stream_build_over_forward": build_s / forward_s,
         "stream_tokens_per_s": num_seqs * seq_len / build_s,
         "stream_cache_mb": size / 1e6,
@@ -132,6 +137,13 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument(
         "--stream-seqs", type=int, nargs="*", default=[], help="also stream caches of these many random windows"
+    )
+    parser.add_argument(
+        "--stream-writers",
+        type=int,
+        nargs="*",
+        default=[],
+        help="writer threads per streamed build (default: the build's)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -188,11 +200,13 @@ def main() -> None:
         "cache_bytes_for_256x1024_float32": coefficient_bytes / tokens * 256 * 1024,
     }
     if args.stream_seqs:
-        runs = [(n, "float32") for n in args.stream_seqs]
+        writers = args.stream_writers or [None]
+        runs = [(n, "float32", w) for n in args.stream_seqs for w in writers]
         if args.dtype == "bfloat16":
-            runs.append((max(args.stream_seqs), "bfloat16"))
+            runs.append((max(args.stream_seqs), "bfloat16", writers[-1]))
         streamed = [
-            stream_cache(model, config.vocab_size, n, args.seq_len, args.batch, args.seed, dtype) for n, dtype in runs
+            stream_cache(model, config.vocab_size, n, args.seq_len, args.batch, args.seed, dtype, w)
+            for n, dtype, w in runs
         ]
         figures.update(streamed[0])
         figures["stream_runs"] = streamed

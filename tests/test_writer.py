@@ -34,6 +34,7 @@ from fca.tables.store import (
     record_batch,
 )
 
+from .conftest import REPO
 from .helpers import make_model_dir, write_corpus
 
 capture_module = sys.modules["fca.engine.capture"]  # the module; `fca.capture` is also the function
@@ -124,6 +125,26 @@ def test_a_build_reports_where_its_time_went(artifacts, tmp_path, small_parts):
         # Stages of the caller's thread cannot add up to more than the build's wall time.
         own_thread = ("record", "finish_wait", "finish") if workers > 1 else seconds
         assert sum(seconds[stage] for stage in own_thread) <= wall
+
+
+def test_record_batches_are_built_without_importing_pandas():
+    """`pa.array` imports pandas on its first call (0.2 s, inside the first batches of a build); the
+    writer builds its Arrow columns from numpy buffers instead. In a fresh interpreter, so that nothing
+    else has imported pandas yet."""
+    code = (
+        "import sys, numpy as np\n"
+        "from fca.tables.spec import SiteSpec\n"
+        "from fca.tables.store import cache_schema, record_batch\n"
+        "schema = cache_schema({'g': SiteSpec(axes=(('channel', 4),), family='gate')})\n"
+        "ids = np.arange(6).reshape(2, 3)\n"
+        "batch = record_batch(schema, np.arange(2), ids, ids, np.zeros((2, 3), np.float32),"
+        " {'g': np.ones((2, 3, 4), np.float32)})\n"
+        "imported = 'pandas' in sys.modules\n"
+        "assert batch.num_rows == 6 and batch.column('g').flatten().to_pylist() == [1.0] * 24\n"
+        "print(imported)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert done.stdout.strip() == "False"
 
 
 def test_three_workers_write_the_same_cache_as_one(artifacts, tmp_path, small_parts):
