@@ -85,6 +85,20 @@ def bfloat16_bits(values: np.ndarray) -> np.ndarray:
     return (bits >> 16).astype(np.uint16)
 
 
+def _numpy(array: pa.Array) -> np.ndarray:
+    """A primitive Arrow array as numpy: a zero-copy, read-only view where it has no nulls. `to_numpy`
+    gives the same, but its first call imports pandas (0.2-0.6 s here): in a build, inside the first
+    batches, on a writer thread."""
+    if array.null_count or pa.types.is_boolean(array.type):
+        return array.to_numpy(zero_copy_only=False)
+    dtype = np.dtype(array.type.to_pandas_dtype())
+    if len(array) == 0:
+        return np.empty(0, dtype)
+    view = np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
+    view.flags.writeable = False  # as `to_numpy` gives it: the Arrow data is shared, not copied
+    return view
+
+
 def coefficient_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """A site column (FixedSizeList of K) -> float32 values [rows, K].
 
@@ -92,7 +106,7 @@ def coefficient_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     K = column.type.list_size
-    flat = column.flatten().to_numpy(zero_copy_only=False)
+    flat = _numpy(column.flatten())
     if pa.types.is_uint16(column.type.value_type):
         flat = (flat.astype(np.uint32) << 16).view(np.float32)
     return flat.astype(np.float32, copy=False).reshape(-1, K)
@@ -259,7 +273,7 @@ def piece_moments(
     values = np.concatenate(
         [coefficient_values(batch.column(name)).reshape(num_seqs, T, -1) for name in sites], axis=2
     )  # [n, T, C]
-    tokens = batch.column("token").to_numpy().reshape(num_seqs, T)
+    tokens = _numpy(batch.column("token")).reshape(num_seqs, T)
     m = Moments(values.shape[2], T, None)
     m.add_blocked(values)
     if part_rows is None or not _tokens_fit(len(np.unique(tokens)), values.shape[2], part_rows):
