@@ -182,9 +182,9 @@ def cache_plan(
 
 
 def _arrow(values: np.ndarray) -> pa.Array:
-    """A 1-D numpy array as an Arrow array of its dtype, zero-copy. `pa.array` gives the same array, but
-    its first call imports pandas (0.2 s here) to check the input is not a pandas object: in a build that
-    stalled the first batches, and in the 1.4B bench it was a tenth of a 64-window build's forward time."""
+    """A 1-D numpy array as an Arrow array of its dtype, zero-copy (the reverse of `_numpy`). `pa.array`
+    gives the same array, but its first call imports pandas (0.2 s here) to check the input is not a
+    pandas object: in a build, inside the first batches."""
     values = np.ascontiguousarray(values)
     return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
 
