@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fca.engine.capture import check_part_seqs, finish_stamp, record_pending, seqs_per_part, spreads_parts
-from fca.engine.replay import ReplayResults, run_conditions
+from fca.engine.replay import ReplayResults
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource
 from fca.tables.conditions import Condition
 from fca.tables.errors import CacheError
@@ -326,18 +326,7 @@ class _ReplayWorker:
         self.experiment = Experiment.open(model, cache, calibration, device=device, dtype=dtype)
 
     def run(self, conditions: list[Condition], n: int, batch_size: int, seed: int, shard) -> ReplayResults:
-        e = self.experiment
-        profiles = e.profiles() if any(c.needs_profiles for c in conditions) else None
-        return run_conditions(
-            e.model,
-            e.evaluated,
-            conditions,
-            profiles,
-            seqs=list(range(n)),
-            batch_size=batch_size,
-            cross_seed=seed,
-            shard=shard,
-        )
+        return self.experiment.run(conditions, n, batch_size, seed, shard=shard)
 
 
 def shard_bounds(n: int, batch_size: int, shards: int) -> list[tuple[int, int]]:

@@ -150,9 +150,11 @@ class Experiment:
         progress: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         profile_progress: Callable[[int, int], None] | None = None,
+        shard: tuple[int, int] | None = None,
     ) -> ReplayResults:
         """Replay `conditions` on the first `num_seqs` evaluated sequences (all by default), with both
-        exactness checks on every batch (judge them with `fca.engine.replay.check_exactness`)."""
+        exactness checks on every batch (judge them with `fca.engine.replay.check_exactness`).
+        `shard`: score only those positions of the run (`run_conditions`; a distributed replay's actor)."""
         profiles = self.profiles(profile_progress) if any(c.needs_profiles for c in conditions) else None
         n = self.evaluated.num_seqs if num_seqs is None else min(num_seqs, self.evaluated.num_seqs)
         return run_conditions(
@@ -165,4 +167,5 @@ class Experiment:
             cross_seed=seed,
             progress=progress,
             should_stop=should_stop,
+            shard=shard,
         )
