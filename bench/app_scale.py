@@ -16,7 +16,6 @@ Disk: the two caches in a temporary directory (about 2 GB at the defaults), remo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.output import emit
 from fca.engine.capture import bytes_per_token, seqs_per_part
 from fca.tables.profiles import cache_moments
 from fca.tables.stats import variance_decomposition
@@ -143,10 +143,7 @@ def main() -> None:
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text)
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

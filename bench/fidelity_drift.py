@@ -12,11 +12,11 @@ tolerances (fca.tables.fidelity.FOREIGN_TOLERANCES) are derived from.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
+from bench.output import emit
 from fca.engine.replay import check_exactness
 from fca.jobs.experiment import Experiment
 from fca.tables.conditions import Condition
@@ -59,10 +59,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     row = measure(args.model, args.cache, args.device, args.dtype, args.num_seqs, args.batch)
-    text = json.dumps(row, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text)
+    emit(row, args.json)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.output import emit  # noqa: E402
 from fca.tables.spec import SiteSpec  # noqa: E402
 from fca.tables.store import (  # noqa: E402
     CacheWriter,
@@ -183,10 +184,7 @@ def main() -> None:
             "drive": drive(args.parts, args.workers, Path(tmp)) if args.parts else None,
             "bookkeeping": [bookkeeping(int(m), Path(tmp)) for m in args.records.split(",") if m],
         }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text)
+    emit(result, args.json)
 
 
 if __name__ == "__main__":
