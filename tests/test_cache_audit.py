@@ -35,6 +35,7 @@ from fca.tables.stats import (
     Moments,
     SlotLayout,
     paired_bootstrap_ci,
+    token_sums,
     variance_decomposition,
 )
 from fca.tables.store import MANIFEST, CacheError, open_cache
@@ -483,17 +484,26 @@ def test_replay_cli_saves_runs(demo, capsys):
 
 def test_blocked_moments_equal_the_whole_array_moments():
     """The writer's cache-sized blocks (`Moments.add_blocked`) give the sums of `Moments.add` over the
-    whole array, whatever the block size (positions not a multiple of it, one-row blocks)."""
+    whole array, whatever the block size (positions not a multiple of it, one-row blocks); given per-site
+    arrays instead of one, the same bits (and the same token sums)."""
     rng = np.random.default_rng(3)
     values = (rng.standard_normal((4, 37, 9)) + rng.standard_normal(9)).astype(np.float32)  # [n, T, C]
     tokens = rng.integers(0, 50, (4, 37))
     whole = Moments(9, 37, None)
     whole.add(values, tokens)
     whole.add(values[:3], tokens[:3])
-    for rows in (1, 8, 37, 64):
-        blocked = Moments(9, 37, None)
+    sites = [values[..., :2], values[..., 2:3], values[..., 3:]]  # per-site arrays, as a writer passes them
+    for rows in (1, 8, 37, 64, None):
+        blocked, by_site = Moments(9, 37, None), Moments(9, 37, None)
         blocked.add_blocked(values, rows)
         blocked.add_blocked(values[:3], rows)
+        by_site.add_blocked(sites, rows)
+        by_site.add_blocked([s[:3] for s in sites], rows)
         assert (blocked.count, blocked.num_seqs) == (whole.count, whole.num_seqs)
         for key in ("sum", "sumsq", "pos_count", "pos_sum", "seq_term", "minimum", "maximum"):
             np.testing.assert_allclose(getattr(blocked, key), getattr(whole, key), rtol=1e-13, atol=0, err_msg=key)
+            np.testing.assert_array_equal(getattr(by_site, key), getattr(blocked, key), err_msg=key)  # same order
+    with pytest.raises(ValueError, match="slots"):
+        Moments(9, 37, None).add_blocked(sites[:2])
+    for got, expected in zip(token_sums(sites, tokens), token_sums(values, tokens)):
+        np.testing.assert_array_equal(got, expected)

@@ -16,7 +16,7 @@ slot were known. Group sums are all we need: SS_g = sum S_{slot,g}^2 / n_g - sum
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +24,9 @@ import numpy as np
 # The token-id factor keeps one sum per (vocabulary entry, slot); above this many cells it is skipped
 # (reported as null) rather than allocating gigabytes for a large vocabulary and many slots.
 MAX_TOKEN_CELLS = 64_000_000
+# `Moments.add_blocked`'s float64 scratch block: a few MB, within a core's share of cache, and large
+# enough that its Python loop (a few calls per sequence and block) is small next to the arithmetic.
+SCRATCH_BYTES = 2 << 20
 
 
 @dataclass
@@ -104,17 +107,26 @@ class Moments:
             self.tok_count += np.bincount(ids, minlength=self.vocab_size)[: self.vocab_size]
             np.add.at(self.tok_sum, ids, flat)
 
-    def add_blocked(self, values: np.ndarray, rows: int = 128) -> None:
+    def add_blocked(self, values: np.ndarray | Sequence[np.ndarray], rows: int | None = None) -> None:
         """`add` without token-id sums, in blocks small enough to stay in a core's cache: `rows`
-        positions at a time, every sequence of the block in turn, widened to float64 in a scratch block.
-        `add` widens the whole [n, T, C] array and reads it once per statistic: on a writer thread that
-        made the moments cost half as much as encoding the piece (47 ms vs 17 ms for 8 x 1,024 tokens of
-        1.4B-shaped coefficients), and two writers shared the memory bandwidth instead of scaling. The
-        same sums in another order: equal to `add` to ~1e-16 relative. values: [n, T, C] of n whole
-        sequences, as stored (float32)."""
-        n, T, C = values.shape
+        positions at a time (default: a float64 scratch block of about `SCRATCH_BYTES`), every sequence
+        of the block in turn. `values` is [n, T, C] of n whole sequences as stored (float32), or a list
+        of per-site [n, T, K_s] arrays whose channels are the slots in order: each site is widened
+        straight into its columns of the scratch block, so a writer never concatenates a piece's sites
+        (a 40 MB copy per 8 x 1,024 tokens of 1.4B-shaped coefficients, which two writer threads did
+        no faster than one). `add` widens the whole array and reads it once per statistic; on a writer
+        thread that cost half as much as encoding the piece, and two writers shared the memory
+        bandwidth instead of scaling. The same sums in another order: equal to `add` to ~1e-16 relative."""
+        blocks = [values] if isinstance(values, np.ndarray) else list(values)
+        n, T = blocks[0].shape[:2]
+        widths = [b.shape[2] for b in blocks]
+        C = sum(widths)
         if n == 0:
             return
+        if C != self.num_slots or any(b.shape[:2] != (n, T) for b in blocks):
+            raise ValueError(f"blocks of shapes {[b.shape for b in blocks]} for {self.num_slots} slots")
+        rows = rows or max(1, SCRATCH_BYTES // (8 * C))
+        columns = np.cumsum([0, *widths])
         self.count += n * T
         self.num_seqs += n
         self.pos_count[:T] += n
@@ -125,15 +137,15 @@ class Moments:
             x = scratch[: t1 - t0]
             block_pos = self.pos_sum[t0:t1]  # [r, C], a view: accumulated in place
             for i in range(n):
-                stored = values[i, t0:t1]  # [r, C]
-                np.copyto(x, stored)
+                for block, c0, c1 in zip(blocks, columns[:-1], columns[1:]):
+                    x[:, c0:c1] = block[i, t0:t1]  # widened exactly, so extremes are those of the stored values
                 s = x.sum(0)
                 self.sum += s
                 seq_sums[i] += s
                 self.sumsq += np.einsum("ij,ij->j", x, x)
                 block_pos += x
-                np.minimum(self.minimum, stored.min(0), out=self.minimum)  # extremes: exact before widening
-                np.maximum(self.maximum, stored.max(0), out=self.maximum)
+                np.minimum(self.minimum, x.min(0), out=self.minimum)
+                np.maximum(self.maximum, x.max(0), out=self.maximum)
         self.seq_term += (seq_sums**2).sum(0) / T
 
     def merge(self, other: "Moments") -> "Moments":
@@ -177,13 +189,23 @@ class Moments:
 MOMENT_KEYS = ("count", "num_seqs", "sum", "sumsq", "pos_count", "pos_sum", "seq_term", "minimum", "maximum")
 
 
-def token_sums(values: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """values [n, T, C], tokens [n, T] -> (ids [u] sorted, counts [u], sums [u, C] float64) of the ids seen."""
-    flat = values.reshape(-1, values.shape[-1]).astype(np.float64, copy=False)
+def token_sums(
+    values: np.ndarray | Sequence[np.ndarray], tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """values [n, T, C] (or per-site [n, T, K_s] arrays, the slots in order), tokens [n, T] -> (ids [u]
+    sorted, counts [u], sums [u, C] float64) of the ids seen."""
+    blocks = [values] if isinstance(values, np.ndarray) else list(values)
     ids, inverse, counts = np.unique(tokens.reshape(-1), return_inverse=True, return_counts=True)
     order = np.argsort(inverse, kind="stable")
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    return ids.astype(np.int64), counts.astype(np.float64), np.add.reduceat(flat[order], starts, axis=0)
+    sums = np.concatenate(
+        [
+            np.add.reduceat(b.reshape(-1, b.shape[-1])[order].astype(np.float64, copy=False), starts, axis=0)
+            for b in blocks
+        ],
+        axis=1,
+    )  # [u, C]
+    return ids.astype(np.int64), counts.astype(np.float64), sums
 
 
 def merge_token_sums(pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]], num_slots: int):
