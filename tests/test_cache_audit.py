@@ -493,7 +493,7 @@ def test_blocked_moments_equal_the_whole_array_moments():
     whole.add(values, tokens)
     whole.add(values[:3], tokens[:3])
     sites = [values[..., :2], values[..., 2:3], values[..., 3:]]  # per-site arrays, as a writer passes them
-    for rows in (1, 8, 37, 64, None):
+    for rows in (1, 8, 37, 64, 80, 200, None):  # 80, 200 and None: several whole sequences per block
         blocked, by_site = Moments(9, 37, None), Moments(9, 37, None)
         blocked.add_blocked(values, rows)
         blocked.add_blocked(values[:3], rows)

@@ -108,14 +108,15 @@ class Moments:
             np.add.at(self.tok_sum, ids, flat)
 
     def add_blocked(self, values: np.ndarray | Sequence[np.ndarray], rows: int | None = None) -> None:
-        """`add` without token-id sums, in blocks small enough to stay in a core's cache: `rows`
-        positions at a time (default: a float64 scratch block of about `SCRATCH_BYTES`), every sequence
-        of the block in turn. `values` is [n, T, C] of n whole sequences as stored (float32), or a list
-        of per-site [n, T, K_s] arrays whose channels are the slots in order: each site is widened
-        straight into its columns of the scratch block, so a writer never concatenates a piece's sites
-        (a 40 MB copy per 8 x 1,024 tokens of 1.4B-shaped coefficients, which two writer threads did
-        no faster than one). `add` widens the whole array and reads it once per statistic; on a writer
-        thread that cost half as much as encoding the piece, and two writers shared the memory
+        """`add` without token-id sums, in blocks small enough to stay in a core's cache: float64 scratch
+        blocks of `rows` token rows (default: about `SCRATCH_BYTES`), positions of one sequence at a time,
+        or whole sequences at a time where several fit (a small model's piece is then a few blocks, not a
+        Python loop over its sequences). `values` is [n, T, C] of n whole sequences as stored (float32),
+        or a list of per-site [n, T, K_s] arrays whose channels are the slots in order: each site is
+        widened straight into its columns of the scratch block, so a writer never concatenates a piece's
+        sites (a 40 MB copy per 8 x 1,024 tokens of 1.4B-shaped coefficients, which two writer threads
+        did no faster than one). `add` widens the whole array and reads it once per statistic; on a
+        writer thread that cost half as much as encoding the piece, and two writers shared the memory
         bandwidth instead of scaling. The same sums in another order: equal to `add` to ~1e-16 relative."""
         blocks = [values] if isinstance(values, np.ndarray) else list(values)
         n, T = blocks[0].shape[:2]
@@ -126,26 +127,28 @@ class Moments:
         if C != self.num_slots or any(b.shape[:2] != (n, T) for b in blocks):
             raise ValueError(f"blocks of shapes {[b.shape for b in blocks]} for {self.num_slots} slots")
         rows = rows or max(1, SCRATCH_BYTES // (8 * C))
+        positions, seqs = min(rows, T), min(n, max(1, rows // T))  # a block: [seqs, positions, C]
         columns = np.cumsum([0, *widths])
         self.count += n * T
         self.num_seqs += n
         self.pos_count[:T] += n
         seq_sums = np.zeros((n, C))  # [n, C]
-        scratch = np.empty((min(rows, T), C))  # [rows, C] float64
-        for t0 in range(0, T, rows):
-            t1 = min(T, t0 + rows)
-            x = scratch[: t1 - t0]
-            block_pos = self.pos_sum[t0:t1]  # [r, C], a view: accumulated in place
-            for i in range(n):
+        scratch = np.empty((seqs, positions, C))  # float64
+        for s0 in range(0, n, seqs):
+            s1 = min(n, s0 + seqs)
+            for t0 in range(0, T, positions):
+                t1 = min(T, t0 + positions)
+                x = scratch[: s1 - s0, : t1 - t0]
                 for block, c0, c1 in zip(blocks, columns[:-1], columns[1:]):
-                    x[:, c0:c1] = block[i, t0:t1]  # widened exactly, so extremes are those of the stored values
-                s = x.sum(0)
-                self.sum += s
-                seq_sums[i] += s
-                self.sumsq += np.einsum("ij,ij->j", x, x)
-                block_pos += x
-                np.minimum(self.minimum, x.min(0), out=self.minimum)
-                np.maximum(self.maximum, x.max(0), out=self.maximum)
+                    x[..., c0:c1] = block[s0:s1, t0:t1]  # widened exactly: extremes are the stored values'
+                flat = x.reshape(-1, C)  # a view: one sequence's positions, or whole sequences
+                s = x.sum(1)  # [seqs, C]
+                seq_sums[s0:s1] += s
+                self.sum += s.sum(0)
+                self.sumsq += np.einsum("ij,ij->j", flat, flat)
+                self.pos_sum[t0:t1] += x[0] if s1 - s0 == 1 else x.sum(0)
+                np.minimum(self.minimum, flat.min(0), out=self.minimum)
+                np.maximum(self.maximum, flat.max(0), out=self.maximum)
         self.seq_term += (seq_sums**2).sum(0) / T
 
     def merge(self, other: "Moments") -> "Moments":
