@@ -21,6 +21,7 @@ import fca
 from fca.cli import main
 from fca.engine.environment import current_environment
 from fca.engine.replay import check_exactness, run_conditions
+from fca.engine.sites import find_sites
 from fca.tables.environment import describe, same_environment
 from fca.tables.fidelity import FidelityError, check_dtype, tolerances
 from fca.tables.profiles import calibration_profiles
@@ -231,6 +232,41 @@ def test_replay_does_not_depend_on_input_layout(demo_pair):
     assert torch.equal(fca.replay(model, ids, strided), reference)
     assert torch.equal(fca.replay(model, ids, as_tensors), reference)
     assert torch.equal(reference, model(torch.from_numpy(ids).long()).logits)
+
+
+def test_replay_moves_each_site_when_the_forward_reaches_it(demo_pair, monkeypatch):
+    """Coefficients go to the device site by site as the forward asks for them (on CUDA, so that the host
+    copies overlap the layers before), never all before it: each site is moved after the sites before
+    it have run, only the sites replayed are moved, and the logits are those of the live pass."""
+    from fca.engine import replay as replay_module
+
+    model_dir, ev, _ = demo_pair
+    model = fca.load_model(model_dir)
+    ids = open_cache(ev).read_seqs([0, 1], sites=[])["token"]
+    own = fca.capture(model, ids)  # site -> [B, T, K], in execution order
+    events: list[tuple[str, str]] = []
+    real_move = replay_module.DeviceCoefficients._move
+
+    def move(self, name):
+        events.append(("move", name))
+        return real_move(self, name)
+
+    monkeypatch.setattr(replay_module.DeviceCoefficients, "_move", move)
+    hooks = [
+        site.register_forward_hook(lambda module, args, out, name=name: events.append(("ran", name)))
+        for name, site in find_sites(model).items()
+    ]
+    try:
+        first, last = list(own)[0], list(own)[-1]
+        logits = fca.replay(model, ids, own)
+        assert events == [event for name in own for event in (("move", name), ("ran", name))]
+        events.clear()
+        fca.replay(model, ids, own, only={last})
+        assert ("move", first) not in events and events.index(("move", last)) > events.index(("ran", first))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(logits, model(torch.from_numpy(ids).long()).logits)
 
 
 # ------------------------------------------------------------------ fixtures
