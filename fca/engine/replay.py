@@ -38,6 +38,14 @@ def _host_tensor(values) -> torch.Tensor:
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream of host -> device copies on `device`, made on first use."""
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
 class DeviceCoefficients(Mapping):
     """Coefficients (site -> array or tensor) served as contiguous tensors on `device` in `dtype`, each
     site moved when the forward pass first asks for it.
@@ -73,7 +81,7 @@ class DeviceCoefficients(Mapping):
         t = _host_tensor(self.values[name])
         if self.device.type == "cuda" and t.device.type == "cpu":
             compute = torch.cuda.current_stream(self.device)
-            copy = _COPY_STREAMS.setdefault(self.device, torch.cuda.Stream(self.device))
+            copy = _copy_stream(self.device)
             if t.is_pinned():  # possibly the target of a device -> host copy the compute stream has queued
                 copy.wait_stream(compute)
             with torch.cuda.stream(copy):
