@@ -171,6 +171,37 @@ def test_three_workers_write_the_same_cache_as_one(artifacts, tmp_path, small_pa
     assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [2 * T, 2 * T]
 
 
+def test_a_slow_part_holds_up_no_other_writer_thread(tmp_path, monkeypatch):
+    """Parts go to whichever writer thread is free: while one thread is slow on part 0, the other writes
+    parts 1, 2 and 3 (dealt out as k % 2, part 2 would wait behind part 0), and the cache is the same."""
+    specs = {"a": SiteSpec(axes=(("channel", 2),), family="g")}
+    schema = cache_schema(specs)
+    plan = cache_plan(specs, 5, 8, model={"path": "s", "fingerprint": "s"}, corpus={"split": "x"})
+    z = np.zeros((2, 5), np.int64)
+    real_write_piece = CacheWriter._write_piece
+    written: list[tuple[int, str]] = []
+
+    def write_piece(self, open_parts, k, piece, n):
+        if k == 0:
+            time.sleep(0.5)
+        real_write_piece(self, open_parts, k, piece, n)
+        written.append((k, threading.current_thread().name))
+
+    monkeypatch.setattr(CacheWriter, "_write_piece", write_piece)
+    caches = []
+    for workers in (2, 1):
+        written.clear()
+        writer = CacheWriter(tmp_path / f"w{workers}", plan, schema, 2, workers=workers)
+        for lo in range(0, 8, 2):
+            coefficients = {"a": np.full((2, 5, 2), lo, np.float32)}
+            writer.write(record_batch(schema, np.arange(lo, lo + 2), z, z, z.astype(np.float32), coefficients), 2)
+        caches.append(writer.finish())
+        if workers == 2:
+            assert [k for k, _ in written] == [1, 2, 3, 0]
+            assert len({name for k, name in written if k != 0} - {dict(written)[0]}) == 1  # all on the other thread
+    assert _hashes(caches[0]) == _hashes(caches[1])
+
+
 def test_a_part_is_read_only_when_a_read_needs_it(artifacts, tmp_path, small_parts):
     """Opening reads one part's schema; reading sequences opens only the footers of the parts holding
     them (found from the manifest), so a part whose columns are wrong is refused when it is first read."""

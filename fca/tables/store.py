@@ -388,49 +388,79 @@ class _OpenPart:
     token_pieces: list | None = field(default_factory=list)  # their sparse token sums; None: not kept
 
 
-class _PartWorker:
-    """A writer thread owning the parts routed to it (k % workers). Its queue is bounded in sequences:
-    `put` waits while more than `max_pending` sequences are queued or being encoded."""
+class _WriterThreads:
+    """Writer threads sharing one queue of pieces. A part is written by one thread (its Parquet writer is
+    not shared): the thread that takes a part's first piece holds the part until it is complete and takes
+    its later pieces; an idle thread takes the next piece of a part no thread holds. So a slow part holds
+    up no other thread. (With parts dealt out as k % threads, the caller waited on a busy thread's full
+    queue while another thread sat idle, and the threads advanced in lockstep, each round as slow as its
+    slowest part.) `put` waits while more than `max_pending` sequences are queued or being written."""
 
-    def __init__(self, owner: CacheWriter, index: int, max_pending: int) -> None:
+    def __init__(self, owner: CacheWriter, count: int, max_pending: int) -> None:
         self.owner = owner
         self.max_pending = max_pending
-        self.items: deque = deque()
+        self.items: deque = deque()  # (part, piece, sequences), in the order written
         self.pending = 0
+        self.holders: dict[int, int] = {}  # part -> the thread writing it
+        self.closed = False
         self.cond = threading.Condition()
-        self.open: dict[int, _OpenPart] = {}
-        self.thread = threading.Thread(target=self._run, name=f"fca-cache-writer-{index}", daemon=True)
-        self.thread.start()
+        self.threads = [
+            threading.Thread(target=self._run, args=(i,), name=f"fca-cache-writer-{i}", daemon=True)
+            for i in range(count)
+        ]
+        for thread in self.threads:
+            thread.start()
 
-    def put(self, item: tuple[int, pa.RecordBatch, int] | None) -> None:
-        n = 0 if item is None else item[2]
+    def put(self, k: int, piece: pa.RecordBatch, n: int) -> None:
         with self.cond, self.owner.timings("queue_wait"):
-            # An empty queue takes any item, so a batch larger than the bound cannot wait forever.
+            # An empty queue takes any piece, so a piece larger than the bound cannot wait forever.
             while self.pending and self.pending + n > self.max_pending and not self.owner._stopping:
                 self.cond.wait(0.5)
-            self.items.append(item)
+            self.items.append((k, piece, n))
             self.pending += n
             self.cond.notify_all()
 
-    def _run(self) -> None:
+    def _take(self, index: int) -> tuple[int, pa.RecordBatch, int] | None:
+        """The next piece for thread `index` (the lock held): of a part it holds first, so parts close
+        early, else of a part nobody holds."""
+        for held_only in (True, False):
+            for position, (k, piece, n) in enumerate(self.items):
+                holder = self.holders.get(k)
+                if holder == index or (holder is None and not held_only):
+                    del self.items[position]
+                    self.holders[k] = index
+                    return k, piece, n
+        return None
+
+    def _run(self, index: int) -> None:
+        open_parts: dict[int, _OpenPart] = {}
         while True:
-            with self.cond, self.owner.timings("writer_idle"):  # nothing queued for this writer
-                while not self.items:
+            with self.cond, self.owner.timings("writer_idle"):  # nothing queued for this thread
+                while (item := self._take(index)) is None and not self.closed:
                     self.cond.wait()
-                item = self.items.popleft()
-            if item is None:
+            if item is None:  # closed, and nothing left for this thread
                 break
-            k, batch, n = item
+            k, piece, n = item
             try:
                 if not self.owner._stopping:
-                    self.owner._write_piece(self.open, k, batch, n)
+                    self.owner._write_piece(open_parts, k, piece, n)
             except BaseException as err:  # raised again in the caller's thread
                 self.owner._fail(err)
             finally:
                 with self.cond:
                     self.pending -= n
+                    if k not in open_parts:  # complete (or dropped after an error): any thread may take it
+                        self.holders.pop(k, None)
                     self.cond.notify_all()
-        self.owner._discard(self.open)
+        self.owner._discard(open_parts)
+
+    def close(self) -> None:
+        """Let the threads write what is queued (or drop it, after an error), then wait for them."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        for thread in self.threads:
+            thread.join()
 
 
 class CacheWriter:
@@ -439,10 +469,11 @@ class CacheWriter:
     `plan` is the manifest draft (everything but the part list; it must hold `num_seqs`). Part k holds
     sequences [k * S, (k + 1) * S), S = `seqs_per_part`, whatever the number of `workers`: with
     `workers=1` parts are written in the caller's thread; with more, batches go to worker threads
-    (part k to worker k % workers) and `write` returns once the batch is queued. pyarrow encodes and
-    compresses without the GIL, so the threads scale with cores. Memory: each worker queues at most
-    about one part's sequences (`max_pending_seqs`, default S). After a worker's error, queued
-    batches are dropped and the error is raised in the caller at the next `write` or at `finish`.
+    (`_WriterThreads`: each part is written by one of them, whichever is free when its first batch
+    comes) and `write` returns once the batch is queued. pyarrow encodes and compresses without the GIL,
+    so the threads scale with cores. Memory: at most `workers` x `max_pending_seqs` sequences (default
+    S each) queued or being written. After a worker's error, queued batches are dropped and the error
+    is raised in the caller at the next `write` or at `finish`.
 
     Parts may complete out of order; `progress.json` lists the complete ones. If a `.partial` directory
     with the same plan and S exists, the writer resumes: `pending_ranges()` are the sequences of the
@@ -510,8 +541,8 @@ class CacheWriter:
         self._stopping = False
         self._failures: list[BaseException] = []
         self._open: dict[int, _OpenPart] = {}  # parts written in the caller's thread (workers=1)
-        bound = max_pending_seqs or self.seqs_per_part
-        self._workers = [_PartWorker(self, i, bound) for i in range(workers)] if workers > 1 else []
+        bound = workers * (max_pending_seqs or self.seqs_per_part)
+        self._threads = _WriterThreads(self, workers, bound) if workers > 1 else None
 
     def _resume(self) -> dict[int, dict]:
         progress_path = self.partial / PROGRESS
@@ -589,8 +620,8 @@ class CacheWriter:
                     f"{self.partial}: part {k} is already complete; sequences {lo}..{hi - 1} written twice"
                 )
             piece = batch.slice((lo - first) * rows_per_seq, (hi - lo) * rows_per_seq)
-            if self._workers:
-                self._workers[k % len(self._workers)].put((k, piece, hi - lo))
+            if self._threads is not None:
+                self._threads.put(k, piece, hi - lo)
             else:
                 self._write_piece(self._open, k, piece, hi - lo)
             lo = hi
@@ -698,11 +729,9 @@ class CacheWriter:
             raise self._failures[0]
 
     def _join_workers(self) -> None:
-        for worker in self._workers:
-            worker.put(None)
-        for worker in self._workers:
-            worker.thread.join()
-        self._workers = []
+        if self._threads is not None:
+            self._threads.close()
+            self._threads = None
 
     # -- ending -------------------------------------------------------------------------------------
 
