@@ -202,6 +202,37 @@ def test_a_slow_part_holds_up_no_other_writer_thread(tmp_path, monkeypatch):
     assert _hashes(caches[0]) == _hashes(caches[1])
 
 
+def test_a_writer_threads_error_reaches_the_caller_and_leaves_the_build_resumable(tmp_path, monkeypatch):
+    """A thread's error (here: the disk, on part 1) is raised in the caller, by `write` or `finish`;
+    what was queued is dropped, unfinished files go, the lock is released, and a new writer redoes
+    exactly the parts that are not complete."""
+    specs = {"a": SiteSpec(axes=(("channel", 2),), family="g")}
+    schema = cache_schema(specs)
+    plan = cache_plan(specs, 5, 8, model={"path": "s", "fingerprint": "s"}, corpus={"split": "x"})
+    z = np.zeros((2, 5), np.int64)
+    real_write_piece = CacheWriter._write_piece
+
+    def write_piece(self, open_parts, k, piece, n):
+        if k == 1:
+            raise OSError("No space left on device")
+        real_write_piece(self, open_parts, k, piece, n)
+
+    monkeypatch.setattr(CacheWriter, "_write_piece", write_piece)
+    writer = CacheWriter(tmp_path / "c", plan, schema, 2, workers=2)
+    with pytest.raises(OSError, match="No space left"):
+        for lo in range(0, 8, 2):
+            coefficients = {"a": np.full((2, 5, 2), lo, np.float32)}
+            writer.write(record_batch(schema, np.arange(lo, lo + 2), z, z, z.astype(np.float32), coefficients), 2)
+        writer.finish()
+    writer.abort()
+    partial = tmp_path / "c.partial"
+    assert not (tmp_path / "c").exists() and not (tmp_path / "c.lock").exists()
+    assert not list(partial.glob("*.tmp"))
+    monkeypatch.undo()
+    pending = CacheWriter(tmp_path / "c", plan, schema, 2).pending_ranges()
+    assert (2, 4) in pending and set(pending) <= {(0, 2), (2, 4), (4, 6), (6, 8)}
+
+
 def test_a_part_is_read_only_when_a_read_needs_it(artifacts, tmp_path, small_parts):
     """Opening reads one part's schema; reading sequences opens only the footers of the parts holding
     them (found from the manifest), so a part whose columns are wrong is refused when it is first read."""
