@@ -193,13 +193,19 @@ class Moments:
 MOMENT_KEYS = ("count", "num_seqs", "sum", "sumsq", "pos_count", "pos_sum", "seq_term", "minimum", "maximum")
 
 
+def token_groups(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """tokens [n, T] -> (ids [u] sorted, inverse [n * T], counts [u]): the ids seen and where each row's is."""
+    return np.unique(tokens.reshape(-1), return_inverse=True, return_counts=True)
+
+
 def token_sums(
-    values: np.ndarray | Sequence[np.ndarray], tokens: np.ndarray
+    values: np.ndarray | Sequence[np.ndarray], tokens: np.ndarray, groups: tuple | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """values [n, T, C] (or per-site [n, T, K_s] arrays, the slots in order), tokens [n, T] -> (ids [u]
-    sorted, counts [u], sums [u, C] float64) of the ids seen."""
+    sorted, counts [u], sums [u, C] float64) of the ids seen. `groups`: `token_groups(tokens)`, if the
+    caller already has them."""
     blocks = [values] if isinstance(values, np.ndarray) else list(values)
-    ids, inverse, counts = np.unique(tokens.reshape(-1), return_inverse=True, return_counts=True)
+    ids, inverse, counts = groups if groups is not None else token_groups(tokens)
     order = np.argsort(inverse, kind="stable")
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     sums = np.concatenate(

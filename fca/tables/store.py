@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 from fca.tables.errors import CacheError
 from fca.tables.fidelity import check_dtype
 from fca.tables.spec import SiteSpec
-from fca.tables.stats import Moments, MomentsMerger, merge_token_sums, moments_arrays, token_sums
+from fca.tables.stats import Moments, MomentsMerger, merge_token_sums, moments_arrays, token_groups, token_sums
 from fca.tables.timings import Timings
 
 SCHEMA_VERSION = 1
@@ -276,9 +276,12 @@ def piece_moments(
     tokens = _numpy(batch.column("token")).reshape(num_seqs, T)
     m = Moments(num_slots, T, None)
     m.add_blocked(blocks)
-    if part_rows is None or not _tokens_fit(len(np.unique(tokens)), num_slots, part_rows):
+    if part_rows is None:
         return m, None
-    return m, token_sums(blocks, tokens)
+    groups = token_groups(tokens)  # the fit check's distinct ids, and the grouping of the sums
+    if not _tokens_fit(len(groups[0]), num_slots, part_rows):
+        return m, None
+    return m, token_sums(blocks, tokens, groups)
 
 
 def _tokens_fit(distinct: int, num_slots: int, rows: int) -> bool:
