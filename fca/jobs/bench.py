@@ -182,8 +182,6 @@ def writer_seconds(
     ]
     tokens = rng.integers(0, 50_000, (batch, seq_len))
     nll = np.zeros((batch, seq_len), np.float32)
-    # The previous repeat's cache goes before the clock starts: deleting it is not writing (an overwrite
-    # spent ~23 ms in unlink at finish, in the one thread, which read as poorer scaling).
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
     parts = seqs_per_part(bytes_per_token(specs), seq_len, batch, num_seqs)  # as a CUDA build, several writers
@@ -193,7 +191,12 @@ def writer_seconds(
         values = {k: v[:n] for k, v in templates[i % 2].items()}
         writer.write(record_batch(schema, np.arange(lo, lo + n), tokens[:n], tokens[:n], nll[:n], values), n)
     writer.finish()
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    # Deleted after the clock stops (deleting is not writing; an overwrite spent ~23 ms in unlink in
+    # one thread) and before the next run starts: a cache left on disk is written back by the kernel
+    # within the next runs, on the same cores, slowing whichever run that lands in.
+    shutil.rmtree(out, ignore_errors=True)
+    return seconds
 
 
 def writer_scaling(
@@ -208,7 +211,10 @@ def writer_scaling(
     work = Path(tempfile.mkdtemp(prefix="fca-writer-"))
     times: dict[int, list[float]] = {w: [] for w in workers}
     try:
-        writer_seconds(specs, workers[0], work / "warmup", min(num_seqs, 2 * batch), seq_len, batch)
+        # Every count once before timing: a first run with new threads also pays for their allocator
+        # arenas (measured: a third slower), which a long build pays once.
+        for w in workers:
+            writer_seconds(specs, w, work / "warmup", min(num_seqs, 2 * w * batch), seq_len, batch)
         for r in range(repeats):
             for w in workers if r % 2 == 0 else workers[::-1]:
                 times[w].append(writer_seconds(specs, w, work / f"w{w}", num_seqs, seq_len, batch, seed=r))

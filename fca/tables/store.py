@@ -246,8 +246,12 @@ def write_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
     with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as z:
         for name, array in arrays.items():
             info = zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
+            array = np.asarray(array, order="C")  # keeps 0-d (`np.ascontiguousarray` would not)
             with z.open(info, "w", force_zip64=True) as f:
-                np.lib.format.write_array(f, np.asarray(array, order="C"), allow_pickle=False)  # keeps 0-d
+                # What `np.lib.format.write_array` writes, without its `tobytes` copy of each array (a
+                # 10 MB per-position table per 1.4B part, in fresh pages each time).
+                np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(array))
+                f.write(array.reshape(-1).view(np.uint8))
     os.replace(tmp, path)
 
 
