@@ -122,7 +122,7 @@ section_speed() {
   step "muddpythia 1.4b bf16" 300 python -m bench.muddpythia_scale --device $gpu --dtype bfloat16 --batch 8 --seq-len 1024 \
     --rounds 3 --stream-seqs 64 256 --stream-writers 4 8 --json "$work/mudd.json"
   record "muddpythia 1.4B shapes, bf16, 8 x 1024" "$work/mudd.json"
-  step "writer scaling" 120 python -m bench.writer_scale --workers 1 2 4 8 --seqs 64 --repeats 3 --json "$work/writer.json"
+  step "writer scaling" 240 python -m bench.writer_scale --workers 1 2 4 8 --seqs 256 --repeats 3 --json "$work/writer.json"
   record "writer scaling, 1.4B-shaped coefficients" "$work/writer.json"
 }
 

@@ -199,8 +199,15 @@ def writer_seconds(
     return seconds
 
 
+# Sequences per writer-bench run: 16 parts of 8 x 1,024 tokens (643 MB raw), for the writer's steady rate.
+# With 8 parts (64 sequences) each of two threads wrote 4 and one ended alone, and a lone writer's first
+# parts ran ~6% faster than its later ones: runs of 64, 128 and 256 sequences interleaved in one process
+# read two against one as 1.67 / 1.94 / 1.94 and 1.80 / 2.00 / 1.98.
+WRITER_BENCH_SEQS = 128
+
+
 def writer_scaling(
-    workers: list[int], num_seqs: int = 32, seq_len: int = 1024, batch: int = 8, repeats: int = 3
+    workers: list[int], num_seqs: int = WRITER_BENCH_SEQS, seq_len: int = 1024, batch: int = 8, repeats: int = 3
 ) -> dict:
     """Raw MB/s of the cache writer for each worker count on MUDDPythia-1.4B-shaped coefficients
     (median of interleaved repeats), and each count's ratio to the first."""
@@ -212,7 +219,7 @@ def writer_scaling(
     times: dict[int, list[float]] = {w: [] for w in workers}
     try:
         # Every count once before timing: a first run with new threads also pays for their allocator
-        # arenas (measured: a third slower), which a long build pays once.
+        # arenas (measured: up to 40% slower), which a long build pays once.
         for w in workers:
             writer_seconds(specs, w, work / "warmup", min(num_seqs, 2 * w * batch), seq_len, batch)
         for r in range(repeats):
@@ -398,9 +405,9 @@ def run_bench(
     result["stats_peak_mem_mb"] = result["stats_big_peak_mem_mb"]
     result["stats_import_baseline_mem_mb"] = _stats_peak_memory(synthetic, baseline=True)
 
-    # The cache writer alone, 1 and 2 worker threads, on MUDDPythia-1.4B-shaped coefficients: 64 sequences
-    # (321 MB raw) in batches of 8, as `bench/writer_scale.py` (smaller runs measured mostly fixed costs).
-    scaling = writer_scaling([1, 2], num_seqs=64, seq_len=1024, batch=8, repeats=5)
+    # The cache writer alone, 1 and 2 worker threads, on MUDDPythia-1.4B-shaped coefficients in batches of
+    # 8, as `bench/writer_scale.py` (see `WRITER_BENCH_SEQS`).
+    scaling = writer_scaling([1, 2], seq_len=1024, batch=8, repeats=5)
     result["writer_mb_s_1"], result["writer_mb_s_2"] = scaling["mb_s"][1], scaling["mb_s"][2]
     result["writer_scaling_2"] = scaling["ratio"][2]
     shutil.rmtree(work, ignore_errors=True)
