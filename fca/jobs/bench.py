@@ -193,8 +193,8 @@ def writer_seconds(
     writer.finish()
     seconds = time.perf_counter() - start
     # Deleted after the clock stops (deleting is not writing; an overwrite spent ~23 ms in unlink in
-    # one thread) and before the next run starts: a cache left on disk is written back by the kernel
-    # within the next runs, on the same cores, slowing whichever run that lands in.
+    # one thread) and before the next run starts: the kernel can write a cache left on disk back during
+    # a later run, on the same cores, slowing whichever run that lands in.
     shutil.rmtree(out, ignore_errors=True)
     return seconds
 
@@ -218,8 +218,8 @@ def writer_scaling(
     work = Path(tempfile.mkdtemp(prefix="fca-writer-"))
     times: dict[int, list[float]] = {w: [] for w in workers}
     try:
-        # Every count once before timing: a first run with new threads also pays for their allocator
-        # arenas (measured: up to 40% slower), which a long build pays once.
+        # Every count once before timing: a first run with new threads also pays for setting up their
+        # allocator arenas (measured: 40-45% longer, with more page faults), which a build pays once.
         for w in workers:
             writer_seconds(specs, w, work / "warmup", min(num_seqs, 2 * w * batch), seq_len, batch)
         for r in range(repeats):
