@@ -46,7 +46,8 @@ def write_synthetic(out: Path, num_seqs: int, seed: int = 0) -> Path:
         specs, SEQ_LEN, num_seqs, model={"path": "synthetic", "fingerprint": "0" * 64}, corpus={"split": "eval"}
     )
     offsets = {k: rng.standard_normal(s.num_channels).astype(np.float32) for k, s in specs.items()}
-    part_seqs = seqs_per_part(bytes_per_token(specs), SEQ_LEN, BATCH)  # parts sized as a CPU build sizes them
+    slots = sum(s.num_channels for s in specs.values())
+    part_seqs = seqs_per_part(bytes_per_token(specs), SEQ_LEN, BATCH, num_slots=slots)  # as a CPU build sizes them
     writer = CacheWriter(out, plan, schema, part_seqs, overwrite=True, workers=2)
     for lo in range(0, num_seqs, BATCH):
         n = min(BATCH, num_seqs - lo)

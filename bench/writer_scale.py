@@ -7,13 +7,13 @@ Reported: raw MB/s per worker count (median of interleaved repeats) and the rati
 No model runs, so this is the writer's ceiling: a build on CUDA keeps up when it exceeds the forward
 pass's rate (bytes per token x tokens per second).
 
-    python -m bench.writer_scale --workers 1 2 4 [--seqs 128] [--seq-len 1024] [--batch 8] [--repeats 3] [--json PATH]
+    python -m bench.writer_scale --workers 1 2 4 [--seqs 256] [--seq-len 1024] [--batch 8] [--repeats 3] [--json PATH]
 
 Memory: two batches of coefficients (2 x 40 MB at the defaults) plus each worker's queue (about one part).
-Disk: one cache at a time in a temporary directory (about 600 MB at the defaults), deleted after each run.
-The default of 128 sequences (16 parts) is what `fca bench` writes and what the README's figures come from;
-fewer parts measure the end of a build more than its rate (`fca.jobs.bench.WRITER_BENCH_SEQS`). Many
-writers need more parts for the same: with 8 writers, 16 parts are two each.
+Disk: one cache at a time in a temporary directory (about 1.5 GB at the defaults), deleted after each run.
+The default of 256 sequences (16 parts of 16) is what `fca bench` writes and what the README's figures
+come from; fewer parts measure the end of a build more than its rate (`fca.jobs.bench.WRITER_BENCH_SEQS`).
+Many writers need more parts for the same: with 8 writers, 16 parts are two each.
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ def small_parts(monkeypatch):
     row_bytes = 4 * 4 + 4 + 4 * 8  # keys, live NLL, the tiny model's two 4-channel gates
     monkeypatch.setattr(capture_module, "TARGET_PART_BYTES", row_bytes * T * SEQS_PER_PART)
     monkeypatch.setattr(capture_module, "SPREAD_PARTS", 1)  # sized by bytes alone
+    monkeypatch.setattr(capture_module, "MOMENTS_SHARE", 0)
 
 
 def test_part_size_spreads_a_small_cuda_build_over_several_parts():
@@ -72,6 +73,23 @@ def test_part_size_spreads_a_small_cuda_build_over_several_parts():
     assert seqs_per_part(row, seq_len, 16, spread_over=100_000) == 848  # large builds: parts of the target size
     big_row = 4904  # MUDDPythia-1.4B at 1,024 tokens: 5 MB per sequence
     assert seqs_per_part(big_row, 1024, 8, spread_over=64) == seqs_per_part(big_row, 1024, 8) == 8
+    assert seqs_per_part(row, seq_len, 16, num_slots=72) == 848  # the demo's 74 kB of moments change nothing
+
+
+def test_a_part_outweighs_its_moments_sidecar():
+    """A part's moments sidecar (per-position sums: 8 x T x C bytes, whatever the part's size) is at most
+    1/MOMENTS_SHARE of the part's raw bytes: MUDDPythia-1.4B's 10 MB sidecar asks for 16 sequences per
+    part, not the target size's 8; Qwen3-MoE-30B-A3B's 50 MB one for 16 sequences, not 1. Small CUDA
+    builds are still spread over SPREAD_PARTS parts."""
+    from fca.engine.capture import MOMENTS_SHARE, seqs_per_part
+
+    for row, slots, batch, expected in ((4904, 1221, 8, 16), (24596, 6144, 1, 16), (24596, 6144, 8, 16)):
+        S = seqs_per_part(row, 1024, batch, num_slots=slots)
+        assert S == expected and S % batch == 0
+        assert S * row * 1024 >= MOMENTS_SHARE * 8 * 1024 * slots > (S - batch) * row * 1024  # the fewest that do
+    assert seqs_per_part(1044, 1024, 8, num_slots=256) == 24  # Mixtral-8x7B: the target size already does
+    assert seqs_per_part(4904, 1024, 8, spread_over=64, num_slots=1221) == 8  # 8 parts of a 64-sequence build
+    assert seqs_per_part(4904, 1024, 8, spread_over=256, num_slots=1221) == 16
 
 
 def _build(artifacts, out, workers, **kw):

@@ -44,6 +44,11 @@ TARGET_PART_BYTES = 32 * 2**20
 # A CUDA build of fewer than SPREAD_PARTS target parts is cut into this many smaller ones, so that every
 # writer thread has work (default_writers is at most this).
 SPREAD_PARTS = 8
+# A part holds at least this many times the bytes of its moments sidecar, whose per-position sums take
+# 8 x T x C bytes whatever the part's size: at the target size alone, a MUDDPythia-1.4B part (8 x 1,024
+# tokens, C = 1,221) carried a 10 MB sidecar beside 37 MB of Parquet, and a Qwen3-MoE-30B-A3B part (one
+# sequence, C = 6,144) a 50 MB sidecar for 25 MB of coefficients.
+MOMENTS_SHARE = 8
 NLL_KEY = "__nll__"
 
 
@@ -52,15 +57,20 @@ def bytes_per_token(specs, coefficient_bytes: int = 4) -> int:
     return 4 * 4 + 4 + coefficient_bytes * sum(s.num_channels for s in specs.values())
 
 
-def seqs_per_part(row_bytes: int, seq_len: int, batch_size: int, spread_over: int | None = None) -> int:
-    """Sequences per part file: about TARGET_PART_BYTES raw, a multiple of the batch size so that part
-    boundaries fall between record batches (a resumed build redoes whole batches, as a fresh one).
-    `spread_over`: the build's number of sequences, for a build whose parts are written by several
+def seqs_per_part(
+    row_bytes: int, seq_len: int, batch_size: int, spread_over: int | None = None, num_slots: int = 0
+) -> int:
+    """Sequences per part file: about TARGET_PART_BYTES raw, and at least MOMENTS_SHARE times the part's
+    moments sidecar (`num_slots`: the C channels of all sites); a multiple of the batch size so that part
+    boundaries fall between record batches (a resumed build redoes whole batches, as a fresh one). `spread_over`: the build's number of sequences, for a build whose parts are written by several
     threads or actors (`spreads_parts`): its parts are then also small enough for it to have
     SPREAD_PARTS of them where batches allow, since a cache smaller than one target part would otherwise
     be encoded by one writer while the others wait. Never the number of writers: the layout is the same
     for any number of them."""
-    by_size = max(batch_size, TARGET_PART_BYTES // (row_bytes * seq_len) // batch_size * batch_size)
+    seq_bytes = row_bytes * seq_len
+    by_target = TARGET_PART_BYTES // seq_bytes // batch_size * batch_size
+    by_moments = -(-MOMENTS_SHARE * 8 * seq_len * num_slots // seq_bytes)  # ceil, then up to whole batches
+    by_size = max(batch_size, by_target, -(-by_moments // batch_size) * batch_size)
     if spread_over is None:
         return by_size
     share = -(-spread_over // SPREAD_PARTS)  # ceil(num_seqs / SPREAD_PARTS), then up to whole batches
@@ -262,7 +272,9 @@ def write_cache(
         )
     row_bytes = bytes_per_token(specs, COEFFICIENT_BYTES[coefficient_dtype])
     workers = default_writers(device_) if workers is None else max(1, int(workers))
-    part_seqs = part_seqs or seqs_per_part(row_bytes, T, batch_size, N if spreads_parts(device_.type) else None)
+    slots = sum(spec.num_channels for spec in specs.values())
+    spread = N if spreads_parts(device_.type) else None
+    part_seqs = part_seqs or seqs_per_part(row_bytes, T, batch_size, spread, num_slots=slots)
     check_part_seqs(part_seqs, batch_size)
     writer = CacheWriter(out, plan, schema, part_seqs, overwrite=overwrite, workers=workers, timings=timings)
     done = writer.done_seqs

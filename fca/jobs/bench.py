@@ -184,7 +184,8 @@ def writer_seconds(
     nll = np.zeros((batch, seq_len), np.float32)
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
-    parts = seqs_per_part(bytes_per_token(specs), seq_len, batch, num_seqs)  # as a CUDA build, several writers
+    slots = sum(s.num_channels for s in specs.values())
+    parts = seqs_per_part(bytes_per_token(specs), seq_len, batch, num_seqs, slots)  # as a CUDA build sizes them
     writer = CacheWriter(out, plan, schema, parts, overwrite=True, workers=workers)
     for i, lo in enumerate(range(0, num_seqs, batch)):
         n = min(batch, num_seqs - lo)
@@ -199,11 +200,11 @@ def writer_seconds(
     return seconds
 
 
-# Sequences per writer-bench run: 16 parts of 8 x 1,024 tokens (643 MB raw), for the writer's steady rate.
-# With 8 parts (64 sequences) each of two threads wrote 4 and one ended alone, and a lone writer's first
-# parts ran ~6% faster than its later ones: runs of 64, 128 and 256 sequences interleaved in one process
-# read two against one as 1.67 / 1.94 / 1.94 and 1.80 / 2.00 / 1.98.
-WRITER_BENCH_SEQS = 128
+# Sequences per writer-bench run: 16 parts of 16 x 1,024 tokens (1.29 GB raw), for the writer's steady
+# rate. With 8 parts each of two threads wrote 4 and one ended alone: with 8-sequence parts, runs of 64,
+# 128 and 256 sequences interleaved in one process read two against one as 1.67 / 1.94 / 1.94 and
+# 1.80 / 2.00 / 1.98.
+WRITER_BENCH_SEQS = 256
 
 
 def writer_scaling(

@@ -201,7 +201,8 @@ def build_cache_distributed(
         specs = {name: spec_from_json(d) for name, d in plan["sites"].items()}
         schema = cache_schema(specs, coefficient_arrow_type(coefficient_dtype))
         spread = plan["num_seqs"] if spreads_parts(plan["environment"]["device_type"]) else None
-        S = part_seqs or seqs_per_part(plan["raw_bytes_per_token"], plan["seq_len"], batch_size, spread)
+        slots = sum(spec.num_channels for spec in specs.values())
+        S = part_seqs or seqs_per_part(plan["raw_bytes_per_token"], plan["seq_len"], batch_size, spread, slots)
         check_part_seqs(S, batch_size)
         if remote is not None:
             return _build_to_uri(ray, actors, remote, plan, schema, S, show_progress)
