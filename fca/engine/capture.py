@@ -62,7 +62,8 @@ def seqs_per_part(
 ) -> int:
     """Sequences per part file: about TARGET_PART_BYTES raw, and at least MOMENTS_SHARE times the part's
     moments sidecar (`num_slots`: the C channels of all sites); a multiple of the batch size so that part
-    boundaries fall between record batches (a resumed build redoes whole batches, as a fresh one). `spread_over`: the build's number of sequences, for a build whose parts are written by several
+    boundaries fall between record batches (a resumed build redoes whole batches, as a fresh one).
+    `spread_over`: the build's number of sequences, for a build whose parts are written by several
     threads or actors (`spreads_parts`): its parts are then also small enough for it to have
     SPREAD_PARTS of them where batches allow, since a cache smaller than one target part would otherwise
     be encoded by one writer while the others wait. Never the number of writers: the layout is the same

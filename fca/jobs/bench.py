@@ -201,9 +201,9 @@ def writer_seconds(
 
 
 # Sequences per writer-bench run: 16 parts of 16 x 1,024 tokens (1.29 GB raw), for the writer's steady
-# rate. With 8 parts each of two threads wrote 4 and one ended alone: with 8-sequence parts, runs of 64,
-# 128 and 256 sequences interleaved in one process read two against one as 1.67 / 1.94 / 1.94 and
-# 1.80 / 2.00 / 1.98.
+# rate. With 8 parts, each of two threads wrote 4 and one ended alone: runs of 64, 128 and 256 sequences
+# in parts of 8, interleaved in one process, read two against one as 1.67 / 1.94 / 1.94 and 1.80 / 2.00
+# / 1.98.
 WRITER_BENCH_SEQS = 256
 
 
