@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.output import emit
-from fca.engine.capture import bytes_per_token, seqs_per_part
+from fca.engine.capture import bytes_per_token, num_slots, seqs_per_part
 from fca.tables.profiles import cache_moments
 from fca.tables.stats import variance_decomposition
 from fca.tables.store import CacheWriter, cache_plan, cache_schema, open_cache, record_batch
@@ -46,8 +46,7 @@ def write_synthetic(out: Path, num_seqs: int, seed: int = 0) -> Path:
         specs, SEQ_LEN, num_seqs, model={"path": "synthetic", "fingerprint": "0" * 64}, corpus={"split": "eval"}
     )
     offsets = {k: rng.standard_normal(s.num_channels).astype(np.float32) for k, s in specs.items()}
-    slots = sum(s.num_channels for s in specs.values())
-    part_seqs = seqs_per_part(bytes_per_token(specs), SEQ_LEN, BATCH, num_slots=slots)  # as a CPU build sizes them
+    part_seqs = seqs_per_part(bytes_per_token(specs), SEQ_LEN, BATCH, num_slots=num_slots(specs))  # as a CPU build
     writer = CacheWriter(out, plan, schema, part_seqs, overwrite=True, workers=2)
     for lo in range(0, num_seqs, BATCH):
         n = min(BATCH, num_seqs - lo)

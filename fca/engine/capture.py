@@ -52,9 +52,14 @@ MOMENTS_SHARE = 8
 NLL_KEY = "__nll__"
 
 
+def num_slots(specs) -> int:
+    """C: the channels of all sites, side by side."""
+    return sum(s.num_channels for s in specs.values())
+
+
 def bytes_per_token(specs, coefficient_bytes: int = 4) -> int:
     """Raw bytes one row occupies: four int32 keys, the float32 live NLL, and every site's channels."""
-    return 4 * 4 + 4 + coefficient_bytes * sum(s.num_channels for s in specs.values())
+    return 4 * 4 + 4 + coefficient_bytes * num_slots(specs)
 
 
 def seqs_per_part(
@@ -273,9 +278,8 @@ def write_cache(
         )
     row_bytes = bytes_per_token(specs, COEFFICIENT_BYTES[coefficient_dtype])
     workers = default_writers(device_) if workers is None else max(1, int(workers))
-    slots = sum(spec.num_channels for spec in specs.values())
     spread = N if spreads_parts(device_.type) else None
-    part_seqs = part_seqs or seqs_per_part(row_bytes, T, batch_size, spread, num_slots=slots)
+    part_seqs = part_seqs or seqs_per_part(row_bytes, T, batch_size, spread, num_slots(specs))
     check_part_seqs(part_seqs, batch_size)
     writer = CacheWriter(out, plan, schema, part_seqs, overwrite=overwrite, workers=workers, timings=timings)
     done = writer.done_seqs

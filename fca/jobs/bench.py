@@ -164,7 +164,7 @@ def writer_seconds(
     """Seconds to write `num_seqs` x `seq_len` synthetic tokens through `CacheWriter` with `workers`
     threads, parts sized as a real build sizes them. Two batches of coefficients (a per-channel offset
     plus noise, like dynamic plus static weights) are reused, so producing batches costs next to nothing."""
-    from fca.engine.capture import bytes_per_token, seqs_per_part
+    from fca.engine.capture import bytes_per_token, num_slots, seqs_per_part
 
     rng = np.random.default_rng(seed)
     schema = cache_schema(specs)
@@ -182,10 +182,8 @@ def writer_seconds(
     ]
     tokens = rng.integers(0, 50_000, (batch, seq_len))
     nll = np.zeros((batch, seq_len), np.float32)
-    shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
-    slots = sum(s.num_channels for s in specs.values())
-    parts = seqs_per_part(bytes_per_token(specs), seq_len, batch, num_seqs, slots)  # as a CUDA build sizes them
+    parts = seqs_per_part(bytes_per_token(specs), seq_len, batch, num_seqs, num_slots(specs))  # as a CUDA build
     writer = CacheWriter(out, plan, schema, parts, overwrite=True, workers=workers)
     for i, lo in enumerate(range(0, num_seqs, batch)):
         n = min(batch, num_seqs - lo)

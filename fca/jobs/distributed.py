@@ -30,7 +30,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fca.engine.capture import check_part_seqs, finish_stamp, record_pending, seqs_per_part, spreads_parts
+from fca.engine.capture import (
+    check_part_seqs,
+    finish_stamp,
+    num_slots,
+    record_pending,
+    seqs_per_part,
+    spreads_parts,
+)
 from fca.engine.replay import ReplayResults
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource
 from fca.tables.conditions import Condition
@@ -201,8 +208,9 @@ def build_cache_distributed(
         specs = {name: spec_from_json(d) for name, d in plan["sites"].items()}
         schema = cache_schema(specs, coefficient_arrow_type(coefficient_dtype))
         spread = plan["num_seqs"] if spreads_parts(plan["environment"]["device_type"]) else None
-        slots = sum(spec.num_channels for spec in specs.values())
-        S = part_seqs or seqs_per_part(plan["raw_bytes_per_token"], plan["seq_len"], batch_size, spread, slots)
+        S = part_seqs or seqs_per_part(
+            plan["raw_bytes_per_token"], plan["seq_len"], batch_size, spread, num_slots(specs)
+        )
         check_part_seqs(S, batch_size)
         if remote is not None:
             return _build_to_uri(ray, actors, remote, plan, schema, S, show_progress)

@@ -647,7 +647,6 @@ class CacheWriter:
         part.token_pieces = None if tokens is None else [*part.token_pieces, tokens]
         part.num_seqs += n
         part.rows += piece.num_rows
-        lo, hi = self.part_range(k)
         if part.num_seqs >= hi - lo:
             with self.timings("close_part"):  # footer, moments sidecar, hashes, progress record, merge
                 self._close_part(open_parts.pop(k))
