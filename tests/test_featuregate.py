@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import fca
 from fca.cli import main
@@ -16,7 +17,7 @@ from fca.engine.models.featuregate import (
     FeatureGateModel,
     build_featuregate,
 )
-from fca.engine.sites import find_sites, site_modes
+from fca.engine.sites import Site, find_sites, site_modes
 from fca.jobs.train import TrainSettings, heldout_nll, train
 from fca.tables import data
 
@@ -94,6 +95,21 @@ def test_static_replay_differs_and_broadcasts():
     assert not torch.equal(fca.replay(model, ids, static), live)
     with pytest.raises(KeyError, match="blocks.1.gate"):
         fca.replay(model, ids, {"blocks.0.gate": static["blocks.0.gate"]})
+
+
+def test_find_sites_names_sites_as_named_modules_does():
+    """The sites' own walk keeps named_modules' order and names: a site reached twice keeps its first
+    name, an empty slot is skipped, a site inside another's controller is found, a bare site is named ''."""
+    model = tiny()
+    model.blocks[1].again = model.blocks[0].gate  # shared: named once, as blocks.0.gate
+    model.blocks[0].empty = None
+    inner = model.blocks[1].gate
+    model.blocks[1].gate = Site(nn.Sequential(nn.Identity(), inner), inner.spec)
+    expected = [name for name, m in model.named_modules() if isinstance(m, Site)]
+    assert list(find_sites(model)) == expected
+    assert expected[:3] == ["blocks.0.gate", "blocks.1.gate", "blocks.1.gate.controller.1"]
+    assert all(site.site_name == name for name, site in find_sites(model).items())
+    assert list(find_sites(inner)) == [""]
 
 
 def test_site_modes_restore_after_error():
