@@ -233,9 +233,11 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_json_atomic(path: Path, obj: dict) -> None:
+def _write_json_atomic(path: Path, obj: dict, indent: int | None = 1) -> None:
+    """`indent=None` for files only the library reads: json's C encoder then writes them, 5x faster than
+    its Python one (which `indent` needs), and a writer thread holds the GIL that much less."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.write_text(json.dumps(obj, indent=indent))
     os.replace(tmp, path)
 
 
@@ -711,6 +713,7 @@ class CacheWriter:
                     "seqs_per_part": self.seqs_per_part,
                     "parts": [self.parts[i] for i in sorted(self.parts)],
                 },
+                indent=None,
             )
             (self.partial / PROGRESS_JOURNAL).unlink(missing_ok=True)  # all of it is in progress.json now
             self._journaled = 0
