@@ -16,7 +16,8 @@
 # demo-seeds seeds 1 and 2 of the demo configuration trained on CUDA (cached and audited later on a CPU;
 #            the shipped demo study trained them on a CPU, so this is only for regenerating it faster)
 # speed      the performance ratios on CUDA and MUDDPythia at the 1.4B shapes in bfloat16 (capture,
-#            replay and a streamed cache build vs live); the writer's scaling: bench/writer_scale.py
+#            replay and a streamed cache build vs live); the writer's scaling: bench/writer_scale.py;
+#            a host-bound forward beside a writer thread and process: bench/host_contention.py
 set -uo pipefail
 out="${1:-gpu-checks}"
 shift || true
@@ -124,6 +125,8 @@ section_speed() {
   record "muddpythia 1.4B shapes, bf16, 8 x 1024" "$work/mudd.json"
   step "writer scaling" 240 python -m bench.writer_scale --workers 1 2 4 8 --seqs 256 --repeats 3 --json "$work/writer.json"
   record "writer scaling, 1.4B-shaped coefficients" "$work/writer.json"
+  step "host contention" 120 python -m bench.host_contention --json "$work/contention.json"
+  record "host-bound forward beside a writer thread / process (this host's CPU)" "$work/contention.json"
 }
 
 for section in $sections; do
