@@ -121,7 +121,7 @@ section_speed() {
   step "bench on cuda" 300 python -m fca bench --device $gpu --json "$work/bench_cuda.json"
   record "bench: demo model on cuda" "$work/bench_cuda.json"
   step "muddpythia 1.4b bf16" 300 python -m bench.muddpythia_scale --device $gpu --dtype bfloat16 --batch 8 --seq-len 1024 \
-    --rounds 3 --stream-seqs 64 256 --stream-writers 4 8 --json "$work/mudd.json"
+    --rounds 3 --stream-seqs 64 256 --stream-writers 4 8 --stream-processes --json "$work/mudd.json"
   record "muddpythia 1.4B shapes, bf16, 8 x 1024" "$work/mudd.json"
   step "writer scaling" 240 python -m bench.writer_scale --workers 1 2 4 8 --seqs 256 --repeats 3 --json "$work/writer.json"
   record "writer scaling, 1.4B-shaped coefficients" "$work/writer.json"

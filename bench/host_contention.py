@@ -4,17 +4,23 @@ On CUDA a build's forward thread launches kernels while a collector and writer t
 of pinned memory, encode Parquet and sum moments. When the model is small, the GPU waits for the launches,
 so anything the other threads take from that host thread shows in the build's time. This bench measures
 it on a CPU, where a pass of the shipped model over one 8-token sequence on one torch thread is host-bound
-the same way (its ~800 ops each cost the host a few microseconds), timed three ways in one run:
+the same way (its ~800 ops each cost the host a few microseconds), timed four ways in one run:
 
 - alone;
 - beside a thread that writes the shipped model's coefficients for 256 windows again and again (the
   real `CacheWriter`: record batches of 16 windows, 8 parts of 32, moments, hashes, progress);
-- beside a process doing the same writing (a second core, no shared interpreter).
+- beside a process doing the same writing (no shared interpreter);
+- beside a thread that makes the record batches and hands them to a writer process
+  (`CacheWriter(..., processes=True)`), as a CUDA build's collector thread would.
 
-Reported: the forward's time per batch beside each, over its time alone (medians of interleaved rounds),
-and the time one such writing takes by itself. With two cores there is a core for each side, so a ratio
-above 1 beside the thread and none beside the process is the interpreter lock: the forward thread waits
-for it each time one of its ops returns, and the writer holds it between its numpy and pyarrow calls.
+Each side has its own core (the forward the first, the writing the second, writer processes the rest),
+so what the forward loses beside a thread and not beside a process is the interpreter lock: the forward
+thread takes it back each time one of its ops returns, and the writing holds it between its numpy and
+pyarrow calls. With only two cores the handing thread shares the second with the writer process and can
+lose it while holding the lock: that figure is then an upper bound.
+
+Reported: the forward's time per pass beside each, over its time alone, and the forward time lost per
+writing done beside it (medians of interleaved rounds); the time one writing takes by itself.
 
     python -m bench.host_contention [--rounds 7] [--json PATH]
 """
@@ -39,9 +45,15 @@ from fca.engine.loading import load_model
 from fca.engine.sites import model_logits, site_specs
 from fca.jobs.bench import _plan, windows_from_cache
 from fca.tables.store import CacheWriter, cache_schema, open_cache, record_batch
+from fca.tables.writer_processes import writer_pool
 
 DEMO = Path(__file__).resolve().parent.parent / "cache" / "demo"
 WINDOWS, BATCH, PART_SEQS = 256, 16, 32  # a demo-sized cache as a CUDA build spreads it: 8 parts
+NAMES = {  # what runs beside the forward
+    "thread": "writer_thread",
+    "process": "writer_process",
+    "handing": "thread_handing_to_writer_process",
+}
 
 
 class DemoWriting:
@@ -57,9 +69,11 @@ class DemoWriting:
             nll, coefficients = record_windows(model, torch.from_numpy(windows[lo : lo + BATCH]))
             self.batches.append((lo, nll.float().numpy(), {k: v.float().numpy() for k, v in coefficients.items()}))
 
-    def run(self) -> None:
-        out = self.work / f"cache-{os.getpid()}"
-        writer = CacheWriter(out, self.plan, self.schema, PART_SEQS, overwrite=True)
+    def run(self, processes: bool = False) -> None:
+        """Written in this thread, or (`processes`) handed from it to a writer process as a CUDA build's
+        collector thread hands its batches over (`CacheWriter(..., processes=True)`)."""
+        out = self.work / f"cache-{os.getpid()}-{threading.get_ident()}"
+        writer = CacheWriter(out, self.plan, self.schema, PART_SEQS, overwrite=True, processes=processes)
         for lo, nll, coefficients in self.batches:
             hi = lo + len(nll)
             rows = record_batch(
@@ -70,9 +84,21 @@ class DemoWriting:
         shutil.rmtree(out)
 
 
-def _write_until(writing: DemoWriting, stop) -> None:
+def _pin(core: int | None) -> None:
+    """This thread (or process) to one core, so that the forward and the writing never share one: what is
+    left between them is the interpreter lock and the memory they share. Threads and processes started
+    from here inherit it (the writer pool's reading thread and processes, when started from a pinned
+    thread)."""
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+
+
+def _write_until(writing: DemoWriting, stop, processes: bool = False, done=None, core: int | None = None) -> None:
+    _pin(core)
     while not stop.is_set():
-        writing.run()
+        writing.run(processes)
+        if done is not None:
+            done.value += 1
 
 
 def main() -> None:
@@ -84,6 +110,12 @@ def main() -> None:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)  # the forward's thread; the writer gets the other core
+    # The forward on the first core, the writing's threads (or process) on the second, writer processes
+    # on the rest, or on the second core beside the handing thread where there are only two (there the
+    # handing thread can lose its core while it holds the lock, so that figure is an upper bound).
+    cores = sorted(os.sched_getaffinity(0))
+    forward_core, writer_core = (cores[0], cores[1]) if len(cores) > 1 else (None, None)
+    process_cores = set(cores[2:] or cores[1:])
     model = load_model(DEMO / "featuregate", device="cpu")
     windows = windows_from_cache(open_cache(DEMO / "eval"), WINDOWS)  # [N, T + 1]
     short = torch.from_numpy(windows[:64, :8]).long()  # 64 sequences of 8 tokens, one per pass
@@ -97,41 +129,48 @@ def main() -> None:
             model_logits(model(short[i % 64 : i % 64 + 1]), model)
         return (time.perf_counter() - start) / args.forwards
 
-    def beside(start_writer) -> float:
-        stop, handle = start_writer()
+    context = multiprocessing.get_context("fork")  # the child only writes (numpy, pyarrow), never runs torch
+
+    def beside(kind: str) -> tuple[float, float]:
+        """(seconds per forward pass, writings done per second) with a writer of `kind` running beside."""
+        stop, done = context.Event(), context.Value("i", 0)
+        work_args = (writing, stop, kind == "handing", done, writer_core)
+        if kind == "process":
+            handle = context.Process(target=_write_until, args=work_args, daemon=True)
+        else:
+            handle = threading.Thread(target=_write_until, args=work_args, daemon=True)
+        handle.start()
         time.sleep(0.05)  # the writer under way
         try:
-            return forward_seconds()
+            before, start = done.value, time.perf_counter()
+            per_pass = forward_seconds()
+            return per_pass, (done.value - before) / (time.perf_counter() - start)
         finally:
             stop.set()
             handle.join()
 
-    def thread():
-        stop = threading.Event()
-        handle = threading.Thread(target=_write_until, args=(writing, stop), daemon=True)
-        handle.start()
-        return stop, handle
-
-    context = multiprocessing.get_context("fork")  # the child only writes (numpy, pyarrow), never runs torch
-
-    def process():
-        stop = context.Event()
-        handle = context.Process(target=_write_until, args=(writing, stop), daemon=True)
-        handle.start()
-        return stop, handle
-
     try:
-        for _ in range(2):  # warm-up: allocator, imports, the first files
+        # Warm-up: allocator, imports, the first files; the writer process pool, started from a thread on
+        # the writer's core so that its processes and reading thread stay there.
+        warm = threading.Thread(target=lambda: (_pin(writer_core), writing.run(processes=True)))
+        warm.start()
+        warm.join()
+        if process_cores:
+            for proc in writer_pool(1).procs:
+                os.sched_setaffinity(proc.pid, process_cores)
+        _pin(forward_core)
+        for _ in range(2):
             writing.run()
             forward_seconds()
-        write_times, alone, by_thread, by_process = [], [], [], []
+        kinds = ("thread", "process", "handing")
+        write_times, alone, by = [], [], {kind: [] for kind in kinds}
         for _ in range(args.rounds):
             start = time.perf_counter()
             writing.run()
             write_times.append(time.perf_counter() - start)
             alone.append(forward_seconds())
-            by_thread.append(beside(thread))
-            by_process.append(beside(process))
+            for kind in kinds:
+                by[kind].append(beside(kind))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base = float(np.median(alone))
@@ -139,11 +178,26 @@ def main() -> None:
         {
             "model": "shipped demo (featuregate), one 8-token sequence per pass, 1 torch thread",
             "writing": f"{WINDOWS} windows of {windows.shape[1] - 1} tokens, batches of {BATCH}, parts of {PART_SEQS}",
-            "cpu_count": os.cpu_count(),
+            "cores": len(cores),
             "rounds": args.rounds,
             "forward_us_alone": round(base * 1e6, 1),
-            "forward_beside_writer_thread": round(float(np.median(by_thread)) / base, 3),
-            "forward_beside_writer_process": round(float(np.median(by_process)) / base, 3),
+            **{
+                f"forward_beside_{name}": round(float(np.median([t for t, _ in by[kind]])) / base, 3)
+                for kind, name in NAMES.items()
+            },
+            # What each writing costs the forward: its extra time per pass, over the writings done meanwhile.
+            **{
+                f"forward_ms_lost_per_writing_{name}": round(
+                    float(
+                        np.median(
+                            [(t - base) * args.forwards / max(rate * t * args.forwards, 1e-9) for t, rate in by[kind]]
+                        )
+                    )
+                    * 1e3,
+                    2,
+                )
+                for kind, name in NAMES.items()
+            },
             "writing_ms": round(float(np.median(write_times)) * 1e3, 1),
         },
         args.json,

@@ -118,7 +118,15 @@ def cmd_build_cache(args: argparse.Namespace) -> None:
     else:
         from fca.jobs.build import build_cache_from_corpus
 
-        out = build_cache_from_corpus(args.model, args.corpus, args.split, args.out, workers=args.writers, **common)
+        out = build_cache_from_corpus(
+            args.model,
+            args.corpus,
+            args.split,
+            args.out,
+            workers=args.writers,
+            writer_processes=args.writer_processes,
+            **common,
+        )
     if is_uri(str(out)):  # published to a filesystem URI: its manifest says what was written
         manifest = Manifest.from_json(remote_manifest(str(out)), str(out))
     else:
@@ -404,6 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="writer threads encoding Parquet parts (default on CUDA: cores minus two, from 2 to 8; on CPU: 1)",
+    )
+    p.add_argument(
+        "--writer-processes",
+        action="store_true",
+        help="run the writers as processes, which leave the forward's interpreter lock alone (for small models on a GPU)",
     )
     p.add_argument("--split-seed", type=int, default=0)
     p.add_argument("--text-column", default="text")

@@ -11,6 +11,7 @@ import threading
 import time
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -33,6 +34,7 @@ from fca.tables.store import (
     open_cache,
     record_batch,
 )
+from fca.tables.timings import Timings
 
 from .conftest import REPO
 from .helpers import make_model_dir, write_corpus
@@ -251,6 +253,102 @@ def test_a_writer_threads_error_reaches_the_caller_and_leaves_the_build_resumabl
     assert (2, 4) in pending and set(pending) <= {(0, 2), (2, 4), (4, 6), (6, 8)}
 
 
+# Writer processes: the same cache, errors and interruptions as the threads'.
+
+
+def _plan_and_schema(n=4):
+    specs = {"a": SiteSpec(axes=(("channel", 2),), family="g")}
+    return cache_plan(specs, 5, n, model={"path": "s", "fingerprint": "s"}, corpus={"split": "x"}), cache_schema(specs)
+
+
+def _rows(schema, lo, hi):
+    z = np.zeros((hi - lo, 5), np.int64)
+    coefficients = {"a": np.full((hi - lo, 5, 2), lo, np.float32)}
+    return record_batch(schema, np.arange(lo, hi), z, z, z.astype(np.float32), coefficients)
+
+
+def test_writer_processes_write_the_same_cache_as_one_thread(artifacts, tmp_path, small_parts):
+    """A build whose writers are processes (each part written, summed and hashed by one of them, its record
+    and moments sent back) gives the same parts, values and merged moments as the inline writer, and
+    reports the processes' stages; batches crossing part boundaries arrive whole in their pieces."""
+    one = _build(artifacts, tmp_path / "one", workers=1)
+    two = _build(artifacts, tmp_path / "two", workers=2, writer_processes=True)
+    assert _hashes(two) == _hashes(one) and _same_values(one, two)
+    assert open_cache(two).manifest.raw["moments"] == open_cache(one).manifest.raw["moments"]
+    stages = Timings()
+    a, _ = _synthetic(23, 4, 1, tmp_path / "a")
+    b, _ = _synthetic(23, 4, 3, tmp_path / "b", processes=True, timings=stages)
+    ma, mb = open_cache(a, verify=True).manifest.raw, open_cache(b, verify=True).manifest.raw
+    assert ma["parts"] == mb["parts"] and ma["moments"] == mb["moments"]
+    assert {"encode", "moments", "close_part", "queue_wait"} <= set(stages.seconds)  # the processes' stages too
+
+
+def test_a_writer_process_error_reaches_the_caller_and_leaves_the_build_resumable(tmp_path):
+    """An error in a writer process (here: part 1's file cannot be created) fails the build in the caller
+    with one line naming the cache; complete parts stay, and a new writer redoes exactly the rest. A batch
+    of another schema is refused before it is sent (the process reads it with the cache's schema)."""
+    plan, schema = _plan_and_schema(8)
+    writer = CacheWriter(tmp_path / "c", plan, schema, 2, workers=2, processes=True)
+    wrong = _rows(schema, 0, 2)
+    with pytest.raises(CacheError, match="c.partial: a batch of another schema"):
+        writer.write(pa.RecordBatch.from_arrays(wrong.columns, names=[*wrong.schema.names[:-1], "b"]), 2)
+    blocker = tmp_path / "c.partial" / "part-00001.parquet.tmp"
+    blocker.mkdir()  # where part 1 would be written
+    with pytest.raises(CacheError, match=r"c.partial: writer process: IsADirectoryError"):
+        for lo in range(0, 8, 2):
+            writer.write(_rows(schema, lo, lo + 2), 2)
+            time.sleep(0.05)
+        writer.finish()
+    writer.abort()
+    assert not (tmp_path / "c").exists() and not (tmp_path / "c.lock").exists()
+    blocker.rmdir()
+    assert not list((tmp_path / "c.partial").glob("*.tmp"))
+    resumed = CacheWriter(tmp_path / "c", plan, schema, 2, workers=2, processes=True)
+    assert (0, 2) not in resumed.pending_ranges() and (2, 4) in resumed.pending_ranges()
+    for lo, hi in resumed.pending_ranges():
+        resumed.write(_rows(schema, lo, hi), hi - lo)
+    clean = CacheWriter(tmp_path / "clean", plan, schema, 2)
+    for lo in range(0, 8, 2):
+        clean.write(_rows(schema, lo, lo + 2), 2)
+    assert _hashes(resumed.finish()) == _hashes(clean.finish())
+
+
+def test_a_lost_writer_process_fails_the_build_and_the_next_starts_afresh(tmp_path):
+    from fca.tables.writer_processes import writer_pool
+
+    plan, schema = _plan_and_schema(8)
+    writer = CacheWriter(tmp_path / "c", plan, schema, 2, workers=2, processes=True)
+    writer.write(_rows(schema, 0, 2), 2)
+    for proc in writer_pool(2).procs:
+        proc.kill()
+        proc.wait()
+    with pytest.raises(CacheError, match=r"c.partial: writer process \d exited"):
+        for lo in range(2, 8, 2):
+            writer.write(_rows(schema, lo, lo + 2), 2)
+            time.sleep(0.05)
+        writer.finish()
+    writer.abort()
+    again = CacheWriter(tmp_path / "d", plan, schema, 2, workers=2, processes=True)  # a new pool
+    for lo in range(0, 8, 2):
+        again.write(_rows(schema, lo, lo + 2), 2)
+    assert open_cache(again.finish(), verify=True).num_seqs == 8
+
+
+def test_an_interrupted_build_with_writer_processes_resumes_to_the_same_cache(artifacts, tmp_path, small_parts):
+    clean = _build(artifacts, tmp_path / "clean", workers=1)
+    out = tmp_path / "cache"
+    with pytest.raises(KeyboardInterrupt):
+        _build(artifacts, out, workers=2, writer_processes=True, progress=_interrupt_at(10))
+    partial = tmp_path / "cache.partial"
+    assert not out.exists() and not (tmp_path / "cache.lock").exists() and not list(partial.glob("*.tmp"))
+    done = {p["index"] for p in json.loads((partial / PROGRESS).read_text())["parts"]}
+    assert done and done != {0, 1, 2}
+    args = ["--model", str(artifacts / "model"), "--corpus", str(artifacts / "prose.txt"), "--split", "eval"]
+    sizes = ["--num-seqs", str(N_SEQS), "--seq-len", str(T), "--batch", "2", "--device", "cpu"]
+    assert main(["build-cache", *args, *sizes, "--out", str(out), "--writers", "2", "--writer-processes"]) == 0
+    assert _hashes(out) == _hashes(clean) and _same_values(out, clean)
+
+
 def test_a_part_is_read_only_when_a_read_needs_it(artifacts, tmp_path, small_parts):
     """Opening reads one part's schema; reading sequences opens only the footers of the parts holding
     them (found from the manifest), so a part whose columns are wrong is refused when it is first read."""
@@ -272,7 +370,7 @@ def test_a_part_is_read_only_when_a_read_needs_it(artifacts, tmp_path, small_par
         cache.read_seqs([9])
 
 
-def _synthetic(num_seqs, seqs_per_part, workers, out, batch=3, dtype="float32"):
+def _synthetic(num_seqs, seqs_per_part, workers, out, batch=3, dtype="float32", **writer_options):
     """Random coefficients through CacheWriter directly, batches crossing part boundaries."""
     specs = {
         "a": SiteSpec(axes=(("channel", 3),), family="g"),
@@ -290,7 +388,7 @@ def _synthetic(num_seqs, seqs_per_part, workers, out, batch=3, dtype="float32"):
     rng = np.random.default_rng(0)
     values = {k: rng.standard_normal((num_seqs, 5, s.num_channels)).astype(np.float32) for k, s in specs.items()}
     tokens = rng.integers(0, 50, (num_seqs, 5))
-    writer = CacheWriter(out, plan, schema, seqs_per_part, workers=workers)
+    writer = CacheWriter(out, plan, schema, seqs_per_part, workers=workers, **writer_options)
     for lo in range(0, num_seqs, batch):
         hi = min(num_seqs, lo + batch)
         nll = np.zeros((hi - lo, 5), np.float32)
@@ -385,11 +483,6 @@ def test_parts_completed_out_of_order_are_kept(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # One build per cache.
-
-
-def _plan_and_schema(n=4):
-    specs = {"a": SiteSpec(axes=(("channel", 2),), family="g")}
-    return cache_plan(specs, 5, n, model={"path": "s", "fingerprint": "s"}, corpus={"split": "x"}), cache_schema(specs)
 
 
 def test_second_writer_is_refused_naming_the_holder(artifacts, tmp_path, capsys):

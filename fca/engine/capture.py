@@ -249,6 +249,7 @@ def write_cache(
     workers: int | None = None,
     part_seqs: int | None = None,
     timings: Timings | None = None,
+    writer_processes: bool = False,
 ) -> Path:
     """Record passes over `windows` [N, T + 1], written part by part by `workers` writer threads.
 
@@ -257,6 +258,8 @@ def write_cache(
     The cache's contents do not depend on `workers`. A resumed build redoes the incomplete parts.
     `timings`: filled with the seconds each stage took (fca.tables.timings), for benches.
     `part_seqs`: sequences per part file (None: `seqs_per_part`); a multiple of `batch_size`.
+    `writer_processes`: the writers are processes (`fca.tables.writer_processes`), for a forward pass the
+    writer threads would slow by holding the interpreter lock (a small model on a GPU); the same cache.
 
     On CUDA the coefficients go to two reused sets of pinned host buffers by non-blocking copies; a
     collector thread waits for each copy, takes the values out and hands them to the writer, so the
@@ -281,7 +284,9 @@ def write_cache(
     spread = N if spreads_parts(device_.type) else None
     part_seqs = part_seqs or seqs_per_part(row_bytes, T, batch_size, spread, num_slots(specs))
     check_part_seqs(part_seqs, batch_size)
-    writer = CacheWriter(out, plan, schema, part_seqs, overwrite=overwrite, workers=workers, timings=timings)
+    writer = CacheWriter(
+        out, plan, schema, part_seqs, overwrite=overwrite, workers=workers, timings=timings, processes=writer_processes
+    )
     done = writer.done_seqs
     bar = tqdm(total=N, initial=done, unit="seq", desc=desc, disable=not show_progress)
 

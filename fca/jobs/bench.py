@@ -285,7 +285,7 @@ def run_bench(
 
     stages = Timings()
 
-    def cache_build() -> None:
+    def cache_build(writer_processes: bool = False) -> None:
         nonlocal stages
         stages = Timings()  # the last build's are reported
         write_cache(
@@ -296,12 +296,17 @@ def run_bench(
             batch_size,
             overwrite=True,
             timings=stages,
+            writer_processes=writer_processes,
         )
 
     r = interleaved(cache_build, lambda: forward_over(capture_batches), repeats)
     result["capture_ratio"] = r["ratio"]
     result["capture_seconds"], result["forward_seconds"] = r["a_s"], r["b_s"]
     result["capture_stages_s"] = stages.rounded()  # per stage (fca.tables.timings)
+    if dev.type == "cuda":  # the writers as processes, which leave the forward's interpreter lock alone
+        r = interleaved(lambda: cache_build(writer_processes=True), lambda: forward_over(capture_batches), repeats)
+        result["capture_ratio_writer_processes"] = r["ratio"]
+        result["capture_stages_s_writer_processes"] = stages.rounded()  # (the same cache as the threads')
 
     # Replay vs live, the coefficients already in memory (as they are after one cache read).
     cached = [capture_tensors(model, w[:, :-1])[1] for w in batches]

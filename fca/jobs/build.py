@@ -38,6 +38,7 @@ def build_cache_from_corpus(
     show_progress: bool = True,
     workers: int | None = None,
     part_seqs: int | None = None,
+    writer_processes: bool = False,
 ) -> Path | str:
     """Record every site's coefficients on `num_seqs` windows of one split and write them as a cache.
 
@@ -86,6 +87,7 @@ def build_cache_from_corpus(
             desc=f"cache {split}",
             workers=workers,
             part_seqs=part_seqs,
+            writer_processes=writer_processes,
         )
         return local if remote is None else remote.publish(local)
 

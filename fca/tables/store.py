@@ -480,8 +480,9 @@ class CacheWriter:
     `workers=1` parts are written in the caller's thread; with more, batches go to worker threads
     (`_WriterThreads`: each part is written by one of them, whichever is free when its first batch
     comes) and `write` returns once the batch is queued. pyarrow encodes and compresses without the GIL,
-    so the threads scale with cores. Memory: at most `workers` x `max_pending_seqs` sequences (default
-    S each) queued or being written. After a worker's error, queued batches are dropped and the error
+    so the threads scale with cores. `processes=True`: the `workers` are processes instead
+    (`fca.tables.writer_processes`), which leave the caller's interpreter lock alone. Memory: at most
+    `workers` x `max_pending_seqs` sequences (default S each) queued or being written. After a worker's error, queued batches are dropped and the error
     is raised in the caller at the next `write` or at `finish`.
 
     Parts may complete out of order; `progress.json` lists the complete ones. If a `.partial` directory
@@ -509,6 +510,7 @@ class CacheWriter:
         max_pending_seqs: int | None = None,
         shard: Sequence[int] | None = None,
         timings: Timings | None = None,
+        processes: bool = False,
     ) -> None:
         self.out = Path(out)
         self.timings = timings if timings is not None else Timings()  # encode, moments, close_part, ...
@@ -550,8 +552,20 @@ class CacheWriter:
         self._stopping = False
         self._failures: list[BaseException] = []
         self._open: dict[int, _OpenPart] = {}  # parts written in the caller's thread (workers=1)
+        self.closed_moments: dict[int, dict] | None = None  # a shard writer's, kept for its owner if a dict
         bound = workers * (max_pending_seqs or self.seqs_per_part)
-        self._threads = _WriterThreads(self, workers, bound) if workers > 1 else None
+        self._threads = None  # _WriterThreads or WriterProcesses; None: parts written in the caller's thread
+        if processes:
+            from fca.tables.writer_processes import WriterProcesses
+
+            try:
+                self._threads = WriterProcesses(self, workers, bound)
+            except BaseException:  # the processes could not start: no build, and no lock left behind
+                if self.shard is None:
+                    self.lock.release()
+                raise
+        elif workers > 1:
+            self._threads = _WriterThreads(self, workers, bound)
 
     def _resume(self) -> dict[int, dict]:
         progress_path = self.partial / PROGRESS
@@ -610,6 +624,8 @@ class CacheWriter:
         """Write `num_seqs` whole consecutive sequences (their `seq` column says which). A batch that
         crosses a part boundary is split there (zero-copy slices); each piece is one row group."""
         self._raise_failure()
+        if not batch.schema.equals(self.schema):  # (a writer process reads the batch with the cache's schema)
+            raise CacheError(f"{self.partial}: a batch of another schema than the cache's ({batch.schema.names})")
         if num_seqs < 1 or batch.num_rows == 0 or batch.num_rows % num_seqs:
             raise CacheError(f"{self.partial}: a batch of {batch.num_rows} rows is not {num_seqs} whole sequences")
         rows_per_seq = batch.num_rows // num_seqs
@@ -692,6 +708,8 @@ class CacheWriter:
         self.add_parts([record])
         if self.shard is None:  # a shard writer's parts are merged by the driver's writer
             self._merge_completed(part.index, arrays)
+        elif self.closed_moments is not None:  # a writer process sends them with the record
+            self.closed_moments[part.index] = arrays
 
     def add_parts(self, records: Sequence[dict]) -> None:
         """Record complete parts (written here, or by shard writers) and, unless this is a shard writer,
