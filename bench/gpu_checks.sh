@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every check that needs a CUDA GPU, as one prepared script (about 13 minutes on one H200: exactness 4,
-# study 4, speed 5; name sections to stay within a shorter limit):
+# Every check that needs a CUDA GPU, as one prepared script (about 14 minutes on one H200: exactness 4,
+# study 4, speed 6; name sections to stay within a shorter limit):
 #   bash bench/gpu_checks.sh OUT_DIR [SECTION ...]   sections: exactness study speed demo-seeds, run in
 #                                                    the order given (default: exactness study speed)
 # It needs the shipped demo and the corpus (data/kjv.txt, from `python -m fca corpus`).
@@ -120,7 +120,7 @@ section_study() {
 section_speed() {
   step "bench on cuda" 300 python -m fca bench --device $gpu --json "$work/bench_cuda.json"
   record "bench: demo model on cuda" "$work/bench_cuda.json"
-  step "muddpythia 1.4b bf16" 300 python -m bench.muddpythia_scale --device $gpu --dtype bfloat16 --batch 8 --seq-len 1024 \
+  step "muddpythia 1.4b bf16" 360 python -m bench.muddpythia_scale --device $gpu --dtype bfloat16 --batch 8 --seq-len 1024 \
     --rounds 3 --stream-seqs 64 256 --stream-writers 4 8 --stream-processes --json "$work/mudd.json"
   record "muddpythia 1.4B shapes, bf16, 8 x 1024" "$work/mudd.json"
   step "writer scaling" 240 python -m bench.writer_scale --workers 1 2 4 8 --seqs 256 --repeats 3 --json "$work/writer.json"
