@@ -482,8 +482,9 @@ class CacheWriter:
     comes) and `write` returns once the batch is queued. pyarrow encodes and compresses without the GIL,
     so the threads scale with cores. `processes=True`: the `workers` are processes instead
     (`fca.tables.writer_processes`), which leave the caller's interpreter lock alone. Memory: at most
-    `workers` x `max_pending_seqs` sequences (default S each) queued or being written. After a worker's error, queued batches are dropped and the error
-    is raised in the caller at the next `write` or at `finish`.
+    `workers` x `max_pending_seqs` sequences (default S each) queued or being written. After a worker's
+    error, queued batches are dropped and the error is raised in the caller at the next `write` or at
+    `finish`.
 
     Parts may complete out of order; `progress.json` lists the complete ones. If a `.partial` directory
     with the same plan and S exists, the writer resumes: `pending_ranges()` are the sequences of the

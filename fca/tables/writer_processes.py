@@ -1,22 +1,25 @@
 """Cache writers in their own processes: parts encoded, summed and hashed beside the build, not in it.
 
 Writer threads share the build's interpreter lock: they hold it between their numpy and pyarrow calls,
-and a forward pass whose time is the host's (a small model on a GPU) waits for it after every op
-(`bench/host_contention.py`: such a pass ran 1.73-1.82x its time alone beside one writer thread, 1.09-1.17x
-beside a writer process). Here each writer is a process running a shard writer (`CacheWriter(...,
-shard=...)`, as the Ray engine's actors do): it owns the parts it is handed, writes them and their moments
-sidecars into `<out>.partial/`, and sends back each part's record, which the build's own writer records
-and merges as it would its threads'. The build keeps its lock, progress, resume and manifest.
+and a forward pass whose time is the host's (a small model on a GPU) takes it back after every op
+(`bench/host_contention.py`: such a pass ran 1.63-1.82x its time alone beside one writer thread,
+1.03-1.15x beside a writer process). Here each writer is a process running a shard writer
+(`CacheWriter(..., shard=...)`, as the Ray engine's actors do): it owns the parts it is handed, writes
+them and their moments sidecars into `<out>.partial/`, and sends back each part's record and moments,
+which the build's own writer records and merges as it does its threads'. The build keeps its lock,
+progress, resume and manifest; the cache is the same, byte for byte.
 
-The processes outlive one build (`writer_pool`): starting one costs about 0.2 s (it imports numpy and
+The processes outlive one build (`writer_pool`): starting them costs about 0.3 s (they import numpy and
 pyarrow, never torch), more than a small model's whole forward over a demo-sized cache. They are started
 with the interpreter running this process (not forked: the parent may hold CUDA and thread state), each
 talks over its end of a socket pair, and exits when the parent closes its end or dies.
 
-Messages, parent to writer: ("build", id, out, plan, schema, S), ("piece", id, k, n) followed by the
-record batch as Arrow IPC bytes, ("end", id, drop). Writer to parent: ("done", id, k, n, record or None), ("error", id, k, n, message),
-("ended", id, {stage: seconds}). A writer reads on a thread of its own, so a parent's send never waits
-for a piece to be encoded, and an ("end", id, True) makes it skip that build's queued pieces at once.
+Messages, parent to writer: ("build", id, out, plan, schema, S); ("piece", id, k, n) followed by the record
+batch as Arrow IPC bytes, sent from the batch's own memory (pickling had copied it holding the lock);
+("end", id, drop). Writer to parent: ("done", id, k, n, (record, moments) when part k is complete, else
+None); ("error", id, k, n, message); ("ended", id, {stage: seconds}). A writer reads on a thread of its
+own, so a parent's send never waits for a piece to be encoded, and ("end", id, True) makes it skip that
+build's queued pieces at once.
 """
 
 from __future__ import annotations
