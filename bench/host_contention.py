@@ -174,6 +174,11 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base = float(np.median(alone))
+
+    def lost_ms(runs: list[tuple[float, float]]) -> float:
+        """Per run: (extra seconds per pass) / (writings per second x seconds per pass), in ms; the median."""
+        return round(float(np.median([(t - base) / max(rate * t, 1e-9) for t, rate in runs])) * 1e3, 2)
+
     emit(
         {
             "model": "shipped demo (featuregate), one 8-token sequence per pass, 1 torch thread",
@@ -185,19 +190,8 @@ def main() -> None:
                 f"forward_beside_{name}": round(float(np.median([t for t, _ in by[kind]])) / base, 3)
                 for kind, name in NAMES.items()
             },
-            # What each writing costs the forward: its extra time per pass, over the writings done meanwhile.
-            **{
-                f"forward_ms_lost_per_writing_{name}": round(
-                    float(
-                        np.median(
-                            [(t - base) * args.forwards / max(rate * t * args.forwards, 1e-9) for t, rate in by[kind]]
-                        )
-                    )
-                    * 1e3,
-                    2,
-                )
-                for kind, name in NAMES.items()
-            },
+            # What each writing costs the forward: its extra time over the writings done meanwhile.
+            **{f"forward_ms_lost_per_writing_{name}": lost_ms(by[kind]) for kind, name in NAMES.items()},
             "writing_ms": round(float(np.median(write_times)) * 1e3, 1),
         },
         args.json,
