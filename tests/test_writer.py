@@ -313,6 +313,25 @@ def test_a_writer_process_error_reaches_the_caller_and_leaves_the_build_resumabl
     assert _hashes(resumed.finish()) == _hashes(clean.finish())
 
 
+def test_builds_at_once_share_the_writer_processes(tmp_path):
+    """Two builds in two threads at once, through the same writer processes (replies go to their build by
+    id), of other sizes and part sizes: each cache is what one thread alone writes."""
+    results = {}
+
+    def build(name, num_seqs, seqs_per_part, batch, workers):
+        results[name] = _synthetic(num_seqs, seqs_per_part, workers, tmp_path / name, batch=batch, processes=True)[0]
+
+    jobs = [("a", 23, 4, 3, 2), ("b", 17, 2, 2, 3)]
+    threads = [threading.Thread(target=build, args=job) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for name, num_seqs, seqs_per_part, batch, _ in jobs:
+        alone, _ = _synthetic(num_seqs, seqs_per_part, 1, tmp_path / f"{name}-alone", batch=batch)
+        assert open_cache(results[name], verify=True).manifest.raw["parts"] == open_cache(alone).manifest.raw["parts"]
+
+
 def test_a_lost_writer_process_fails_the_build_and_the_next_starts_afresh(tmp_path):
     from fca.tables.writer_processes import writer_pool
 
