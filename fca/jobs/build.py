@@ -173,6 +173,7 @@ def build_cache(
     workers: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     show_progress: bool = False,
+    writer_processes: bool = False,
 ) -> Path:
     """A cache of any model with controller sites, held in memory (`fca.build_cache`).
 
@@ -209,6 +210,7 @@ def build_cache(
         show_progress=show_progress,
         desc=f"cache {split}",
         workers=workers,
+        writer_processes=writer_processes,
     )
 
 
