@@ -16,8 +16,7 @@ the same way (its ~800 ops each cost the host a few microseconds), timed four wa
 Each side has its own core (the forward the first, the writing the second, writer processes the rest),
 so what the forward loses beside a thread and not beside a process is the interpreter lock: the forward
 thread takes it back each time one of its ops returns, and the writing holds it between its numpy and
-pyarrow calls. With only two cores the handing thread shares the second with the writer process and can
-lose it while holding the lock: that figure is then an upper bound.
+pyarrow calls. With only two cores the handing thread shares the second core with the writer process.
 
 Reported: the forward's time per pass beside each, over its time alone, and the forward time lost per
 writing done beside it (medians of interleaved rounds); the time one writing takes by itself.
@@ -111,8 +110,7 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)  # the forward's thread; the writer gets the other core
     # The forward on the first core, the writing's threads (or process) on the second, writer processes
-    # on the rest, or on the second core beside the handing thread where there are only two (there the
-    # handing thread can lose its core while it holds the lock, so that figure is an upper bound).
+    # on the rest, or on the second core beside the handing thread where there are only two.
     cores = sorted(os.sched_getaffinity(0))
     forward_core, writer_core = (cores[0], cores[1]) if len(cores) > 1 else (None, None)
     process_cores = set(cores[2:] or cores[1:])
