@@ -267,6 +267,15 @@ def _rows(schema, lo, hi):
     return record_batch(schema, np.arange(lo, hi), z, z, z.astype(np.float32), coefficients)
 
 
+def _write_pairs(writer, first, last, pause=0.0):
+    """Sequences [first, last) to `writer` in batches of two, `pause` seconds after each (for a writer
+    process's reply to arrive before the next batch)."""
+    for lo in range(first, last, 2):
+        writer.write(_rows(writer.schema, lo, lo + 2), 2)
+        time.sleep(pause)
+    return writer
+
+
 def test_writer_processes_write_the_same_cache_as_one_thread(artifacts, tmp_path, small_parts):
     """A build whose writers are processes (each part written, summed and hashed by one of them, its record
     and moments sent back) gives the same parts, values and merged moments as the inline writer, and
@@ -295,10 +304,7 @@ def test_a_writer_process_error_reaches_the_caller_and_leaves_the_build_resumabl
     blocker = tmp_path / "c.partial" / "part-00001.parquet.tmp"
     blocker.mkdir()  # where part 1 would be written
     with pytest.raises(CacheError, match=r"c.partial: writer process: IsADirectoryError"):
-        for lo in range(0, 8, 2):
-            writer.write(_rows(schema, lo, lo + 2), 2)
-            time.sleep(0.05)
-        writer.finish()
+        _write_pairs(writer, 0, 8, pause=0.05).finish()
     writer.abort()
     assert not (tmp_path / "c").exists() and not (tmp_path / "c.lock").exists()
     blocker.rmdir()
@@ -307,9 +313,7 @@ def test_a_writer_process_error_reaches_the_caller_and_leaves_the_build_resumabl
     assert (0, 2) not in resumed.pending_ranges() and (2, 4) in resumed.pending_ranges()
     for lo, hi in resumed.pending_ranges():
         resumed.write(_rows(schema, lo, hi), hi - lo)
-    clean = CacheWriter(tmp_path / "clean", plan, schema, 2)
-    for lo in range(0, 8, 2):
-        clean.write(_rows(schema, lo, lo + 2), 2)
+    clean = _write_pairs(CacheWriter(tmp_path / "clean", plan, schema, 2), 0, 8)
     assert _hashes(resumed.finish()) == _hashes(clean.finish())
 
 
@@ -337,20 +341,15 @@ def test_a_lost_writer_process_fails_the_build_and_the_next_starts_afresh(tmp_pa
 
     plan, schema = _plan_and_schema(8)
     writer = CacheWriter(tmp_path / "c", plan, schema, 2, workers=2, processes=True)
-    writer.write(_rows(schema, 0, 2), 2)
+    _write_pairs(writer, 0, 2)
     for proc in writer_pool(2).procs:
         proc.kill()
         proc.wait()
     with pytest.raises(CacheError, match=r"c.partial: writer process \d exited"):
-        for lo in range(2, 8, 2):
-            writer.write(_rows(schema, lo, lo + 2), 2)
-            time.sleep(0.05)
-        writer.finish()
+        _write_pairs(writer, 2, 8, pause=0.05).finish()
     writer.abort()
     again = CacheWriter(tmp_path / "d", plan, schema, 2, workers=2, processes=True)  # a new pool
-    for lo in range(0, 8, 2):
-        again.write(_rows(schema, lo, lo + 2), 2)
-    assert open_cache(again.finish(), verify=True).num_seqs == 8
+    assert open_cache(_write_pairs(again, 0, 8).finish(), verify=True).num_seqs == 8
 
 
 def test_an_interrupted_build_with_writer_processes_resumes_to_the_same_cache(artifacts, tmp_path, small_parts):
