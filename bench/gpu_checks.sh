@@ -17,7 +17,8 @@
 #            the shipped demo study trained them on a CPU, so this is only for regenerating it faster)
 # speed      the performance ratios on CUDA and MUDDPythia at the 1.4B shapes in bfloat16 (capture,
 #            replay and a streamed cache build vs live); the writer's scaling: bench/writer_scale.py;
-#            a host-bound forward beside a writer thread and process: bench/host_contention.py
+#            a host-bound forward beside a writer thread and process: bench/host_contention.py; what
+#            handing a 1.4B-shaped batch to the writers costs the build's process: bench/handover.py
 set -uo pipefail
 out="${1:-gpu-checks}"
 shift || true
@@ -127,6 +128,8 @@ section_speed() {
   record "writer scaling, 1.4B-shaped coefficients" "$work/writer.json"
   step "host contention" 120 python -m bench.host_contention --json "$work/contention.json"
   record "host-bound forward beside a writer thread / process (this host's CPU)" "$work/contention.json"
+  step "hand-over" 90 python -m bench.handover --workers 4 --json "$work/handover.json"
+  record "handing a 1.4B-shaped batch to the writers (this host's CPU)" "$work/handover.json"
 }
 
 for section in $sections; do

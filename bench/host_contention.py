@@ -10,8 +10,11 @@ the same way (its ~800 ops each cost the host a few microseconds), timed four wa
 - beside a thread that writes the shipped model's coefficients for 256 windows again and again (the
   real `CacheWriter`: record batches of 16 windows, 8 parts of 32, moments, hashes, progress);
 - beside a process doing the same writing (no shared interpreter);
-- beside a thread that makes the record batches and hands them to a writer process
-  (`CacheWriter(..., processes=True)`), as a CUDA build's collector thread would.
+- beside a thread that makes the record batches and hands them to a writer process as Arrow IPC bytes
+  (`CacheWriter(..., processes=True)` given record batches);
+- beside a thread that puts the values in shared memory and tells a writer process where they are, which
+  makes the record batches itself (`HostCopies` and `hand_over`: a build with writer processes). On CUDA
+  the device's copies fill that memory, so a collector thread does even less: it waits for them and sends.
 
 Each side has its own core (the forward the first, the writing the second, writer processes the rest),
 so what the forward loses beside a thread and not beside a process is the interpreter lock: the forward
@@ -39,7 +42,7 @@ import numpy as np
 import torch
 
 from bench.output import emit
-from fca.engine.capture import record_windows
+from fca.engine.capture import NLL_KEY, HostCopies, hand_over, record_windows
 from fca.engine.loading import load_model
 from fca.engine.sites import model_logits, site_specs
 from fca.jobs.bench import _plan, windows_from_cache
@@ -52,6 +55,7 @@ NAMES = {  # what runs beside the forward
     "thread": "writer_thread",
     "process": "writer_process",
     "handing": "thread_handing_to_writer_process",
+    "shared": "thread_sharing_with_writer_process",
 }
 
 
@@ -68,18 +72,26 @@ class DemoWriting:
             nll, coefficients = record_windows(model, torch.from_numpy(windows[lo : lo + BATCH]))
             self.batches.append((lo, nll.float().numpy(), {k: v.float().numpy() for k, v in coefficients.items()}))
 
-    def run(self, processes: bool = False) -> None:
-        """Written in this thread, or (`processes`) handed from it to a writer process as a CUDA build's
-        collector thread hands its batches over (`CacheWriter(..., processes=True)`)."""
+    def run(self, processes: bool = False, shared: bool = False) -> None:
+        """Written in this thread, or (`processes`) handed from it to a writer process as record batches,
+        or (`shared`) as a build with writer processes hands them over: in shared memory."""
         out = self.work / f"cache-{os.getpid()}-{threading.get_ident()}"
-        writer = CacheWriter(out, self.plan, self.schema, PART_SEQS, overwrite=True, processes=processes)
+        writer = CacheWriter(out, self.plan, self.schema, PART_SEQS, overwrite=True, processes=processes or shared)
+        copies = HostCopies(torch.device("cpu"), writer) if shared else None
         for lo, nll, coefficients in self.batches:
             hi = lo + len(nll)
+            if copies is not None:
+                tensors = {NLL_KEY: nll, **coefficients}
+                _, _, slot = copies.start({k: torch.from_numpy(v) for k, v in tensors.items()}, writer.timings)
+                hand_over(writer, copies, self.windows, lo, hi, None, slot)
+                continue
             rows = record_batch(
                 self.schema, np.arange(lo, hi), self.windows[lo:hi, :-1], self.windows[lo:hi, 1:], nll, coefficients
             )
             writer.write(rows, hi - lo)
         writer.finish({})
+        if copies is not None:
+            copies.close()
         shutil.rmtree(out)
 
 
@@ -92,10 +104,10 @@ def _pin(core: int | None) -> None:
         os.sched_setaffinity(0, {core})
 
 
-def _write_until(writing: DemoWriting, stop, processes: bool = False, done=None, core: int | None = None) -> None:
+def _write_until(writing: DemoWriting, stop, kind: str, done=None, core: int | None = None) -> None:
     _pin(core)
     while not stop.is_set():
-        writing.run(processes)
+        writing.run(processes=kind == "handing", shared=kind == "shared")
         if done is not None:
             done.value += 1
 
@@ -132,7 +144,7 @@ def main() -> None:
     def beside(kind: str) -> tuple[float, float]:
         """(seconds per forward pass, writings done per second) with a writer of `kind` running beside."""
         stop, done = context.Event(), context.Value("i", 0)
-        work_args = (writing, stop, kind == "handing", done, writer_core)
+        work_args = (writing, stop, kind, done, writer_core)
         if kind == "process":
             handle = context.Process(target=_write_until, args=work_args, daemon=True)
         else:
@@ -150,7 +162,9 @@ def main() -> None:
     try:
         # Warm-up: allocator, imports, the first files; the writer process pool, started from a thread on
         # the writer's core so that its processes and reading thread stay there.
-        warm = threading.Thread(target=lambda: (_pin(writer_core), writing.run(processes=True)))
+        warm = threading.Thread(
+            target=lambda: (_pin(writer_core), writing.run(processes=True), writing.run(shared=True))
+        )
         warm.start()
         warm.join()
         if process_cores:
@@ -160,7 +174,7 @@ def main() -> None:
         for _ in range(2):
             writing.run()
             forward_seconds()
-        kinds = ("thread", "process", "handing")
+        kinds = tuple(NAMES)
         write_times, alone, by = [], [], {kind: [] for kind in kinds}
         for _ in range(args.rounds):
             start = time.perf_counter()

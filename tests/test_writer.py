@@ -292,6 +292,54 @@ def test_writer_processes_write_the_same_cache_as_one_thread(artifacts, tmp_path
     assert {"encode", "moments", "close_part", "queue_wait"} <= set(stages.seconds)  # the processes' stages too
 
 
+def test_a_model_build_hands_its_batches_to_writer_processes_in_shared_memory(artifacts, tmp_path):
+    """A model build with writer processes hands each batch over in shared memory (the processes make the
+    record batches: their `make_batch` stage); float32 and bfloat16 storage give the inline writer's
+    cache, bit for bit, in one part or spread over several."""
+    for dtype, stored in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        model = fca.load_model(artifacts / "model", dtype=dtype)
+        windows = np.random.default_rng(3).integers(0, 300, (N_SEQS, T + 1))
+        meta = {"model": {"path": "m", "fingerprint": "m"}, "corpus": {"split": "x"}, "coefficient_dtype": stored}
+        plan = cache_plan(site_specs(model), T, N_SEQS, **meta)
+        inline = write_cache(model, windows, tmp_path / f"{stored}-inline", plan, batch_size=2, part_seqs=4)
+        for part_seqs in (4, N_SEQS):
+            stages = Timings()
+            out = tmp_path / f"{stored}-{part_seqs}"
+            write_cache(
+                model, windows, out, plan, batch_size=2, workers=2, part_seqs=part_seqs, timings=stages,
+                writer_processes=True,
+            )  # fmt: skip
+            assert "make_batch" in stages.seconds  # made in the processes, from the shared values
+            assert _same_values(out, inline)
+            if part_seqs == 4:
+                assert _hashes(out) == _hashes(inline)
+
+
+def test_a_lost_writer_process_fails_a_shared_memory_build_without_hanging_it(artifacts, tmp_path):
+    """Writer processes killed while a model build hands them batches: the build fails with one line (its
+    buffers handed back, so the forward never waits on them forever), and a resumed build is clean."""
+    from fca.tables.writer_processes import writer_pool
+
+    model = fca.load_model(artifacts / "model")
+    windows = np.random.default_rng(4).integers(0, 300, (N_SEQS, T + 1))
+    plan = cache_plan(site_specs(model), T, N_SEQS, model={"path": "m", "fingerprint": "m"}, corpus={"split": "x"})
+    clean = write_cache(model, windows, tmp_path / "clean", plan, batch_size=2, part_seqs=4)
+
+    def kill_at_four(done, total):
+        if done == 4:
+            for proc in writer_pool(2).procs:
+                proc.kill()
+                proc.wait()
+
+    out = tmp_path / "c"
+    build = {"batch_size": 2, "workers": 2, "part_seqs": 4, "writer_processes": True}
+    with pytest.raises(CacheError, match=r"c.partial: writer process \d exited"):
+        write_cache(model, windows, out, plan, progress=kill_at_four, **build)
+    assert not (tmp_path / "c.lock").exists()
+    write_cache(model, windows, out, plan, **build)  # resumed, by a new pool
+    assert _hashes(out) == _hashes(clean)
+
+
 def test_a_writer_process_error_reaches_the_caller_and_leaves_the_build_resumable(tmp_path):
     """An error in a writer process (here: part 1's file cannot be created) fails the build in the caller
     with one line naming the cache; complete parts stay, and a new writer redoes exactly the rest. A batch

@@ -142,20 +142,28 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor, rows_per_chunk: int =
     return torch.cat(parts).view(targets.shape)
 
 
-class _HostCopies:
+class HostCopies:
     """Device -> host copies that do not stall the GPU: two sets of pinned buffers, reused in turn
     (double buffering), filled by non-blocking copies whose completion an event reports.
 
     `start` waits only when both sets are still in flight (not yet `release`d by the writer side); the
     writer waits on the event, copies the values out and releases the set. On CPU the tensors are
-    used as they are (no copy, no slot)."""
+    used as they are (no copy, no slot).
 
-    def __init__(self, device: torch.device, slots: int = 2) -> None:
+    For a writer whose processes map shared memory (`CacheWriter.shares_memory`), each set is one block of
+    that memory (on CUDA pinned in place, so the copies stay asynchronous), and on CPU the values are
+    copied into it too: the writer process takes them from there, and the set is released when it has
+    (`layouts[slot]` says where each tensor lies)."""
+
+    def __init__(self, device: torch.device, writer: CacheWriter | None = None, slots: int = 2) -> None:
         self.cuda = device.type == "cuda"
+        self.shared = writer if writer is not None and writer.shares_memory else None
         self.free: queue.Queue = queue.Queue()
         for slot in range(slots):
             self.free.put(slot)
         self.buffers: list[dict[str, torch.Tensor]] = [{} for _ in range(slots)]
+        self.blocks: list[tuple | None] = [None] * slots  # shared: (block id, mapping, its bytes, pinned)
+        self.layouts: list[tuple | None] = [None] * slots  # shared: (block id, name -> (offset, dtype, shape))
 
     def _buffer(self, slot: int, name: str, t: torch.Tensor) -> torch.Tensor:
         """A pinned host tensor shaped like `t`: a view of the slot's buffer, grown when too small."""
@@ -164,18 +172,46 @@ class _HostCopies:
             buf = self.buffers[slot][name] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
         return buf[: t.numel()].view(t.shape)
 
+    def _shared_buffers(self, slot: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host tensors shaped like `tensors`, side by side (64-byte aligned) in the slot's shared block,
+        which is replaced by a larger one when too small."""
+        layout, size = {}, 0
+        for name, t in tensors.items():
+            layout[name] = (size, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+            size += -(-t.numel() * t.element_size() // 64) * 64
+        held = self.blocks[slot]
+        if held is None or len(held[1]) < size:
+            self._drop_block(slot)
+            block, mapping = self.shared.shared_block(max(size, 64))
+            flat = torch.frombuffer(mapping, dtype=torch.uint8)  # [bytes]
+            held = self.blocks[slot] = (block, mapping, flat, self.cuda and _pin_in_place(flat))
+        self.layouts[slot] = (held[0], layout)
+        return {
+            name: held[2][offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for (name, t), (offset, _, _) in zip(tensors.items(), layout.values())
+        }
+
+    def _drop_block(self, slot: int) -> None:
+        held, self.blocks[slot] = self.blocks[slot], None
+        if held is not None and held[3]:  # (its copies have landed: the slot was free)
+            torch.cuda.cudart().cudaHostUnregister(held[2].data_ptr())
+
     def start(
         self, tensors: dict[str, torch.Tensor], timings: Timings
     ) -> tuple[dict[str, torch.Tensor], object, int | None]:
         """-> (host tensors, event or None, slot or None). Host tensors are valid once the event completes."""
-        if not self.cuda:
+        if not self.cuda and self.shared is None:
             return tensors, None, None
         with timings("slot_wait"):  # the forward waits on the host: both sets still being taken out
             slot = self.free.get()  # blocks only while both sets are in flight
-        host = {}
+        if self.shared is not None:
+            host = self._shared_buffers(slot, tensors)
+        else:
+            host = {name: self._buffer(slot, name, t) for name, t in tensors.items()}
         for name, t in tensors.items():
-            host[name] = self._buffer(slot, name, t)
-            host[name].copy_(t, non_blocking=True)
+            host[name].copy_(t, non_blocking=self.cuda)
+        if not self.cuda:
+            return host, None, slot
         event = torch.cuda.Event()
         event.record()
         return host, event, slot
@@ -183,6 +219,49 @@ class _HostCopies:
     def release(self, slot: int | None) -> None:
         if slot is not None:
             self.free.put(slot)
+
+    def releaser(self, slot: int) -> Callable[[], None]:
+        """`release(slot)`, for whoever calls it first, once."""
+        taken = []
+
+        def release() -> None:
+            if not taken:
+                taken.append(slot)
+                self.free.put(slot)
+
+        return release
+
+    def close(self) -> None:
+        """Unpin and drop the shared blocks (a writer process may still be reading one: its mapping stays)."""
+        for slot in range(len(self.blocks)):
+            self._drop_block(slot)
+
+
+def hand_over(writer: CacheWriter, copies: HostCopies, windows: np.ndarray, lo: int, hi: int, event, slot: int) -> None:
+    """Sequences [lo, hi) of `windows` [N, T + 1], whose values `copies` put in the shared block of `slot`:
+    once their copies have landed (`event`), a writer process is told where they are, and the slot is
+    released when it has copied them out."""
+    free = copies.releaser(slot)
+    try:
+        if event is not None:
+            with writer.timings("copy_wait"):  # the GPU has not finished this batch and its copies
+                event.synchronize()
+    except BaseException:
+        free()
+        raise
+    with writer.timings("collect"):
+        block, layout = copies.layouts[slot]
+        sites_at = {name: at for name, at in layout.items() if name != NLL_KEY}
+        writer.write_shared(lo, hi - lo, windows[lo:hi], block, layout[NLL_KEY], sites_at, free)
+
+
+def _pin_in_place(flat: torch.Tensor) -> bool:
+    """Page-lock host memory torch did not allocate (a shared block), so that copies into it are
+    asynchronous; False if CUDA refuses (the copies are then synchronous, the values the same)."""
+    try:
+        return int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0)) == 0
+    except Exception:
+        return False
 
 
 class _BackgroundWriter:
@@ -318,9 +397,11 @@ def record_pending(
     `step(n)` is called after each batch of n sequences."""
     schema, timings = writer.schema, writer.timings
     device_ = next(model.parameters()).device
-    copies = _HostCopies(device_)
+    copies = HostCopies(device_, writer)
 
     def write_batch(lo: int, hi: int, host: dict[str, torch.Tensor], event, slot) -> None:
+        if copies.shared is not None:
+            return hand_over(writer, copies, windows, lo, hi, event, slot)
         try:
             if event is not None:
                 with timings("copy_wait"):  # the GPU has not finished this batch and its copies
@@ -368,3 +449,5 @@ def record_pending(
             background.close(raise_errors=False)
         writer.abort()
         raise
+    finally:
+        copies.close()

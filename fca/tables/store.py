@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import queue
 import shutil
@@ -639,18 +640,49 @@ class CacheWriter:
         while lo < first + num_seqs:
             k = lo // self.seqs_per_part
             hi = min(first + num_seqs, self.part_range(k)[1])
-            if self.shard is not None and k not in self.shard:
-                raise CacheError(f"{self.partial}: part {k} is not in this writer's shard {self.shard[:5]}")
-            if k in self.parts:
-                raise CacheError(
-                    f"{self.partial}: part {k} is already complete; sequences {lo}..{hi - 1} written twice"
-                )
+            self._check_part(k, lo, hi)
             piece = batch.slice((lo - first) * rows_per_seq, (hi - lo) * rows_per_seq)
             if self._threads is not None:
                 self._threads.put(k, piece, hi - lo)
             else:
                 self._write_piece(self._open, k, piece, hi - lo)
             lo = hi
+
+    def _check_part(self, k: int, lo: int, hi: int) -> None:
+        if self.shard is not None and k not in self.shard:
+            raise CacheError(f"{self.partial}: part {k} is not in this writer's shard {self.shard[:5]}")
+        if k in self.parts:
+            raise CacheError(f"{self.partial}: part {k} is already complete; sequences {lo}..{hi - 1} written twice")
+
+    @property
+    def shares_memory(self) -> bool:
+        """Whether batches can be handed over in shared memory (`shared_block`, `write_shared`): the
+        writers are processes, and the system has anonymous memory files."""
+        from fca.tables.writer_processes import SHARES_MEMORY, WriterProcesses
+
+        return SHARES_MEMORY and isinstance(self._threads, WriterProcesses)
+
+    def shared_block(self, size: int) -> tuple[int, mmap.mmap]:
+        """(id, mapping) of a new block of `size` bytes that the writer processes map too (`shares_memory`)."""
+        return self._threads.shared_block(size)
+
+    def write_shared(
+        self, lo: int, n: int, windows: np.ndarray, block: int, nll_at: tuple, sites_at: dict, free
+    ) -> None:
+        """Sequences [lo, lo + n), all in one part, whose values a writer process reads from shared `block`
+        (`shared_block`): at (offset, dtype, shape) there, `nll_at` the live NLL [n, T] and `sites_at` each
+        site's coefficients [n, T, K]; `windows` [n, T + 1] are their token ids. `free()` is called once,
+        when the values have been copied out of the block or never will be (including when this raises)."""
+        try:
+            self._raise_failure()
+            k = lo // self.seqs_per_part
+            if n < 1 or lo < 0 or lo + n > self.part_range(k)[1]:
+                raise CacheError(f"{self.partial}: sequences {lo}..{lo + n - 1} are not within one part")
+            self._check_part(k, lo, lo + n)
+        except BaseException:
+            free()
+            raise
+        self._threads.put_shared(k, n, lo, windows, block, nll_at, sites_at, free)
 
     def _write_piece(self, open_parts: dict[int, _OpenPart], k: int, piece: pa.RecordBatch, n: int) -> None:
         part = open_parts.get(k)

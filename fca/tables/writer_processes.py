@@ -14,18 +14,29 @@ pyarrow, never torch), more than a small model's whole forward over a demo-sized
 with the interpreter running this process (not forked: the parent may hold CUDA and thread state), each
 talks over its end of a socket pair, and exits when the parent closes its end or dies.
 
+A model build hands its batches over through shared memory (`shared_block`, `put_shared`): the host
+buffers its device copies land in (on CUDA, pinned in place) are blocks the writers map too, so the build's
+side of a batch is one short message; the writer copies the values out on its reading thread, answers that
+the buffers are free again, and makes the record batch itself. Nothing of the batch is built, copied or
+sent holding the build's interpreter lock. A block is an anonymous memory file (`memfd`) whose descriptor
+each writer receives once, so nothing is left in the file system if either side dies. Without `memfd`
+(not Linux), and for `CacheWriter.write`'s record batches, batches go as Arrow IPC bytes instead.
+
 Messages, parent to writer: ("build", id, out, plan, schema, S); ("piece", id, k, n) followed by the record
 batch as Arrow IPC bytes, sent from the batch's own memory (pickling had copied it holding the lock);
+("block", id, block, bytes) followed by its descriptor; ("shared", id, k, n, first sequence, windows
+[n, T + 1], block, nll at, site -> at, ticket), where `at` is (offset, dtype, shape) in the block;
 ("end", id, drop). Writer to parent: ("done", id, k, n, (record, moments) when part k is complete, else
-None); ("error", id, k, n, message); ("ended", id, {stage: seconds}). A writer reads on a thread of its
-own, so a parent's send never waits for a piece to be encoded, and ("end", id, True) makes it skip that
-build's queued pieces at once.
+None); ("error", id, k, n, message); ("free", id, ticket) once a shared batch's values are copied out;
+("ended", id, {stage: seconds}). A writer reads on a thread of its own, so a parent's send never waits
+for a piece to be encoded, and ("end", id, True) makes it skip that build's queued pieces at once.
 """
 
 from __future__ import annotations
 
 import atexit
 import itertools
+import mmap
 import os
 import queue
 import socket
@@ -33,14 +44,25 @@ import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import recv_handle, send_handle
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
 from fca.tables.errors import CacheError
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # so the writers import this very `fca`
 _BUILD_IDS = itertools.count(1)
+_BLOCK_IDS = itertools.count(1)
+_TICKETS = itertools.count(1)
+SHARES_MEMORY = hasattr(os, "memfd_create")  # Linux: batches handed over in shared memory
+
+
+def _values(block, at: tuple) -> np.ndarray:
+    """A copy of the array at (offset, dtype, shape) in a shared block."""
+    offset, dtype, shape = at
+    return np.frombuffer(block, dtype, int(np.prod(shape)), offset).reshape(shape).copy()
 
 
 # ------------------------------------------------------------------------------------- a writer process
@@ -48,11 +70,33 @@ _BUILD_IDS = itertools.count(1)
 
 def _serve(conn: Connection) -> None:
     """A writer's loop: shard writers by build id, pieces written in the order they came."""
-    from fca.tables.store import CacheWriter
+    from fca.tables.store import CacheWriter, record_batch
     from fca.tables.timings import Timings
 
     inbox: queue.Queue = queue.Queue()  # unbounded: the parent bounds what it has in flight
     dropped: set[int] = set()
+    blocks: dict[int, mmap.mmap] = {}  # shared blocks by id, and the ids of each build's
+    build_blocks: dict[int, list[int]] = {}
+    send_lock = threading.Lock()  # both threads answer
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            conn.send(message)
+
+    def take_shared(message: tuple) -> tuple:
+        """A shared batch's values copied out, and its buffers handed back at once: the parent reuses them
+        for a batch two behind, so they must not wait for the pieces queued before this one."""
+        build, (k, n, lo, windows, block, nll_at, sites_at, ticket) = message[1], message[2:]
+        try:
+            if build in dropped:
+                return ("piece", build, k, n, None)
+            nll = _values(blocks[block], nll_at)
+            coefficients = {name: _values(blocks[block], at) for name, at in sites_at.items()}
+            return ("piece", build, k, n, (lo, windows, nll, coefficients))
+        except BaseException as err:
+            return ("piece", build, k, n, err)
+        finally:
+            send(("free", build, ticket))
 
     def read() -> None:
         while True:
@@ -60,6 +104,15 @@ def _serve(conn: Connection) -> None:
                 message = conn.recv()
                 if message[0] == "piece":  # its record batch follows as Arrow IPC bytes
                     message = (*message, conn.recv_bytes())
+                elif message[0] == "block":  # its descriptor follows
+                    build, block, size = message[1:]
+                    fd = recv_handle(conn)
+                    with os.fdopen(fd, "rb", buffering=0):
+                        blocks[block] = mmap.mmap(fd, size)
+                    build_blocks.setdefault(build, []).append(block)
+                    continue
+                elif message[0] == "shared":
+                    message = take_shared(message)
             except (EOFError, OSError):
                 inbox.put(None)
                 return
@@ -80,30 +133,43 @@ def _serve(conn: Connection) -> None:
                 builds[build] = (writer, {})
             except BaseException as err:  # reported with the build's first piece
                 builds[build] = (err, {})
-        elif kind == "piece":
+        elif kind == "piece":  # payload: Arrow IPC bytes, or a shared batch's values, or the error taking them
             k, n, payload = message[2:]
             writer, open_parts = builds.get(build, (None, {}))
             if build in dropped or not isinstance(writer, CacheWriter):
                 reply = ("error", build, k, n, _one_line(writer)) if isinstance(writer, BaseException) else None
-                conn.send(reply or ("done", build, k, n, None))
+                send(reply or ("done", build, k, n, None))
                 continue
             try:
-                batch = pa.ipc.read_record_batch(pa.py_buffer(payload), writer.schema)  # zero-copy
+                if isinstance(payload, BaseException):  # the shared batch could not be read
+                    raise payload
+                if isinstance(payload, tuple):
+                    lo, windows, nll, coefficients = payload
+                    with writer.timings("make_batch"):
+                        seqs = np.arange(lo, lo + n)
+                        batch = record_batch(writer.schema, seqs, windows[:, :-1], windows[:, 1:], nll, coefficients)
+                else:
+                    batch = pa.ipc.read_record_batch(pa.py_buffer(payload), writer.schema)  # zero-copy
                 writer._write_piece(open_parts, k, batch, n)
                 closed = k not in open_parts
-                conn.send(("done", build, k, n, (writer.parts[k], writer.closed_moments.pop(k)) if closed else None))
+                send(("done", build, k, n, (writer.parts[k], writer.closed_moments.pop(k)) if closed else None))
             except BaseException as err:
                 writer._discard(open_parts)
                 dropped.add(build)
-                conn.send(("error", build, k, n, _one_line(err)))
+                send(("error", build, k, n, _one_line(err)))
         elif kind == "end":
             writer, open_parts = builds.pop(build, (None, {}))
             stages = {}
             if isinstance(writer, CacheWriter):
                 writer._discard(open_parts)  # parts the build did not complete (it stopped, or failed)
                 stages = writer.timings.rounded(9)
+            for block in build_blocks.pop(build, []):  # freed once the parent's mapping goes too
+                try:
+                    blocks.pop(block).close()
+                except BufferError:  # a view of it is still alive: unmapped when that goes
+                    pass
             dropped.discard(build)
-            conn.send(("ended", build, stages))
+            send(("ended", build, stages))
 
 
 def _one_line(err: BaseException | None) -> str:
@@ -155,6 +221,12 @@ class _Pool:
             self.conns[i].send(message)
             if payload is not None:
                 self.conns[i].send_bytes(memoryview(payload))
+
+    def send_descriptor(self, i: int, message: tuple, fd: int) -> None:
+        """A message to writer i, and after it a duplicate of file descriptor `fd`."""
+        with self.send_locks[i]:
+            self.conns[i].send(message)
+            send_handle(self.conns[i], fd, self.procs[i].pid)
 
     def _read(self) -> None:
         live = dict(enumerate(self.conns))
@@ -233,6 +305,7 @@ class WriterProcesses:
         self.holders: dict[int, int] = {}
         self.ended: set[int] = set()
         self.waiting = 0  # callers of `put` waiting for room
+        self.frees: dict[int, tuple] = {}  # ticket -> (writer, what frees its shared batch's buffers)
         self.cond = threading.Condition()
         with self.pool.lock:
             self.pool.builds[self.id] = self
@@ -243,26 +316,76 @@ class WriterProcesses:
             except OSError:
                 self.lost(i)
 
-    def put(self, k: int, piece, n: int) -> None:
-        with self.cond, self.owner.timings("queue_wait"):
+    def _route(self, k: int, n: int) -> int:
+        """The writer for n more sequences of part k, once there is room for them (the lock held)."""
+        with self.owner.timings("queue_wait"):
             # An empty pipeline takes any piece, so a piece larger than the bound cannot wait forever.
             while self.pending and self.pending + n > self.max_pending and not self.owner._stopping:
                 self.waiting += 1
                 self.cond.wait(0.5)
                 self.waiting -= 1
-            i = self.holders.get(k)
-            if i is None:
-                i = self.holders[k] = min(range(self.count), key=self.load.__getitem__)
-            self.pending += n
-            self.load[i] += n
+        i = self.holders.get(k)
+        if i is None:
+            i = self.holders[k] = min(range(self.count), key=self.load.__getitem__)
+        self.pending += n
+        self.load[i] += n
+        return i
+
+    def put(self, k: int, piece, n: int) -> None:
+        with self.cond:
+            i = self._route(k, n)
         try:
             self.pool.send(i, ("piece", self.id, k, n), piece.serialize())  # Arrow IPC; the schema is the build's
         except OSError:
             self.lost(i)
 
+    def shared_block(self, size: int) -> tuple[int, mmap.mmap]:
+        """A new block of `size` bytes that this build's writers map too: (its id, this side's mapping).
+        It is freed once this mapping is dropped and the build has ended."""
+        fd = os.memfd_create("fca-batch", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            block = next(_BLOCK_IDS)
+            for i in range(self.count):
+                try:
+                    self.pool.send_descriptor(i, ("block", self.id, block, size), fd)
+                except OSError:
+                    self.lost(i)
+            return block, mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+
+    def put_shared(self, k: int, n: int, lo: int, windows, block: int, nll_at, sites_at, free) -> None:
+        """Sequences [lo, lo + n) of part k, their values in shared `block` at (offset, dtype, shape):
+        `nll_at` the live NLL [n, T], `sites_at` each site's coefficients [n, T, K]. `windows` [n, T + 1]
+        are their token ids. `free()` is called once, when the block's values have been copied out (or
+        will never be: the writer was lost)."""
+        ticket = next(_TICKETS)
+        with self.cond:
+            i = self._route(k, n)
+            if i in self.ended:  # lost already (the build has failed): nothing will answer
+                self.pending -= n
+                self.load[i] -= n
+                free()
+                return
+            self.frees[ticket] = (i, free)
+        try:
+            self.pool.send(i, ("shared", self.id, k, n, lo, windows, block, nll_at, sites_at, ticket))
+        except OSError:
+            self.lost(i)
+
+    def _free(self, ticket: int) -> None:
+        with self.cond:
+            entry = self.frees.pop(ticket, None)
+        if entry is not None:
+            entry[1]()
+
     def reply(self, i: int, message: tuple) -> None:
         """On the pool's reading thread: one reply of writer i."""
         kind = message[0]
+        if kind == "free":
+            self._free(message[2])
+            return
         if kind == "ended":
             for stage, seconds in message[2].items():
                 self.owner.timings.add(stage, seconds)
@@ -297,6 +420,9 @@ class WriterProcesses:
                 self.pending -= self.load[i]  # what it had will never be answered
                 self.load[i] = 0
             self.cond.notify_all()
+            lost_tickets = [ticket for ticket, (writer, _) in self.frees.items() if writer == i]
+        for ticket in lost_tickets:  # its buffers are never coming back from it: the build may reuse them
+            self._free(ticket)
 
     def close(self) -> None:
         """Let the writers write what is queued (or drop it, after an error), then wait for them."""
