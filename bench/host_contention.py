@@ -22,7 +22,9 @@ thread takes it back each time one of its ops returns, and the writing holds it 
 pyarrow calls. With only two cores the handing thread shares the second core with the writer process.
 
 Reported: the forward's time per pass beside each, over its time alone, and the forward time lost per
-writing done beside it (medians of interleaved rounds); the time one writing takes by itself.
+writing done beside it (medians of interleaved rounds); the time one writing takes by itself; and the CPU
+time the forward's process spends per writing, for each way that runs in it (a writer process's own work
+is not counted: it has its own interpreter), with the forward idle.
 
     python -m bench.host_contention [--rounds 7] [--json PATH]
 """
@@ -176,6 +178,7 @@ def main() -> None:
             forward_seconds()
         kinds = tuple(NAMES)
         write_times, alone, by = [], [], {kind: [] for kind in kinds}
+        own_cpu: dict[str, list[float]] = {kind: [] for kind in kinds if kind != "process"}
         for _ in range(args.rounds):
             start = time.perf_counter()
             writing.run()
@@ -183,6 +186,10 @@ def main() -> None:
             alone.append(forward_seconds())
             for kind in kinds:
                 by[kind].append(beside(kind))
+            for kind in own_cpu:
+                start = time.process_time()
+                writing.run(processes=kind == "handing", shared=kind == "shared")
+                own_cpu[kind].append(time.process_time() - start)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base = float(np.median(alone))
@@ -205,6 +212,10 @@ def main() -> None:
             # What each writing costs the forward: its extra time over the writings done meanwhile.
             **{f"forward_ms_lost_per_writing_{name}": lost_ms(by[kind]) for kind, name in NAMES.items()},
             "writing_ms": round(float(np.median(write_times)) * 1e3, 1),
+            **{
+                f"process_cpu_ms_per_writing_{NAMES[kind]}": round(float(np.median(seconds)) * 1e3, 1)
+                for kind, seconds in own_cpu.items()
+            },
         },
         args.json,
     )
