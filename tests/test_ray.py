@@ -18,7 +18,7 @@ from fca.jobs.distributed import REPO_ROOT, build_cache_distributed, shard_bound
 from fca.tables.errors import CacheError  # noqa: E402
 from fca.tables.profiles import cache_moments, scan_moments, slot_layout  # noqa: E402
 from fca.tables.stats import variance_decomposition  # noqa: E402
-from fca.tables.store import open_cache  # noqa: E402
+from fca.tables.store import open_cache, read_progress  # noqa: E402
 
 SIZES = dict(num_seqs=8, seq_len=16, batch_size=2, device="cpu", part_seqs=2)  # 4 parts of 2 sequences
 
@@ -88,8 +88,7 @@ def test_lost_workers_then_resume_give_the_same_cache(tiny_demo, single, tmp_pat
     with pytest.raises(CacheError, match="every build worker failed"):
         _distributed(tiny_demo, out, fail_after=1)  # each worker commits one part, then is lost
     assert not out.exists() and not (tmp_path / "eval.lock").exists()
-    progress = json.loads((tmp_path / "eval.partial" / "progress.json").read_text())
-    assert len(progress["parts"]) == 2  # committed parts are kept...
+    assert len(read_progress(tmp_path / "eval.partial")["parts"]) == 2  # committed parts are kept...
     assert not (tmp_path / "eval.partial" / "manifest.json").exists()  # ...and nothing looks finished
     _same_cache(_distributed(tiny_demo, out), single)
 
