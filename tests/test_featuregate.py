@@ -120,6 +120,38 @@ def test_site_modes_restore_after_error():
     assert all(s.mode == "live" and s._sink is None and s._provider is None for s in find_sites(model).values())
 
 
+def test_a_second_pass_over_sites_in_a_pass_is_refused():
+    """A record or replay pass over a model whose sites are in another pass (here one this thread is
+    inside, then one another thread holds open) is refused, and the first pass keeps its modes: two at
+    once would record into one sink or replay the other's coefficients."""
+    import threading
+
+    model = tiny()
+    ids = torch.randint(0, 97, (2, 8))
+    coefficients = fca.capture(model, ids)
+    with site_modes(model, "record", sink={}):
+        with pytest.raises(RuntimeError, match=r"already in a record or replay pass.*one pass at a time"):
+            fca.replay(model, ids, coefficients)
+        assert all(s.mode == "record" for s in find_sites(model).values())
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold_a_pass() -> None:
+        with site_modes(model, "record", sink={}):
+            inside.set()
+            leave.wait(10)
+
+    holder = threading.Thread(target=hold_a_pass)
+    holder.start()
+    inside.wait(10)
+    try:
+        with pytest.raises(RuntimeError, match="already in a record or replay pass"):
+            fca.capture(model, ids)
+    finally:
+        leave.set()
+        holder.join()
+    assert torch.equal(fca.replay(model, ids, coefficients), model(ids).logits)  # free again
+
+
 def test_save_load_round_trip(tmp_path, model_dir):
     model = fca.load_model(model_dir)
     ids = torch.randint(0, model.config.vocab_size, (2, 16))

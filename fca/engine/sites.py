@@ -13,6 +13,7 @@ Modes are only ever changed inside `site_modes(...)`, a context manager that res
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -24,6 +25,7 @@ from torch import nn
 from fca.tables.spec import SiteSpec
 
 Mode = Literal["live", "record", "replay"]
+_PASS_LOCK = threading.Lock()
 # A provider gives the replay coefficients of one site for the current batch: (site, B, T) -> [B, T, K]
 # or anything broadcastable to it (e.g. a static profile of shape [K]).
 Provider = Callable[["Site", int, int], torch.Tensor]
@@ -45,6 +47,7 @@ class Site(nn.Module):
         self.mode: Mode = "live"
         self._sink: MutableMapping[str, torch.Tensor] | None = None
         self._provider: Provider | None = None
+        self._in_pass = False  # inside a `site_modes` block: no other pass may set its mode meanwhile
 
     def forward(self, x: torch.Tensor, batch_shape: tuple[int, int] | None = None) -> torch.Tensor:
         """x: the controller's input; batch_shape: (B, T) when x is not already [B, T, ...]."""
@@ -57,10 +60,10 @@ class Site(nn.Module):
             self._sink[self.site_name] = coefficients.detach()
         return coefficients
 
-    def _set_mode(self, mode: Mode, sink, provider) -> None:
+    def _set_mode(self, mode: Mode, sink, provider, in_pass: bool) -> None:
         # Plain attributes, set past nn.Module.__setattr__ and its checks for parameters, buffers and
         # modules (none of these is one): site_modes sets them on every site twice per pass.
-        self.__dict__.update(mode=mode, _sink=sink, _provider=provider)
+        self.__dict__.update(mode=mode, _sink=sink, _provider=provider, _in_pass=in_pass)
 
     def extra_repr(self) -> str:
         return f"name={self.site_name!r}, K={self.spec.num_channels}, family={self.spec.family!r}"
@@ -119,6 +122,10 @@ def site_modes(
     """Put the sites of `model` (or just those named in `only`) into `mode` for the enclosed block.
 
     Every site is restored to `live` (with no sink or provider) on exit, even on error.
+
+    One pass at a time per model: a site's mode is the model's state, so a second pass over the same
+    sites while one is under way (from another thread, or from inside this block) would record into the
+    first one's sink or replay its coefficients. That second pass is refused with a RuntimeError.
     """
     sites = find_sites(model)
     if not sites:
@@ -132,13 +139,22 @@ def site_modes(
     if mode == "replay" and provider is None:
         raise ValueError("replay mode needs a provider")
     chosen = {n: s for n, s in sites.items() if only is None or n in only}
+    with _PASS_LOCK:  # (checking that every site is free and taking them is one step)
+        busy = next((name for name, site in sites.items() if site._in_pass), None)
+        if busy is not None:
+            raise RuntimeError(
+                f"{type(model).__name__}: site {busy!r} is already in a record or replay pass (another "
+                "thread's, or one this pass was started inside); run one pass at a time per model object"
+            )
+        for site in sites.values():
+            site.__dict__["_in_pass"] = True  # (as in `Site._set_mode`)
     try:
         for site in chosen.values():
-            site._set_mode(mode, sink, provider)
+            site._set_mode(mode, sink, provider, True)
         yield chosen
     finally:
         for site in sites.values():
-            site._set_mode("live", None, None)
+            site._set_mode("live", None, None, False)
 
 
 def as_input_ids(input_ids, model: nn.Module) -> torch.Tensor:
