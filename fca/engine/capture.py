@@ -156,7 +156,7 @@ class HostCopies:
     (`layouts[slot]` says where each tensor lies)."""
 
     def __init__(self, device: torch.device, writer: CacheWriter | None = None, slots: int = 2) -> None:
-        self.cuda = device.type == "cuda"
+        self.device, self.cuda = device, device.type == "cuda"
         self.shared = writer if writer is not None and writer.shares_memory else None
         self.free: queue.Queue = queue.Queue()
         for slot in range(slots):
@@ -197,7 +197,9 @@ class HostCopies:
 
     def _drop_block(self, slot: int) -> None:
         held, self.blocks[slot] = self.blocks[slot], None
-        if held is not None and held[3]:  # (its copies have landed: the slot was free)
+        if held is not None and held[3]:
+            # A slot handed back after an error was never waited for: its copies may still be landing.
+            torch.cuda.synchronize(self.device)
             torch.cuda.cudart().cudaHostUnregister(held[2].data_ptr())
 
     def start(
