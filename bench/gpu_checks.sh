@@ -10,7 +10,7 @@
 # demo-seedN-ARCH.tar.gz: trained models). A failing step is logged and the next one runs.
 #
 # exactness  the shipped CPU-built demo audited on CUDA (accepted, fidelity reported); caches built and
-#            audited on CUDA (bit-identical); the drift between this machine's CPU and its GPU, float32
+#            audited on CUDA (bit-identical), and built again with writer processes (the same parts); the drift between this machine's CPU and its GPU, float32
 #            and bfloat16, both ways, and on other batches than the build's (fca.fidelity's tolerances)
 # study      a larger configuration trained for three seeds, each with its Dense twin, cached and audited
 # demo-seeds seeds 1 and 2 of the demo configuration trained on CUDA (cached and audited later on a CPU;
@@ -47,9 +47,17 @@ record() {  # record NAME JSON_FILE: append {"name": NAME, ...file} to results.j
 drift() {  # drift NAME ARGS...: bench.fidelity_drift, recorded
   step "drift $1" 120 python -m bench.fidelity_drift --json "$work/$1.json" "${@:2}" && record "drift $1" "$work/$1.json"
 }
-build() {  # build DIR SPLIT DEVICE DTYPE NUM_SEQS
+build() {  # build DIR SPLIT DEVICE DTYPE NUM_SEQS [BUILD-CACHE OPTION ...]
   step "build $1" 240 python -m fca build-cache --model $demo/featuregate --corpus $corpus --split "$2" --out "$work/$1" \
-    --device "$3" --dtype "$4" --num-seqs "$5" --batch 16
+    --device "$3" --dtype "$4" --num-seqs "$5" --batch 16 "${@:6}"
+}
+same_parts() {  # same_parts A B: two caches' parts are the same files (their hashes), both verified
+  step "same parts: $1 and $2" 60 python -c "
+import sys
+from fca.tables.store import open_cache
+a, b = (open_cache(path, verify=True).manifest.parts for path in sys.argv[1:])
+assert [p.sha256 for p in a] == [p.sha256 for p in b], 'the caches differ'
+print(len(a), 'identical parts')" "$work/$1" "$work/$2"
 }
 
 # FCA_CHECK_DEVICE=cpu runs the same steps on the CPU: a dry run of this script where there is no GPU.
@@ -65,12 +73,17 @@ section_exactness() {
   record "audit: shipped demo (built on a CPU) on cuda" "$work/demo_cuda.json"
   build cuda/eval eval $gpu float32 128
   build cuda/calibration calibration $gpu float32 128
+  # Writer processes fed through pinned shared memory write the writer threads' cache, bit for bit.
+  build cuda-processes/eval eval $gpu float32 128 --writer-processes
+  same_parts cuda/eval cuda-processes/eval
   step "cuda-built caches audited on cuda" 240 python -m fca audit --model $demo/featuregate --cache "$work/cuda/eval" \
     --calibration "$work/cuda/calibration" --device $gpu --json "$work/cuda_cuda.json"
   record "audit: caches built on cuda, on cuda" "$work/cuda_cuda.json"
   build cpu/eval eval cpu float32 64
   build cpu-bf16/eval eval cpu bfloat16 64
   build cuda-bf16/eval eval $gpu bfloat16 64
+  build cuda-bf16-processes/eval eval $gpu bfloat16 64 --writer-processes
+  same_parts cuda-bf16/eval cuda-bf16-processes/eval
   m=$demo/featuregate
   drift cpu-to-cuda-fp32 --model $m --cache "$work/cpu/eval" --device $gpu
   drift cuda-to-cpu-fp32 --model $m --cache "$work/cuda/eval" --device cpu
