@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from fca.engine.loading import read_config
+from fca.engine.checkpoints import read_config
 from fca.engine.models.muddpythia import MUDDPythia, MUDDPythiaConfig, dense_twin_config
 
 

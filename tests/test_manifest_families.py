@@ -306,6 +306,24 @@ class ConfiguredModel(CustomModel):
         self.config = SimpleNamespace(model_type="registered_gated", gated=gated, d=8)
 
 
+def test_a_family_registered_for_a_built_in_type_replaces_it_whenever_it_is_registered():
+    """The built-in families join the registry on its first lookup, under those registered before: a
+    family registered for `featuregate` replaces the built-in one even before anything was looked up or
+    the model files were imported (a fresh interpreter), as it does after."""
+    import subprocess
+    import sys
+
+    script = (
+        "from fca.engine.families import Family, family_for_type, register_family, registered_families\n"
+        "register_family(Family('featuregate', coefficient_kind='mine'))\n"
+        "import fca.engine.models\n"
+        "assert family_for_type('featuregate').coefficient_kind == 'mine'\n"
+        "assert family_for_type('muddpythia').load is not None and 'qwen3_moe' in registered_families()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
 def test_registered_family_loads_and_has_a_dense_twin(tmp_path, registry_guard):
     register_family(
         Family(

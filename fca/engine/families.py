@@ -15,59 +15,21 @@ A model with neither gets `Family(<its model_type or class name>)`: blocks are t
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
+import threading
 
 from torch import nn
 
-from fca.tables.catalog import DENSE_TWINS, DenseTwin
+from fca.engine.family import Family
+from fca.tables.catalog import DENSE_TWINS
+
+__all__ = ["Family", "register_family", "registered_families", "family_for_type", "family_of"]
 
 
-def longest_module_list(model: nn.Module) -> list[nn.Module]:
-    """The blocks of a model that names none: the longest `nn.ModuleList` in its module tree."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
-        raise ValueError(f"{type(model).__name__}: cannot find its blocks (declare a Family with `blocks`)")
-    return list(max(lists, key=len))
-
-
-def default_blocks(model: nn.Module) -> list[nn.Module]:
-    """The block list `attach_sites(..., blocks=PATH)` recorded on the model, else the longest ModuleList."""
-    adapted = getattr(model, "fca_blocks", None)  # set by fca.engine.adapters.attach_sites
-    return list(adapted()) if callable(adapted) else longest_module_list(model)
-
-
-def no_definitions(model: nn.Module) -> dict:
-    return {}
-
-
-@dataclass(frozen=True)
-class Family:
-    """One model family. Only `model_type` is required; every other field has a neutral default.
-
-    - `load(path)`: a model directory -> the model on CPU in float32 (None: in-memory models only).
-    - `dense_twin`: how the Dense twin's config differs (`fca.tables.catalog.DenseTwin`); None: no twin.
-    - `blocks(model)`: the repeated blocks in execution order.
-    - `definitions(model)`: extra entries for the audit report's `definitions`.
-    - `coefficient_kind`: what the recorded coefficients are, in words.
-    - `expert_paths`: module globs of the experts modules when execution is conditional at expert level
-      (the execution audit then counts the experts each token runs); () otherwise.
-    - `execution_note`: a sentence the execution audit carries ("" for none).
-    """
-
-    model_type: str
-    load: Callable[[Path], nn.Module] | None = None
-    dense_twin: DenseTwin | None = None
-    blocks: Callable[[nn.Module], list[nn.Module]] = default_blocks
-    definitions: Callable[[nn.Module], dict] = no_definitions
-    coefficient_kind: str = ""
-    expert_paths: tuple[str, ...] = ()
-    execution_note: str = ""
-
-
-# model_type -> Family. The built-in families register when `fca.engine.models` is imported.
+# model_type -> Family. The built-in families (`fca.engine.models.BUILTIN_FAMILIES`) join on the first
+# lookup, under those registered before it: a family registered for a built-in model_type replaces it.
 _FAMILIES: dict[str, Family] = {}
+_BUILTINS_LOCK = threading.Lock()
+_builtins_loaded = False
 
 
 def register_family(family: Family) -> Family:
@@ -80,7 +42,17 @@ def register_family(family: Family) -> Family:
 
 
 def _builtins() -> None:
-    from fca.engine import models  # noqa: F401  (registers the built-in families)
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    with _BUILTINS_LOCK:  # (a second thread waits until every built-in family is in)
+        if not _builtins_loaded:
+            from fca.engine.models import BUILTIN_FAMILIES
+
+            for family in BUILTIN_FAMILIES:
+                if family.model_type not in _FAMILIES:
+                    register_family(family)
+            _builtins_loaded = True
 
 
 def registered_families() -> dict[str, Family]:

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from fca.engine.capture import bytes_per_token, write_cache
+from fca.engine.checkpoints import read_config
 from fca.engine.environment import current_environment, model_dtype_name
-from fca.engine.loading import fingerprint_state, load_model, read_config
+from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.sites import model_logits, site_specs
 from fca.tables import data
 from fca.tables.remote import RemoteParts, is_uri

@@ -22,8 +22,8 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
-from fca.engine.families import Family, register_family
-from fca.engine.loading import load_strict, read_config, read_state_dict
+from fca.engine.checkpoints import load_strict, read_config, read_state_dict
+from fca.engine.family import Family
 from fca.engine.sites import Site, SiteSpec, assign_site_names
 from fca.tables.catalog import DENSE_TWINS
 
@@ -231,12 +231,10 @@ def load_featuregate(path: Path) -> FeatureGateModel:
     return load_strict(FeatureGateModel(config), read_state_dict(path), path)
 
 
-FAMILY = register_family(
-    Family(
-        FeatureGateConfig.model_type,
-        load=load_featuregate,
-        dense_twin=DENSE_TWINS[FeatureGateConfig.model_type],  # `gated: false`
-        blocks=lambda model: list(model.blocks),  # in execution order; the execution audit hooks them
-        coefficient_kind="gate values 2 * sigmoid(logits), scaling attention heads and MLP feature groups",
-    )
+FAMILY = Family(
+    FeatureGateConfig.model_type,
+    load=load_featuregate,
+    dense_twin=DENSE_TWINS[FeatureGateConfig.model_type],  # `gated: false`
+    blocks=lambda model: list(model.blocks),  # in execution order; the execution audit hooks them
+    coefficient_kind="gate values 2 * sigmoid(logits), scaling attention heads and MLP feature groups",
 )

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fca.engine.adapters import SiteDeclaration, attach_sites, match_modules
-from fca.engine.families import Family, family_of, register_family
-from fca.engine.loading import ModelLoadError
+from fca.engine.family import Family
 from fca.engine.sites import as_input_ids
+from fca.tables.errors import ModelLoadError
 
 ROUTER_FAMILY = "router"
 SHARED_GATE_FAMILY = "shared_expert_gate"
@@ -122,22 +122,21 @@ def load_hf_moe(path: Path) -> nn.Module:
 
 
 @torch.no_grad()
-def expert_execution(model: nn.Module, input_ids) -> dict:
+def expert_execution(
+    model: nn.Module, input_ids, expert_paths: tuple[str, ...] = (EXPERTS_PATH,), note: str = EXECUTION_NOTE
+) -> dict:
     """Expert-level conditional execution of one forward pass, by counting what the experts run.
 
-    A pre-hook on every experts module reads the `top_k_index [N, k]` it is handed (the dispatch
-    that actually happens, whatever mode the sites are in) and counts the distinct experts each
-    token runs. Returns, per MoE layer and overall, `experts_available` (E), `top_k`,
-    `experts_run_per_token_mean` and `expert_fraction` (= run / available); plus `experts_hit`,
-    the distinct experts that ran for at least one token of the batch.
+    A pre-hook on every experts module (those matching `expert_paths`: its family's, for the execution
+    audit) reads the `top_k_index [N, k]` it is handed (the dispatch that actually happens, whatever mode
+    the sites are in) and counts the distinct experts each token runs. Returns, per MoE layer and overall,
+    `experts_available` (E), `top_k`, `experts_run_per_token_mean` and `expert_fraction` (= run /
+    available); plus `experts_hit`, the distinct experts that ran for at least one token of the batch;
+    and `note`.
     """
-    family = family_of(model)
-    patterns = family.expert_paths
-    if not patterns:
-        raise ValueError(
-            f"{type(model).__name__}: its family {family.model_type!r} declares no expert modules (expert_paths)"
-        )
-    modules = {n: model.get_submodule(n) for p in patterns for n in match_modules(model, p)}
+    modules = {n: model.get_submodule(n) for p in expert_paths for n in match_modules(model, p)}
+    if not modules:
+        raise ValueError(f"{type(model).__name__}: no experts modules match {list(expert_paths)}")
     seen: dict[str, dict] = {}
 
     def count(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -173,18 +172,18 @@ def expert_execution(model: nn.Module, input_ids) -> dict:
         "top_k": max((v["top_k"] for v in seen.values()), default=0),
         "experts_run_per_token_mean": run / max(len(seen), 1),  # per MoE layer
         "expert_fraction": run / available if available else 0.0,
-        "note": family.execution_note,
+        "note": note,
     }
 
 
-for _model_type in MOE_MODEL_TYPES:  # no Dense twin: a dense model of the same sizes is another model
-    register_family(
-        Family(
-            _model_type,
-            load=load_hf_moe,
-            blocks=lambda model: list(model.get_submodule(BLOCKS_PATH)),
-            coefficient_kind="router logits",
-            expert_paths=(EXPERTS_PATH,),
-            execution_note=EXECUTION_NOTE,
-        )
+FAMILIES = tuple(  # no Dense twin: a dense model of the same sizes is another model
+    Family(
+        model_type,
+        load=load_hf_moe,
+        blocks=lambda model: list(model.get_submodule(BLOCKS_PATH)),
+        coefficient_kind="router logits",
+        expert_paths=(EXPERTS_PATH,),
+        execution_note=EXECUTION_NOTE,
     )
+    for model_type in MOE_MODEL_TYPES
+)

@@ -58,15 +58,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fca.engine.families import Family, register_family
-from fca.engine.loading import (
-    ModelLoadError,
-    load_strict,
-    read_config,
-    read_state_dict,
-)
+from fca.engine.checkpoints import load_strict, read_config, read_state_dict
+from fca.engine.family import Family
 from fca.engine.sites import Site, SiteSpec, assign_site_names
 from fca.tables.catalog import DENSE_TWINS, weights_path
+from fca.tables.errors import ModelLoadError
 
 MODEL_TYPE = "muddpythia"
 STREAMS = ("q", "k", "v", "r")
@@ -456,13 +452,11 @@ def _definitions(model: MUDDPythia) -> dict[str, str]:
     return {"global_mean_families": FAMILY_DEFINITION} if model.config.dense else {}
 
 
-FAMILY = register_family(
-    Family(
-        MODEL_TYPE,
-        load=load_muddpythia,
-        dense_twin=DENSE_TWINS[MODEL_TYPE],
-        blocks=lambda model: list(model.layers),  # in execution order; the execution audit hooks them
-        definitions=_definitions,
-        coefficient_kind="dense-connection weights: the dynamic dw plus the static dense_bs, per stream and source",
-    )
+FAMILY = Family(
+    MODEL_TYPE,
+    load=load_muddpythia,
+    dense_twin=DENSE_TWINS[MODEL_TYPE],
+    blocks=lambda model: list(model.layers),  # in execution order; the execution audit hooks them
+    definitions=_definitions,
+    coefficient_kind="dense-connection weights: the dynamic dw plus the static dense_bs, per stream and source",
 )

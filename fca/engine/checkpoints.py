@@ -1,0 +1,84 @@
+"""Reading a model directory's files: `config.json` and the weights, checked against the model they
+are loaded into. What every family's loader uses (`fca.engine.models`); `fca.engine.loading` picks the
+family and applies device and dtype.
+
+Weights come from `model.safetensors`, a sharded safetensors index, or a `pytorch_model.bin` read with
+`weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fca.tables.errors import ModelLoadError
+
+
+def read_config(path: Path) -> dict:
+    config_path = path / "config.json"
+    if not path.exists():
+        raise ModelLoadError(f"{path}: model directory not found")
+    if not config_path.is_file():
+        raise ModelLoadError(f"{config_path}: missing (a model directory needs config.json)")
+    try:
+        return json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"{config_path}: not valid JSON ({err})") from None
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Weights from safetensors (single or sharded) or a `weights_only` torch pickle."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    single, index, pickle = (
+        path / "model.safetensors",
+        path / "model.safetensors.index.json",
+        path / "pytorch_model.bin",
+    )
+    try:
+        if single.is_file():
+            return load_file(single)
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            state: dict[str, torch.Tensor] = {}
+            for shard in shards:
+                state.update(load_file(path / shard))
+            return state
+        if pickle.is_file():
+            state = torch.load(pickle, map_location="cpu", weights_only=True)
+            return state.get("model", state) if isinstance(state, dict) else state
+    except (SafetensorError, OSError, RuntimeError, KeyError, json.JSONDecodeError, EOFError) as err:
+        bad = single if single.is_file() else index if index.is_file() else pickle
+        raise ModelLoadError(f"{bad}: unreadable weights ({str(err).splitlines()[0]})") from None
+    raise ModelLoadError(f"{path}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)")
+
+
+def load_strict(model: nn.Module, state: dict[str, torch.Tensor], where: Path, assign: bool = False) -> nn.Module:
+    """`load_state_dict(strict=True)` with a one-line error naming the missing, extra or misshapen keys.
+
+    `assign=True` adopts the given tensors instead of copying into the model's own, so a model built on
+    the meta device is never allocated twice (needed for billion-parameter checkpoints).
+    """
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    misshapen = [
+        f"{k} {tuple(state[k].shape)} != {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    if misshapen:
+        problems.append(f"misshapen {misshapen[:3]}")
+    if problems:
+        raise ModelLoadError(f"{where}: weights do not fit the config: {'; '.join(problems)}")
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True, assign=assign)
+    return model

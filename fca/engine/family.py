@@ -1,0 +1,56 @@
+"""What a model family is: the `Family` record and its neutral defaults. The registry that finds a
+model's family, with the built-in ones, is `fca.engine.families`; the built-in families are defined
+beside their architectures (`fca.engine.models`) and import only this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from fca.tables.catalog import DenseTwin
+
+
+def longest_module_list(model: nn.Module) -> list[nn.Module]:
+    """The blocks of a model that names none: the longest `nn.ModuleList` in its module tree."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__}: cannot find its blocks (declare a Family with `blocks`)")
+    return list(max(lists, key=len))
+
+
+def default_blocks(model: nn.Module) -> list[nn.Module]:
+    """The block list `attach_sites(..., blocks=PATH)` recorded on the model, else the longest ModuleList."""
+    adapted = getattr(model, "fca_blocks", None)  # set by fca.engine.adapters.attach_sites
+    return list(adapted()) if callable(adapted) else longest_module_list(model)
+
+
+def no_definitions(model: nn.Module) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family. Only `model_type` is required; every other field has a neutral default.
+
+    - `load(path)`: a model directory -> the model on CPU in float32 (None: in-memory models only).
+    - `dense_twin`: how the Dense twin's config differs (`fca.tables.catalog.DenseTwin`); None: no twin.
+    - `blocks(model)`: the repeated blocks in execution order.
+    - `definitions(model)`: extra entries for the audit report's `definitions`.
+    - `coefficient_kind`: what the recorded coefficients are, in words.
+    - `expert_paths`: module globs of the experts modules when execution is conditional at expert level
+      (the execution audit then counts the experts each token runs); () otherwise.
+    - `execution_note`: a sentence the execution audit carries ("" for none).
+    """
+
+    model_type: str
+    load: Callable[[Path], nn.Module] | None = None
+    dense_twin: DenseTwin | None = None
+    blocks: Callable[[nn.Module], list[nn.Module]] = default_blocks
+    definitions: Callable[[nn.Module], dict] = no_definitions
+    coefficient_kind: str = ""
+    expert_paths: tuple[str, ...] = ()
+    execution_note: str = ""
