@@ -26,7 +26,9 @@ from fca.tables.timings import Timings
 
 
 def _values(block, at: tuple) -> np.ndarray:
-    """A copy of the array at (offset, dtype, shape) in a shared block."""
+    """A copy of the array at (offset, dtype, shape) in a shared block (or the error mapping it)."""
+    if isinstance(block, BaseException):
+        raise block
     offset, dtype, shape = at
     return np.frombuffer(block, dtype, int(np.prod(shape)), offset).reshape(shape).copy()
 
@@ -67,8 +69,11 @@ def serve(conn: Connection) -> None:
                 elif message[0] == "block":  # its descriptor follows
                     build, block, size = message[1:]
                     fd = recv_handle(conn)
-                    with os.fdopen(fd, "rb", buffering=0):
-                        blocks[block] = mmap.mmap(fd, size)
+                    try:
+                        with os.fdopen(fd, "rb", buffering=0):
+                            blocks[block] = mmap.mmap(fd, size)
+                    except OSError as err:  # (out of address space, say) reported with the batches in it
+                        blocks[block] = err
                     build_blocks.setdefault(build, []).append(block)
                     continue
                 elif message[0] == "shared":
@@ -125,7 +130,9 @@ def serve(conn: Connection) -> None:
                 stages = writer.timings.rounded(9)
             for block in build_blocks.pop(build, []):  # freed once the parent's mapping goes too
                 try:
-                    blocks.pop(block).close()
+                    mapped = blocks.pop(block)
+                    if isinstance(mapped, mmap.mmap):
+                        mapped.close()
                 except BufferError:  # a view of it is still alive: unmapped when that goes
                     pass
             dropped.discard(build)
