@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every check that needs a CUDA GPU, as one prepared script (about 14 minutes on one H200: exactness 4,
-# study 4, speed 6; name sections to stay within a shorter limit):
+# Every check that needs a CUDA GPU, as one prepared script (about 15 minutes on one H200: exactness 4.5,
+# study 4, speed 6.5; name sections to stay within a shorter limit):
 #   bash bench/gpu_checks.sh OUT_DIR [SECTION ...]   sections: exactness study speed demo-seeds, run in
 #                                                    the order given (default: exactness study speed)
 # It needs the shipped demo and the corpus (data/kjv.txt, from `python -m fca corpus`).
