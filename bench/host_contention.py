@@ -4,7 +4,7 @@ On CUDA a build's forward thread launches kernels while a collector and writer t
 of pinned memory, encode Parquet and sum moments. When the model is small, the GPU waits for the launches,
 so anything the other threads take from that host thread shows in the build's time. This bench measures
 it on a CPU, where a pass of the shipped model over one 8-token sequence on one torch thread is host-bound
-the same way (its ~800 ops each cost the host a few microseconds), timed four ways in one run:
+the same way (its ~800 ops each cost the host a few microseconds), timed five ways in one run:
 
 - alone;
 - beside a thread that writes the shipped model's coefficients for 256 windows again and again (the
@@ -19,7 +19,8 @@ the same way (its ~800 ops each cost the host a few microseconds), timed four wa
 Each side has its own core (the forward the first, the writing the second, writer processes the rest),
 so what the forward loses beside a thread and not beside a process is the interpreter lock: the forward
 thread takes it back each time one of its ops returns, and the writing holds it between its numpy and
-pyarrow calls. With only two cores the handing thread shares the second core with the writer process.
+pyarrow calls. With only two cores the handing and sharing threads share the second core with the writer
+process.
 
 Reported: the forward's time per pass beside each, over its time alone, and the forward time lost per
 writing done beside it (medians of interleaved rounds); the time one writing takes by itself; and the CPU
