@@ -75,9 +75,10 @@ class DemoWriting:
             nll, coefficients = record_windows(model, torch.from_numpy(windows[lo : lo + BATCH]))
             self.batches.append((lo, nll.float().numpy(), {k: v.float().numpy() for k, v in coefficients.items()}))
 
-    def run(self, processes: bool = False, shared: bool = False) -> None:
+    def run(self, processes: bool = False, shared: bool = False, on_batch=None) -> None:
         """Written in this thread, or (`processes`) handed from it to a writer process as record batches,
-        or (`shared`) as a build with writer processes hands them over: in shared memory."""
+        or (`shared`) as a build with writer processes hands them over: in shared memory. `on_batch()` is
+        called after each batch."""
         out = self.work / f"cache-{os.getpid()}-{threading.get_ident()}"
         writer = CacheWriter(out, self.plan, self.schema, PART_SEQS, overwrite=True, processes=processes or shared)
         copies = HostCopies(torch.device("cpu"), writer) if shared else None
@@ -87,11 +88,16 @@ class DemoWriting:
                 tensors = {NLL_KEY: nll, **coefficients}
                 _, _, slot = copies.start({k: torch.from_numpy(v) for k, v in tensors.items()}, writer.timings)
                 hand_over(writer, copies, self.windows, lo, hi, None, slot)
-                continue
-            rows = record_batch(
-                self.schema, np.arange(lo, hi), self.windows[lo:hi, :-1], self.windows[lo:hi, 1:], nll, coefficients
-            )
-            writer.write(rows, hi - lo)
+            else:
+                seqs = np.arange(lo, hi)
+                writer.write(
+                    record_batch(
+                        self.schema, seqs, self.windows[lo:hi, :-1], self.windows[lo:hi, 1:], nll, coefficients
+                    ),
+                    hi - lo,
+                )
+            if on_batch is not None:
+                on_batch()
         writer.finish({})
         if copies is not None:
             copies.close()
@@ -107,12 +113,16 @@ def _pin(core: int | None) -> None:
         os.sched_setaffinity(0, {core})
 
 
-def _write_until(writing: DemoWriting, stop, kind: str, done=None, core: int | None = None) -> None:
+def _write_until(writing: DemoWriting, stop, kind: str, batches_done=None, core: int | None = None) -> None:
+    """Writings until `stop`, counting each batch handed over in `batches_done` (a whole writing is 16 of
+    them: counting writings alone, a measurement of ~3 writings was off by up to a third)."""
     _pin(core)
+
+    def count() -> None:
+        batches_done.value += 1
+
     while not stop.is_set():
-        writing.run(processes=kind == "handing", shared=kind == "shared")
-        if done is not None:
-            done.value += 1
+        writing.run(processes=kind == "handing", shared=kind == "shared", on_batch=count)
 
 
 def main() -> None:
@@ -146,7 +156,7 @@ def main() -> None:
 
     def beside(kind: str) -> tuple[float, float]:
         """(seconds per forward pass, writings done per second) with a writer of `kind` running beside."""
-        stop, done = context.Event(), context.Value("i", 0)
+        stop, done = context.Event(), context.Value("i", 0)  # batches
         work_args = (writing, stop, kind, done, writer_core)
         if kind == "process":
             handle = context.Process(target=_write_until, args=work_args, daemon=True)
@@ -157,7 +167,8 @@ def main() -> None:
         try:
             before, start = done.value, time.perf_counter()
             per_pass = forward_seconds()
-            return per_pass, (done.value - before) / (time.perf_counter() - start)
+            writings = (done.value - before) / len(writing.batches)
+            return per_pass, writings / (time.perf_counter() - start)
         finally:
             stop.set()
             handle.join()
@@ -195,9 +206,12 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     base = float(np.median(alone))
 
-    def lost_ms(runs: list[tuple[float, float]]) -> float:
-        """Per run: (extra seconds per pass) / (writings per second x seconds per pass), in ms; the median."""
-        return round(float(np.median([(t - base) / max(rate * t, 1e-9) for t, rate in runs])) * 1e3, 2)
+    def lost_ms(runs: list[tuple[float, float]]) -> float | None:
+        """Per run: (extra seconds per pass) / (writings per second x seconds per pass), in ms; the median
+        (None when a run saw no batch written: too few passes timed)."""
+        if any(rate == 0 for _, rate in runs):
+            return None
+        return round(float(np.median([(t - base) / (rate * t) for t, rate in runs])) * 1e3, 2)
 
     emit(
         {
