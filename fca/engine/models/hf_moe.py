@@ -134,9 +134,9 @@ def expert_execution(
     available); plus `experts_hit`, the distinct experts that ran for at least one token of the batch;
     and `note`.
     """
+    if not expert_paths:
+        raise ValueError(f"{type(model).__name__}: no expert modules given (its family's expert_paths)")
     modules = {n: model.get_submodule(n) for p in expert_paths for n in match_modules(model, p)}
-    if not modules:
-        raise ValueError(f"{type(model).__name__}: no experts modules match {list(expert_paths)}")
     seen: dict[str, dict] = {}
 
     def count(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
