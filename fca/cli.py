@@ -25,15 +25,17 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     ValueError,
 )
 EXIT_INEXACT = 3
+DTYPES = ["float32", "bfloat16", "float16"]
+REPLAY_DTYPE_HELP = "model weights dtype (default: the one the cache's coefficients were recorded with)"
 
 
 def _add_model_size_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--d-model", type=int, default=192)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--mlp-groups", type=int, default=6)
-    p.add_argument("--seq-len", type=int, default=128, help="context length (tokens)")
-    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--d-model", type=_positive_int, default=192)
+    p.add_argument("--layers", type=_positive_int, default=6)
+    p.add_argument("--heads", type=_positive_int, default=6)
+    p.add_argument("--mlp-groups", type=_positive_int, default=6)
+    p.add_argument("--seq-len", type=_positive_int, default=128, help="context length (tokens)")
+    p.add_argument("--vocab-size", type=_positive_int, default=2048)
     p.add_argument("--controller", choices=["linear", "mlp"], default="linear")
     p.add_argument("--granularity", choices=["group", "feature"], default="group")
 
@@ -88,9 +90,10 @@ def cmd_train_seeds(args: argparse.Namespace) -> None:
 
 
 def _dtype(name: str | None):
+    """A --dtype flag's torch dtype (None: not given)."""
     import torch
 
-    return None if name in (None, "float32") else {"bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return None if name is None else getattr(torch, name)
 
 
 def cmd_build_cache(args: argparse.Namespace) -> None:
@@ -145,7 +148,9 @@ def _add_engine_flags(p: argparse.ArgumentParser, what: str) -> None:
         help=f"local: one process (default); ray: {what} sharded over Ray actors (pip install ray)",
     )
     p.add_argument("--address", default=None, help="Ray cluster address (default: start a local cluster)")
-    p.add_argument("--workers", type=int, default=None, help="Ray actors (default: one per GPU, else one per CPU)")
+    p.add_argument(
+        "--workers", type=_positive_int, default=None, help="Ray actors (default: one per GPU, else one per CPU)"
+    )
 
 
 def _progress_bars():
@@ -158,6 +163,17 @@ def _progress_bars():
         bar.update(done - bar.n)
 
     return progress, bars
+
+
+def _positive_int(text: str) -> int:
+    """A count or size flag: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def _alphas(text: str) -> tuple[float, ...]:
@@ -262,6 +278,7 @@ def cmd_replay(args: argparse.Namespace) -> None:
         num_seqs=args.num_seqs,
         seed=args.seed,
         device=args.device,
+        dtype=_dtype(args.dtype),
         batch_size=args.batch,
         save=not args.no_save,
         show_progress=True,
@@ -375,8 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
             if name == "train"
             else "parent directory: one subdirectory per arch and seed",
         )
-        p.add_argument("--steps", type=int, default=800)
-        p.add_argument("--batch", type=int, default=32)
+        p.add_argument("--steps", type=_positive_int, default=800)
+        p.add_argument("--batch", type=_positive_int, default=32)
         p.add_argument("--lr", type=float, default=2e-3)
         p.add_argument("--split-seed", type=int, default=0, help="seed of the train/calibration/eval document split")
         p.add_argument("--text-column", default="text", help="text column of a Parquet/Arrow corpus")
@@ -395,11 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", required=True)
     p.add_argument("--split", choices=["calibration", "eval", "train"], required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--num-seqs", type=int, default=256)
-    p.add_argument("--seq-len", type=int, default=None, help="window length (default: the model's context)")
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--num-seqs", type=_positive_int, default=256)
+    p.add_argument("--seq-len", type=_positive_int, default=None, help="window length (default: the model's context)")
+    p.add_argument("--batch", type=_positive_int, default=16)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="model weights dtype")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="model weights dtype")
     p.add_argument(
         "--coefficient-dtype",
         choices=["float32", "float16", "bfloat16"],
@@ -408,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--writers",
-        type=int,
+        type=_positive_int,
         default=None,
         metavar="N",
         help="writer threads encoding Parquet parts (default on CUDA: cores minus two, from 2 to 8; on CPU: 1)",
@@ -423,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument(
         "--part-seqs",
-        type=int,
+        type=_positive_int,
         default=None,
         help="sequences per part file, a multiple of --batch (default: about 32 MB raw per part; on CUDA at least 8 "
         "parts where batches allow; see docs/scale.md)",
@@ -439,9 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json")
     p.add_argument("--markdown")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--num-seqs", type=int, default=None, help="evaluate only the first N sequences")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
+    p.add_argument("--batch", type=_positive_int, default=16)
+    p.add_argument("--num-seqs", type=_positive_int, default=None, help="evaluate only the first N sequences")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--extra-conditions", nargs="*", default=[], help="e.g. interpolate:0.5 token_shuffle+independent")
     p.add_argument(
@@ -471,10 +488,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--conditions", nargs="+", default=["correct", "static_layer"], help="kind[:alpha][+independent][@site,site]"
     )
-    p.add_argument("--num-seqs", type=int, default=32)
+    p.add_argument("--num-seqs", type=_positive_int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=_positive_int, default=16)
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
     p.add_argument("--no-save", action="store_true")
     _add_engine_flags(p, "replayed sequences")
     p.set_defaults(func=cmd_replay)
@@ -491,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="regenerate the shipped demo: models, caches and audit report")
     p.add_argument("--out", default="cache/demo")
     p.add_argument("--corpus", default="data/kjv.txt", help="extracted first if missing (needs Debian's bible-kjv)")
-    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--steps", type=_positive_int, default=800)
     p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
     p.set_defaults(func=cmd_demo)
 
@@ -514,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="caches and audit (default cpu, like the shipped demo, so latency ratios compare)",
     )
-    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--steps", type=_positive_int, default=800)
     p.add_argument(
         "--include",
         nargs="*",
@@ -522,9 +540,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="audits put first in the study (default: the shipped demo, seed 0); none: --include",
     )
     p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=_positive_int, default=32)
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine decay to a tenth of it)")
-    p.add_argument("--num-seqs", type=int, default=256, help="windows in each of the eval and calibration caches")
+    p.add_argument(
+        "--num-seqs", type=_positive_int, default=256, help="windows in each of the eval and calibration caches"
+    )
     _add_model_size_flags(p)
     p.set_defaults(func=cmd_demo_study)
     return parser

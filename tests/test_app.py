@@ -3,6 +3,7 @@ caches), a replay through the UI equal to the Python API, and the error paths.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -63,6 +64,12 @@ def test_catalog_finds_everything(tiny_demo, tmp_path):
     assert catalog.find_model_dir(ev.path) == tiny_demo / "featuregate"
     assert catalog.find_calibration(ev, entries).path == tiny_demo / "calibration"
     assert catalog.find_calibration(labels["calibration"], entries) is None  # never itself, never the same split
+    # Nor a split of the same corpus drawn with another seed (it shares documents with the evaluated one).
+    assert ev.split_seed == 0 and ev.corpus_fingerprint is not None
+    reseeded = dataclasses.replace(labels["calibration"], split_seed=1)
+    assert catalog.find_calibration(ev, [ev, reseeded]) is None
+    elsewhere = dataclasses.replace(reseeded, corpus_fingerprint="another corpus")
+    assert catalog.find_calibration(ev, [ev, elsewhere]) == elsewhere
     assert catalog.find_dense_twin(tiny_demo / "featuregate") == tiny_demo / "dense"
     assert catalog.find_dense_twin(tiny_demo / "dense") is None
     assert catalog.find_report(ev.path) == tiny_demo / "audit.json"
@@ -272,6 +279,22 @@ def test_ragged_cache_opens_in_every_page(page, tmp_path, monkeypatch):
             assert not at.error and len(at.get("plotly_chart")) >= 3, section
     if page == "views/replay_lab.py":  # no model beside the cache: said, not crashed
         assert any("model directory" in e.value for e in at.error)
+
+
+def test_a_cache_of_one_sequence_opens_in_the_replay_lab(tiny_demo, tmp_path, monkeypatch):
+    from fca.jobs.build import build_cache_from_corpus
+
+    root = tmp_path / "one"
+    shutil.copytree(tiny_demo / "featuregate", root / "featuregate")
+    shutil.copytree(tiny_demo / "calibration", root / "calibration")
+    build_cache_from_corpus(
+        root / "featuregate", tiny_demo / "corpus.txt", "eval", root / "eval", num_seqs=1, batch_size=1,
+        device="cpu", show_progress=False,
+    )  # fmt: skip
+    at = render(app_for(monkeypatch, [root], root / "eval"), "views/replay_lab.py")
+    no_exceptions(at)
+    sequences = at.number_input(key="lab_num_seqs")
+    assert (sequences.min, sequences.max, sequences.value) == (1, 1, 1)
 
 
 def test_warm_up_fills_the_caches_once_in_the_background(tiny_demo, tmp_path, monkeypatch):
@@ -536,6 +559,7 @@ def test_execution_measurement_belongs_to_its_cache(tiny_demo, tmp_path, monkeyp
         (shutil.copytree if (tiny_demo / name).is_dir() else shutil.copy)(tiny_demo / name, other / name)
     report = json.loads((other / "audit.json").read_text())
     report["execution"]["controller_flops_share"] = 0.1234  # marks this cache's report
+    report["cache"]["fingerprint"] = "0" * 64  # as if the cache had been rebuilt since
     (other / "audit.json").write_text(json.dumps(report))
     # Root tmp_path, so the copy is listed as `other/eval`, not a second `eval` (the box matches labels).
     at = render(app_for(monkeypatch, [tiny_demo, tmp_path], tiny_demo / "eval"), "views/execution.py")
@@ -548,6 +572,7 @@ def test_execution_measurement_belongs_to_its_cache(tiny_demo, tmp_path, monkeyp
     assert not any("measured just now" in c.value for c in at.caption)
     assert any("audit report beside the cache" in c.value for c in at.caption)
     assert at.metric[2].value == "12.34%"  # the new cache's report, not the previous measurement
+    assert [w.value for w in at.warning if "before this cache was rebuilt" in w.value]
     at.sidebar.selectbox(key="cache").set_value(str(tiny_demo / "eval")).run()
     assert any("measured just now" in c.value for c in at.caption)  # kept for the cache it measured
 

@@ -430,6 +430,38 @@ def test_calibration_must_be_independent(demo, tmp_path, capsys):
     assert "same split" in err
 
 
+def test_calibration_drawn_with_another_split_seed_is_refused(demo, tmp_path, capsys):
+    """Splits of one corpus drawn with different seeds share documents: not an independent calibration."""
+    build_cache_from_corpus(
+        demo / "featuregate",
+        demo / "prose.txt",
+        "calibration",
+        tmp_path / "calibration-seed1",
+        num_seqs=4,
+        batch_size=4,
+        device="cpu",
+        split_seed=1,
+        show_progress=False,
+    )
+    err = _cli_error(
+        _audit_args(demo / "featuregate", demo / "eval", tmp_path / "calibration-seed1", tmp_path / "r.json"), capsys
+    )
+    assert "calibration-seed1" in err and "split seed 1" in err and "--split-seed 0" in err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_position_profile_needs_a_calibration_as_long_as_the_evaluated_windows(demo, tmp_path, capsys):
+    build_cache_from_corpus(
+        demo / "featuregate", demo / "prose.txt", "calibration", tmp_path / "short", num_seqs=4, seq_len=8,
+        batch_size=4, device="cpu", show_progress=False,
+    )  # fmt: skip
+    args = ["replay", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval"), "--no-save"]
+    args += ["--calibration", str(tmp_path / "short"), "--conditions", "position_profile", "--device", "cpu"]
+    err = _cli_error(args, capsys)
+    assert "short" in err and "16 positions" in err and "has 8" in err
+    assert main([*args[:-4], "--conditions", "static_layer", "--device", "cpu"]) == 0  # a per-site profile is fine
+
+
 def test_gap_retention_undefined_without_gap():
     table = {
         "correct": {"nll": 2.0, "penalty_ci95": [0, 0]},

@@ -691,6 +691,32 @@ def test_bfloat16_model_coefficients_stored_bit_for_bit(artifacts, tmp_path):
     np.testing.assert_array_equal(moments.maximum, decoded.max(axis=0))
 
 
+def test_a_bfloat16_cache_replays_in_bfloat16_unless_told_otherwise(artifacts, tmp_path, capsys):
+    """Without --dtype, replay loads the model in the precision the cache was recorded in; a float32 replay,
+    asked for, is refused with the reason."""
+    for split in ("eval", "calibration"):
+        build_cache_from_corpus(
+            artifacts / "model",
+            artifacts / "prose.txt",
+            split,
+            tmp_path / split,
+            num_seqs=4,
+            batch_size=2,
+            device="cpu",
+            dtype=torch.bfloat16,
+            coefficient_dtype="bfloat16",
+            show_progress=False,
+        )
+    experiment = fca.Experiment.open(artifacts / "model", tmp_path / "eval", tmp_path / "calibration", device="cpu")
+    assert {p.dtype for p in experiment.model.parameters()} == {torch.bfloat16}
+    args = ["replay", "--model", str(artifacts / "model"), "--cache", str(tmp_path / "eval")]
+    args += ["--calibration", str(tmp_path / "calibration"), "--num-seqs", "4", "--device", "cpu", "--no-save"]
+    assert main(args) == 0
+    assert "static_layer" in capsys.readouterr().out
+    assert main([*args, "--dtype", "float32"]) == 2
+    assert "recorded with a bfloat16 model" in capsys.readouterr().err
+
+
 def test_bfloat16_storage_of_a_float32_model_is_refused(artifacts, tmp_path, capsys):
     code = main(
         [

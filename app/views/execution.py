@@ -23,10 +23,16 @@ teach(
     "no controller): the median of interleaved timing ratios, where above 1x means the dynamic model is slower."
 )
 
-report_exe = None
+report_exe, report_stale = None, None
 if sel.report_path is not None:
     with guard("Audit report"):
-        report_exe = resources.report(str(sel.report_path), resources.file_stamp(sel.report_path)).get("execution")
+        report = resources.report(str(sel.report_path), resources.file_stamp(sel.report_path))
+        report_exe = report.get("execution")
+        # As the Overview: a report about other weights, or about this cache before it was rebuilt.
+        if (report.get("model") or {}).get("fingerprint") != cache.manifest.model.fingerprint:
+            report_stale = "was written for another model than the one that made this cache"
+        elif (report.get("cache") or {}).get("fingerprint") not in (None, cache.fingerprint):
+            report_stale = "was written before this cache was rebuilt (its fingerprint differs)"
 
 # A measurement belongs to what was measured: this cache, these weights, this device, this Dense twin.
 # Keyed so, a switch of cache (or model) shows that selection's report, and switching back shows the
@@ -71,6 +77,8 @@ with left:
 if exe is None:
     st.info("No audit report beside this cache. Press **Measure now** to time the model here.")
     st.stop()
+if not measured and report_stale:
+    st.warning(f"The audit report beside the cache {report_stale}; press **Measure now** for figures of this one.")
 
 c1, c2, c3 = st.columns(3)
 ratio = exe.get("latency_ratio_vs_dense")
@@ -88,16 +96,24 @@ c3.metric("Controller FLOPs share", f"{100 * exe['controller_flops_share']:.2f}%
 fractions = np.asarray(exe["tokens_per_block"]) / exe["tokens"]
 share = 100 * exe["controller_flops_share"]
 skipped = bool((fractions < 1).any())
-st.markdown(
-    (
+experts = exe.get("experts")
+if skipped:
+    said = (
         f"**Some blocks were skipped**: a token ran {exe['blocks_executed_per_token']:.2f} of "
         f"{exe['num_blocks']} blocks on average (per block below)."
-        if skipped
-        else f"**Every block ran for every token ({exe['num_blocks']} of {exe['num_blocks']})**: nothing is "
+    )
+elif experts:  # a router selects experts inside every block: the skipping happens there
+    said = (
+        f"**Every block ran for every token ({exe['num_blocks']} of {exe['num_blocks']})**; inside them each "
+        f"token ran {experts['experts_run_per_token_mean']:.2f} of {experts['experts_available']:.0f} experts per "
+        f"MoE layer ({100 * experts['expert_fraction']:.1f}%); the others were skipped."
+    )
+else:
+    said = (
+        f"**Every block ran for every token ({exe['num_blocks']} of {exe['num_blocks']})**: nothing is "
         "skipped, so the controllers save no compute; they only rescale what every block computes."
     )
-    + f" The controllers themselves cost **{share:.2f}%** of the forward's FLOPs."
-)
+st.markdown(said + f" The controllers themselves cost **{share:.2f}%** of the forward's FLOPs.")
 charts = st.columns(2)
 if ratio is not None:
     lat = pd.DataFrame({"model": ["dynamic", "Dense twin"], "ms": [exe["model_ms_median"], exe["dense_ms_median"]]})
@@ -118,6 +134,8 @@ charts[1].plotly_chart(figures.flops_bar(flops), key="exec_flops")
 if skipped:  # six identical bars at 100% say less than the sentence above
     blocks = pd.DataFrame({"block": range(exe["num_blocks"]), "fraction": fractions})
     st.plotly_chart(figures.blocks_bar(blocks), key="exec_blocks")
-if exe.get("experts"):
-    st.json(exe["experts"], expanded=False)
+if experts:
+    if experts.get("note"):
+        st.caption(experts["note"])
+    st.json(experts, expanded=False)
 download(pd.DataFrame([{k: v for k, v in exe.items() if not isinstance(v, (list, dict))}]), "execution.csv")

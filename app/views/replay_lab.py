@@ -175,7 +175,14 @@ def settings_form() -> None:
             help="1 = live coefficients, 0 = static profile",
         )
         independent = c4.checkbox("token_shuffle: one permutation per site", key="lab_independent", disabled=locked)
-        c5.number_input("Sequences", 2, cache.num_seqs, min(16, cache.num_seqs), key="lab_num_seqs", disabled=locked)
+        c5.number_input(
+            "Sequences",
+            min(2, cache.num_seqs),
+            cache.num_seqs,
+            min(16, cache.num_seqs),
+            key="lab_num_seqs",
+            disabled=locked,
+        )
         c6.number_input("Seed", 0, 2**31 - 1, 0, key="lab_seed", disabled=locked)
         c7.number_input(
             "Batch size",

@@ -360,6 +360,10 @@ def write_cache(
 
     specs = site_specs(model)
     N, T = len(windows), windows.shape[1] - 1
+    if N < 1 or batch_size < 1:
+        raise ValueError(
+            f"{out}: a build needs at least one window and a batch of at least one (got {N}, {batch_size})"
+        )
     coefficient_dtype = plan.get("coefficient_dtype", "float32")
     schema = cache_schema(specs, coefficient_arrow_type(coefficient_dtype))
     parameter = next(model.parameters())

@@ -41,7 +41,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError("device 'cuda' asked for, but no CUDA device is available")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ModelLoadError(f"unknown device {str(device)!r}: use auto, cpu, cuda or cuda:N") from None
 
 
 def fingerprint_state(model: nn.Module) -> str:

@@ -11,14 +11,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from fca.engine.capture import bytes_per_token, write_cache
+from fca.engine.capture import bytes_per_token, check_part_seqs, write_cache
 from fca.engine.checkpoints import read_config
 from fca.engine.environment import current_environment, model_dtype_name
 from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.sites import model_logits, site_specs
 from fca.tables import data
 from fca.tables.remote import RemoteParts, is_uri
-from fca.tables.store import COEFFICIENT_BYTES, cache_plan, file_sha256
+from fca.tables.store import COEFFICIENT_BYTES, CacheError, cache_plan, file_sha256
 
 
 def build_cache_from_corpus(
@@ -52,6 +52,11 @@ def build_cache_from_corpus(
     `--engine ray` commits part by part and resumes); the return value is then the URI.
     """
     remote = RemoteParts(str(out)) if is_uri(str(out)) else None
+    # What the writer would refuse, refused before the model and corpus are loaded.
+    if remote is None and Path(out).exists() and not overwrite:
+        raise CacheError(f"{out}: already exists (pass --overwrite to replace it)")
+    if part_seqs is not None:
+        check_part_seqs(part_seqs, batch_size)
     with remote.staged(overwrite) if remote else nullcontext(None) as stage:
         target = Path(out) if stage is None else stage / "cache"  # a URI: built here, then published
         model, windows, plan = prepare_corpus_build(
@@ -113,8 +118,15 @@ def prepare_corpus_build(
     specs = site_specs(model)
     if not specs:
         raise ValueError(f"{model_dir}: the model has no controller sites (a Dense twin cannot be cached)")
+    if num_seqs is not None and num_seqs < 1 or batch_size < 1:
+        raise ValueError(
+            f"a build needs at least one sequence and a batch of at least one (got {num_seqs}, {batch_size})"
+        )
     config = read_config(model_dir)
-    T = seq_len or int(config.get("max_seq_len", config.get("block_size", 1024)))
+    context = config.get("max_seq_len", config.get("block_size", config.get("max_position_embeddings")))
+    T = seq_len or int(context or 1024)
+    if context is not None and T > int(context):  # refused before a writer leaves anything on disk
+        raise ValueError(f"{model_dir}: windows of {T} tokens exceed the model's context of {context}")
     tokenizer = data.load_tokenizer(model_dir)
     windows = data.split_windows(corpus, split, tokenizer, T, split_seed, num_seqs, text_column)  # [N, T + 1]
     plan = manifest_draft(

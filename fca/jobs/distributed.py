@@ -491,13 +491,14 @@ def run_replay_distributed(
     device: str = "auto",
     workers: int | None = None,
     address: str | None = None,
+    dtype: torch.dtype | None = None,
     **replay: object,
 ) -> dict:
     """`fca.jobs.runs.run_replay` with the conditions scored on Ray actors: the same record."""
     from fca.jobs.runs import run_replay
 
     experiment = ShardedExperiment.open_sharded(
-        model, cache, calibration, device=device, workers=workers, address=address
+        model, cache, calibration, device=device, dtype=dtype, workers=workers, address=address
     )
     try:
         return run_replay(None, None, None, conditions, experiment=experiment, **replay)

@@ -46,12 +46,20 @@ def model_name(source: ModelSource) -> str:
 
 
 def check_independent(evaluated: Cache, calibration: Cache) -> None:
-    """Static profiles must be estimated on another split than the one they are evaluated on."""
+    """Static profiles must be estimated on another split than the one they are evaluated on. Splits of
+    one corpus file are disjoint only when drawn with the same split seed (`fca.tables.data.split_documents`);
+    a calibration cache of another corpus counts as independent."""
     a, b = evaluated.manifest.corpus, calibration.manifest.corpus
     if (a.split, a.fingerprint, a.split_seed) == (b.split, b.fingerprint, b.split_seed):
         raise CacheError(
             f"{calibration.path}: the calibration cache comes from the same split ({a.split!r}) as the "
             "evaluated cache; static profiles must be estimated on an independent split"
+        )
+    if a.fingerprint is not None and a.fingerprint == b.fingerprint and a.split_seed != b.split_seed:
+        raise CacheError(
+            f"{calibration.path}: its {b.split!r} split of {b.name or 'the corpus'} was drawn with split seed "
+            f"{b.split_seed}, the evaluated cache's {a.split!r} split with {a.split_seed}: splits drawn with "
+            f"different seeds share documents; build the calibration cache with --split-seed {a.split_seed}"
         )
     if set(evaluated.sites) != set(calibration.sites):
         raise CacheError(f"{calibration.path}: its sites differ from {evaluated.path}'s")
@@ -83,9 +91,12 @@ class Experiment:
         verify: bool = False,
     ) -> Experiment:
         """Load the model if given as a path, open the caches (`verify`: re-hash their parts) and check they
-        belong together. Raises CacheError / ModelLoadError with a one-line reason."""
-        loaded = _model(model, device, dtype)
+        belong together. Raises CacheError / ModelLoadError with a one-line reason. `dtype` None: a model
+        given as a path is loaded in the precision the evaluated cache was recorded in."""
         evaluated = _cache(cache, verify)
+        if dtype is None and not isinstance(model, nn.Module):
+            dtype = getattr(torch, evaluated.model_dtype, None)
+        loaded = _model(model, device, dtype)
         calibrated = None if calibration is None else _cache(calibration, verify)
         fingerprint = fingerprint_state(loaded)
         for c in (evaluated, calibrated):
@@ -141,6 +152,15 @@ class Experiment:
         """Blocks executed, controller FLOPs and latency against the Dense twin (when there is one)."""
         return execution_audit(self.model, self.probe_ids(), self.dense, runs=runs)
 
+    def check_conditions(self, conditions: Sequence[Condition]) -> None:
+        """Refuse conditions these caches cannot serve (before any replay starts), with the reason."""
+        positions = [c for c in conditions if c.kind == "position_profile"]
+        if positions and self.calibration is not None and self.calibration.seq_len < self.evaluated.seq_len:
+            raise ValueError(
+                f"{self.calibration.path}: {positions[0].name} needs a calibration mean at each of the evaluated "
+                f"cache's {self.evaluated.seq_len} positions, and this calibration cache has {self.calibration.seq_len}"
+            )
+
     def run(
         self,
         conditions: Sequence[Condition],
@@ -155,6 +175,11 @@ class Experiment:
         """Replay `conditions` on the first `num_seqs` evaluated sequences (all by default), with both
         exactness checks on every batch (judge them with `fca.engine.replay.check_exactness`).
         `shard`: score only those positions of the run (`run_conditions`; a distributed replay's actor)."""
+        if num_seqs is not None and num_seqs < 1 or batch_size < 1:
+            raise ValueError(
+                f"a replay needs at least one sequence and a batch of at least one (got {num_seqs}, {batch_size})"
+            )
+        self.check_conditions(conditions)
         profiles = self.profiles(profile_progress) if any(c.needs_profiles for c in conditions) else None
         n = self.evaluated.num_seqs if num_seqs is None else min(num_seqs, self.evaluated.num_seqs)
         return run_conditions(

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 from fca.engine.replay import check_exactness
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource
 from fca.tables.conditions import Condition, parse_condition
@@ -25,6 +27,7 @@ def run_replay(
     device: str = "auto",
     batch_size: int = 16,
     save: bool = True,
+    dtype: torch.dtype | None = None,
     experiment: Experiment | None = None,
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
@@ -32,11 +35,13 @@ def run_replay(
 ) -> dict:
     """Replay `conditions` (specs or Conditions; `correct` added if missing) on the first `num_seqs`
     sequences of the evaluated cache, and save the run beside it. Give an opened `experiment` (the
-    dashboard keeps one per model and caches) or the model and both caches, as paths or objects."""
+    dashboard keeps one per model and caches) or the model and both caches, as paths or objects. `dtype`:
+    the model's (None: the precision the cache was recorded in)."""
     parsed = [c if isinstance(c, Condition) else parse_condition(c, seed) for c in conditions]
     parsed = list(dict.fromkeys([Condition("correct", seed=seed), *parsed]))
     if experiment is None:
-        experiment = Experiment.open(model, cache, calibration, device=device)
+        experiment = Experiment.open(model, cache, calibration, device=device, dtype=dtype)
+    experiment.check_conditions(parsed)
     n = min(num_seqs, experiment.evaluated.num_seqs)
     bar = None
     if show_progress and progress is None:

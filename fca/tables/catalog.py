@@ -63,6 +63,8 @@ class CacheEntry:
     path: Path
     label: str  # path relative to its root, e.g. "demo/eval"
     split: str | None = None
+    split_seed: int | None = None
+    corpus_fingerprint: str | None = None
     model_name: str | None = None
     model_fingerprint: str | None = None
     num_seqs: int = 0
@@ -96,6 +98,8 @@ def read_entry(cache_dir: str | Path, root: str | Path | None = None) -> CacheEn
             path=cache_dir,
             label=label,
             split=manifest.corpus.split,
+            split_seed=manifest.corpus.split_seed,
+            corpus_fingerprint=manifest.corpus.fingerprint,
             model_name=manifest.model.path,
             model_fingerprint=manifest.model.fingerprint or None,
             num_seqs=manifest.num_seqs,
@@ -167,7 +171,8 @@ def model_dirs_beside(cache_path: str | Path) -> list[Path]:
 
 
 def find_calibration(entry: CacheEntry, entries: Sequence[CacheEntry]) -> CacheEntry | None:
-    """The calibration cache of the same model (fingerprint) from a different split than `entry`'s;
+    """The calibration cache of the same model (fingerprint) from a different split than `entry`'s, and
+    not of the same corpus drawn with another split seed (its documents overlap: `check_independent`);
     one in the same folder is preferred. None when there is none."""
     candidates = [
         e
@@ -178,6 +183,11 @@ def find_calibration(entry: CacheEntry, entries: Sequence[CacheEntry]) -> CacheE
         and e.split != entry.split
         and e.model_fingerprint is not None
         and e.model_fingerprint == entry.model_fingerprint
+        and not (
+            e.corpus_fingerprint is not None
+            and e.corpus_fingerprint == entry.corpus_fingerprint
+            and e.split_seed != entry.split_seed
+        )
     ]
     candidates.sort(key=lambda e: (e.path.parent != entry.path.parent, e.label))
     return candidates[0] if candidates else None
