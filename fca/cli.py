@@ -14,13 +14,14 @@ from pathlib import Path
 # Only torch-free modules at module level, so `fca --help` stays fast; each subcommand imports what it runs.
 from fca.tables.errors import CacheError, CorpusError, ExactnessError, ModelLoadError
 
-# Errors that are the user's input, not our bug: reported as one line, exit code 2 (FCA_DEBUG=1 shows
-# the traceback instead).
+# Errors that are the user's input or machine, not our bug: reported as one line, exit code 2 (FCA_DEBUG=1
+# shows the traceback instead). OSError: a path that cannot be written or read (permissions, a file where a
+# folder should be, a full disk); its message names the path.
 USER_ERRORS: tuple[type[BaseException], ...] = (
     CorpusError,
     ModelLoadError,
     CacheError,
-    FileNotFoundError,
+    OSError,
     KeyError,
     ValueError,
 )
@@ -43,7 +44,7 @@ def _add_model_size_flags(p: argparse.ArgumentParser) -> None:
 def cmd_corpus(args: argparse.Namespace) -> None:
     from fca.tables import data
 
-    out = data.extract_kjv(args.out)
+    out = data.extract_kjv(args.out, overwrite=args.overwrite)
     docs = data.load_documents(out)
     print(f"wrote {out}: {len(docs)} documents, {out.stat().st_size / 1e6:.1f} MB")
 
@@ -80,13 +81,20 @@ def _train_one(args: argparse.Namespace, arch: str, seed: int, out: Path) -> dic
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    _train_one(args, args.arch, args.seed, Path(args.out))
+    _train_all(args, [(args.arch, args.seed, Path(args.out))])
 
 
 def cmd_train_seeds(args: argparse.Namespace) -> None:
-    for seed in args.seeds:
-        for arch in args.arch:
-            _train_one(args, arch, seed, Path(args.out) / f"{arch}-seed{seed}")
+    _train_all(args, [(arch, seed, Path(args.out) / f"{arch}-seed{seed}") for seed in args.seeds for arch in args.arch])
+
+
+def _train_all(args: argparse.Namespace, runs: list[tuple[str, int, Path]]) -> None:
+    from fca.tables.outputs import check_replaceable
+
+    for _, _, out in runs:  # every destination checked before minutes of training, not after
+        check_replaceable(out, "model", "config.json", args.overwrite)
+    for arch, seed, out in runs:
+        _train_one(args, arch, seed, out)
 
 
 def _dtype(name: str | None):
@@ -165,15 +173,22 @@ def _progress_bars():
     return progress, bars
 
 
-def _positive_int(text: str) -> int:
-    """A count or size flag: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+def _whole_number(minimum: int):
+    """An argparse type: a whole number of at least `minimum` (1 for counts and sizes, 0 for seeds)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        return value
+
+    return parse
+
+
+_positive_int, _seed = _whole_number(1), _whole_number(0)
 
 
 def _alphas(text: str) -> tuple[float, ...]:
@@ -188,7 +203,9 @@ def _alphas(text: str) -> tuple[float, ...]:
 
 def cmd_audit(args: argparse.Namespace) -> None:
     from fca.jobs.audit import run_audit
-    from fca.tables.report import exactness_sentences, render_markdown, write_report
+    from fca.tables.report import check_report_paths, exactness_sentences, render_markdown, write_report
+
+    check_report_paths(args.json, args.markdown)
 
     progress, bars = _progress_bars()
     if args.engine == "ray":
@@ -210,7 +227,7 @@ def cmd_audit(args: argparse.Namespace) -> None:
             seed=args.seed,
             extra_conditions=args.extra_conditions,
             progress=progress,
-            sweep=args.sweep,
+            **({} if args.sweep is None else {"sweep": args.sweep}),  # None: the audit's DEFAULT_SWEEP
         )
     finally:
         for bar in bars.values():
@@ -303,8 +320,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_study(args: argparse.Namespace) -> None:
-    from fca.tables.study import render_markdown, study_from_files, write_study
+    from fca.tables.study import check_study_paths, render_markdown, study_from_files, write_study
 
+    check_study_paths(args.json, args.markdown)
     out_dir = Path(args.json).parent if args.json else (Path(args.markdown).parent if args.markdown else None)
     study = study_from_files(args.audits, relative_to=out_dir)
     write_study(study, args.json, args.markdown)
@@ -369,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
         "corpus", help="extract the default corpus (King James Bible, Debian's bible-kjv) to a text file"
     )
     p.add_argument("--out", default="data/kjv.txt")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing file")
     p.set_defaults(func=cmd_corpus)
 
     for name, helptext in (
@@ -378,10 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=helptext)
         if name == "train":
             p.add_argument("--arch", choices=["featuregate", "dense"], default="featuregate")
-            p.add_argument("--seed", type=int, default=0)
+            p.add_argument("--seed", type=_seed, default=0)
         else:
             p.add_argument("--arch", nargs="+", choices=["featuregate", "dense"], default=["featuregate", "dense"])
-            p.add_argument("--seeds", type=int, nargs="+", required=True)
+            p.add_argument("--seeds", type=_seed, nargs="+", required=True)
         p.add_argument(
             "--corpus", required=True, help="text file, folder of .txt files, or Parquet/Arrow with a 'text' column"
         )
@@ -395,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--steps", type=_positive_int, default=800)
         p.add_argument("--batch", type=_positive_int, default=32)
         p.add_argument("--lr", type=float, default=2e-3)
-        p.add_argument("--split-seed", type=int, default=0, help="seed of the train/calibration/eval document split")
+        p.add_argument("--overwrite", action="store_true", help="replace an existing model directory")
+        p.add_argument("--split-seed", type=_seed, default=0, help="seed of the train/calibration/eval document split")
         p.add_argument("--text-column", default="text", help="text column of a Parquet/Arrow corpus")
         p.add_argument(
             "--device",
@@ -435,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the writers as processes, which leave the forward's interpreter lock alone (for small models on a GPU)",
     )
-    p.add_argument("--split-seed", type=int, default=0)
+    p.add_argument("--split-seed", type=_seed, default=0)
     p.add_argument("--text-column", default="text")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument(
@@ -459,14 +479,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
     p.add_argument("--batch", type=_positive_int, default=16)
     p.add_argument("--num-seqs", type=_positive_int, default=None, help="evaluate only the first N sequences")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--extra-conditions", nargs="*", default=[], help="e.g. interpolate:0.5 token_shuffle+independent")
     p.add_argument(
         "--sweep",
         type=_alphas,
-        default="0,0.25,0.5,0.75,1",
+        default=None,
         metavar="A,B,...",
-        help="alphas of the interpolation sweep (0: static profile, 1: own coefficients); 'none' to skip it",
+        help="alphas of the interpolation sweep (0: static profile, 1: own coefficients; default 0,0.25,0.5,0.75,1); "
+        "'none' to skip it",
     )
     _add_engine_flags(p, "replayed sequences")
     p.set_defaults(func=cmd_audit)
@@ -489,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--conditions", nargs="+", default=["correct", "static_layer"], help="kind[:alpha][+independent][@site,site]"
     )
     p.add_argument("--num-seqs", type=_positive_int, default=32)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--batch", type=_positive_int, default=16)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
@@ -520,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_study)
 
     p = sub.add_parser("demo-study", help="train, cache and audit more seeds of the demo configuration; write a study")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--seeds", type=_seed, nargs="+", default=[1, 2])
     p.add_argument("--out", default="cache/demo-study")
     p.add_argument("--corpus", default="data/kjv.txt", help="extracted first if missing (needs Debian's bible-kjv)")
     p.add_argument(
@@ -561,6 +582,9 @@ def main(argv: list[str] | None = None) -> int:
         resumable = " (rerun the same command to resume the cache build)" if args.command == "build-cache" else ""
         print(f"fca: interrupted{resumable}", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of our output went away (`fca inspect ... | head`): nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush does not fail too)
+        return 0
     except USER_ERRORS as err:
         if os.environ.get("FCA_DEBUG"):
             raise

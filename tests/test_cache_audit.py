@@ -9,6 +9,7 @@ import duckdb
 import numpy as np
 import pandas as pd
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -203,6 +204,21 @@ def test_modified_part_fails_verification(demo, tmp_path):
     pq.write_table(pq.read_table(part), part, compression="zstd")  # valid Parquet, different bytes
     with pytest.raises(CacheError, match="sha256"):
         open_cache(bad, verify=True)
+
+
+def test_replay_refuses_a_part_changed_in_place(demo, tmp_path, capsys):
+    """Values changed inside a part (same size, still valid Parquet) are refused as a hash mismatch by
+    replay too, before any figure: not read, and not judged as another machine's rounding."""
+    bad = _copy(demo, tmp_path)
+    part = bad / "part-00000.parquet"
+    data = bytearray(part.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 8] = bytes(b ^ 0x01 for b in data[middle : middle + 8])
+    part.write_bytes(bytes(data))  # the same size: only the hash tells
+    args = ["replay", "--model", str(demo / "featuregate"), "--cache", str(bad), "--calibration"]
+    err = _cli_error([*args, str(demo / "calibration"), "--device", "cpu", "--no-save"], capsys)
+    assert "part-00000.parquet" in err and "sha256" in err
+    assert not (tmp_path / "eval.runs").exists()
 
 
 def test_fingerprint_mismatch(demo, tmp_path, capsys):
@@ -462,6 +478,23 @@ def test_position_profile_needs_a_calibration_as_long_as_the_evaluated_windows(d
     assert main([*args[:-4], "--conditions", "static_layer", "--device", "cpu"]) == 0  # a per-site profile is fine
 
 
+def test_an_audit_of_the_first_sequences_measures_their_variance_only(demo, tmp_path):
+    from fca.tables.profiles import cache_moments
+
+    cache = open_cache(demo / "eval")
+    first, layout = cache_moments(cache, num_seqs=5)
+    rows = cache.read_seqs(range(5))
+    values = np.concatenate([rows[s].astype(np.float64) for s in layout.sites], axis=2)  # [5, T, C]
+    assert first.num_seqs == 5 and first.count == 5 * 16
+    np.testing.assert_allclose(first.sum, values.sum(axis=(0, 1)), rtol=1e-12)
+    whole, _ = cache_moments(cache)
+    assert whole.num_seqs == N_SEQS and cache_moments(cache, num_seqs=N_SEQS)[0].count == whole.count
+    args = _audit_args(demo / "featuregate", demo / "eval", demo / "calibration", tmp_path / "r.json")
+    assert main([*args, "--num-seqs", "5", "--device", "cpu", "--sweep", "none"]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["variance"]["num_tokens"] == 5 * 16 == report["cache"]["sequences"] * 16
+
+
 def test_gap_retention_undefined_without_gap():
     table = {
         "correct": {"nll": 2.0, "penalty_ci95": [0, 0]},
@@ -539,3 +572,93 @@ def test_blocked_moments_equal_the_whole_array_moments():
         Moments(9, 37, None).add_blocked(sites[:2])
     for got, expected in zip(token_sums(sites, tokens), token_sums(values, tokens)):
         np.testing.assert_array_equal(got, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs never replace what they are not: a mistyped path loses nothing.
+
+
+def _tree(path):
+    return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_replaces_only_a_cache(demo, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(demo / "featuregate", model)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    before = {p: _tree(p) for p in (model, notes)}
+    build = ["build-cache", "--model", str(model), "--corpus", str(demo / "prose.txt"), "--split", "eval"]
+    for out in (model, notes):
+        err = _cli_error([*build, "--out", str(out), "--num-seqs", "4", "--batch", "4", "--overwrite"], capsys)
+        assert str(out) in err and "not a cache" in err
+    (tmp_path / "afile").write_text("x")
+    err = _cli_error([*build, "--out", str(tmp_path / "afile"), "--num-seqs", "4", "--overwrite"], capsys)
+    assert "is a file" in err
+    err = _cli_error([*build, "--out", str(tmp_path / "afile" / "cache"), "--num-seqs", "4"], capsys)
+    assert "afile" in err  # an OSError (a file where a folder should be): one line, naming the path
+    assert {p: _tree(p) for p in (model, notes)} == before and (tmp_path / "afile").read_text() == "x"
+    # Training refuses an existing folder before it trains, and with --overwrite replaces only a model.
+    train = ["train", "--corpus", str(demo / "prose.txt"), "--steps", "1"]
+    err = _cli_error([*train, "--out", str(model)], capsys)
+    assert "already exists" in err and "--overwrite" in err
+    err = _cli_error([*train, "--out", str(demo / "eval"), "--overwrite"], capsys)
+    assert "not a model" in err
+    assert _tree(model) == before[model]
+
+
+def test_reports_and_studies_replace_only_earlier_ones(demo, tmp_path, capsys):
+    cache = _copy(demo, tmp_path)
+    manifest = (cache / MANIFEST).read_bytes()
+    args = _audit_args(demo / "featuregate", cache, demo / "calibration", cache / MANIFEST)
+    err = _cli_error([*args, "--num-seqs", "4", "--sweep", "none", "--device", "cpu"], capsys)
+    assert "manifest.json: exists and is not an earlier audit report (JSON)" in err
+    assert (cache / MANIFEST).read_bytes() == manifest and not list(tmp_path.rglob("*.tmp"))
+    report = tmp_path / "audit.json"
+    assert main([*args[:-1], str(report), "--num-seqs", "4", "--sweep", "none", "--device", "cpu"]) == 0
+    assert main([*args[:-1], str(report), "--num-seqs", "4", "--sweep", "none", "--device", "cpu"]) == 0  # again
+    capsys.readouterr()
+    text = report.read_text()
+    assert "not an earlier audit report (Markdown)" in _cli_error(
+        ["report", str(report), "--markdown", str(report)], capsys
+    )
+    err = _cli_error(["study", str(report), str(tmp_path / "other.json"), "--json", str(report)], capsys)
+    assert "not an earlier study (JSON)" in err and report.read_text() == text  # refused before reading audits
+    (tmp_path / "future.json").write_text(json.dumps({**json.loads(text), "fca_report_version": 99}))
+    assert "report version 99" in _cli_error(["report", str(tmp_path / "future.json")], capsys)
+
+
+def test_a_gated_model_is_not_a_dense_twin(demo, tmp_path, capsys):
+    args = _audit_args(demo / "featuregate", demo / "eval", demo / "calibration", tmp_path / "r.json")
+    err = _cli_error([*args, "--dense", str(demo / "featuregate"), "--num-seqs", "4", "--sweep", "none"], capsys)
+    assert "featuregate: has controller sites, so it is not a Dense twin" in err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_damaged_model_directory_or_corpus_is_named_in_one_line(demo, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(demo / "featuregate", model)
+    config = json.loads((model / "config.json").read_text())
+    build = ["build-cache", "--model", str(model), "--corpus", str(demo / "prose.txt"), "--split", "eval"]
+    build += ["--out", str(tmp_path / "c"), "--num-seqs", "4", "--batch", "4", "--device", "cpu"]
+    for broken, said in (
+        ([], "a JSON list, not an object"),
+        ({**config, "d_model": "32"}, "cannot build a featuregate model from it"),
+        ({**config, "max_seq_len": -1}, "cannot build a featuregate model from it"),
+    ):
+        (model / "config.json").write_text(json.dumps(broken))
+        err = _cli_error(build, capsys)
+        assert f"{model / 'config.json'}: {said}" in err, err
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "tokenizer.json").write_text("{")
+    assert f"{model / 'tokenizer.json'}: not a readable tokenizer" in _cli_error(build, capsys)
+    shutil.copy(demo / "featuregate" / "tokenizer.json", model / "tokenizer.json")
+    table = tmp_path / "numbers.parquet"
+    pq.write_table(pa.table({"text": [1, 2, 3]}), table)
+    err = _cli_error([*build[:4], str(table), *build[5:]], capsys)
+    assert f"{table}: column 'text' holds int64, not text" in err
+    (tmp_path / "short.txt").write_text("one\n\ntwo\n")
+    err = _cli_error([*build[:4], str(tmp_path / "short.txt"), *build[5:]], capsys)
+    assert str(tmp_path / "short.txt") in err and "at least 3 documents" in err
+    assert not (tmp_path / "c").exists() and not (tmp_path / "c.partial").exists()

@@ -69,7 +69,12 @@ def test_custom_model_audited_end_to_end(adapted, tmp_path):
     assert report["model"]["name"] == "TinyGatedLM" and report["cache"]["sequences"] == 124
     assert report["exactness"]["max_abs_logit_diff"] == 0.0
     assert report["exactness"]["fidelity"]["verdict"] == "bit-identical"
-    assert set(report["conditions"]) == {"correct", "cross_input", "token_shuffle", "static_layer", "global_mean"}
+    # The five paper conditions and, as from the CLI, the interpolation sweep (alpha 0, 0.25, ..., 1).
+    sweep = {f"interpolate:{a:g}" for a in (0, 0.25, 0.5, 0.75, 1)}
+    assert (
+        set(report["conditions"]) == {"correct", "cross_input", "token_shuffle", "static_layer", "global_mean"} | sweep
+    )
+    assert [row["alpha"] for row in report["interpolation_sweep"]] == [0, 0.25, 0.5, 0.75, 1]
     assert set(report["variance"]["per_site"]) == {"blocks.0.gate", "blocks.1.gate"}
     assert report["execution"]["blocks_executed_fraction"] == 1.0
 

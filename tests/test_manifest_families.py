@@ -164,6 +164,18 @@ def test_manifest_refuses_what_open_cache_refuses(tmp_path):
         Manifest.from_json({**raw, "schema_version": 99}, "m.json")
     with pytest.raises(CacheError, match="malformed"):
         Manifest.from_json({**raw, "parts": [{"file": "x"}]}, "m.json")
+    # Counts that disagree with one another (a hand-edited manifest) are refused with what disagrees.
+    part = raw["parts"][0]
+    for edit, said in (
+        ({"num_seqs": 32}, "num_tokens 32768, but 32 sequences x 128 tokens"),
+        ({"num_seqs": 32, "num_tokens": 32 * 128}, "its parts hold 256 sequences, not num_seqs 32"),
+        ({"seq_len": -1}, "256 sequences of -1 tokens"),
+        ({"num_tokens": 5}, "num_tokens 5"),
+        ({"parts": [{**part, "rows": 999}]}, "999 rows for 256 sequences of 128 tokens"),
+        ({"coefficient_dtype": "int8"}, "coefficient dtype 'int8'"),
+    ):
+        with pytest.raises(CacheError, match=f"m.json: inconsistent manifest: .*{said}"):
+            Manifest.from_json({**raw, **edit}, "m.json")
     # The catalog reads the same way: a manifest open_cache would refuse is listed with its reason.
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / MANIFEST).write_text(json.dumps({**raw, "schema_version": 99}))

@@ -566,6 +566,32 @@ def test_interrupted_parallel_build_resumes_to_the_same_cache(artifacts, tmp_pat
     assert not partial.exists()
 
 
+def test_a_resumed_build_rewrites_parts_damaged_since_they_were_recorded(artifacts, tmp_path, small_parts):
+    """A kept part must still have the bytes its record hashes (its own and its moments'); one changed in
+    place (same size) or cut short is written again, and the finished cache is the clean one."""
+    clean = _build(artifacts, tmp_path / "clean", workers=1)
+    out, partial = tmp_path / "cache", tmp_path / "cache.partial"
+
+    def interrupt(done, total):
+        if done == 10:  # parts 0 and 1 complete
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _build(artifacts, out, workers=1, progress=interrupt)
+    records = {p["index"]: p for p in read_progress(partial)["parts"]}
+    assert set(records) == {0, 1}
+    part = partial / records[1]["file"]
+    data = bytearray(part.read_bytes())
+    data[len(data) // 3 : len(data) // 3 + 64] = bytes(b ^ 0xFF for b in data[len(data) // 3 : len(data) // 3 + 64])
+    part.write_bytes(bytes(data))  # same size, other bytes
+    moments = partial / records[0]["moments"]
+    moments.write_bytes(moments.read_bytes()[:-10])
+    written = []
+    _build(artifacts, out, workers=1, progress=lambda done, total: written.append(done))
+    assert written[0] == 2  # every part written again, from the first batch
+    assert _hashes(out) == _hashes(clean) and _same_values(out, clean)
+
+
 def test_parts_completed_out_of_order_are_kept(tmp_path):
     """Parts 1 and 2 complete, part 0 half written: a new build must redo part 0 and only part 0."""
     specs = {"a": SiteSpec(axes=(("channel", 2),), family="g")}

@@ -24,9 +24,12 @@ def read_config(path: Path) -> dict:
     if not config_path.is_file():
         raise ModelLoadError(f"{config_path}: missing (a model directory needs config.json)")
     try:
-        return json.loads(config_path.read_text())
+        config = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ModelLoadError(f"{config_path}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{config_path}: a JSON {type(config).__name__}, not an object of settings")
+    return config
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:

@@ -28,7 +28,14 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         raise ModelLoadError(
             f"{path / 'config.json'}: unsupported model_type {model_type!r} (known: {', '.join(known)})"
         )
-    model = family.load(path)
+    try:
+        model = family.load(path)
+    except ModelLoadError:
+        raise
+    except (TypeError, ValueError, RuntimeError, AttributeError, KeyError, ZeroDivisionError) as err:
+        # A config whose values cannot make the model (a size as a string, a negative length, heads that
+        # do not divide the width): the file and the reason, not a traceback from deep in the model.
+        raise ModelLoadError(f"{path / 'config.json'}: cannot build a {model_type} model from it ({err})") from None
     if dtype is not None:
         model = model.to(dtype)
     model = model.to(resolve_device(device)).eval()
@@ -59,12 +66,16 @@ def fingerprint_state(model: nn.Module) -> str:
 
 def save_model(model: nn.Module, out: str | Path, tokenizer=None, extra_files: dict[str, str] | None = None) -> Path:
     """Write config.json, model.safetensors, tokenizer.json and any extra text files, atomically:
-    everything goes to a temporary sibling directory that is renamed into place."""
+    everything goes to a temporary sibling directory that is renamed into place. An existing `out` is
+    replaced only when it is a model directory (or empty): never a cache or another folder."""
     import shutil
 
     from safetensors.torch import save_file
 
+    from fca.tables.outputs import check_replaceable
+
     out = Path(out)
+    check_replaceable(out, "model", "config.json", overwrite=True)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -21,11 +21,13 @@ from fca.jobs.experiment import CacheSource, Experiment, ModelSource
 from fca.tables.conditions import PAPER_CONDITIONS, Condition, parse_condition
 from fca.tables.fidelity import FOREIGN_TOLERANCES, MECHANISM_TOLERANCE, STORAGE_ULP
 from fca.tables.profiles import cache_moments
+from fca.tables.report import REPORT_VERSION
 from fca.tables.scoring import BOOTSTRAP_RESAMPLES, gap_retention, summarize_conditions
 from fca.tables.stats import variance_decomposition
 from fca.tables.store import Cache
 
-# The interpolation sweep of the CLI audit: alpha 0 is the static profile, 1 the own coefficients.
+# The interpolation sweep of an audit (CLI and library alike): alpha 0 is the static profile, 1 the own
+# coefficients; `sweep=()` (the CLI's `--sweep none`) skips it.
 DEFAULT_SWEEP = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
@@ -42,12 +44,12 @@ def run_audit(
     extra_conditions: Sequence[str | Condition] = (),
     latency_runs: int = 7,
     progress: Callable[[str, int, int], None] | None = None,
-    sweep: Sequence[float] = (),
+    sweep: Sequence[float] = DEFAULT_SWEEP,
 ) -> dict:
     """The three-property report of `model` (a directory, or a module held in memory: `fca.audit`) on an
     evaluated and a calibration cache (directories or opened caches), with its Dense twin's latency when
     `dense` is given. Cache part hashes are verified first. `sweep`: alphas of an interpolation sweep
-    (`interpolate:alpha` conditions and an `interpolation_sweep` section; the CLI uses DEFAULT_SWEEP)."""
+    (`interpolate:alpha` conditions and an `interpolation_sweep` section; () for none)."""
     experiment = Experiment.open(model, cache, calibration, dense, device=device, dtype=dtype, verify=True)
     return audit_experiment(
         experiment,
@@ -69,12 +71,13 @@ def audit_experiment(
     extra_conditions: Sequence[str | Condition] = (),
     latency_runs: int = 7,
     progress: Callable[[str, int, int], None] | None = None,
-    sweep: Sequence[float] = (),
+    sweep: Sequence[float] = DEFAULT_SWEEP,
 ) -> dict:
     """The report of an opened experiment. Nothing is reported unless both exactness checks pass."""
     started = time.perf_counter()
     step = (lambda stage: lambda i, n: progress(stage, i, n)) if progress else (lambda stage: None)
     model, evaluated, calibration = experiment.model, experiment.evaluated, experiment.calibration
+    experiment.dense  # loaded (and checked to be a Dense twin) before the replays, not after
     conditions = [Condition(kind, seed=seed) for kind in PAPER_CONDITIONS]
     conditions += [c if isinstance(c, Condition) else parse_condition(c, seed) for c in extra_conditions]
     swept = [Condition("interpolate", float(a), seed=seed) for a in sorted(set(map(float, sweep)))]
@@ -84,14 +87,14 @@ def audit_experiment(
     )
     exactness = check_exactness(results)
     table = summarize_conditions(results.per_seq_nll, seed)
-    moments, layout = cache_moments(evaluated, progress=step("variance"))
+    moments, layout = cache_moments(evaluated, progress=step("variance"), num_seqs=num_seqs)
     variance = variance_decomposition(moments, layout)
     execution = experiment.measure_execution(latency_runs)
     params = sum(p.numel() for p in model.parameters())
     controller_params = sum(p.numel() for site in find_sites(model).values() for p in site.parameters())
     dense = experiment.dense
     return {
-        "fca_report_version": 1,
+        "fca_report_version": REPORT_VERSION,
         "model": {
             "name": experiment.name,
             "model_type": model.config.model_type if hasattr(model, "config") else type(model).__name__,

@@ -17,8 +17,9 @@ from fca.engine.environment import current_environment, model_dtype_name
 from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.sites import model_logits, site_specs
 from fca.tables import data
+from fca.tables.outputs import OutputError, check_replaceable
 from fca.tables.remote import RemoteParts, is_uri
-from fca.tables.store import COEFFICIENT_BYTES, CacheError, cache_plan, file_sha256
+from fca.tables.store import COEFFICIENT_BYTES, MANIFEST, CacheError, cache_plan, file_sha256
 
 
 def build_cache_from_corpus(
@@ -53,8 +54,11 @@ def build_cache_from_corpus(
     """
     remote = RemoteParts(str(out)) if is_uri(str(out)) else None
     # What the writer would refuse, refused before the model and corpus are loaded.
-    if remote is None and Path(out).exists() and not overwrite:
-        raise CacheError(f"{out}: already exists (pass --overwrite to replace it)")
+    if remote is None:
+        try:
+            check_replaceable(out, "cache", MANIFEST, overwrite)
+        except OutputError as err:
+            raise CacheError(str(err)) from None
     if part_seqs is not None:
         check_part_seqs(part_seqs, batch_size)
     with remote.staged(overwrite) if remote else nullcontext(None) as stage:

@@ -20,8 +20,9 @@ from fca.engine.environment import model_dtype_name
 from fca.engine.execution import execution_audit
 from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.replay import ReplayResults, run_conditions
+from fca.engine.sites import find_sites
 from fca.tables.conditions import Condition
-from fca.tables.errors import CacheError
+from fca.tables.errors import CacheError, ModelLoadError
 from fca.tables.profiles import Profiles, calibration_profiles
 from fca.tables.store import Cache, open_cache
 from fca.tables.study import model_training
@@ -111,7 +112,13 @@ class Experiment:
     def dense(self) -> nn.Module | None:
         """The Dense twin (for the latency ratio), loaded on first use on the model's device and dtype."""
         if self._dense is None and self.dense_source is not None:
-            self._dense = _model(self.dense_source, str(self.device), self.dtype)
+            dense = _model(self.dense_source, str(self.device), self.dtype)
+            if find_sites(dense):  # e.g. the gated model itself, given by mistake
+                raise ModelLoadError(
+                    f"{self.dense_source}: has controller sites, so it is not a Dense twin (the same sizes without "
+                    "controllers)"
+                )
+            self._dense = dense
         return self._dense
 
     @property
@@ -152,8 +159,12 @@ class Experiment:
         """Blocks executed, controller FLOPs and latency against the Dense twin (when there is one)."""
         return execution_audit(self.model, self.probe_ids(), self.dense, runs=runs)
 
-    def check_conditions(self, conditions: Sequence[Condition]) -> None:
-        """Refuse conditions these caches cannot serve (before any replay starts), with the reason."""
+    def check_run(self, conditions: Sequence[Condition], num_seqs: int) -> None:
+        """Refuse a run these caches cannot serve, before any replay starts, with the reason: a condition
+        they lack what for, or a part of the first `num_seqs` evaluated sequences whose bytes are not those
+        its hash records (a value changed in place would otherwise be read, and judged as another
+        machine's rounding). Parts are hashed once per opened cache."""
+        self.evaluated.verify(range(num_seqs))
         positions = [c for c in conditions if c.kind == "position_profile"]
         if positions and self.calibration is not None and self.calibration.seq_len < self.evaluated.seq_len:
             raise ValueError(
@@ -179,9 +190,9 @@ class Experiment:
             raise ValueError(
                 f"a replay needs at least one sequence and a batch of at least one (got {num_seqs}, {batch_size})"
             )
-        self.check_conditions(conditions)
-        profiles = self.profiles(profile_progress) if any(c.needs_profiles for c in conditions) else None
         n = self.evaluated.num_seqs if num_seqs is None else min(num_seqs, self.evaluated.num_seqs)
+        self.check_run(conditions, n)
+        profiles = self.profiles(profile_progress) if any(c.needs_profiles for c in conditions) else None
         return run_conditions(
             self.model,
             self.evaluated,

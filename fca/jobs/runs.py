@@ -41,8 +41,8 @@ def run_replay(
     parsed = list(dict.fromkeys([Condition("correct", seed=seed), *parsed]))
     if experiment is None:
         experiment = Experiment.open(model, cache, calibration, device=device, dtype=dtype)
-    experiment.check_conditions(parsed)
     n = min(num_seqs, experiment.evaluated.num_seqs)
+    experiment.check_run(parsed, n)  # before the progress bar: a refusal is one line
     bar = None
     if show_progress and progress is None:
         from tqdm.auto import tqdm

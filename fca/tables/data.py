@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fca.tables.errors import CorpusError
+from fca.tables.errors import CorpusError, ModelLoadError
+from fca.tables.outputs import write_output
 
 SPLITS = ("train", "calibration", "eval")
 DEFAULT_SPLIT_FRACTIONS = {"train": 0.9, "calibration": 0.05, "eval": 0.05}
@@ -37,6 +38,7 @@ def _read_text(path: Path) -> str:
 
 
 def _read_table_texts(path: Path, text_column: str) -> list[str]:
+    import pyarrow as pa
     import pyarrow.dataset as ds
 
     fmt = "parquet" if path.is_dir() or path.suffix == ".parquet" else "ipc"
@@ -46,6 +48,9 @@ def _read_table_texts(path: Path, text_column: str) -> list[str]:
         raise CorpusError(f"{path}: not a readable {fmt} dataset ({err})") from None
     if text_column not in dataset.schema.names:
         raise CorpusError(f"{path}: no column {text_column!r} (columns: {', '.join(dataset.schema.names)})")
+    kind = dataset.schema.field(text_column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise CorpusError(f"{path}: column {text_column!r} holds {kind}, not text")
     return [t for t in dataset.to_table(columns=[text_column]).column(text_column).to_pylist() if t and t.strip()]
 
 
@@ -110,7 +115,10 @@ def load_tokenizer(model_dir: str | Path):
     path = Path(model_dir) / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: tokenizer not found")
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # the tokenizers library raises a bare Exception for a damaged file
+        raise ModelLoadError(f"{path}: not a readable tokenizer ({err})") from None
 
 
 def encode_stream(docs: Sequence[str], tokenizer) -> np.ndarray:
@@ -151,12 +159,18 @@ def split_windows(
     """Corpus path -> windows [N, seq_len + 1] of one split."""
     if split not in SPLITS:
         raise CorpusError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
-    docs = split_documents(load_documents(corpus, text_column), seed)[split]
-    return make_windows(encode_stream(docs, tokenizer), seq_len, num_seqs)
+    try:
+        docs = split_documents(load_documents(corpus, text_column), seed)[split]
+        return make_windows(encode_stream(docs, tokenizer), seq_len, num_seqs)
+    except CorpusError as err:  # name the corpus in every refusal (most already do)
+        raise err if str(corpus) in str(err) else CorpusError(f"{corpus}: {err}") from None
 
 
-def extract_kjv(out: str | Path) -> Path:
-    """Write the King James Bible (Debian's `bible-kjv`) as one chapter per blank-line-separated document."""
+def extract_kjv(out: str | Path, overwrite: bool = False) -> Path:
+    """Write the King James Bible (Debian's `bible-kjv`) as one chapter per blank-line-separated document
+    (an existing file only with `overwrite`)."""
+    if Path(out).exists() and not overwrite:  # before minutes of extraction
+        raise CorpusError(f"{out}: already exists (pass --overwrite to replace it)")
     if shutil.which("bible") is None:
         raise CorpusError("the `bible` program is missing: apt-get install bible-kjv bible-kjv-text")
     lines = subprocess.run(
@@ -171,9 +185,5 @@ def extract_kjv(out: str | Path) -> Path:
             chapters.append([])
             last_chapter = chapter
         chapters[-1].append(verse.strip())
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("\n\n".join(" ".join(c) for c in chapters) + "\n", encoding="utf-8")
-    tmp.replace(out)
-    return out
+    text = "\n\n".join(" ".join(c) for c in chapters) + "\n"
+    return write_output(out, text, "corpus (pass --overwrite to replace a file)", lambda _: overwrite)

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,14 +64,18 @@ def cache_moments(
     with_tokens: bool = True,
     progress: Callable[[int, int], None] | None = None,
     scan_for_tokens: bool = False,
+    num_seqs: int | None = None,
 ) -> tuple[Moments, SlotLayout]:
     """Mergeable moments of the whole cache: those stored at build time when there are (no coefficient is
-    read), else one streaming pass over the cache, a few thousand rows at a time.
+    read), else one streaming pass over the cache, a few thousand rows at a time. `num_seqs`: of its first
+    sequences only (read, since the stored moments are the whole cache's), as an audit of part of a cache.
 
     Token-id sums are stored only when parts repeat their token ids (small vocabularies or big parts).
     When they are not, the stored moments are used without them (the token-id factor is then reported
     as unknown) unless `scan_for_tokens` asks for a full scan to compute it."""
     layout = slot_layout(cache)
+    if num_seqs is not None and num_seqs < cache.num_seqs:
+        return scan_moments(cache, layout, with_tokens, progress, num_seqs)
     stored = stored_moments(cache, layout, with_tokens)
     if stored is None and with_tokens and not scan_for_tokens:
         stored = stored_moments(cache, layout, with_tokens=False)
@@ -87,20 +91,33 @@ def scan_moments(
     layout: SlotLayout,
     with_tokens: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    num_seqs: int | None = None,
 ) -> tuple[Moments, SlotLayout]:
-    """Stream the cache once (a few thousand rows at a time) into mergeable moments."""
+    """Stream the cache (or its first `num_seqs` sequences) once, a few thousand rows at a time, into
+    mergeable moments."""
     T = cache.seq_len
     m = Moments(layout.num_slots, T, cache.manifest.vocab_size if with_tokens else None)  # None: no token-id factor
     seqs_per_batch = max(1, 8192 // T)  # ~8k rows at a time: memory stays flat however big the cache
-    for batch in cache.iter_batches(columns=["token", *layout.sites], batch_size=seqs_per_batch * T):
-        if batch.num_rows % T:
-            raise CacheError(f"{cache.path}: a batch of {batch.num_rows} rows is not whole sequences of {T}")
-        values, tokens = _batch_values(batch, layout.sites, T)
+    total = cache.num_seqs if num_seqs is None else min(num_seqs, cache.num_seqs)
+    cache.verify(range(total))  # the parts read, against their hashes (once per opened cache)
+
+    def batches() -> Iterator[tuple[np.ndarray, np.ndarray]]:  # (values [n, T, C], tokens [n, T])
+        if total < cache.num_seqs:  # only the row groups of the sequences asked for are read
+            for lo in range(0, total, seqs_per_batch):
+                rows = cache.read_seqs(range(lo, min(total, lo + seqs_per_batch)), layout.sites)
+                yield np.concatenate([rows[s].astype(np.float64) for s in layout.sites], axis=2), rows["token"]
+            return
+        for batch in cache.iter_batches(columns=["token", *layout.sites], batch_size=seqs_per_batch * T):
+            if batch.num_rows % T:
+                raise CacheError(f"{cache.path}: a batch of {batch.num_rows} rows is not whole sequences of {T}")
+            yield _batch_values(batch, layout.sites, T)
+
+    for values, tokens in batches():
         if not np.isfinite(values).all():
             raise CacheError(f"{cache.path}: non-finite coefficients (NaN or inf) in the cache")
         m.add(values, tokens)
         if progress is not None:
-            progress(m.num_seqs, cache.num_seqs)
+            progress(m.num_seqs, total)
     return m, layout
 
 

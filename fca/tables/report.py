@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fca.tables.outputs import check_output, json_with, starts_with, write_output
+
 # The sections every audit report has (DESIGN.md, "Audit report"); a JSON without them is some other file.
 REQUIRED_KEYS = (
     "model",
@@ -20,6 +22,11 @@ REQUIRED_KEYS = (
 )
 
 
+REPORT_VERSION = 1  # `fca_report_version` of the reports `fca.jobs.audit` writes
+REPORT_JSON = json_with("fca_report_version")  # what an earlier report looks like (`write_report`)
+REPORT_MARKDOWN = starts_with("# FCA audit")
+
+
 class ReportError(ValueError):
     """A file that is not a readable FCA audit report; the message is one line naming the file."""
 
@@ -28,6 +35,9 @@ def check_report(report: object, source: str | Path = "report") -> dict:
     """`report` itself if it has every section of an audit report, else a `ReportError` naming `source`."""
     if not isinstance(report, dict):
         raise ReportError(f"{source}: not an FCA audit report (a JSON {type(report).__name__}, not an object)")
+    version = report.get("fca_report_version", REPORT_VERSION)
+    if version != REPORT_VERSION:
+        raise ReportError(f"{source}: audit report version {version!r}; this FCA reads version {REPORT_VERSION}")
     missing = [key for key in REQUIRED_KEYS if key not in report]
     if missing:
         raise ReportError(
@@ -160,17 +170,20 @@ def render_markdown(report: dict) -> str:
 
 
 def write_report(report: dict, json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
-    for path, text in (
-        (json_path, json.dumps(report, indent=1, default=float)),
-        (markdown_path, render_markdown(report) if markdown_path else None),
-    ):
-        if path is None:
-            continue
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+    """The report as JSON and/or Markdown, each replacing only an earlier report (`fca.tables.outputs`)."""
+    check_report_paths(json_path, markdown_path)  # both, before either is written
+    if json_path is not None:
+        write_output(json_path, json.dumps(report, indent=1, default=float), "audit report (JSON)", REPORT_JSON)
+    if markdown_path is not None:
+        write_output(markdown_path, render_markdown(report), "audit report (Markdown)", REPORT_MARKDOWN)
+
+
+def check_report_paths(json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
+    """What `write_report` would refuse, refused now (an audit checks its outputs before it runs)."""
+    if json_path is not None:
+        check_output(json_path, "audit report (JSON)", REPORT_JSON)
+    if markdown_path is not None:
+        check_output(markdown_path, "audit report (Markdown)", REPORT_MARKDOWN)
 
 
 # Static-layer gap retention of the gated models in the paper this tool audits: the range over its models.

@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 
 from fca.tables.errors import CacheError
 from fca.tables.fidelity import check_dtype
+from fca.tables.outputs import OutputError, check_replaceable
 from fca.tables.spec import SiteSpec
 from fca.tables.stats import Moments, MomentsMerger, merge_token_sums, moments_arrays, token_groups, token_sums
 from fca.tables.timings import Timings
@@ -572,8 +573,10 @@ class CacheWriter:
         else:
             self.lock.acquire()
             try:
-                if self.out.exists() and not overwrite:
-                    raise CacheError(f"{self.out}: already exists (pass --overwrite to replace it)")
+                try:
+                    check_replaceable(self.out, "cache", MANIFEST, overwrite)
+                except OutputError as err:
+                    raise CacheError(str(err)) from None
                 self.parts = self._resume()
             except BaseException:
                 self.lock.release()
@@ -615,12 +618,9 @@ class CacheWriter:
         parts: dict[int, dict] = {}
         if progress is not None:
             if progress.get("plan") == self.plan and progress.get("seqs_per_part") == self.seqs_per_part:
-                parts = {
-                    int(p["index"]): p
-                    for p in progress["parts"]
-                    if (self.partial / p["file"]).is_file()
-                    and ("moments" not in p or (self.partial / p["moments"]).is_file())
-                }
+                # A part is kept only with the bytes it was recorded with (its own and its moments'): one
+                # damaged since, or cut short by a full disk, is written again, not published.
+                parts = {int(p["index"]): p for p in progress["parts"] if self._intact(p)}
             else:
                 shutil.rmtree(self.partial)
         elif self.partial.exists():
@@ -631,6 +631,12 @@ class CacheWriter:
         if not (self.partial / PROGRESS).is_file():  # a fresh build: the plan, which a resume must match
             self._save_progress(parts)
         return parts
+
+    def _intact(self, record: dict) -> bool:
+        files = [(record["file"], record.get("sha256"))]
+        if "moments" in record:
+            files.append((record["moments"], record.get("moments_sha256")))
+        return all((self.partial / name).is_file() and file_sha256(self.partial / name) == sha for name, sha in files)
 
     def _save_progress(self, parts: dict[int, dict]) -> None:
         """progress.json with every part in `parts`; the journal, all of it in there now, goes."""
@@ -1046,7 +1052,7 @@ class Manifest:
         model, tokenizer, corpus = (_record(raw, key, where) for key in ("model", "tokenizer", "corpus"))
         try:
             num_seqs, seq_len = int(raw["num_seqs"]), int(raw["seq_len"])
-            return cls(
+            manifest = cls(
                 schema_version=int(raw["schema_version"]),
                 model=ModelRecord(
                     path=model.get("path"),
@@ -1090,6 +1096,28 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise CacheError(f"{where}: malformed manifest ({type(err).__name__}: {err})") from None
+        manifest.check_sizes(where)
+        return manifest
+
+    def check_sizes(self, where: str) -> None:
+        """The manifest's counts must agree with one another (a hand-edited or damaged manifest would
+        otherwise be read with wrong shapes, or fail far from the cause)."""
+        T, N = self.seq_len, self.num_seqs
+        problem = None
+        if T < 1 or N < 1:
+            problem = f"{N} sequences of {T} tokens"
+        elif self.coefficient_dtype not in COEFFICIENT_BYTES:
+            problem = f"coefficient dtype {self.coefficient_dtype!r} (known: {', '.join(COEFFICIENT_BYTES)})"
+        elif self.num_tokens != N * T:
+            problem = f"num_tokens {self.num_tokens}, but {N} sequences x {T} tokens"
+        elif sum(p.num_seqs for p in self.parts) != N:
+            problem = f"its parts hold {sum(p.num_seqs for p in self.parts)} sequences, not num_seqs {N}"
+        else:
+            bad = next((p for p in self.parts if p.num_seqs < 1 or p.rows != p.num_seqs * T), None)
+            if bad is not None:
+                problem = f"part {bad.file} has {bad.rows} rows for {bad.num_seqs} sequences of {T} tokens"
+        if problem is not None:
+            raise CacheError(f"{where}: inconsistent manifest: {problem}")
 
     @property
     def vocab_size(self) -> int | None:
@@ -1135,6 +1163,7 @@ class Cache:
     _footers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _starts: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
     _read_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    _verified: set = field(default_factory=set, init=False, repr=False, compare=False)  # part positions
 
     @property
     def site_specs(self) -> dict[str, SiteSpec]:
@@ -1335,14 +1364,21 @@ class Cache:
                 f"{self.manifest.model.fingerprint[:12]}, this model {model_fingerprint[:12]})"
             )
 
-    def verify(self) -> None:
-        """Recompute every part's sha256 against the manifest."""
-        for part in self.manifest.parts:
+    def verify(self, seqs: range | None = None) -> None:
+        """Recompute the sha256 of every part (or of those holding `seqs`) against the manifest; a part is
+        hashed once per opened cache."""
+        starts = self._part_starts()
+        for position, part in enumerate(self.manifest.parts):
+            if position in self._verified:
+                continue
+            if seqs is not None and not (starts[position] < seqs.stop and seqs.start < starts[position + 1]):
+                continue
             path = self.path / part.file
             if not path.is_file():
                 raise CacheError(f"{path}: part file missing")
             if file_sha256(path) != part.sha256:
                 raise CacheError(f"{path}: contents do not match the manifest's sha256 (corrupt or modified)")
+            self._verified.add(position)
 
 
 def _prefetch(

@@ -15,6 +15,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from fca.tables.outputs import check_output, json_with, starts_with, write_output
+
 STUDY_VERSION = 1
 # Keys every audit report has (DESIGN.md, "Audit report"); anything else is passed through or optional.
 REPORT_KEYS = ("model", "conditions", "gap_retention", "variance", "execution", "definitions")
@@ -450,16 +452,24 @@ def render_markdown(study: dict) -> str:
 
 
 def write_study(study: dict, json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
-    """Write the study as JSON and/or Markdown, each through a temporary file renamed into place."""
-    outputs = ((json_path, lambda: json.dumps(study, indent=1)), (markdown_path, lambda: render_markdown(study)))
-    for path, render in outputs:
-        if path is None:
-            continue
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(render())
-        tmp.replace(path)
+    """Write the study as JSON and/or Markdown, each through a temporary file renamed into place, and
+    replacing only an earlier study (never, say, one of its audits)."""
+    check_study_paths(json_path, markdown_path)
+    if json_path is not None:
+        write_output(json_path, json.dumps(study, indent=1), "study (JSON)", STUDY_JSON)
+    if markdown_path is not None:
+        write_output(markdown_path, render_markdown(study), "study (Markdown)", STUDY_MARKDOWN)
+
+
+STUDY_JSON, STUDY_MARKDOWN = json_with("fca_study_version"), starts_with("# FCA study")
+
+
+def check_study_paths(json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
+    """What `write_study` would refuse, refused before the audits are read."""
+    if json_path is not None:
+        check_output(json_path, "study (JSON)", STUDY_JSON)
+    if markdown_path is not None:
+        check_output(markdown_path, "study (Markdown)", STUDY_MARKDOWN)
 
 
 def find_studies(roots: Sequence[str | Path]) -> list[Path]:
