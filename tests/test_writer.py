@@ -499,29 +499,6 @@ def test_batches_split_at_part_boundaries_identically(tmp_path):
         np.testing.assert_array_equal(got[k], v[[10, 0, 5]])
 
 
-def test_an_inline_writer_computes_moments_beside_the_encoding_to_the_same_cache(tmp_path, monkeypatch):
-    """An inline writer (workers=1) takes each piece's moments on its second thread while it encodes the
-    piece; parts, sidecars and merged moments are byte for byte those of moments taken in turn."""
-    store = sys.modules["fca.tables.store"]
-    threads: list[str] = []
-    real = store.piece_moments
-
-    def piece_moments(*args, **kwargs):
-        threads.append(threading.current_thread().name)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(store, "piece_moments", piece_moments)
-    running = set(threading.enumerate())
-    beside, _ = _synthetic(11, 4, 1, tmp_path / "beside", moments_beside=True)
-    assert threads and set(threads) == {"fca-cache-moments_0"}
-    threads.clear()
-    in_turn, _ = _synthetic(11, 4, 1, tmp_path / "in_turn", moments_beside=False)
-    assert set(threads) == {threading.current_thread().name}
-    assert _hashes(beside) == _hashes(in_turn)
-    assert open_cache(beside).manifest.raw["moments"] == open_cache(in_turn).manifest.raw["moments"]
-    assert set(threading.enumerate()) <= running  # the moments thread ended with `finish`
-
-
 def test_finish_refuses_missing_parts(tmp_path):
     specs = {"a": SiteSpec(axes=(("channel", 2),), family="g")}
     schema = cache_schema(specs)

@@ -184,9 +184,7 @@ def writer_seconds(
     nll = np.zeros((batch, seq_len), np.float32)
     start = time.perf_counter()
     parts = seqs_per_part(bytes_per_token(specs), seq_len, batch, num_seqs, num_slots(specs))  # as a CUDA build
-    # One worker is one thread here, as in the scaling it measures (an inline writer would otherwise
-    # take a second thread for the moments, `CacheWriter`'s `moments_beside`).
-    writer = CacheWriter(out, plan, schema, parts, overwrite=True, workers=workers, moments_beside=False)
+    writer = CacheWriter(out, plan, schema, parts, overwrite=True, workers=workers)
     for i, lo in enumerate(range(0, num_seqs, batch)):
         n = min(batch, num_seqs - lo)
         values = {k: v[:n] for k, v in templates[i % 2].items()}

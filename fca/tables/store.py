@@ -29,7 +29,6 @@ import time
 import zipfile
 from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -323,14 +322,6 @@ def _tokens_fit(distinct: int, num_slots: int, rows: int) -> bool:
     return 8 * distinct <= rows or distinct * num_slots * 8 <= TOKEN_SUMS_ALLOWANCE
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity where the system says, else all)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this system
-        return os.cpu_count() or 1
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -518,9 +509,7 @@ class CacheWriter:
     (`fca.tables.writer_processes`), which leave the caller's interpreter lock alone. Memory: at most
     `workers` x `max_pending_seqs` sequences (default S each) queued or being written. After a worker's
     error, queued batches are dropped and the error is raised in the caller at the next `write` or at
-    `finish`. `moments_beside`: whether a writer working in the caller's thread computes each piece's
-    moments on a second thread while it encodes the piece (None: when it writes inline, is no shard
-    writer and the process has more than one core).
+    `finish`.
 
     Parts may complete out of order; `progress.json` lists the complete ones. If a `.partial` directory
     with the same plan and S exists, the writer resumes: `pending_ranges()` are the sequences of the
@@ -548,7 +537,6 @@ class CacheWriter:
         shard: Sequence[int] | None = None,
         timings: Timings | None = None,
         processes: bool = False,
-        moments_beside: bool | None = None,
     ) -> None:
         self.out = Path(out)
         self.timings = timings if timings is not None else Timings()  # encode, moments, close_part, ...
@@ -606,12 +594,6 @@ class CacheWriter:
                 raise
         elif workers > 1:
             self._threads = _WriterThreads(self, workers, bound)
-        # An inline writer (the caller's thread writes, its forward pass waiting meanwhile) computes each
-        # piece's moments on a second thread while it encodes the piece: both leave the interpreter lock
-        # to numpy and Arrow, and the forward's other cores are idle until the writing returns.
-        if moments_beside is None:
-            moments_beside = self._threads is None and self.shard is None and usable_cores() > 1
-        self._moments_thread = ThreadPoolExecutor(1, "fca-cache-moments") if moments_beside else None
 
     def _resume(self) -> dict[int, dict]:
         progress = read_progress(self.partial)
@@ -729,18 +711,13 @@ class CacheWriter:
         part = open_parts.get(k)
         if part is None:
             part = open_parts[k] = self._open_part(k)
-        lo, hi = self.part_range(k)
-        part_rows = (hi - lo) * (piece.num_rows // n) if part.token_pieces is not None else None
-
-        def moments() -> tuple[Moments, tuple | None]:
-            with self.timings("moments"):
-                return piece_moments(piece, self.sites, n, part_rows)
-
-        beside = self._moments_thread.submit(moments) if self._moments_thread is not None else None
         with self.timings("encode"):
             part.writer.write_batch(piece)
-        m, tokens = beside.result() if beside is not None else moments()
-        part.moments = m if part.moments is None else part.moments.merge(m)
+        lo, hi = self.part_range(k)
+        part_rows = (hi - lo) * (piece.num_rows // n) if part.token_pieces is not None else None
+        with self.timings("moments"):
+            m, tokens = piece_moments(piece, self.sites, n, part_rows)
+            part.moments = m if part.moments is None else part.moments.merge(m)
         part.token_pieces = None if tokens is None else [*part.token_pieces, tokens]
         part.num_seqs += n
         part.rows += piece.num_rows
@@ -828,9 +805,6 @@ class CacheWriter:
         if self._threads is not None:
             self._threads.close()
             self._threads = None
-        if self._moments_thread is not None:
-            self._moments_thread.shutdown()
-            self._moments_thread = None
 
     # -- ending -------------------------------------------------------------------------------------
 
