@@ -73,6 +73,11 @@ def test_cache_layout_and_round_trip(demo):
     assert m["num_seqs"] == N_SEQS and m["seq_len"] == 16 and m["num_tokens"] == N_SEQS * 16
     assert list(m["sites"]) == ["blocks.0.gate", "blocks.1.gate"] and m["sites"]["blocks.0.gate"]["shape"] == [4]
     assert m["corpus"]["split"] == "eval" and len(m["model"]["fingerprint"]) == 64
+    # Floats (the live NLL and every site's values) are stored byte-stream-split, the int32 keys plain.
+    meta = pq.ParquetFile(cache.part_paths()[0]).metadata.row_group(0)
+    encodings = {meta.column(i).path_in_schema: meta.column(i).encodings for i in range(meta.num_columns)}
+    split = {path for path, used in encodings.items() if "BYTE_STREAM_SPLIT" in used}
+    assert split == {"live_nll", "blocks.0.gate.list.element", "blocks.1.gate.list.element"}, encodings
     model = fca.load_model(demo / "featuregate")
     cache.check_model(fca.engine.loading.fingerprint_state(model))
     got = cache.read_seqs([7, 2])

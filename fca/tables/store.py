@@ -46,6 +46,7 @@ from fca.tables.timings import Timings
 
 SCHEMA_VERSION = 1
 KEY_COLUMNS = ("seq", "pos", "token", "target", "live_nll")
+KEY_INTS = KEY_COLUMNS[:4]  # int32 keys; every other column is floats (16-bit ones as their raw bits)
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
 # Parts recorded since progress.json was last rewritten, one JSON record per line. Rewriting progress.json
@@ -285,6 +286,13 @@ def write_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
 def read_arrays(path: Path) -> dict[str, np.ndarray]:
     with np.load(path, allow_pickle=False) as z:
         return {name: z[name] for name in z.files}
+
+
+def byte_stream_split_columns(schema: pa.Schema) -> list[str]:
+    """The columns written byte-stream-split: `live_nll` and every site's values. pyarrow names a list
+    column's values by their leaf path (`<site>.list.element`); the site's own name would leave them PLAIN
+    (measured on the demo cache: 8.66 MB PLAIN, 8.07 MB split, the same encoding time)."""
+    return [f.name if f.name == "live_nll" else f"{f.name}.list.element" for f in schema if f.name not in KEY_INTS]
 
 
 def moments_file(part_file: str) -> str:
@@ -733,7 +741,7 @@ class CacheWriter:
             compression="zstd",
             compression_level=3,
             use_dictionary=False,
-            use_byte_stream_split=[f.name for f in self.schema if f.name not in ("seq", "pos", "token", "target")],
+            use_byte_stream_split=byte_stream_split_columns(self.schema),
             write_statistics=["seq"],
         )
         return _OpenPart(k, name, writer)
