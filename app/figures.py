@@ -565,7 +565,7 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
             x=summary["condition"],
             y=mean,
             mode="markers",
-            name="mean over models (95% t CI)",
+            name="mean over models (95% t CI)" if has_ci.any() else "mean over models (no interval: one model)",
             marker=dict(symbol="line-ew-open", size=28, color="#333", line=dict(width=3)),
             error_y=dict(
                 type="data",

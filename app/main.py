@@ -83,7 +83,9 @@ def sidebar() -> Selection:
         choice = st.selectbox(
             "Cache",
             list(by_path),
-            index=default_cache(entries) if entries else None,
+            # The default only for a new session: once the key holds a choice (another page may have set it,
+            # as the Study page's Open does), a default beside it makes Streamlit warn and is ignored anyway.
+            index=default_cache(entries) if entries and "cache" not in st.session_state else None,
             key="cache",
             accept_new_options=True,
             format_func=lambda p: (

@@ -240,9 +240,13 @@ def cmd_audit(args: argparse.Namespace) -> None:
         print(*exactness_sentences(report["exactness"]), sep="\n")
         print(
             " ".join(f"{k}={v['nll']:.4f}" for k, v in c.items()),
-            f"| static_layer retention {report['gap_retention'].get('static_layer')}",
+            f"| static_layer retention {_percent(report['gap_retention'].get('static_layer'))}",
             f"| layer-identity share {report['variance']['layer_identity_share']:.3f}",
         )
+
+
+def _percent(share: float | None) -> str:
+    return "undefined" if share is None else f"{100 * share:.1f}%"
 
 
 def cmd_report(args: argparse.Namespace) -> None:

@@ -138,10 +138,31 @@ def test_sweep_section_in_a_tiny_audit(tiny_demo):
     stripped = without_sweep(report)
     assert set(stripped["conditions"]) == {"correct", "cross_input", "token_shuffle", "static_layer", "global_mean"}
     assert "interpolate:0.5" not in stripped["definitions"]["condition_specs"]
+
     other = {**stripped, "model": {**stripped["model"], "fingerprint": "another"}}  # an audit made without a sweep
     assert "interpolation_sweep" not in other
     study = build_study([("a", report), ("b", other)])
     assert set(study["summary"]["conditions"]) == set(stripped["conditions"])
+
+
+def test_definitions_say_what_was_run(tiny_demo):
+    """No sweep, no sweep definition; conditions beyond the paper's five are defined; every condition is
+    named in the Markdown (not an empty line for the specs)."""
+    from fca.jobs.audit import run_audit
+
+    extra = ["position_profile", "token_shuffle+independent", "static_layer@blocks.0.gate"]
+    report = run_audit(
+        tiny_demo / "featuregate", tiny_demo / "eval", tiny_demo / "calibration", device="cpu", sweep=(),
+        extra_conditions=extra, latency_runs=1,
+    )  # fmt: skip
+    definitions = report["definitions"]
+    assert "interpolation_sweep" not in definitions and set(definitions["extra_conditions"]) == set(extra)
+    assert "one permutation per sequence and site" in definitions["extra_conditions"]["token_shuffle+independent"]
+    assert "at blocks.0.gate only" in definitions["extra_conditions"]["static_layer@blocks.0.gate"]
+    text = render_markdown(report)
+    assert (
+        "**condition_specs**: correct; cross_input; token_shuffle; static_layer; global_mean; position_profile" in text
+    )
 
 
 def test_shipped_demo_report_has_a_sweep_and_its_study_still_builds():

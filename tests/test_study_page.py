@@ -72,6 +72,21 @@ def test_a_seed_without_caches_shows_its_audit_in_place(tiny_study, tmp_path, mo
     assert "# FCA audit: featuregate" in shown and fingerprint[:16] in shown
 
 
+def test_a_study_of_one_model_claims_no_spread(tiny_study, tmp_path, monkeypatch):
+    from fca.cli import main
+
+    one = tmp_path / "one"
+    assert main(["study", str(tiny_study / "seed1" / "audit.json"), "--json", str(one / "study.json")]) == 0
+    at = pick_study(render(app_for(monkeypatch, [tmp_path]), PAGE), one)
+    no_exceptions(at)
+    assert at.subheader[0].value == "Across 1 model"
+    assert any("need at least two" in c.value for c in at.caption)
+    assert not any("Student t interval" in c.value for c in at.caption)
+    chart = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert "mean over models (no interval: one model)" in [t["name"] for t in chart["data"]]
+    assert any("not among the caches this dashboard lists" in c.value for c in at.caption)
+
+
 @pytest.mark.parametrize(
     ("name", "seeds", "retention"),
     [("demo-study", [0, 1, 2], 0.417), ("kjv-34m-study", [0, 1, 2], 0.510)],

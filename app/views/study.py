@@ -115,8 +115,13 @@ def cell(s: dict, digits: int = 4, percent: bool = False) -> str:
     return text + f" ± {k * s['sd']:.{digits}f} [{k * lo:.{digits}f}, {k * hi:.{digits}f}]"
 
 
-st.subheader(f"Across {study['num_models']} models")
-st.caption("mean ± sample SD over models [95% Student t interval over models]")
+n_models = study["num_models"]
+st.subheader(f"Across {n_models} model{'s' if n_models != 1 else ''}")
+st.caption(
+    "mean ± sample SD over models [95% Student t interval over models]"
+    if n_models > 1
+    else "one model: its own figures; a spread and an interval need at least two independently trained models"
+)
 st.markdown(
     "| condition | NLL (nats) | penalty vs correct | gap retention |\n|---|---|---|---|\n"
     + "\n".join(
@@ -182,9 +187,10 @@ if str(evaluated_cache(row)) in by_path:
 else:
     audit_path = (study_path.parent / row["audit"]).resolve()
     st.caption(
-        f"Its caches are not on this machine (only its audit, `{label(audit_path)}`, was kept), so the "
-        "other pages cannot open it; its audit report follows. Regenerate models and caches with the study's "
-        "command (for the demo study: `python -m fca demo-study`)."
+        f"Its evaluated cache is not among the caches this dashboard lists (`cache/` and `FCA_CACHE_ROOTS`; "
+        f"for the shipped studies only its audit, `{label(audit_path)}`, was kept), so the other pages cannot "
+        "open it; its audit report follows. Add its folder to FCA_CACHE_ROOTS, or regenerate models and caches "
+        "with the study's command (for the demo study: `python -m fca demo-study`)."
     )
     with guard("Audit report"):
         st.markdown(render_markdown(resources.report(str(audit_path), resources.file_stamp(audit_path))))

@@ -119,7 +119,10 @@ def audit_experiment(
         **({"interpolation_sweep": _sweep_section(table, swept)} if swept else {}),
         "variance": variance,
         "execution": execution,
-        "definitions": {**_definitions(evaluated, layout, seed, conditions), **family_of(model).definitions(model)},
+        "definitions": {
+            **_definitions(evaluated, layout, seed, conditions, swept),
+            **family_of(model).definitions(model),
+        },
         # The seed and training run travel inside the report: a study of committed audits needs no models.
         **({"training": experiment.training} if experiment.training else {}),
         "seconds": round(time.perf_counter() - started, 1),
@@ -156,7 +159,27 @@ def _cache_entry(cache: Cache, evaluated_seqs: int) -> dict:
     }
 
 
-def _definitions(cache: Cache, layout, seed: int, conditions: Sequence[Condition]) -> dict:
+# What the conditions beyond the paper's five mean, for the reports that run them (`_definitions`).
+EXTRA_KINDS = {
+    "interpolate": "alpha * own coefficients + (1 - alpha) * static_layer profile, at every site and token",
+    "position_profile": "per-site, per-channel calibration mean at each position t, given at position t",
+    "token_shuffle": "positions permuted within each sequence",
+}
+
+
+def _extra_definition(c: Condition) -> str:
+    text = EXTRA_KINDS.get(c.kind, c.kind)
+    if c.independent:
+        text += ", one permutation per sequence and site"
+    if c.sites is not None:
+        text += f"; at {', '.join(c.sites)} only, the other sites keep their own coefficients"
+    return text
+
+
+def _definitions(
+    cache: Cache, layout, seed: int, conditions: Sequence[Condition], swept: Sequence[Condition] = ()
+) -> dict:
+    extra = [c for c in conditions if c.name not in PAPER_CONDITIONS and c not in swept]  # named by their spec
     families: dict[str, list[str]] = {}
     for site in layout.sites:
         for f in dict.fromkeys(layout.families[layout.site_slice(site)]):
@@ -176,9 +199,16 @@ def _definitions(cache: Cache, layout, seed: int, conditions: Sequence[Condition
             "static_layer": "per-site, per-channel mean over all tokens of the calibration cache, at every token",
             "global_mean": "the calibration grand mean of each coefficient family, at every site, channel and token",
         },
-        # Its own key, not in `conditions`: studies compare `conditions` with audits made before the sweep.
-        "interpolation_sweep": "interpolate:alpha = alpha * own coefficients + (1 - alpha) * static_layer "
-        "profile at every site and token (alpha 0: the static profile, 1: correct), scored like the conditions",
+        # Their own keys, not in `conditions`: studies compare `conditions` with audits made without them.
+        **(
+            {
+                "interpolation_sweep": "interpolate:alpha = alpha * own coefficients + (1 - alpha) * static_layer "
+                "profile at every site and token (alpha 0: the static profile, 1: correct), scored like the conditions"
+            }
+            if swept
+            else {}
+        ),
+        **({"extra_conditions": {c.name: _extra_definition(c) for c in extra}} if extra else {}),
         "condition_specs": {c.name: c.to_json() for c in conditions},
         "global_mean_families": families,
         "layer_identity_share": "within each family, SS_between(slot means per site and channel) / "

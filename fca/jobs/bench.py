@@ -235,6 +235,12 @@ def writer_scaling(
     }
 
 
+BENCH_STEPS = (
+    "capture", "replay", "replay from cache", "batched conditions", "long format", "statistics memory",
+    "writer scaling", "done",
+)  # fmt: skip
+
+
 @torch.no_grad()
 def run_bench(
     model_dir: str | Path,
@@ -247,6 +253,15 @@ def run_bench(
     big_cache_factor: int = 8,
     show_progress: bool = False,
 ) -> dict:
+    from tqdm.auto import tqdm
+
+    # One step per measurement below, so a run of minutes says where it is.
+    bar = tqdm(total=len(BENCH_STEPS), desc="bench", unit="step", disable=not show_progress)
+
+    def step(name: str) -> None:
+        bar.set_postfix_str(name)
+        bar.update(1)
+
     model = load_model(model_dir, device=device)
     dev = next(model.parameters()).device
     T = int(model.config.max_seq_len) if hasattr(model.config, "max_seq_len") else 128
@@ -299,6 +314,7 @@ def run_bench(
             writer_processes=writer_processes,
         )
 
+    step("capture")
     r = interleaved(cache_build, lambda: forward_over(capture_batches), repeats)
     result["capture_ratio"] = r["ratio"]
     result["capture_seconds"], result["forward_seconds"] = r["a_s"], r["b_s"]
@@ -309,6 +325,7 @@ def run_bench(
         result["capture_stages_s_writer_processes"] = stages.rounded()  # (the same cache as the threads')
 
     # Replay vs live, the coefficients already in memory (as they are after one cache read).
+    step("replay")
     cached = [capture_tensors(model, w[:, :-1])[1] for w in batches]
     r = interleaved(lambda: [replay(model, w[:, :-1], c) for w, c in zip(batches, cached)], plain_forward, repeats)
     result["replay_ratio"] = r["ratio"]
@@ -336,10 +353,12 @@ def run_bench(
         finally:
             reads.close()
 
+    step("replay from cache")
     r = interleaved(replay_from_cache, plain_forward, repeats)
     result["replay_from_cache_ratio"] = r["ratio"]
 
     # Five conditions stacked in one forward vs one condition, per batch.
+    step("batched conditions")
     profiles = calibration_profiles(cache)
     conditions = [Condition(kind) for kind in PAPER_CONDITIONS]
     own = [{k: v.cpu().numpy() for k, v in c.items()} for c in cached]
@@ -374,6 +393,7 @@ def run_bench(
     result["batched_conditions_ratio_one_sequence"] = r["ratio"]
 
     # Our Parquet writer vs a straightforward pandas long-format writer, same coefficients.
+    step("long format")
     all_coefficients = {k: np.concatenate([c[k] for c in own]) for k in own[0]}
     schema = cache_schema(site_specs(model))
     nll = np.zeros((len(windows), T), np.float32)
@@ -401,6 +421,7 @@ def run_bench(
     result["long_format_bytes_ratio"] = (work / "long.parquet").stat().st_size / ours_bytes
 
     # Streaming statistics: peak memory over a demo-sized cache and one `big_cache_factor` times larger.
+    step("statistics memory")
     # Flat memory is the claim; the import baseline shows what Python, numpy and pyarrow alone take.
     for name, seqs in (("demo", 256), ("big", 256 * big_cache_factor)):
         synthetic = _synthetic_cache(work / name, site_specs(model), seqs, T, int(model.config.vocab_size))
@@ -411,8 +432,11 @@ def run_bench(
 
     # The cache writer alone, 1 and 2 worker threads, on MUDDPythia-1.4B-shaped coefficients in batches of
     # 8, as `bench/writer_scale.py` (see `WRITER_BENCH_SEQS`).
+    step("writer scaling")
     scaling = writer_scaling([1, 2], seq_len=1024, batch=8, repeats=5)
     result["writer_mb_s_1"], result["writer_mb_s_2"] = scaling["mb_s"][1], scaling["mb_s"][2]
     result["writer_scaling_2"] = scaling["ratio"][2]
     shutil.rmtree(work, ignore_errors=True)
+    step("done")
+    bar.close()
     return result

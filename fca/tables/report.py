@@ -71,7 +71,10 @@ def exactness_sentences(ex: dict) -> list[str]:
     if not fid:  # a report from before the cache-fidelity check
         return sentences
     if fid["verdict"] == "bit-identical":
-        verdict = "the cached coefficients are bit-identical to those recorded now"
+        stored = fid.get("coefficient_dtype", "float32")
+        verdict = "the cached coefficients are bit-identical to those recorded now" + (
+            "" if stored == "float32" else f", rounded to {stored} as stored (the replay runs on the rounded values)"
+        )
     else:
         tol = fid["tolerances"]
         reason = (
@@ -162,8 +165,10 @@ def render_markdown(report: dict) -> str:
         lines.append(f"- Note: {exe['note']}")
     lines += ["", "## Definitions", ""]
     for key, value in report["definitions"].items():
-        if isinstance(value, dict):
-            lines.append(f"- **{key}**: " + "; ".join(f"{k}: {v}" for k, v in value.items() if not isinstance(v, dict)))
+        if isinstance(value, dict):  # (condition_specs: a dict per condition; its names say enough here)
+            lines.append(
+                f"- **{key}**: " + "; ".join(k if isinstance(v, dict) else f"{k}: {v}" for k, v in value.items())
+            )
         else:
             lines.append(f"- **{key}**: {value}")
     return "\n".join(lines) + "\n"
