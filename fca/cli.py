@@ -304,6 +304,8 @@ def cmd_replay(args: argparse.Namespace) -> None:
         save=not args.no_save,
         show_progress=True,
     )
+    asked, n = args.num_seqs, record["spec"]["num_seqs"]
+    print(f"{args.cache}: {n} sequences replayed" + (f" (all it has; {asked} asked for)" if n < asked else ""))
     for sentence in exactness_sentences(record["results"]["exactness"]):
         print(sentence)
     for name, row in record["results"]["conditions"].items():

@@ -481,6 +481,7 @@ def test_position_profile_needs_a_calibration_as_long_as_the_evaluated_windows(d
     err = _cli_error(args, capsys)
     assert "short" in err and "16 positions" in err and "has 8" in err
     assert main([*args[:-4], "--conditions", "static_layer", "--device", "cpu"]) == 0  # a per-site profile is fine
+    assert f"{demo / 'eval'}: 12 sequences replayed (all it has; 32 asked for)" in capsys.readouterr().out
 
 
 def test_an_audit_of_the_first_sequences_measures_their_variance_only(demo, tmp_path):
