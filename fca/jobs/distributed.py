@@ -437,6 +437,7 @@ class ShardedExperiment(Experiment):
         import ray
 
         n = self.evaluated.num_seqs if num_seqs is None else min(num_seqs, self.evaluated.num_seqs)
+        self.check_run(conditions, n)  # in the driver first, as the local run does
         bounds = shard_bounds(n, batch_size, len(self.actors))
         refs = [a.run.remote(list(conditions), n, batch_size, seed, b) for a, b in zip(self.actors, bounds)]
         results = ray.get(refs)

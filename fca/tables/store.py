@@ -291,7 +291,7 @@ def read_arrays(path: Path) -> dict[str, np.ndarray]:
 def byte_stream_split_columns(schema: pa.Schema) -> list[str]:
     """The columns written byte-stream-split: `live_nll` and every site's values. pyarrow names a list
     column's values by their leaf path (`<site>.list.element`); the site's own name would leave them PLAIN
-    (measured on the demo cache: 8.66 MB PLAIN, 8.07 MB split, the same encoding time)."""
+    (measured on the demo cache: 8.07 MB split against 8.66 PLAIN, for 30.3 ms of encoding against 24.7)."""
     return [f.name if f.name == "live_nll" else f"{f.name}.list.element" for f in schema if f.name not in KEY_INTS]
 
 
