@@ -89,10 +89,11 @@ def cmd_train_seeds(args: argparse.Namespace) -> None:
 
 
 def _train_all(args: argparse.Namespace, runs: list[tuple[str, int, Path]]) -> None:
+    from fca.engine.loading import is_model_file
     from fca.tables.outputs import check_replaceable
 
     for _, _, out in runs:  # every destination checked before minutes of training, not after
-        check_replaceable(out, "model", "config.json", args.overwrite)
+        check_replaceable(out, "model", is_model_file, "config.json", args.overwrite)
     for arch, seed, out in runs:
         _train_one(args, arch, seed, out)
 
@@ -189,6 +190,17 @@ def _whole_number(minimum: int):
 
 
 _positive_int, _seed = _whole_number(1), _whole_number(0)
+
+
+def _learning_rate(text: str) -> float:
+    """--lr: a finite number above 0 (inf or nan would train every weight into NaN, and save them)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text}")
+    return value
 
 
 def _alphas(text: str) -> tuple[float, ...]:
@@ -419,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--steps", type=_positive_int, default=800)
         p.add_argument("--batch", type=_positive_int, default=32)
-        p.add_argument("--lr", type=float, default=2e-3)
+        p.add_argument("--lr", type=_learning_rate, default=2e-3)
         p.add_argument("--overwrite", action="store_true", help="replace an existing model directory")
         p.add_argument("--split-seed", type=_seed, default=0, help="seed of the train/calibration/eval document split")
         p.add_argument("--text-column", default="text", help="text column of a Parquet/Arrow corpus")
@@ -568,7 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
     p.add_argument("--batch", type=_positive_int, default=32)
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine decay to a tenth of it)")
+    p.add_argument("--lr", type=_learning_rate, default=2e-3, help="peak learning rate (cosine decay to a tenth of it)")
     p.add_argument(
         "--num-seqs", type=_positive_int, default=256, help="windows in each of the eval and calibration caches"
     )

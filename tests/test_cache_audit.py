@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import duckdb
@@ -668,3 +669,65 @@ def test_a_damaged_model_directory_or_corpus_is_named_in_one_line(demo, tmp_path
     err = _cli_error([*build[:4], str(tmp_path / "short.txt"), *build[5:]], capsys)
     assert str(tmp_path / "short.txt") in err and "at least 3 documents" in err
     assert not (tmp_path / "c").exists() and not (tmp_path / "c.partial").exists()
+
+
+def test_overwrite_never_deletes_what_a_cache_or_model_does_not_hold(demo, tmp_path, capsys):
+    build = ["build-cache", "--model", str(demo / "featuregate"), "--corpus", str(demo / "prose.txt"), "--split"]
+    build += ["eval", "--num-seqs", "4", "--batch", "4", "--overwrite", "--out"]
+    site = tmp_path / "site"  # a web project that happens to hold a manifest.json
+    (site / "js").mkdir(parents=True)
+    (site / "manifest.json").write_text('{"manifest_version": 3}')
+    (site / "js" / "a.js").write_text("x")
+    notes = _copy(demo, tmp_path)  # a real cache with the user's notes beside its parts
+    (notes / "README.txt").write_text("mine")
+    project = tmp_path / "project"  # a project that happens to hold a config.json
+    (project / "src").mkdir(parents=True)
+    (project / "config.json").write_text('{"name": "x"}')
+    (project / "src" / "main.py").write_text("x")
+    partial = tmp_path / "mine.partial"  # a folder the user named like a build's own
+    partial.mkdir()
+    (partial / "mine.txt").write_text("mine")
+    before = {p: _tree(p) for p in (site, notes, project, partial)}
+    assert "js" in _cli_error([*build, str(site)], capsys)
+    assert "README.txt" in _cli_error([*build, str(notes)], capsys)
+    assert "mine.partial: is not a build in progress" in _cli_error([*build, str(tmp_path / "mine")], capsys)
+    assert "folder of its own" in _cli_error([*build, "."], capsys)
+    train = ["train", "--corpus", str(demo / "prose.txt"), "--steps", "1", "--overwrite", "--out", str(project)]
+    assert "src" in _cli_error(train, capsys)
+    assert "--lr" in _cli_error_argparse([*train[:-2], "--lr", "inf", "--out", str(tmp_path / "m")], capsys)
+    corpus = ["corpus", "--overwrite", "--out", str(notes / "manifest.json")]
+    assert "not an earlier text corpus" in _cli_error(corpus, capsys)
+    assert {p: _tree(p) for p in (site, notes, project, partial)} == before
+
+
+def _cli_error_argparse(args, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_damaged_reports_devices_and_one_path_for_two_outputs_are_refused(demo, tmp_path, capsys):
+    args = _audit_args(demo / "featuregate", demo / "eval", demo / "calibration", tmp_path / "r.json")
+    assert main([*args, "--num-seqs", "4", "--sweep", "none", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    report = json.loads((tmp_path / "r.json").read_text())
+    for damage, said, studied in (
+        ({"conditions": 5}, "'conditions' is a int", True),
+        ({"conditions": {**report["conditions"], "correct": {"nll": "x"}}}, "'correct' has no numeric nll", True),
+        ({"interpolation_sweep": 7}, "interpolation_sweep is not a list", True),
+        ({"exactness": None}, "'exactness' is a NoneType", False),  # (a study does not read it)
+    ):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({**report, **damage}))
+        assert said in _cli_error(["report", str(bad)], capsys)
+        if studied:
+            assert said in _cli_error(["study", str(bad), str(tmp_path / "r.json")], capsys)
+    (tmp_path / "future.json").write_text(json.dumps({**report, "fca_report_version": 99}))
+    assert "report version 99" in _cli_error(["study", str(tmp_path / "future.json"), str(bad)], capsys)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert "not a regular file" in _cli_error(["report", str(tmp_path / "r.json"), "--markdown", str(fifo)], capsys)
+    same = str(tmp_path / "same.out")
+    err = _cli_error([*args[:-1], same, "--markdown", same, "--num-seqs", "4", "--sweep", "none"], capsys)
+    assert "both the JSON and the Markdown" in err and not (tmp_path / "same.out").exists()

@@ -64,6 +64,14 @@ def fingerprint_state(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+# What `save_model` writes into a model directory: all that replacing one may delete.
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "training_log.json")
+
+
+def is_model_file(name: str) -> bool:
+    return name in MODEL_FILES
+
+
 def save_model(model: nn.Module, out: str | Path, tokenizer=None, extra_files: dict[str, str] | None = None) -> Path:
     """Write config.json, model.safetensors, tokenizer.json and any extra text files, atomically:
     everything goes to a temporary sibling directory that is renamed into place. An existing `out` is
@@ -75,7 +83,7 @@ def save_model(model: nn.Module, out: str | Path, tokenizer=None, extra_files: d
     from fca.tables.outputs import check_replaceable
 
     out = Path(out)
-    check_replaceable(out, "model", "config.json", overwrite=True)
+    check_replaceable(out, "model", is_model_file, "config.json", overwrite=True)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

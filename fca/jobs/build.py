@@ -17,9 +17,8 @@ from fca.engine.environment import current_environment, model_dtype_name
 from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.sites import model_logits, site_specs
 from fca.tables import data
-from fca.tables.outputs import OutputError, check_replaceable
 from fca.tables.remote import RemoteParts, is_uri
-from fca.tables.store import COEFFICIENT_BYTES, MANIFEST, CacheError, cache_plan, file_sha256
+from fca.tables.store import COEFFICIENT_BYTES, cache_plan, check_cache_destination, file_sha256
 
 
 def build_cache_from_corpus(
@@ -55,10 +54,7 @@ def build_cache_from_corpus(
     remote = RemoteParts(str(out)) if is_uri(str(out)) else None
     # What the writer would refuse, refused before the model and corpus are loaded.
     if remote is None:
-        try:
-            check_replaceable(out, "cache", MANIFEST, overwrite)
-        except OutputError as err:
-            raise CacheError(str(err)) from None
+        check_cache_destination(out, overwrite)
     if part_seqs is not None:
         check_part_seqs(part_seqs, batch_size)
     with remote.staged(overwrite) if remote else nullcontext(None) as stage:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from fca.tables.errors import CorpusError, ModelLoadError
-from fca.tables.outputs import write_output
+from fca.tables.outputs import check_output, write_output
 
 SPLITS = ("train", "calibration", "eval")
 DEFAULT_SPLIT_FRACTIONS = {"train": 0.9, "calibration": 0.05, "eval": 0.05}
@@ -171,6 +171,8 @@ def extract_kjv(out: str | Path, overwrite: bool = False) -> Path:
     (an existing file only with `overwrite`)."""
     if Path(out).exists() and not overwrite:  # before minutes of extraction
         raise CorpusError(f"{out}: already exists (pass --overwrite to replace it)")
+    is_txt = Path(out).suffix == ".txt"
+    check_output(out, "text corpus (.txt; --overwrite replaces one)", lambda _: overwrite and is_txt)
     if shutil.which("bible") is None:
         raise CorpusError("the `bible` program is missing: apt-get install bible-kjv bible-kjv-text")
     lines = subprocess.run(
@@ -186,4 +188,5 @@ def extract_kjv(out: str | Path, overwrite: bool = False) -> Path:
             last_chapter = chapter
         chapters[-1].append(verse.strip())
     text = "\n\n".join(" ".join(c) for c in chapters) + "\n"
-    return write_output(out, text, "corpus (pass --overwrite to replace a file)", lambda _: overwrite)
+    # --overwrite replaces a text corpus: a `.txt` file, never a manifest, a config or a report.
+    return write_output(out, text, "text corpus (.txt; --overwrite replaces one)", lambda _: overwrite and is_txt)

@@ -28,14 +28,21 @@ def write_output(path: str | Path, text: str, kind: str, is_earlier: Callable[[s
     return path
 
 
+# An earlier output is read to recognise it; anything larger is not one of ours.
+EARLIER_MAX_BYTES = 64 * 2**20
+
+
 def check_output(path: str | Path, kind: str, is_earlier: Callable[[str], bool]) -> Path:
     """`write_output`'s refusals alone, for a command to make before its work rather than after."""
     path = Path(path)
     if path.is_dir():
         raise OutputError(f"{path}: is a directory; give a file path for the {kind}")
+    if path.exists() and not path.is_file():  # a device or a pipe: never read to the end, never replaced
+        raise OutputError(f"{path}: is not a regular file; give a file path for the {kind}")
     if path.exists():
         try:
-            earlier = is_earlier(path.read_text(encoding="utf-8"))
+            small = path.stat().st_size <= EARLIER_MAX_BYTES
+            earlier = small and is_earlier(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError):
             earlier = False
         if not earlier:
@@ -43,6 +50,16 @@ def check_output(path: str | Path, kind: str, is_earlier: Callable[[str], bool])
                 f"{path}: exists and is not an earlier {kind}; not replaced (remove it or choose another path)"
             )
     return path
+
+
+def same_path(json_path: str | Path | None, markdown_path: str | Path | None) -> None:
+    """The JSON and the Markdown of one output cannot be the same file (the second would replace the first)."""
+    if (
+        json_path is not None
+        and markdown_path is not None
+        and Path(json_path).resolve() == Path(markdown_path).resolve()
+    ):
+        raise OutputError(f"{markdown_path}: given for both the JSON and the Markdown; give each its own path")
 
 
 def json_with(key: str) -> Callable[[str], bool]:
@@ -63,16 +80,32 @@ def starts_with(prefix: str) -> Callable[[str], bool]:
     return lambda text: text.startswith(prefix)
 
 
-def check_replaceable(path: str | Path, kind: str, marker: str, overwrite: bool, flag: str = "--overwrite") -> None:
+def check_replaceable(
+    path: str | Path, kind: str, owns: Callable[[str], bool], marker: str, overwrite: bool, flag: str = "--overwrite"
+) -> None:
     """Refuse a destination folder that exists, unless `overwrite` is given and it is empty or an earlier
-    `kind` (a folder holding `marker`, e.g. a cache's manifest.json): --overwrite replaces that, never a
-    model, a corpus, a file or whatever else the mistyped path holds."""
+    `kind`: a folder holding `marker` (a cache's manifest.json, a model's config.json) and nothing but
+    entries `owns(name)` says such a folder holds. So --overwrite replaces that, never a model, a corpus,
+    a file, a project that happens to hold a `config.json`, or notes kept beside a cache's parts."""
     path = Path(path)
+    if path.name in ("", ".", ".."):
+        raise OutputError(
+            f"{str(path) or '(empty)'}: give the {kind} a folder of its own, not the current or parent one"
+        )
     if not path.exists() and not path.is_symlink():
         return
     if not overwrite:
         raise OutputError(f"{path}: already exists (pass {flag} to replace it)")
-    if not path.is_dir() or path.is_symlink():
+    if path.is_symlink():
+        raise OutputError(f"{path}: is a symbolic link; not replaced (give the folder itself, or another path)")
+    if not path.is_dir():
         raise OutputError(f"{path}: is a file, not a {kind} folder; not replaced")
-    if not (path / marker).is_file() and any(path.iterdir()):
+    entries = sorted(entry.name for entry in path.iterdir())
+    if entries and marker not in entries:
         raise OutputError(f"{path}: is not a {kind} (no {marker}); {flag} replaces only a {kind}, so it is kept")
+    foreign = [name for name in entries if not owns(name)]
+    if foreign:
+        raise OutputError(
+            f"{path}: holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, which no {kind} holds; "
+            f"{flag} would delete it, so the folder is kept (move those out, or choose another path)"
+        )

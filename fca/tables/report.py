@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fca.tables.outputs import check_output, json_with, starts_with, write_output
+from fca.tables.outputs import check_output, json_with, same_path, starts_with, write_output
 
 # The sections every audit report has (DESIGN.md, "Audit report"); a JSON without them is some other file.
 REQUIRED_KEYS = (
@@ -31,20 +31,36 @@ class ReportError(ValueError):
     """A file that is not a readable FCA audit report; the message is one line naming the file."""
 
 
-def check_report(report: object, source: str | Path = "report") -> dict:
-    """`report` itself if it has every section of an audit report, else a `ReportError` naming `source`."""
+def check_report(report: object, source: str | Path = "report", required: tuple[str, ...] = REQUIRED_KEYS) -> dict:
+    """`report` itself if it has every `required` section of an audit report (all of them to render it; a
+    study needs fewer), each of the right shape, else a `ReportError` naming `source`."""
     if not isinstance(report, dict):
         raise ReportError(f"{source}: not an FCA audit report (a JSON {type(report).__name__}, not an object)")
     version = report.get("fca_report_version", REPORT_VERSION)
     if version != REPORT_VERSION:
         raise ReportError(f"{source}: audit report version {version!r}; this FCA reads version {REPORT_VERSION}")
-    missing = [key for key in REQUIRED_KEYS if key not in report]
+    missing = [key for key in required if key not in report]
     if missing:
         raise ReportError(
             f"{source}: not an FCA audit report (no {', '.join(repr(k) for k in missing)}); "
             "write one with `fca audit ... --json PATH`"
         )
+    # The shapes rendering and studies rely on, so that a damaged report is one line, not a traceback.
+    wrong = next((key for key in required if not isinstance(report[key], dict)), None)
+    if wrong is not None:
+        raise ReportError(f"{source}: not an FCA audit report ({wrong!r} is a {type(report[wrong]).__name__})")
+    row = next((name for name, r in report["conditions"].items() if not _has_number(r, "nll")), None)
+    if row is not None:
+        raise ReportError(f"{source}: not an FCA audit report (condition {row!r} has no numeric nll)")
+    if not isinstance(report.get("interpolation_sweep", []), list) or not all(
+        _has_number(r, "nll") and _has_number(r, "alpha") for r in report.get("interpolation_sweep", [])
+    ):
+        raise ReportError(f"{source}: not an FCA audit report (its interpolation_sweep is not a list of rows)")
     return report
+
+
+def _has_number(row: object, key: str) -> bool:
+    return isinstance(row, dict) and isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)
 
 
 def read_report(path: str | Path) -> dict:
@@ -185,6 +201,7 @@ def write_report(report: dict, json_path: str | Path | None = None, markdown_pat
 
 def check_report_paths(json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
     """What `write_report` would refuse, refused now (an audit checks its outputs before it runs)."""
+    same_path(json_path, markdown_path)
     if json_path is not None:
         check_output(json_path, "audit report (JSON)", REPORT_JSON)
     if markdown_path is not None:

@@ -22,6 +22,7 @@ import json
 import mmap
 import os
 import queue
+import re
 import shutil
 import socket
 import threading
@@ -286,6 +287,25 @@ def write_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
 def read_arrays(path: Path) -> dict[str, np.ndarray]:
     with np.load(path, allow_pickle=False) as z:
         return {name: z[name] for name in z.files}
+
+
+def is_cache_file(name: str) -> bool:
+    """Whether a finished cache's folder holds an entry of this name (what --overwrite may delete)."""
+    return name in (MANIFEST, MOMENTS) or re.fullmatch(r"part-\d+(\.moments\.npz|\.parquet)", name) is not None
+
+
+def is_partial_file(name: str) -> bool:
+    """Whether an unfinished build's `<out>.partial/` holds an entry of this name."""
+    return is_cache_file(name) or name in (PROGRESS, PROGRESS_JOURNAL) or name.endswith(".tmp")
+
+
+def check_cache_destination(out: str | Path, overwrite: bool) -> None:
+    """Refuse `out` unless it is new, or (with `overwrite`) an empty folder or a finished cache alone
+    (`fca.tables.outputs.check_replaceable`), as a `CacheError`."""
+    try:
+        check_replaceable(out, "cache", is_cache_file, MANIFEST, overwrite)
+    except OutputError as err:
+        raise CacheError(str(err)) from None
 
 
 def byte_stream_split_columns(schema: pa.Schema) -> list[str]:
@@ -569,10 +589,7 @@ class CacheWriter:
         else:
             self.lock.acquire()
             try:
-                try:
-                    check_replaceable(self.out, "cache", MANIFEST, overwrite)
-                except OutputError as err:
-                    raise CacheError(str(err)) from None
+                check_cache_destination(self.out, overwrite)
                 self.parts = self._resume()
             except BaseException:
                 self.lock.release()
@@ -604,6 +621,11 @@ class CacheWriter:
             self._threads = _WriterThreads(self, workers, bound)
 
     def _resume(self) -> dict[int, dict]:
+        if self.partial.exists() or self.partial.is_symlink():  # a build's own folder, or nobody's to delete
+            try:
+                check_replaceable(self.partial, "build in progress", is_partial_file, PROGRESS, overwrite=True)
+            except OutputError as err:
+                raise CacheError(str(err)) from None
         progress = read_progress(self.partial)
         parts: dict[int, dict] = {}
         if progress is not None:

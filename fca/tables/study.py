@@ -15,7 +15,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from fca.tables.outputs import check_output, json_with, starts_with, write_output
+from fca.tables.outputs import check_output, json_with, same_path, starts_with, write_output
+from fca.tables.report import ReportError, check_report
 
 STUDY_VERSION = 1
 # Keys every audit report has (DESIGN.md, "Audit report"); anything else is passed through or optional.
@@ -151,14 +152,11 @@ def load_audit(path: str | Path) -> dict:
     """An audit report from disk, or a one-line StudyError naming the file."""
     path = Path(path)
     try:
-        report = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise StudyError(f"{path}: not a readable audit report ({err})") from None
-    if not isinstance(report, dict):
-        raise StudyError(f"{path}: not an FCA audit report (a JSON {type(report).__name__}, not an object)")
-    missing = [k for k in REPORT_KEYS if k not in report]
-    if missing:
-        raise StudyError(f"{path}: not an FCA audit report (no {', '.join(repr(k) for k in missing)})")
+        report = check_report(json.loads(path.read_text()), path, REPORT_KEYS)  # as `fca report` checks
+    except (OSError, ValueError) as err:  # (ReportError is a ValueError; its message names the file)
+        raise StudyError(
+            str(err) if isinstance(err, ReportError) else f"{path}: not a readable audit report ({err})"
+        ) from None
     if not field(report, "model.fingerprint"):
         raise StudyError(f"{path}: not an FCA audit report (no model fingerprint)")
     return report
@@ -466,6 +464,7 @@ STUDY_JSON, STUDY_MARKDOWN = json_with("fca_study_version"), starts_with("# FCA 
 
 def check_study_paths(json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
     """What `write_study` would refuse, refused before the audits are read."""
+    same_path(json_path, markdown_path)
     if json_path is not None:
         check_output(json_path, "study (JSON)", STUDY_JSON)
     if markdown_path is not None:
