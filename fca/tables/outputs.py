@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -60,6 +61,36 @@ def same_path(json_path: str | Path | None, markdown_path: str | Path | None) ->
         and Path(json_path).resolve() == Path(markdown_path).resolve()
     ):
         raise OutputError(f"{markdown_path}: given for both the JSON and the Markdown; give each its own path")
+
+
+@dataclass(frozen=True)
+class RenderedPair:
+    """The JSON and Markdown files of one result (an audit report, a study), each optional: both paths are
+    checked before either is written, and each replaces only an earlier file of its kind."""
+
+    kind: str  # e.g. "audit report"
+    json_earlier: Callable[[str], bool]
+    markdown_earlier: Callable[[str], bool]
+
+    def check(self, json_path: str | Path | None, markdown_path: str | Path | None) -> None:
+        same_path(json_path, markdown_path)
+        if json_path is not None:
+            check_output(json_path, f"{self.kind} (JSON)", self.json_earlier)
+        if markdown_path is not None:
+            check_output(markdown_path, f"{self.kind} (Markdown)", self.markdown_earlier)
+
+    def write(
+        self,
+        json_path: str | Path | None,
+        json_text: Callable[[], str],
+        markdown_path: str | Path | None,
+        markdown_text: Callable[[], str],
+    ) -> None:
+        self.check(json_path, markdown_path)
+        if json_path is not None:
+            write_output(json_path, json_text(), f"{self.kind} (JSON)", self.json_earlier)
+        if markdown_path is not None:
+            write_output(markdown_path, markdown_text(), f"{self.kind} (Markdown)", self.markdown_earlier)
 
 
 def json_with(key: str) -> Callable[[str], bool]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fca.tables.outputs import check_output, json_with, same_path, starts_with, write_output
+from fca.tables.outputs import RenderedPair, json_with, starts_with
 
 # The sections every audit report has (DESIGN.md, "Audit report"); a JSON without them is some other file.
 REQUIRED_KEYS = (
@@ -23,8 +23,8 @@ REQUIRED_KEYS = (
 
 
 REPORT_VERSION = 1  # `fca_report_version` of the reports `fca.jobs.audit` writes
-REPORT_JSON = json_with("fca_report_version")  # what an earlier report looks like (`write_report`)
-REPORT_MARKDOWN = starts_with("# FCA audit")
+# What an earlier report looks like (`write_report` replaces only that).
+REPORT_FILES = RenderedPair("audit report", json_with("fca_report_version"), starts_with("# FCA audit"))
 
 
 class ReportError(ValueError):
@@ -192,20 +192,14 @@ def render_markdown(report: dict) -> str:
 
 def write_report(report: dict, json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
     """The report as JSON and/or Markdown, each replacing only an earlier report (`fca.tables.outputs`)."""
-    check_report_paths(json_path, markdown_path)  # both, before either is written
-    if json_path is not None:
-        write_output(json_path, json.dumps(report, indent=1, default=float), "audit report (JSON)", REPORT_JSON)
-    if markdown_path is not None:
-        write_output(markdown_path, render_markdown(report), "audit report (Markdown)", REPORT_MARKDOWN)
+    REPORT_FILES.write(
+        json_path, lambda: json.dumps(report, indent=1, default=float), markdown_path, lambda: render_markdown(report)
+    )
 
 
 def check_report_paths(json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
     """What `write_report` would refuse, refused now (an audit checks its outputs before it runs)."""
-    same_path(json_path, markdown_path)
-    if json_path is not None:
-        check_output(json_path, "audit report (JSON)", REPORT_JSON)
-    if markdown_path is not None:
-        check_output(markdown_path, "audit report (Markdown)", REPORT_MARKDOWN)
+    REPORT_FILES.check(json_path, markdown_path)
 
 
 # Static-layer gap retention of the gated models in the paper this tool audits: the range over its models.

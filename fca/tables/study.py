@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from fca.tables.outputs import check_output, json_with, same_path, starts_with, write_output
+from fca.tables.outputs import RenderedPair, json_with, starts_with
 from fca.tables.report import ReportError, check_report
 
 STUDY_VERSION = 1
@@ -452,23 +452,15 @@ def render_markdown(study: dict) -> str:
 def write_study(study: dict, json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
     """Write the study as JSON and/or Markdown, each through a temporary file renamed into place, and
     replacing only an earlier study (never, say, one of its audits)."""
-    check_study_paths(json_path, markdown_path)
-    if json_path is not None:
-        write_output(json_path, json.dumps(study, indent=1), "study (JSON)", STUDY_JSON)
-    if markdown_path is not None:
-        write_output(markdown_path, render_markdown(study), "study (Markdown)", STUDY_MARKDOWN)
+    STUDY_FILES.write(json_path, lambda: json.dumps(study, indent=1), markdown_path, lambda: render_markdown(study))
 
 
-STUDY_JSON, STUDY_MARKDOWN = json_with("fca_study_version"), starts_with("# FCA study")
+STUDY_FILES = RenderedPair("study", json_with("fca_study_version"), starts_with("# FCA study"))
 
 
 def check_study_paths(json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
     """What `write_study` would refuse, refused before the audits are read."""
-    same_path(json_path, markdown_path)
-    if json_path is not None:
-        check_output(json_path, "study (JSON)", STUDY_JSON)
-    if markdown_path is not None:
-        check_output(markdown_path, "study (Markdown)", STUDY_MARKDOWN)
+    STUDY_FILES.check(json_path, markdown_path)
 
 
 def find_studies(roots: Sequence[str | Path]) -> list[Path]:
