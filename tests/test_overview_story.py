@@ -233,3 +233,17 @@ def test_token_text_page_colours_every_token(tiny_demo, monkeypatch):
     legend, text = (h.proto.body for h in at.get("html"))
     assert "equal to the static profile" in legend and "channel 1" in legend
     assert text.count("<span ") == seq_len and "deviation" in text
+
+
+def test_shipped_markdown_reports_are_their_json_rendered():
+    """Each committed audit.md is what `fca report` renders from the audit.json beside it."""
+    reports = sorted(REPO.glob("cache/*/audit.json")) + sorted(REPO.glob("cache/*/*/audit.json"))
+    shipped = [(path, path.with_suffix(".md")) for path in reports if path.with_suffix(".md").is_file()]
+    assert len(shipped) >= 6
+    for json_path, markdown in shipped:
+        assert render_markdown(json.loads(json_path.read_text())) == markdown.read_text(), markdown
+    # A calibration cache of another corpus (allowed: independent by construction) is said to be so.
+    report = json.loads((DEMO / "audit.json").read_text())
+    assert ", from " not in render_markdown(report)
+    report["calibration"]["corpus"] = "other.txt"
+    assert "(calibration split, 32,768 tokens, from other.txt)" in render_markdown(report)

@@ -121,7 +121,13 @@ def render_markdown(report: dict) -> str:
         f"Evaluated cache `{report['cache']['path']}` ({report['cache']['split']} split, "
         f"{report['cache']['sequences']} x {report['cache']['seq_len']} tokens); "
         f"calibration cache `{report['calibration']['path']}` "
-        f"({report['calibration']['split']} split, {report['calibration']['tokens']:,} tokens)."
+        f"({report['calibration']['split']} split, {report['calibration']['tokens']:,} tokens"
+        + (  # a calibration of another corpus is allowed (independent by construction): said when so
+            f", from {report['calibration']['corpus']}"
+            if report["calibration"].get("corpus") not in (None, report["cache"].get("corpus"))
+            else ""
+        )
+        + ")."
         + (
             ""
             if report["cache"].get("coefficient_dtype", "float32") == "float32"
