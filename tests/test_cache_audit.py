@@ -731,3 +731,9 @@ def test_damaged_reports_devices_and_one_path_for_two_outputs_are_refused(demo, 
     same = str(tmp_path / "same.out")
     err = _cli_error([*args[:-1], same, "--markdown", same, "--num-seqs", "4", "--sweep", "none"], capsys)
     assert "both the JSON and the Markdown" in err and not (tmp_path / "same.out").exists()
+
+
+def test_an_unknown_device_is_one_line(demo, tmp_path, capsys):
+    build = ["build-cache", "--model", str(demo / "featuregate"), "--corpus", str(demo / "prose.txt")]
+    err = _cli_error([*build, "--split", "eval", "--out", str(tmp_path / "c"), "--device", "gpu"], capsys)
+    assert "unknown device 'gpu'" in err and not (tmp_path / "c.partial").exists()
