@@ -9,6 +9,7 @@ import streamlit as st
 from app import figures, resources
 from app.views.common import download, guard, require_cache, teach
 from fca.tables import catalog
+from fca.tables.report import report_mismatch
 
 MEASURED_KEY = "execution_measured"
 PROBE_SEQS = 8  # sequences of the cache in the timing batch (as in `python -m fca audit`)
@@ -28,11 +29,10 @@ if sel.report_path is not None:
     with guard("Audit report"):
         report = resources.report(str(sel.report_path), resources.file_stamp(sel.report_path))
         report_exe = report.get("execution")
-        # As the Overview: a report about other weights, or about this cache before it was rebuilt.
-        if (report.get("model") or {}).get("fingerprint") != cache.manifest.model.fingerprint:
-            report_stale = "was written for another model than the one that made this cache"
-        elif (report.get("cache") or {}).get("fingerprint") not in (None, cache.fingerprint):
-            report_stale = "was written before this cache was rebuilt (its fingerprint differs)"
+        report_stale = {  # as the Overview says it
+            "model": "was written for another model than the one that made this cache",
+            "cache": "was written before this cache was rebuilt (its fingerprint differs)",
+        }.get(report_mismatch(report, cache.manifest.model.fingerprint, cache.fingerprint))
 
 # A measurement belongs to what was measured: this cache, these weights, this device, this Dense twin.
 # Keyed so, a switch of cache (or model) shows that selection's report, and switching back shows the

@@ -16,7 +16,7 @@ import streamlit as st
 
 from app import figures, resources
 from app.views.common import Selection, download, guard, require_cache, teach
-from fca.tables.report import exactness_sentences, render_markdown, retention_sentence
+from fca.tables.report import exactness_sentences, render_markdown, report_mismatch, retention_sentence
 
 CHART_CONFIG = {"displaylogo": False}
 
@@ -137,12 +137,13 @@ if report is None:
     st.stop()
 
 # Stale or foreign reports are shown, with the mismatch stated (they are still worth reading).
-if report["model"]["fingerprint"] != manifest.model.fingerprint:
+mismatch = report_mismatch(report, manifest.model.fingerprint, cache.fingerprint)
+if mismatch == "model":
     st.error(
         f"This report is about model {report['model']['fingerprint'][:12]}, but the cache was made by "
         f"{manifest.model.fingerprint[:12]}: the numbers below do not describe this cache."
     )
-elif report["cache"].get("fingerprint") not in (None, cache.fingerprint):
+elif mismatch == "cache":
     st.warning(
         "The cache changed since this report was written (its fingerprint differs); rerun `python -m fca audit`."
     )

@@ -77,7 +77,7 @@ def audit_experiment(
     started = time.perf_counter()
     step = (lambda stage: lambda i, n: progress(stage, i, n)) if progress else (lambda stage: None)
     model, evaluated, calibration = experiment.model, experiment.evaluated, experiment.calibration
-    experiment.dense  # loaded (and checked to be a Dense twin) before the replays, not after
+    dense = experiment.dense  # loaded (and checked to be a Dense twin) before the replays, not after
     conditions = [Condition(kind, seed=seed) for kind in PAPER_CONDITIONS]
     conditions += [c if isinstance(c, Condition) else parse_condition(c, seed) for c in extra_conditions]
     swept = [Condition("interpolate", float(a), seed=seed) for a in sorted(set(map(float, sweep)))]
@@ -92,7 +92,6 @@ def audit_experiment(
     execution = experiment.measure_execution(latency_runs)
     params = sum(p.numel() for p in model.parameters())
     controller_params = sum(p.numel() for site in find_sites(model).values() for p in site.parameters())
-    dense = experiment.dense
     return {
         "fca_report_version": REPORT_VERSION,
         "model": {

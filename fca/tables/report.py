@@ -63,6 +63,16 @@ def _has_number(row: object, key: str) -> bool:
     return isinstance(row, dict) and isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)
 
 
+def report_mismatch(report: dict, model_fingerprint: str, cache_fingerprint: str) -> str | None:
+    """Why a report beside a cache does not describe it: "model" (another model's report), "cache" (the
+    cache was rebuilt since), or None. The dashboard's pages show such a report with the mismatch said."""
+    if report["model"].get("fingerprint") != model_fingerprint:
+        return "model"
+    if report["cache"].get("fingerprint") not in (None, cache_fingerprint):
+        return "cache"
+    return None
+
+
 def read_report(path: str | Path) -> dict:
     """An audit report from its JSON file, checked up front so that rendering never fails halfway."""
     try:
