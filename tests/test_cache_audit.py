@@ -79,6 +79,10 @@ def test_cache_layout_and_round_trip(demo):
     encodings = {meta.column(i).path_in_schema: meta.column(i).encodings for i in range(meta.num_columns)}
     split = {path for path, used in encodings.items() if "BYTE_STREAM_SPLIT" in used}
     assert split == {"live_nll", "blocks.0.gate.list.element", "blocks.1.gate.list.element"}, encodings
+    # Coefficients are never null, and the items say so: Parquet then keeps no definition level per value.
+    parquet_schema = pq.ParquetFile(cache.part_paths()[0]).schema
+    assert parquet_schema.column(parquet_schema.names.index("element")).max_definition_level == 1
+    assert not pq.read_schema(cache.part_paths()[0]).field("blocks.0.gate").type.value_field.nullable
     model = fca.load_model(demo / "featuregate")
     cache.check_model(fca.engine.loading.fingerprint_state(model))
     got = cache.read_seqs([7, 2])
@@ -248,7 +252,7 @@ def test_nan_coefficients(demo, tmp_path, capsys):
     table = table.set_column(
         table.schema.get_field_index("blocks.0.gate"),
         table.schema.field("blocks.0.gate"),
-        pa.FixedSizeListArray.from_arrays(pa.array(flat), 4),
+        pa.FixedSizeListArray.from_arrays(pa.array(flat), type=values.type),
     )
     pq.write_table(table, part, compression="zstd")
     manifest = json.loads((bad / MANIFEST).read_text())

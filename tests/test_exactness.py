@@ -54,7 +54,7 @@ def rewrite_cache(src: Path, dst: Path, relative_noise: float, environment: dict
             column = table.column(name).combine_chunks()
             values = column.flatten().to_numpy().astype(np.float32)
             noisy = (values * (1 + relative_noise * rng.uniform(-1, 1, values.shape))).astype(np.float32)
-            noisy_column = pa.FixedSizeListArray.from_arrays(pa.array(noisy), column.type.list_size)
+            noisy_column = pa.FixedSizeListArray.from_arrays(pa.array(noisy), type=column.type)
             table = table.set_column(table.schema.get_field_index(name), table.schema.field(name), noisy_column)
         pq.write_table(table, path, compression="zstd")
         part["sha256"], part["bytes"] = file_sha256(path), path.stat().st_size

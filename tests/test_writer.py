@@ -569,6 +569,30 @@ def test_a_resumed_build_rewrites_parts_damaged_since_they_were_recorded(artifac
     assert _hashes(out) == _hashes(clean) and _same_values(out, clean)
 
 
+def test_parts_whose_items_an_older_fca_declared_nullable_read_beside_new_ones(artifacts, tmp_path, small_parts):
+    """Caches written before the items were declared non-null still open, and a cache mixing both kinds
+    of part (one an older FCA began and this one resumed) reads across them: same values."""
+    import shutil
+
+    from fca.tables.store import MANIFEST, file_sha256
+
+    clean = _build(artifacts, tmp_path / "clean", workers=1)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(clean, mixed)
+    manifest = json.loads((mixed / MANIFEST).read_text())
+    record = manifest["parts"][0]
+    table = pq.read_table(mixed / record["file"])
+    nullable = pa.schema(
+        [pa.field(f.name, pa.list_(f.type.value_type, f.type.list_size), nullable=False) if "." in f.name else f
+         for f in table.schema]
+    )  # fmt: skip
+    pq.write_table(table.cast(nullable), mixed / record["file"], compression="zstd", row_group_size=T * 2)
+    assert pq.read_schema(mixed / record["file"]).field("blocks.0.gate").type.value_field.nullable
+    record.update(sha256=file_sha256(mixed / record["file"]), bytes=(mixed / record["file"]).stat().st_size)
+    (mixed / MANIFEST).write_text(json.dumps(manifest))
+    assert len(manifest["parts"]) == 3 and _same_values(mixed, clean)  # one read spans the old and new parts
+
+
 def test_parts_completed_out_of_order_are_kept(tmp_path):
     """Parts 1 and 2 complete, part 0 half written: a new build must redo part 0 and only part 0."""
     specs = {"a": SiteSpec(axes=(("channel", 2),), family="g")}
@@ -675,7 +699,7 @@ def test_bfloat16_model_coefficients_stored_bit_for_bit(artifacts, tmp_path):
     cache = open_cache(out, verify=True)
     assert cache.manifest.coefficient_dtype == "bfloat16"
     stored = pq.read_schema(cache.part_paths()[0]).field("blocks.0.gate").type
-    assert str(stored) == "fixed_size_list<element: uint16>[4]"
+    assert str(stored) == "fixed_size_list<element: uint16 not null>[4]"
     got = cache.read_seqs(range(6))
     for lo in (0, 3):  # the same record passes as the build (same batch composition)
         _, recorded = record_windows(model, torch.from_numpy(windows[lo : lo + 3]))
@@ -686,7 +710,7 @@ def test_bfloat16_model_coefficients_stored_bit_for_bit(artifacts, tmp_path):
             np.testing.assert_array_equal(got[name][lo : lo + 3].view(np.uint32), expected.view(np.uint32))
     # Streaming readers see float32 too: the statistics are those of the decoded values.
     batch = next(cache.iter_batches(columns=["blocks.1.gate"]))
-    assert str(batch.schema.field("blocks.1.gate").type) == "fixed_size_list<element: float>[4]"
+    assert str(batch.schema.field("blocks.1.gate").type) == "fixed_size_list<element: float not null>[4]"
     moments, layout = cache_moments(cache, with_tokens=False)
     decoded = np.concatenate([got[s].astype(np.float64) for s in layout.sites], axis=2).reshape(-1, layout.num_slots)
     assert moments.num_seqs == 6

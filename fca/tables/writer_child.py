@@ -92,6 +92,7 @@ def serve(conn: Connection) -> None:
         if kind == "build":
             out, plan, schema, seqs_per_part = message[2:]
             try:
+                schema = pa.ipc.read_schema(pa.py_buffer(schema))
                 num_parts = -(-int(plan["num_seqs"]) // int(seqs_per_part))
                 writer = CacheWriter(out, plan, schema, seqs_per_part, shard=range(num_parts), timings=Timings())
                 writer.closed_moments = {}  # a part's moments go back with its record: no sidecar read there

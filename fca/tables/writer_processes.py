@@ -23,8 +23,9 @@ sent holding the build's interpreter lock. A block is an anonymous memory file (
 each writer receives once, so nothing is left in the file system if either side dies. Without `memfd`
 (not Linux), and for `CacheWriter.write`'s record batches, batches go as Arrow IPC bytes instead.
 
-Messages, parent to writer: ("build", id, out, plan, schema, S); ("piece", id, k, n) followed by the record
-batch as Arrow IPC bytes, sent from the batch's own memory (pickling had copied it holding the lock);
+Messages, parent to writer: ("build", id, out, plan, schema as Arrow IPC bytes, S); ("piece", id, k, n)
+followed by the record batch as Arrow IPC bytes, sent from the batch's own memory (pickling had copied it
+holding the lock);
 ("block", id, block, bytes) followed by its descriptor; ("shared", id, k, n, first sequence, windows
 [n, T + 1], block, nll at, site -> at, ticket), where `at` is (offset, dtype, shape) in the block;
 ("end", id, drop). Writer to parent: ("done", id, k, n, (record, moments) when part k is complete, else
@@ -183,7 +184,10 @@ class WriterProcesses:
         self.cond = threading.Condition()
         with self.pool.lock:
             self.pool.builds[self.id] = self
-        plan = (str(owner.out), owner.plan, owner.schema, owner.seqs_per_part)
+        # The schema travels as Arrow IPC bytes: pickling one drops its list items' names and non-nullability
+        # (pyarrow 26), and the writer processes' parts would then differ from the threads'.
+        schema = owner.schema.serialize().to_pybytes()
+        plan = (str(owner.out), owner.plan, schema, owner.seqs_per_part)
         for i in range(self.count):
             try:
                 self.pool.send(i, ("build", self.id, *plan))
