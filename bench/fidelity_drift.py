@@ -27,7 +27,7 @@ DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 def measure(model_dir: str, cache_dir: str, device: str, dtype: str, num_seqs: int, batch: int) -> dict:
     experiment = Experiment.open(model_dir, cache_dir, None, device=device, dtype=DTYPES[dtype])
-    results = experiment.run([Condition("correct")], num_seqs, batch)
+    results = experiment.run([Condition("correct")], num_seqs, batch, judge=False)  # judged below, refusals kept
     row = {"cache": Path(cache_dir).name, "num_seqs": len(results.seqs), "batch": batch}
     f = results.fidelity
     row.update(

@@ -152,7 +152,7 @@ def test_expert_execution_and_blocks(moe, ids):
 
 
 def test_wrong_path_lists_candidates():
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS["mixtral"]())
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS["mixtral"]()).eval()
     declaration = SiteDeclaration(
         path="model.layers.*.mlp.router", axes=(("expert", E),), family="router", token_layout="flat"
     )
@@ -164,7 +164,7 @@ def test_wrong_path_lists_candidates():
 
 
 def test_spec_that_does_not_fit_is_a_clear_error(ids):
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS["mixtral"]())
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS["mixtral"]()).eval()
     wrong_axes = SiteDeclaration(
         path="model.layers.*.mlp.gate",
         axes=(("expert", E + 1),),
@@ -176,7 +176,7 @@ def test_spec_that_does_not_fit_is_a_clear_error(ids):
     attach_sites(model, [wrong_axes])
     with pytest.raises(
         SiteDeclarationError,
-        match=r"Tensor\[16, 4\] does not fit .*K=5.*returned "
+        match=r"Tensor\[16, 4\] does not fit .*trailing dims \[5\].*returned "
         r"tuple\(Tensor\[16, 4\], Tensor\[16, 2\], Tensor\[16, 2\]\)",
     ) as err:
         fca.capture(model, ids)
@@ -244,3 +244,121 @@ def test_user_model_with_glob_path_end_to_end(layout, ids):
     model.load_state_dict(TinyUserModel(flat=layout == "flat").state_dict())
     detach_sites(model)
     assert not find_sites(model) and isinstance(model.blocks[0].gate, nn.Linear)
+
+
+def _controller_calls(model) -> list:
+    """Appends to the returned list on every call of a site's controller."""
+    calls: list = []
+    for site in find_sites(model).values():
+        site.controller.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def test_a_controller_shared_by_the_blocks_is_one_site_per_block_and_removed_from_all(ids):
+    """`named_modules` lists a module reached twice once; every block's use is still its own site, so no
+    block keeps calling the live controller in replay."""
+    torch.manual_seed(0)
+    model = TinyUserModel(flat=False).eval()
+    model.blocks[1].gate = model.blocks[0].gate  # one controller for both blocks
+    plain = model(ids).detach()
+    attach_sites(model, [SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate")])
+    assert list(find_sites(model)) == ["blocks.0.gate", "blocks.1.gate"]
+    coefficients = fca.capture(model, ids)
+    assert not np.array_equal(coefficients["blocks.0.gate"], coefficients["blocks.1.gate"])
+    calls = _controller_calls(model)
+    assert (fca.replay(model, ids, coefficients) - plain).abs().max().item() <= 1e-6 and calls == []
+    only_second = dict(coefficients, **{"blocks.1.gate": coefficients["blocks.1.gate"][::-1].copy()})
+    assert (fca.replay(model, ids, only_second) - plain).abs().max().item() > 1e-4  # block 1 is frozen too
+
+
+def test_a_site_that_runs_twice_in_a_pass_is_refused_when_recorded(ids):
+    """A controller used twice in one forward would be recorded once (its last call) and replayed into both."""
+
+    class TwiceGated(TinyUserModel):
+        def forward(self, input_ids):
+            x = self.embed(input_ids)
+            x = self.blocks[0](self.blocks[0](x))  # the same block, so the same gate, twice
+            return self.head(x)
+
+    model = TwiceGated(flat=False).eval()
+    attach_sites(model, [SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate")])
+    with pytest.raises(ValueError, match=r"site 'blocks\.0\.gate' ran twice in one forward pass") as err:
+        fca.capture(model, ids)
+    assert "\n" not in str(err.value)
+
+
+def test_a_shared_parent_cannot_hold_two_sites(ids):
+    model = TinyUserModel(flat=False).eval()
+    model.blocks[1] = model.blocks[0]  # both paths lead to one block's one `gate` attribute
+    with pytest.raises(SiteDeclarationError, match=r"blocks\.1\.gate and blocks\.0\.gate are one attribute"):
+        attach_sites(model, [SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate")])
+    assert not find_sites(model)  # nothing swapped
+
+
+class HeadGate(nn.Module):
+    """Gates per head as [B, T, H, 1], the shape a head-gated attention multiplies by."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.proj(x)).unsqueeze(-1)  # [B, T, H, 1]
+
+
+class HeadGatedModel(nn.Module):
+    def __init__(self, d: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.gate = HeadGate(d, heads)
+        self.head = nn.Linear(d, VOCAB)
+        self.heads = heads
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)  # [B, T, D]
+        Bx, Tx, D = x.shape
+        x = (x.view(Bx, Tx, self.heads, D // self.heads) * self.gate(x)).view(Bx, Tx, D)
+        return self.head(x)
+
+
+def test_coefficient_dims_must_be_the_declared_axes_not_just_their_product(ids):
+    """[B, T, H, 1] declared as (("head", H),) holds K values but would be replayed as [B, T, H]: refused
+    when recorded, with the dims to declare; declared with both axes it replays exactly."""
+    torch.manual_seed(0)
+    model = HeadGatedModel().eval()
+    plain = model(ids).detach()
+    attach_sites(model, [SiteDeclaration(path="gate", axes=(("head", 4),), family="gate")])
+    with pytest.raises(
+        SiteDeclarationError, match=r"trailing dims \[4\]\) \(declare axes for each of its dims \[4, 1\]\)"
+    ):
+        fca.capture(model, ids)
+    detach_sites(model)
+    attach_sites(model, [SiteDeclaration(path="gate", axes=(("head", 4), ("one", 1)), family="gate")])
+    coefficients = fca.capture(model, ids)
+    assert coefficients["gate"].shape == (B, T, 4)
+    assert (fca.replay(model, ids, coefficients) - plain).abs().max().item() == 0
+
+
+def test_bad_replay_coefficients_and_inputs_are_one_line_errors(ids):
+    model = TinyUserModel(flat=False).eval()
+    attach_sites(model, [SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate")])
+    coefficients = fca.capture(model, ids)
+    for wrong, shape in [({k: v[:1, :3] for k, v in coefficients.items()}, r"\[1, 3, 4\]"),
+                         ({k: v[..., :3] for k, v in coefficients.items()}, r"\[2, 8, 3\]")]:  # fmt: skip
+        with pytest.raises(ValueError, match=rf"site 'blocks\.0\.gate': replay coefficients of shape {shape}"):
+            fca.replay(model, ids, wrong)
+    with pytest.raises(ValueError, match="integer token ids, got float32"):
+        fca.capture(model, torch.rand(2, 8))
+    with pytest.raises(ValueError, match="not None"):
+        fca.replay(model, None, coefficients)
+
+
+@pytest.mark.parametrize(
+    "axes", [2, (2,), (("group", "4"),), (("group", 0),), (), (("group", 4, 1),), (("group", True),)]
+)
+def test_axes_are_checked_when_declared(axes):
+    with pytest.raises(SiteDeclarationError, match=r"blocks\.\*\.gate: axes must be \(name, size\) pairs"):
+        SiteDeclaration(path="blocks.*.gate", axes=axes, family="gate")
+    with pytest.raises(SiteDeclarationError, match="family must be a non-empty name"):
+        SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family=3)
+    assert SiteDeclaration(path="g", axes=[["group", np.int64(4)]], family="gate")  # lists and numpy sizes are fine

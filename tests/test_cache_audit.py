@@ -440,9 +440,8 @@ def test_audit_refuses_when_correct_is_not_exact(demo, tmp_path, monkeypatch, ca
     )
     with pytest.raises(ExactnessError):
         check_exactness(fake)
-    from fca.jobs.experiment import Experiment
-
-    monkeypatch.setattr(Experiment, "run", lambda *a, **k: fake)
+    # The replays' figures as an inexact run gives them: `Experiment.run` judges them before the audit sees them.
+    monkeypatch.setattr("fca.jobs.experiment.run_conditions", lambda *a, **k: fake)
     code = main(_audit_args(demo / "featuregate", demo / "eval", demo / "calibration", tmp_path / "r.json"))
     assert code == 3 and "does not reproduce" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()

@@ -12,7 +12,7 @@ import fca
 from fca.engine.adapters import SiteDeclaration
 from fca.jobs.build import as_windows
 from fca.jobs.runs import run_replay
-from fca.tables.errors import CacheError
+from fca.tables.errors import CacheError, ExactnessError
 
 
 class Block(nn.Module):
@@ -101,6 +101,48 @@ def test_calibration_from_the_same_windows_is_refused(adapted, tmp_path):
     fca.build_cache(adapted, windows, tmp_path / "calibration", split="eval")
     with pytest.raises(CacheError, match="same split"):
         fca.audit(adapted, tmp_path / "eval", tmp_path / "calibration")
+    # Another split name is only a label for windows given in memory: what the caches hold is compared.
+    fca.build_cache(adapted, windows, tmp_path / "relabelled", split="calibration")
+    with pytest.raises(CacheError, match=r"relabelled: 6 of its 6 windows are also in the evaluated cache"):
+        fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "relabelled")
+    fresh = np.random.default_rng(3).integers(0, 64, (6, 17))
+    fca.build_cache(adapted, np.concatenate([fresh[:4], windows[2:4]]), tmp_path / "overlap", split="calibration")
+    with pytest.raises(CacheError, match="2 of its 6 windows"):
+        fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "overlap")
+    fca.build_cache(adapted, fresh, tmp_path / "other", split="calibration")
+    fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "other")  # other windows: independent
+
+
+def test_a_run_is_judged_before_its_figures_are_returned(adapted, tmp_path):
+    """`Experiment.run` refuses an inexact Correct replay rather than return figures, takes condition specs
+    as text, and a model left in training mode is refused with what to do."""
+    tokens = np.random.default_rng(4).integers(0, 64, 2_000)
+    fca.build_cache(adapted, tokens[:1_000], tmp_path / "eval", seq_len=32, split="eval")
+    fca.build_cache(adapted, tokens[1_000:], tmp_path / "calibration", seq_len=32, split="calibration")
+    experiment = fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "calibration")
+    results = experiment.run(["interpolate:0.5"], num_seqs=4)
+    assert (
+        results.exactness["max_abs_logit_diff"] == 0.0 and results.exactness["fidelity"]["verdict"] == "bit-identical"
+    )
+    assert set(results.per_seq_nll) == {"interpolate:0.5"}
+    # A block whose output depends on the call count: the replay of a pass cannot reproduce that pass.
+    block = adapted.blocks[1]
+    calls = {"n": 0}
+
+    def drift(module, args, output):
+        calls["n"] += 1
+        return output + 1e-3 * calls["n"]
+
+    handle = block.register_forward_hook(drift)
+    try:
+        with pytest.raises(ExactnessError):
+            experiment.run(["static_layer"], num_seqs=4)
+        assert experiment.run(["static_layer"], num_seqs=4, judge=False).max_abs_logit_diff > 0
+    finally:
+        handle.remove()
+    adapted.train()
+    with pytest.raises(ValueError, match=r"TinyGatedLM is in training mode; call model\.eval\(\)"):
+        fca.capture(adapted, tokens[:64].reshape(2, 32))
 
 
 def test_windows_are_checked():

@@ -233,7 +233,7 @@ def test_each_builtin_family_is_found_for_its_model():
     assert catalog.is_dense_twin(config.to_dict(), family.dense_twin.config(config.to_dict()))
 
     torch.manual_seed(0)
-    moe = adapt_moe(transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(**MIXTRAL)))
+    moe = adapt_moe(transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(**MIXTRAL)).eval())
     family = family_of(moe)
     assert family.model_type == "mixtral" and family.coefficient_kind == "router logits" and family.dense_twin is None
     assert family.expert_paths and family.execution_note == EXECUTION_NOTE

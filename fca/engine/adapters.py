@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,6 +62,12 @@ class SiteDeclaration:
     coefficient: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise SiteDeclarationError(f"path must be a dotted module path, not {self.path!r}")
+        if not callable(self.axes):
+            check_axes(self.axes, self.path)
+        if not isinstance(self.family, str) or not self.family:
+            raise SiteDeclarationError(f"{self.path}: family must be a non-empty name, not {self.family!r}")
         if self.token_layout not in ("batched", "flat"):
             raise SiteDeclarationError(
                 f"{self.path}: token_layout must be 'batched' or 'flat', not {self.token_layout!r}"
@@ -70,6 +77,25 @@ class SiteDeclaration:
                 f"{self.path}: output={self.output!r} picks the coefficient out of a larger output, "
                 "so replay needs rebuild="
             )
+
+
+def check_axes(axes: Any, path: str) -> None:
+    """SiteDeclarationError unless `axes` is a non-empty sequence of (name, size) pairs, sizes whole numbers >= 1."""
+    ok = isinstance(axes, (tuple, list)) and len(axes) > 0
+    for axis in axes if ok else ():
+        ok = ok and (
+            isinstance(axis, (tuple, list))
+            and len(axis) == 2
+            and isinstance(axis[0], str)
+            and isinstance(axis[1], numbers.Integral)
+            and not isinstance(axis[1], bool)
+            and axis[1] >= 1
+        )
+    if not ok:
+        raise SiteDeclarationError(
+            f"{path}: axes must be (name, size) pairs with whole sizes of at least 1, e.g. (('group', 4),); "
+            f"got {axes!r}"
+        )
 
 
 def _describe(value: Any) -> str:
@@ -114,9 +140,7 @@ class ModuleSite(Site):
         if self.mode == "replay":
             dtype = first.dtype if first is not None and first.is_floating_point() else torch.get_default_dtype()
             device = first.device if first is not None else None
-            coefficients = (
-                self._provider(self, B, T).to(device=device, dtype=dtype).expand(B, T, self.spec.num_channels)
-            )  # [B, T, K]
+            coefficients = self.replayed(B, T, device, dtype)  # [B, T, K]
             native = (
                 coefficients.reshape(B * T, *dims)
                 if self.declaration.token_layout == "flat"
@@ -126,7 +150,7 @@ class ModuleSite(Site):
         output = self.controller(*args, **kwargs)
         coefficients = self._coefficients(output, B, T)  # [B, T, K]
         if self.mode == "record":
-            self._sink[self.site_name] = coefficients.detach()
+            self.record(coefficients)
         return output
 
     def _current_batch_shape(self, first: torch.Tensor | None) -> tuple[int, int]:
@@ -159,16 +183,26 @@ class ModuleSite(Site):
         K = self.spec.num_channels
         flat = self.declaration.token_layout == "flat"
         lead = (B * T,) if flat else (B, T)
+        # The trailing dims must be the axes' sizes, not merely hold K values: replay hands the module's
+        # consumer (or `rebuild`) [.., *axes], so a [B, T, 4, 1] output declared as (("head", 4),) would be
+        # replayed as [B, T, 4], which broadcasts differently or not at all.
+        dims = tuple(size for _, size in self.spec.axes)
         fits = (
             isinstance(picked, torch.Tensor)
             and tuple(picked.shape[: len(lead)]) == lead
-            and math.prod(picked.shape[len(lead) :]) == K
+            and tuple(picked.shape[len(lead) :]) == dims
         )
         if not fits:
+            trailing = (
+                f" (declare axes for each of its dims {list(picked.shape[len(lead) :])})"
+                if isinstance(picked, torch.Tensor) and math.prod(picked.shape[len(lead) :]) == K
+                else ""
+            )
             raise SiteDeclarationError(
                 f"site {self.site_name!r}: the coefficient {_describe(picked)} does not fit "
                 f"token_layout={self.declaration.token_layout!r} (leading dims {list(lead)} for B={B}, T={T}) and "
-                f"axes {self.spec.axes} (K={K}); the module returned {_describe(output)}"
+                f"axes {self.spec.axes} (trailing dims {list(dims)}){trailing}; the module returned "
+                f"{_describe(output)}"
                 + (
                     "; set output= to pick the coefficient tensor"
                     if how is None and not isinstance(output, torch.Tensor)
@@ -195,7 +229,9 @@ def match_modules(model: nn.Module, pattern: str) -> list[str]:
     parts = pattern.split(".")
     return [
         name
-        for name, _ in model.named_modules()
+        # Every path, also a second one to a module reached twice: a controller shared by the blocks is
+        # one site per block (its calls are separate uses), not one site for the first block only.
+        for name, _ in model.named_modules(remove_duplicate=False)
         if name
         and len(name.split(".")) == len(parts)
         and all(fnmatchcase(n, p) for n, p in zip(name.split("."), parts))
@@ -262,11 +298,13 @@ def _shape(path: list[str]) -> tuple[str, ...]:
 
 def _resolve_axes(declaration: SiteDeclaration, module: nn.Module, path: str) -> Axes:
     if not callable(declaration.axes):
-        return tuple(declaration.axes)
+        return tuple((name, int(size)) for name, size in declaration.axes)
     try:
-        return tuple(declaration.axes(module))
+        axes = declaration.axes(module)
     except (AttributeError, TypeError) as err:
         raise SiteDeclarationError(f"{path}: axes could not be read from {type(module).__name__} ({err})") from None
+    check_axes(axes, path)
+    return tuple((name, int(size)) for name, size in axes)
 
 
 def _record_batch_shape(sites: Sequence[ModuleSite], module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -301,6 +339,7 @@ def attach_sites(
     """
     # Every declaration is checked before any module is swapped, so an error leaves the model as it was.
     planned: dict[str, tuple[nn.Module, SiteDeclaration, SiteSpec]] = {}
+    slots: dict[tuple[int, str], str] = {}  # (id of the parent module, attribute) -> the first path to it
     for declaration in declarations:
         paths = match_modules(model, declaration.path)
         if not paths:
@@ -314,6 +353,14 @@ def attach_sites(
                 raise SiteDeclarationError(f"{path} is already a controller site")
             if any(path == c or path.startswith(c + ".") or c.startswith(path + ".") for c in planned):
                 raise SiteDeclarationError(f"{path} is declared twice, or nested with another declared site")
+            parent, _, leaf = path.rpartition(".")
+            slot = (id(model.get_submodule(parent) if parent else model), leaf)
+            if slot in slots:
+                raise SiteDeclarationError(
+                    f"{path} and {slots[slot]} are one attribute of one shared parent module, so they cannot be "
+                    "told apart as two sites; give each use its own parent module"
+                )
+            slots[slot] = path
             spec = SiteSpec(
                 axes=_resolve_axes(declaration, module, path),
                 family=declaration.family,

@@ -97,10 +97,14 @@ def replay(
 ) -> torch.Tensor:
     """Logits [B, T, V] of the frozen model fed `coefficients` (site -> array broadcastable to [B, T, K_s]).
 
-    Every site is replayed unless `only` names a subset (the rest run live). The replayed
-    controllers are never called.
+    Every site is replayed unless `only` names a subset (a set of names, or one name; the rest run live).
+    The replayed controllers are never called.
     """
     ids = as_input_ids(input_ids, model)
+    if not isinstance(coefficients, Mapping):
+        raise ValueError(f"coefficients must map site names to arrays, not {type(coefficients).__name__}")
+    if isinstance(only, str):  # one site's name, not a set of its characters
+        only = {only}
     param = next(model.parameters())
     staged = DeviceCoefficients(coefficients, param.device, param.dtype)
     with site_modes(model, "replay", provider=tensor_provider(staged), only=only) as chosen:
@@ -134,6 +138,7 @@ class ReplayResults:
     coefficient_dtype: str = "float32"
     extras: dict = field(default_factory=dict)
     replayed_per_seq: np.ndarray | None = None  # [n] Correct replay of the recorded coefficients (check 1)
+    exactness: dict | None = None  # `check_exactness`'s verdict, once judged (`Experiment.run` judges)
 
     def nll(self, name: str) -> float:
         return float(self.per_seq_nll[name].mean())

@@ -53,12 +53,32 @@ class Site(nn.Module):
         """x: the controller's input; batch_shape: (B, T) when x is not already [B, T, ...]."""
         if self.mode == "replay":
             B, T = batch_shape if batch_shape is not None else (x.shape[0], x.shape[1])
-            coefficients = self._provider(self, B, T)
-            return coefficients.to(device=x.device, dtype=x.dtype).expand(B, T, self.spec.num_channels)
+            return self.replayed(B, T, x.device, x.dtype)
         coefficients = self.controller(x)  # [B, T, K]
         if self.mode == "record":
-            self._sink[self.site_name] = coefficients.detach()
+            self.record(coefficients)
         return coefficients
+
+    def replayed(self, B: int, T: int, device, dtype: torch.dtype) -> torch.Tensor:
+        """The provider's coefficients for this call as [B, T, K] (a view where they broadcast)."""
+        coefficients = self._provider(self, B, T).to(device=device, dtype=dtype)
+        try:
+            return coefficients.expand(B, T, self.spec.num_channels)
+        except RuntimeError:
+            raise ValueError(
+                f"site {self.site_name!r}: replay coefficients of shape {list(coefficients.shape)} do not broadcast "
+                f"to this call's [B, T, K] = {[B, T, self.spec.num_channels]}"
+            ) from None
+
+    def record(self, coefficients: torch.Tensor) -> None:
+        """Hand this call's coefficients [B, T, K] to the pass's sink. A site runs once per pass: a second
+        call would overwrite the first one's values, and replay would then feed the second to both."""
+        if self.site_name in self._sink:
+            raise ValueError(
+                f"site {self.site_name!r} ran twice in one forward pass; FCA records one coefficient tensor per "
+                "site and pass, so a controller used twice must be declared as two modules (one per use)"
+            )
+        self._sink[self.site_name] = coefficients.detach()
 
     def _set_mode(self, mode: Mode, sink, provider, in_pass: bool) -> None:
         # Plain attributes, set past nn.Module.__setattr__ and its checks for parameters, buffers and
@@ -130,6 +150,8 @@ def site_modes(
     sites = find_sites(model)
     if not sites:
         raise ValueError(f"{type(model).__name__} has no controller sites")
+    if model.training:  # dropout would make the live pass and its replay differ by chance
+        raise ValueError(f"{type(model).__name__} is in training mode; call model.eval() before recording or replaying")
     if only is not None:
         unknown = sorted(set(only) - set(sites))
         if unknown:
@@ -160,9 +182,13 @@ def site_modes(
 def as_input_ids(input_ids, model: nn.Module) -> torch.Tensor:
     """Token ids [B, T] as a long tensor on the model's device."""
     device = next(model.parameters()).device
+    if input_ids is None:
+        raise ValueError("input_ids must be token ids [batch, positions], not None")
     ids = torch.as_tensor(np.asarray(input_ids) if not isinstance(input_ids, torch.Tensor) else input_ids)
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, positions], got shape {tuple(ids.shape)}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be integer token ids, got {str(ids.dtype).replace('torch.', '')}")
     return ids.to(device=device, dtype=torch.long)
 
 

@@ -15,7 +15,6 @@ import torch
 from fca.engine.environment import model_dtype_name
 from fca.engine.families import family_of
 from fca.engine.loading import fingerprint_state
-from fca.engine.replay import check_exactness
 from fca.engine.sites import find_sites
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource
 from fca.tables.conditions import PAPER_CONDITIONS, Condition, parse_condition
@@ -85,7 +84,7 @@ def audit_experiment(
     results = experiment.run(
         conditions, num_seqs, batch_size, seed, progress=step("replay"), profile_progress=step("calibration profiles")
     )
-    exactness = check_exactness(results)
+    exactness = results.exactness  # judged by the run: nothing below is computed from an inexact one
     table = summarize_conditions(results.per_seq_nll, seed)
     moments, layout = cache_moments(evaluated, progress=step("variance"), num_seqs=num_seqs)
     variance = variance_decomposition(moments, layout)
@@ -119,7 +118,7 @@ def audit_experiment(
         "variance": variance,
         "execution": execution,
         "definitions": {
-            **_definitions(evaluated, layout, seed, conditions, swept),
+            **_definitions(evaluated, calibration, layout, seed, conditions, swept),
             **family_of(model).definitions(model),
         },
         # The seed and training run travel inside the report: a study of committed audits needs no models.
@@ -176,7 +175,12 @@ def _extra_definition(c: Condition) -> str:
 
 
 def _definitions(
-    cache: Cache, layout, seed: int, conditions: Sequence[Condition], swept: Sequence[Condition] = ()
+    cache: Cache,
+    calibration: Cache,
+    layout,
+    seed: int,
+    conditions: Sequence[Condition],
+    swept: Sequence[Condition] = (),
 ) -> dict:
     extra = [c for c in conditions if c.name not in PAPER_CONDITIONS and c not in swept]  # named by their spec
     families: dict[str, list[str]] = {}
@@ -216,7 +220,10 @@ def _definitions(
         "variance_factors": "site, channel within site: parts of the slot effect; position, token id and sequence: "
         "group means within each slot, each as a share of SS_total (they overlap and do not add up); "
         "residual_after_slot = 1 - layer_identity_share",
-        "splits": {"evaluated": cache.manifest.corpus.split, "calibration": "calibration"},
+        "splits": {
+            "evaluated": cache.manifest.corpus.split,
+            "calibration": calibration.manifest.corpus.split,
+        },
         "exactness": "mechanism: in every evaluated batch, live logits vs Correct replay of the coefficients "
         f"recorded in that same pass, same batch composition; max |diff| <= {MECHANISM_TOLERANCE:g} and identical NLL",
         "cache_fidelity": "cached coefficients of the evaluated sequences vs those recorded now (max |diff|; relative: "

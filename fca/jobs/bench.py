@@ -23,7 +23,7 @@ import torch
 from fca.engine.capture import write_cache
 from fca.engine.environment import current_environment, model_dtype_name
 from fca.engine.loading import fingerprint_state, load_model
-from fca.engine.replay import check_exactness, replay, stack_conditions
+from fca.engine.replay import replay, stack_conditions
 from fca.engine.sites import capture_tensors, model_logits, site_specs
 from fca.jobs.experiment import Experiment
 from fca.tables import data
@@ -333,7 +333,7 @@ def run_bench(
     cache = open_cache(work / "capture")
     # Both exactness checks on the cache just built, as the audit runs them (nothing is timed here).
     experiment = Experiment.open(model, cache, None)
-    exactness = check_exactness(experiment.run([Condition("correct")], len(windows), batch_size))
+    exactness = experiment.run([Condition("correct")], len(windows), batch_size).exactness
     result["exactness"] = {
         "max_abs_logit_diff": exactness["max_abs_logit_diff"],
         "fidelity": exactness["fidelity"]["verdict"],

@@ -38,9 +38,9 @@ from fca.engine.capture import (
     seqs_per_part,
     spreads_parts,
 )
-from fca.engine.replay import ReplayResults
+from fca.engine.replay import ReplayResults, check_exactness
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource
-from fca.tables.conditions import Condition
+from fca.tables.conditions import Condition, parse_condition
 from fca.tables.errors import CacheError
 from fca.tables.fidelity import FidelityMeasure
 from fca.tables.remote import RemoteParts, is_uri, staging
@@ -433,17 +433,22 @@ class ShardedExperiment(Experiment):
         progress: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         profile_progress: Callable[[int, int], None] | None = None,
+        judge: bool = True,
     ) -> ReplayResults:
+        """`Experiment.run` on the actors: each scores its shard, the driver merges and judges the run."""
         import ray
 
+        conditions = [c if isinstance(c, Condition) else parse_condition(c, seed) for c in conditions]
         n = self.evaluated.num_seqs if num_seqs is None else min(num_seqs, self.evaluated.num_seqs)
         self.check_run(conditions, n)  # in the driver first, as the local run does
         bounds = shard_bounds(n, batch_size, len(self.actors))
-        refs = [a.run.remote(list(conditions), n, batch_size, seed, b) for a, b in zip(self.actors, bounds)]
-        results = ray.get(refs)
+        refs = [a.run.remote(conditions, n, batch_size, seed, b) for a, b in zip(self.actors, bounds)]
+        results = merge_results(ray.get(refs), bounds)
         if progress is not None:
             progress(n, n)
-        return merge_results(results, bounds)
+        if judge:
+            results.exactness = check_exactness(results)
+        return results
 
     def close(self) -> None:
         import ray

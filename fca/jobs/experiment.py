@@ -19,9 +19,9 @@ from torch import nn
 from fca.engine.environment import model_dtype_name
 from fca.engine.execution import execution_audit
 from fca.engine.loading import fingerprint_state, load_model
-from fca.engine.replay import ReplayResults, run_conditions
+from fca.engine.replay import ReplayResults, check_exactness, run_conditions
 from fca.engine.sites import find_sites
-from fca.tables.conditions import Condition
+from fca.tables.conditions import Condition, parse_condition
 from fca.tables.errors import CacheError, ModelLoadError
 from fca.tables.profiles import Profiles, calibration_profiles
 from fca.tables.store import Cache, open_cache
@@ -49,7 +49,8 @@ def model_name(source: ModelSource) -> str:
 def check_independent(evaluated: Cache, calibration: Cache) -> None:
     """Static profiles must be estimated on another split than the one they are evaluated on. Splits of
     one corpus file are disjoint only when drawn with the same split seed (`fca.tables.data.split_documents`);
-    a calibration cache of another corpus counts as independent."""
+    a calibration cache of another corpus counts as independent. Caches without a split seed (windows
+    given in memory) must share no window."""
     a, b = evaluated.manifest.corpus, calibration.manifest.corpus
     if (a.split, a.fingerprint, a.split_seed) == (b.split, b.fingerprint, b.split_seed):
         raise CacheError(
@@ -62,6 +63,15 @@ def check_independent(evaluated: Cache, calibration: Cache) -> None:
             f"{b.split_seed}, the evaluated cache's {a.split!r} split with {a.split_seed}: splits drawn with "
             f"different seeds share documents; build the calibration cache with --split-seed {a.split_seed}"
         )
+    if a.split_seed is None or b.split_seed is None:
+        # Windows given in memory (or caches older than split seeds) say nothing of how they were drawn:
+        # their split names are labels only, so what they hold is compared instead.
+        shared = len(evaluated.window_digests() & calibration.window_digests())
+        if shared:
+            raise CacheError(
+                f"{calibration.path}: {shared} of its {calibration.num_seqs} windows are also in the evaluated cache "
+                f"{evaluated.path}; static profiles must be estimated on other windows"
+            )
     if set(evaluated.sites) != set(calibration.sites):
         raise CacheError(f"{calibration.path}: its sites differ from {evaluated.path}'s")
 
@@ -115,7 +125,7 @@ class Experiment:
             dense = _model(self.dense_source, str(self.device), self.dtype)
             if find_sites(dense):  # e.g. the gated model itself, given by mistake
                 raise ModelLoadError(
-                    f"{self.dense_source}: has controller sites, so it is not a Dense twin (the same sizes without "
+                    f"{self.dense_name}: has controller sites, so it is not a Dense twin (the same sizes without "
                     "controllers)"
                 )
             self._dense = dense
@@ -182,18 +192,24 @@ class Experiment:
         should_stop: Callable[[], bool] | None = None,
         profile_progress: Callable[[int, int], None] | None = None,
         shard: tuple[int, int] | None = None,
+        judge: bool = True,
     ) -> ReplayResults:
-        """Replay `conditions` on the first `num_seqs` evaluated sequences (all by default), with both
-        exactness checks on every batch (judge them with `fca.engine.replay.check_exactness`).
-        `shard`: score only those positions of the run (`run_conditions`; a distributed replay's actor)."""
+        """Replay `conditions` (`Condition`s, or specs such as "interpolate:0.5") on the first `num_seqs`
+        evaluated sequences (all by default), with both exactness checks on every batch. With `judge`, no
+        figure leaves unchecked: the checks are judged before returning (`fca.engine.replay.check_exactness`:
+        ExactnessError or FidelityError), and the verdict is `results.exactness`. `judge=False` returns
+        the figures unjudged, for a bench of the checks themselves.
+        `shard`: score only those positions of the run (`run_conditions`; a distributed replay's actor,
+        whose driver judges the merged run)."""
         if num_seqs is not None and num_seqs < 1 or batch_size < 1:
             raise ValueError(
                 f"a replay needs at least one sequence and a batch of at least one (got {num_seqs}, {batch_size})"
             )
+        conditions = [c if isinstance(c, Condition) else parse_condition(c, seed) for c in conditions]
         n = self.evaluated.num_seqs if num_seqs is None else min(num_seqs, self.evaluated.num_seqs)
         self.check_run(conditions, n)
         profiles = self.profiles(profile_progress) if any(c.needs_profiles for c in conditions) else None
-        return run_conditions(
+        results = run_conditions(
             self.model,
             self.evaluated,
             conditions,
@@ -205,3 +221,6 @@ class Experiment:
             should_stop=should_stop,
             shard=shard,
         )
+        if judge and shard is None:
+            results.exactness = check_exactness(results)
+        return results

@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fca.engine.replay import check_exactness
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource
 from fca.tables.conditions import Condition, parse_condition
 from fca.tables.runs import save_run
@@ -69,7 +68,7 @@ def run_replay(
     record = {
         "spec": spec,
         "results": {
-            "exactness": check_exactness(results),
+            "exactness": results.exactness,
             "conditions": summarize_conditions(results.per_seq_nll, seed),
             "per_sequence_nll": {k: v.tolist() for k, v in results.per_seq_nll.items()},
         },

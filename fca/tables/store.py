@@ -1380,6 +1380,16 @@ class Cache:
                 f"{self.manifest.model.fingerprint[:12]}, this model {model_fingerprint[:12]})"
             )
 
+    def window_digests(self, chunk: int = 1024) -> set[bytes]:
+        """A digest of every sequence's token window (its T tokens and last target), read `chunk` sequences
+        at a time: what two caches hold in common, whatever their manifests say of where it came from."""
+        digests = set()
+        for lo in range(0, self.num_seqs, chunk):
+            rows = self.read_seqs(range(lo, min(self.num_seqs, lo + chunk)), sites=[])
+            windows = np.concatenate([rows["token"], rows["target"][:, -1:]], axis=1).astype(np.int64)  # [n, T + 1]
+            digests.update(hashlib.blake2b(w.tobytes(), digest_size=16).digest() for w in windows)
+        return digests
+
     def verify(self, seqs: range | None = None) -> None:
         """Recompute the sha256 of every part (or of those holding `seqs`) against the manifest; a part is
         hashed once per opened cache."""
