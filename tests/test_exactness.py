@@ -23,6 +23,7 @@ from fca.engine.environment import current_environment
 from fca.engine.replay import check_exactness, run_conditions
 from fca.engine.sites import find_sites
 from fca.tables.environment import describe, same_environment
+from fca.tables.errors import CacheError
 from fca.tables.fidelity import FidelityError, check_dtype, tolerances
 from fca.tables.profiles import calibration_profiles
 from fca.tables.store import MANIFEST, file_sha256, open_cache
@@ -41,9 +42,12 @@ FOREIGN = {
 }
 
 
-def rewrite_cache(src: Path, dst: Path, relative_noise: float, environment: dict | None, seed: int = 0) -> Path:
+def rewrite_cache(
+    src: Path, dst: Path, relative_noise: float, environment: dict | None, seed: int = 0, nll_offset: float = 0.0
+) -> Path:
     """A copy of the cache at `src` whose coefficients are scaled by (1 + relative_noise * u), u uniform in
-    [-1, 1], and whose manifest names `environment`; part hashes are updated so the copy opens cleanly."""
+    [-1, 1], whose stored live NLL is moved by `nll_offset`, and whose manifest names `environment`; part
+    hashes are updated so the copy opens cleanly."""
     shutil.copytree(src, dst)
     manifest = json.loads((dst / MANIFEST).read_text())
     rng = np.random.default_rng(seed)
@@ -56,6 +60,8 @@ def rewrite_cache(src: Path, dst: Path, relative_noise: float, environment: dict
             noisy = (values * (1 + relative_noise * rng.uniform(-1, 1, values.shape))).astype(np.float32)
             noisy_column = pa.FixedSizeListArray.from_arrays(pa.array(noisy), type=column.type)
             table = table.set_column(table.schema.get_field_index(name), table.schema.field(name), noisy_column)
+        nll = pa.array(table.column("live_nll").to_numpy() + np.float32(nll_offset))
+        table = table.set_column(table.schema.get_field_index("live_nll"), table.schema.field("live_nll"), nll)
         pq.write_table(table, path, compression="zstd")
         part["sha256"], part["bytes"] = file_sha256(path), path.stat().st_size
     manifest["environment"] = environment
@@ -169,9 +175,59 @@ def test_same_environment_must_be_bit_identical(demo_pair, tmp_path, capsys):
     drifted = rewrite_cache(ev, tmp_path / "drifted", 2e-7, here)  # drift a foreign cache may have, claimed as ours
     assert replay_cli(model_dir, drifted, cal) == 2
     err = capsys.readouterr().err
-    assert "same environment" in err and "not this model's output" in err
+    assert "records as this very environment" in err and "not this model's output" in err
+    assert "or was computed under settings its manifest does not record" in err
     # The very same cache in other batches than the build's is judged by the tolerances instead.
     assert replay_cli(model_dir, drifted, cal, "--batch", "3") == 0
+    # Only the stored live NLL changed: the refusal says so, not that the coefficients differ.
+    renamed = rewrite_cache(ev, tmp_path / "renamed_nll", 0.0, here, nll_offset=1e-3)
+    assert replay_cli(model_dir, renamed, cal) == 2
+    assert "the cached live NLL differs from the one computed now" in capsys.readouterr().err
+
+
+def test_settings_that_choose_kernels_are_part_of_the_environment(demo_pair, tmp_path, monkeypatch, capsys):
+    """A build under oneDNN's instruction-set limit (or TF32, or a lower float32 matmul precision) runs other
+    kernels on the same device: the manifest records it, and a replay without it judges the cache as
+    foreign (by the tolerances), naming what differs, instead of refusing it as not this model's output."""
+    model_dir, ev, cal = demo_pair
+    here = open_cache(ev).environment
+    assert here["numerics"] == "default"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert current_environment(fca.load_model(model_dir))["numerics"] == "oneDNN ISA AVX2"
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    limited = rewrite_cache(ev, tmp_path / "limited", 2e-7, {**here, "numerics": "oneDNN ISA AVX2"})
+    assert replay_cli(model_dir, limited, cal) == 0
+    out = capsys.readouterr().out
+    assert "oneDNN ISA AVX2" in out and "a foreign cache: the environments differ in numeric settings" in out
+    # Caches from before the record (no `numerics`) are judged as before: same environment, bit for bit.
+    older = rewrite_cache(ev, tmp_path / "older", 0.0, {k: v for k, v in here.items() if k != "numerics"})
+    assert replay_cli(model_dir, older, cal) == 0 and "bit-identical" in capsys.readouterr().out
+    one = describe({**here, "threads": 1})
+    assert "(AVX512, 1 thread)" in one or "1 thread)" in one
+
+
+def test_a_damaged_live_nll_column_is_refused_in_a_foreign_cache(demo_pair, tmp_path, capsys):
+    model_dir, ev, cal = demo_pair
+    damaged = rewrite_cache(ev, tmp_path / "damaged", 2e-7, FOREIGN, nll_offset=3.0)
+    assert replay_cli(model_dir, damaged, cal) == 2
+    assert "stored live NLL difference per token 3 > 0.01" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "environment, problem",
+    [
+        ("cuda", "'environment' must be an object"),
+        ([1, 2], "'environment' must be an object"),
+        ({**FOREIGN, "batch_size": "4"}, "environment 'batch_size' must be a whole number"),
+        ({**FOREIGN, "model_dtype": "bfloat16"}, "model dtype float32, but its environment says bfloat16"),
+    ],
+)
+def test_a_malformed_or_contradictory_environment_is_one_line(demo_pair, tmp_path, capsys, environment, problem):
+    model_dir, ev, cal = demo_pair
+    bad = rewrite_cache(ev, tmp_path / "bad", 0.0, environment)
+    assert main(["inspect", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"fca: error: {bad / MANIFEST}") and problem in err and "\n" not in err
 
 
 def test_dtype_change_is_refused(demo_pair, capsys):
@@ -295,3 +351,39 @@ def demo_pair(tmp_path_factory):
         )
     calibration_profiles(open_cache(root / "calibration"))  # the calibration cache opens and profiles cleanly
     return root / "featuregate", root / "eval", root / "calibration"
+
+
+def test_a_read_only_cache_is_replayed_without_losing_the_run(demo_pair, tmp_path, monkeypatch, capsys):
+    """A cache on a read-only mount: a replay that would save beside it is refused before it starts (not
+    after minutes of replay), `--no-save` replays it, and an audit refuses a report path there up front.
+    (Tests run as root, whom permission bits do not stop: the read-only mount is what `os.access` says.)"""
+    import os
+
+    model_dir, ev, cal = demo_pair
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    shutil.copytree(ev, mount / "eval")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: real_access(p, mode) and not str(p).startswith(str(mount)))
+    started = []
+    monkeypatch.setattr("fca.jobs.experiment.run_conditions", lambda *a, **k: started.append(1))
+    saving = ["replay", "--model", str(model_dir), "--cache", str(mount / "eval"), "--calibration", str(cal)]
+    assert main([*saving, "--num-seqs", "8", "--batch", "4", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"{mount}: not writable" in err and "--no-save" in err and started == []
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "access", lambda p, mode: real_access(p, mode) and not str(p).startswith(str(mount)))
+    assert replay_cli(model_dir, mount / "eval", cal) == 0  # (with --no-save)
+    args = ["audit", "--model", str(model_dir), "--cache", str(mount / "eval"), "--calibration", str(cal)]
+    assert main([*args, "--json", str(mount / "audit.json")]) == 2
+    assert f"its folder {mount} is not writable" in capsys.readouterr().err
+
+
+def test_caches_of_two_model_dtypes_are_refused_together_with_the_right_advice(demo_pair, tmp_path):
+    model_dir, ev, cal = demo_pair
+    other = rewrite_cache(cal, tmp_path / "bf16cal", 0.0, {**open_cache(cal).environment, "model_dtype": "bfloat16"})
+    manifest = json.loads((other / MANIFEST).read_text())
+    manifest["model"]["dtype"] = "bfloat16"
+    (other / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CacheError, match="recorded with a bfloat16 model, the evaluated cache with a float32 one"):
+        fca.Experiment.open(model_dir, ev, other)

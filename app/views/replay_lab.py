@@ -28,6 +28,7 @@ from fca.tables.runs import (
     replay_command,
     run_label,
     run_labels,
+    runs_writable,
     saved_run_rows,
     sweep_conditions,
 )
@@ -130,6 +131,7 @@ def form_settings(kinds: list[str], freeze: list[str], alpha: float, independent
         seed=seed,
         device=sel.device,
         batch_size=int(st.session_state["lab_batch"]),
+        save=runs_writable(cache.path),  # a read-only cache's runs are shown, not saved
     )
 
 
@@ -203,6 +205,8 @@ def settings_form() -> None:
                     + ", ".join(f"{a:g}" for a in SWEEP_ALPHAS)
                 )
             st.caption("  \n".join(explained))
+        if not settings["save"]:
+            st.caption("This cache's folder is read-only: runs are shown here but not saved beside it.")
         st.caption(
             "**Preview, not yet run**: the command these settings give"
             + (" (locked while a run is in progress)" if locked else "")

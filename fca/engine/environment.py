@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from functools import lru_cache
 
@@ -29,8 +30,32 @@ def model_dtype_name(model: nn.Module) -> str:
     return str(next(model.parameters()).dtype).replace("torch.", "")
 
 
+def numerics(device: torch.device) -> str:
+    """The settings beside the device that change which kernels run ("default" when none does): float32
+    matmul precision, TF32 on CUDA, oneDNN's instruction-set limit and precision on CPU."""
+    settings = []
+    if torch.get_float32_matmul_precision() != "highest":
+        settings.append(f"float32 matmul precision {torch.get_float32_matmul_precision()}")
+    if device.type == "cuda":
+        if torch.backends.cuda.matmul.allow_tf32:
+            settings.append("TF32 matmul")
+        if not torch.backends.cudnn.allow_tf32:
+            settings.append("cuDNN TF32 off")
+    else:
+        isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+        if isa:
+            settings.append(f"oneDNN ISA {isa}")
+        if not torch.backends.mkldnn.enabled:
+            settings.append("oneDNN off")
+        precision = getattr(torch.backends.mkldnn, "fp32_precision", "none")
+        if precision not in ("none", "ieee"):
+            settings.append(f"oneDNN float32 precision {precision}")
+    return ", ".join(settings) or "default"
+
+
 def current_environment(model: nn.Module) -> dict:
-    """The environment `model` computes in now: device, its name and capability, dtype, torch, threads."""
+    """The environment `model` computes in now: device, its name and capability, dtype, torch, threads and
+    the numeric settings that choose kernels."""
     param = next(model.parameters())
     device = param.device
     env = {
@@ -38,6 +63,7 @@ def current_environment(model: nn.Module) -> dict:
         "model_dtype": model_dtype_name(model),
         "torch": torch.__version__,
         "cuda": torch.version.cuda if device.type == "cuda" else None,
+        "numerics": numerics(device),
     }
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)

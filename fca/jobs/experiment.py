@@ -109,6 +109,11 @@ class Experiment:
             dtype = getattr(torch, evaluated.model_dtype, None)
         loaded = _model(model, device, dtype)
         calibrated = None if calibration is None else _cache(calibration, verify)
+        if calibrated is not None and calibrated.model_dtype != evaluated.model_dtype:
+            raise CacheError(
+                f"{calibrated.path}: recorded with a {calibrated.model_dtype} model, the evaluated cache with a "
+                f"{evaluated.model_dtype} one; build the calibration cache in {evaluated.model_dtype} too"
+            )
         fingerprint = fingerprint_state(loaded)
         for c in (evaluated, calibrated):
             if c is not None:

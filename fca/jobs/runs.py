@@ -12,7 +12,7 @@ import torch
 
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource
 from fca.tables.conditions import Condition, parse_condition
-from fca.tables.runs import save_run
+from fca.tables.runs import check_runs_writable, save_run
 from fca.tables.scoring import summarize_conditions
 
 
@@ -42,6 +42,8 @@ def run_replay(
         experiment = Experiment.open(model, cache, calibration, device=device, dtype=dtype)
     n = min(num_seqs, experiment.evaluated.num_seqs)
     experiment.check_run(parsed, n)  # before the progress bar: a refusal is one line
+    if save:
+        check_runs_writable(experiment.evaluated.path)  # before the replay, not after it
     bar = None
     if show_progress and progress is None:
         from tqdm.auto import tqdm

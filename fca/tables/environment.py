@@ -11,12 +11,50 @@ from __future__ import annotations
 
 # The fields that decide whether two environments compute bit-identical results. Anything not listed
 # here (the batch size of a build, say) is recorded for the reader but compared separately.
-IDENTITY_FIELDS = ("device_type", "device_name", "capability", "model_dtype", "torch", "cuda", "threads")
+# `numerics`: settings that change kernels on the same device (float32 matmul precision, TF32, oneDNN's
+# instruction-set limit): a build under ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 machine differed by 4.8e-7
+# from a replay without it, and was refused as "not this model's output" before they were recorded.
+# Older caches lack it, so it is compared only where both record it.
+IDENTITY_FIELDS = ("device_type", "device_name", "capability", "model_dtype", "torch", "cuda", "threads", "numerics")
+RECORDED_LATER = ("numerics",)
+LABELS = {
+    "device_type": "device",
+    "device_name": "device name",
+    "capability": "CPU capability or GPU architecture",
+    "model_dtype": "model dtype",
+    "torch": "torch",
+    "cuda": "CUDA",
+    "threads": "threads",
+    "numerics": "numeric settings",
+}
+
+
+def check_environment(env: object) -> None:
+    """ValueError unless `env` is an environment record: an object of plain values, its
+    thread and batch counts whole numbers."""
+    if env is None:
+        return
+    if not isinstance(env, dict) or not all(isinstance(v, (str, int, float, type(None))) for v in env.values()):
+        raise ValueError(f"'environment' must be an object of names, numbers or null, not {str(env)[:80]!r}")
+    for key in ("threads", "batch_size"):
+        if env.get(key) is not None and (not isinstance(env[key], int) or isinstance(env[key], bool)):
+            raise ValueError(f"environment {key!r} must be a whole number or null, not {env[key]!r}")
+
+
+def differing_fields(a: dict | None, b: dict | None) -> list[str]:
+    """The identity fields on which two known environments differ, in words (empty if either is unknown)."""
+    if not a or not b:
+        return []
+    return [
+        LABELS[k]
+        for k in IDENTITY_FIELDS
+        if a.get(k) != b.get(k) and not (k in RECORDED_LATER and (a.get(k) is None or b.get(k) is None))
+    ]
 
 
 def same_environment(a: dict | None, b: dict | None) -> bool:
     """True when both environments are known and agree on every field that decides the arithmetic."""
-    return bool(a) and bool(b) and all(a.get(k) == b.get(k) for k in IDENTITY_FIELDS)
+    return bool(a) and bool(b) and not differing_fields(a, b)
 
 
 def describe(env: dict | None) -> str:
@@ -26,7 +64,10 @@ def describe(env: dict | None) -> str:
     if env.get("device_type") == "cuda":
         where = f"cuda {env.get('device_name')} ({env.get('capability')}, CUDA {env.get('cuda')})"
     else:
+        threads = env.get("threads")
         where = (
-            f"{env.get('device_type')} {env.get('device_name')} ({env.get('capability')}, {env.get('threads')} threads)"
+            f"{env.get('device_type')} {env.get('device_name')} ({env.get('capability')}, "
+            f"{threads} thread{'' if threads == 1 else 's'})"
         )
-    return f"{where}, {env.get('model_dtype')}, torch {env.get('torch')}"
+    numerics = f", {env['numerics']}" if env.get("numerics") not in (None, "default") else ""
+    return f"{where}, {env.get('model_dtype')}{numerics}, torch {env.get('torch')}"

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fca.tables.environment import describe, same_environment
+from fca.tables.environment import describe, differing_fields, same_environment
 from fca.tables.errors import CacheError, ExactnessError
 
 MECHANISM_TOLERANCE = 1e-6
@@ -31,10 +31,13 @@ MECHANISM_TOLERANCE = 1e-6
 # 30x above the largest drift and 10x below a 1e-3 change of the coefficients. bfloat16: CPU against
 # GPU, coefficients differ by one unit in the last place (7.5e-3 relative), NLLs by 1.2e-4 nats (per
 # sequence 2.2e-3); the bounds allow about eight units. float16 sits between, by its unit (2^-10).
+# `nll_token`: the per-token live NLL the cache stores against the one computed now, ten times the
+# per-sequence bound (one token's NLL drifts more than a mean of 128): a damaged `live_nll` column, say
+# 3 nats off, is refused, not reported as "accepted".
 FOREIGN_TOLERANCES = {
-    "float32": {"coefficient_rel": 1e-4, "nll_mean": 1e-4, "nll_seq": 1e-3},
-    "float16": {"coefficient_rel": 1e-2, "nll_mean": 5e-3, "nll_seq": 5e-2},
-    "bfloat16": {"coefficient_rel": 6e-2, "nll_mean": 2e-2, "nll_seq": 1e-1},
+    "float32": {"coefficient_rel": 1e-4, "nll_mean": 1e-4, "nll_seq": 1e-3, "nll_token": 1e-2},
+    "float16": {"coefficient_rel": 1e-2, "nll_mean": 5e-3, "nll_seq": 5e-2, "nll_token": 0.5},
+    "bfloat16": {"coefficient_rel": 6e-2, "nll_mean": 2e-2, "nll_seq": 1e-1, "nll_token": 1.0},
 }
 # A cache stored at reduced precision is compared after rounding the recorded coefficients the same way;
 # elsewhere a value near a rounding boundary may land one storage unit away, so that unit is allowed too.
@@ -152,14 +155,23 @@ def judge_fidelity(
         "tolerances": {"bit_identical_required": strict, **({} if strict else tol)},
     }
     where = f"computed on {describe(computed_on)}, replayed on {describe(replayed_on)}"
+    differing = differing_fields(computed_on, replayed_on)
+    out["differing_fields"] = differing
     if measure.bit_identical:
         out["verdict"] = "bit-identical"
         return out
     if strict:
+        what = (
+            f"cached coefficients differ from those this model computes now (max |diff| "
+            f"{measure.max_abs_coefficient_diff:.3g})"
+            if measure.differing_coefficients
+            else f"the cached live NLL differs from the one computed now (max |diff| "
+            f"{measure.stored_live_nll_max_diff:.3g} nats per token; the coefficients are identical)"
+        )
         raise FidelityError(
-            f"{cache_path}: cached coefficients differ from those this model computes now in the same environment "
-            f"({where}; max |diff| {measure.max_abs_coefficient_diff:.3g}): the cache is not this model's output on "
-            "these sequences; rebuild it"
+            f"{cache_path}: {what}, in what its manifest records as this very environment ({where}): the cache is "
+            "not this model's output on these sequences, or was computed under settings its manifest does not "
+            "record; rebuild it here"
         )
     worst = [
         (name, value, tol[key])
@@ -167,6 +179,7 @@ def judge_fidelity(
             ("max relative coefficient difference", measure.max_rel_coefficient_diff, "coefficient_rel"),
             ("Correct-from-cache NLL difference", nll_diff, "nll_mean"),
             ("per-sequence NLL difference", out["max_seq_nll_diff"], "nll_seq"),
+            ("stored live NLL difference per token", measure.stored_live_nll_max_diff, "nll_token"),
         )
         if not value <= tol[key]
     ]

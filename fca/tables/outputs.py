@@ -50,6 +50,9 @@ def check_output(path: str | Path, kind: str, is_earlier: Callable[[str], bool])
             raise OutputError(
                 f"{path}: exists and is not an earlier {kind}; not replaced (remove it or choose another path)"
             )
+    folder = next((p for p in path.absolute().parents if p.exists()), None)  # (written there, or made there)
+    if folder is not None and not os.access(folder, os.W_OK):
+        raise OutputError(f"{path}: its folder {folder} is not writable; choose another path for the {kind}")
     return path
 
 

@@ -114,9 +114,11 @@ def exactness_sentences(ex: dict) -> list[str]:
             f"{tol['coefficient_rel']:g}), and Correct-from-cache NLL by {fid['nll_diff']:.2g} nats from live "
             f"(tolerance {tol['nll_mean']:g}); accepted"
         )
+    differing = fid.get("differing_fields")
+    foreign = f" (a foreign cache: the environments differ in {', '.join(differing)})" if differing else ""
     sentences.append(
         f"Cache fidelity: coefficients computed on {fid['computed_on_text']}, replayed on "
-        f"{fid['replayed_on_text']}; {verdict}."
+        f"{fid['replayed_on_text']}{foreign}; {verdict}."
     )
     return sentences
 

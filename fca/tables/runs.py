@@ -24,6 +24,26 @@ def runs_dir(cache_dir: str | Path) -> Path:
     return cache_dir.with_name(cache_dir.name + ".runs")
 
 
+def runs_writable(cache_dir: str | Path) -> bool:
+    """Whether runs of this cache can be saved: its runs folder, or the folder it would be made in, is
+    writable (a cache on a read-only mount, or copied read-only, is replayed without saving)."""
+    import os
+
+    folder = runs_dir(cache_dir)
+    return os.access(folder if folder.exists() else folder.parent, os.W_OK)
+
+
+def check_runs_writable(cache_dir: str | Path) -> None:
+    """OSError with what to do unless runs of this cache can be saved: checked before a replay, so that
+    minutes of it are not lost to a failed save."""
+    if not runs_writable(cache_dir):
+        folder = runs_dir(cache_dir)
+        raise OSError(
+            f"{folder if folder.exists() else folder.parent}: not writable, so the run could not be saved beside "
+            "the cache; replay with --no-save, or copy the cache somewhere writable"
+        )
+
+
 def save_run(cache_dir: str | Path, record: dict) -> Path:
     folder = runs_dir(cache_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -174,5 +194,6 @@ def replay_command(settings: dict, relative_to: str | Path | None = None) -> str
         f"--seed {settings['seed']}",
         f"--batch {settings['batch_size']}",
         f"--device {settings.get('device', 'auto')}",
+        *([] if settings.get("save", True) else ["--no-save"]),
     ]
     return "python -m fca replay " + " ".join(parts)

@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from fca.tables.environment import check_environment
 from fca.tables.errors import CacheError
 from fca.tables.fidelity import check_dtype
 from fca.tables.outputs import OutputError, check_replaceable
@@ -1032,6 +1033,14 @@ class PartRecord:
     first_seq: int | None = None
 
 
+def _environment(env: object, where: str) -> dict | None:
+    try:
+        check_environment(env)
+    except ValueError as err:
+        raise CacheError(f"{where}: malformed manifest: {err}") from None
+    return env
+
+
 @dataclass(frozen=True)
 class Manifest:
     """A cache's `manifest.json`, typed. Built once by `Manifest.from_json` (which `open_cache` and the
@@ -1103,11 +1112,13 @@ class Manifest:
                     for p in raw["parts"]
                 ),
                 seqs_per_part=_optional_int(raw.get("seqs_per_part")),
-                environment=raw.get("environment"),
+                environment=_environment(raw.get("environment"), where),
                 created=raw.get("created"),
                 library_versions=raw.get("library_versions") or {},
                 raw=raw,
             )
+        except CacheError:
+            raise
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise CacheError(f"{where}: malformed manifest ({type(err).__name__}: {err})") from None
         manifest.check_sizes(where)
@@ -1124,6 +1135,8 @@ class Manifest:
             problem = f"coefficient dtype {self.coefficient_dtype!r} (known: {', '.join(COEFFICIENT_BYTES)})"
         elif self.num_tokens != N * T:
             problem = f"num_tokens {self.num_tokens}, but {N} sequences x {T} tokens"
+        elif self.model.dtype and (self.environment or {}).get("model_dtype") not in (None, self.model.dtype):
+            problem = f"model dtype {self.model.dtype}, but its environment says {self.environment['model_dtype']}"
         elif sum(p.num_seqs for p in self.parts) != N:
             problem = f"its parts hold {sum(p.num_seqs for p in self.parts)} sequences, not num_seqs {N}"
         else:
