@@ -25,6 +25,7 @@ from fca.engine.adapters import (
 from fca.engine.families import family_of
 from fca.engine.loading import fingerprint_state
 from fca.engine.models import expert_execution
+from fca.engine.models.hf_moe import adapt_moe
 from fca.engine.sites import find_sites, model_logits
 
 B, T, E, TOP_K, VOCAB = 2, 8, 4, 2, 100
@@ -362,3 +363,11 @@ def test_axes_are_checked_when_declared(axes):
     with pytest.raises(SiteDeclarationError, match="family must be a non-empty name"):
         SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family=3)
     assert SiteDeclaration(path="g", axes=[["group", np.int64(4)]], family="gate")  # lists and numpy sizes are fine
+
+
+def test_token_ids_outside_the_vocabulary_are_one_line(ids):
+    model = adapt_moe(transformers.AutoModelForCausalLM.from_config(CONFIGS["mixtral"]()).eval())
+    with pytest.raises(
+        ValueError, match=rf"input_ids must lie in \[0, {VOCAB}\) for MixtralForCausalLM, got ids from 0 to {VOCAB}"
+    ):
+        fca.capture(model, torch.tensor([[0, 1, VOCAB]]))

@@ -140,6 +140,8 @@ def test_a_run_is_judged_before_its_figures_are_returned(adapted, tmp_path):
         assert experiment.run(["static_layer"], num_seqs=4, judge=False).max_abs_logit_diff > 0
     finally:
         handle.remove()
+    with pytest.raises(ValueError, match=r"sweep: interpolation alphas must be numbers, got \['a'\]"):
+        fca.audit(adapted, tmp_path / "eval", tmp_path / "calibration", num_seqs=4, sweep=("a",))
     adapted.train()
     with pytest.raises(ValueError, match=r"TinyGatedLM is in training mode; call model\.eval\(\)"):
         fca.capture(adapted, tokens[:64].reshape(2, 32))

@@ -189,7 +189,26 @@ def as_input_ids(input_ids, model: nn.Module) -> torch.Tensor:
         raise ValueError(f"input_ids must be [batch, positions], got shape {tuple(ids.shape)}")
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be integer token ids, got {str(ids.dtype).replace('torch.', '')}")
+    vocab = _vocab_rows(model)
+    if vocab is not None and ids.device.type == "cpu" and ids.numel():  # (on a GPU the check would wait for it)
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(
+                f"input_ids must lie in [0, {vocab}) for {type(model).__name__}, got ids from {low} to {high}"
+            )
     return ids.to(device=device, dtype=torch.long)
+
+
+def _vocab_rows(model: nn.Module) -> int | None:
+    """Rows of the model's input embedding (else its config's vocab_size); None when it has neither."""
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embedding = None
+    if isinstance(embedding, nn.Embedding):
+        return embedding.num_embeddings
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
 
 
 # Where the logits sit in a model's output when it is neither a tensor nor has `.logits`: an index

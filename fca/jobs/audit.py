@@ -79,7 +79,11 @@ def audit_experiment(
     dense = experiment.dense  # loaded (and checked to be a Dense twin) before the replays, not after
     conditions = [Condition(kind, seed=seed) for kind in PAPER_CONDITIONS]
     conditions += [c if isinstance(c, Condition) else parse_condition(c, seed) for c in extra_conditions]
-    swept = [Condition("interpolate", float(a), seed=seed) for a in sorted(set(map(float, sweep)))]
+    try:
+        alphas = sorted({float(a) for a in sweep})
+    except (TypeError, ValueError):
+        raise ValueError(f"sweep: interpolation alphas must be numbers, got {list(sweep)!r}") from None
+    swept = [Condition("interpolate", a, seed=seed) for a in alphas]
     conditions += [c for c in swept if c not in conditions]  # an extra interpolate:0.5 is run once
     results = experiment.run(
         conditions, num_seqs, batch_size, seed, progress=step("replay"), profile_progress=step("calibration profiles")
