@@ -527,7 +527,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--conditions", nargs="+", default=["correct", "static_layer"], help="kind[:alpha][+independent][@site,site]"
     )
-    p.add_argument("--num-seqs", type=_positive_int, default=32)
+    p.add_argument(
+        "--num-seqs", type=_positive_int, default=32, help="replay the first N evaluated sequences (default 32)"
+    )
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--batch", type=_positive_int, default=16)
     p.add_argument("--device", default="auto")
