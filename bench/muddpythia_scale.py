@@ -15,7 +15,7 @@ where its time went), and for a bfloat16 model one more build of the largest cou
 16 bits.
 A short build pays the last part's encoding after the last forward; a longer one shows the steady rate.
 
-Memory: about 6 GB (1.42 B float32 parameters). Runtime on 2 CPU cores: a few minutes at most.
+Memory: about 8 GB (1.42 B float32 parameters; 7.9 GB peak RSS measured). Runtime on 2 CPU cores: about 1.5 min.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ directory and loaded back through `fca.load_model` (local files only, hub offlin
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from fca.engine.loading import fingerprint_state
 from fca.engine.models import expert_execution
 from fca.engine.models.hf_moe import adapt_moe
 from fca.engine.sites import find_sites, model_logits
+from fca.tables.errors import ModelLoadError
 
 B, T, E, TOP_K, VOCAB = 2, 8, 4, 2, 100
 COMMON = dict(
@@ -371,3 +373,24 @@ def test_token_ids_outside_the_vocabulary_are_one_line(ids):
         ValueError, match=rf"input_ids must lie in \[0, {VOCAB}\) for MixtralForCausalLM, got ids from 0 to {VOCAB}"
     ):
         fca.capture(model, torch.tensor([[0, 1, VOCAB]]))
+
+
+def test_a_checkpoint_missing_or_adding_weights_is_refused(tmp_path):
+    """transformers would initialise a missing weight afresh (a router, even) and drop an unexpected one,
+    saying so in a multi-line report only: the model audited would not be the checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    transformers.AutoModelForCausalLM.from_config(CONFIGS["mixtral"]()).save_pretrained(tmp_path / "ok")
+    fca.load_model(tmp_path / "ok")  # the checkpoint as written loads
+    weights = load_file(tmp_path / "ok" / "model.safetensors")
+    for name, change in [
+        ("missing", lambda w: w.pop("model.layers.0.mlp.gate.weight", None) or w.pop("model.norm.weight")),
+        ("extra", lambda w: w.__setitem__("model.extra.weight", torch.zeros(2))),
+    ]:
+        broken = dict(weights)
+        change(broken)
+        shutil.copytree(tmp_path / "ok", tmp_path / name)
+        save_file(broken, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ModelLoadError, match=rf"{name}: the checkpoint (lacks|has unexpected) weights \(") as err:
+            fca.load_model(tmp_path / name)
+        assert "\n" not in str(err.value)

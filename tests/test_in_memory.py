@@ -14,6 +14,8 @@ from fca.jobs.build import as_windows
 from fca.jobs.runs import run_replay
 from fca.tables.errors import CacheError, ExactnessError
 
+from .conftest import REPO
+
 
 class Block(nn.Module):
     """h + MLP(h), its `groups` feature groups scaled by gates 2 * sigmoid(gate(h))."""
@@ -153,3 +155,30 @@ def test_windows_are_checked():
         as_windows(np.arange(10))
     with pytest.raises(ValueError, match="integers"):
         as_windows(np.zeros((2, 5)))
+
+
+def test_windows_beyond_the_models_vocabulary_are_refused_before_anything_is_written(tmp_path):
+    """A tokenizer larger than the model's embedding (another model's) would fail inside the embedding
+    lookup (a device assert on a GPU); the build refuses it first and leaves nothing behind."""
+    model = fca.load_model(REPO / "cache" / "demo" / "featuregate")
+    windows = np.full((2, 9), 5, dtype=np.int64)
+    windows[1, 3] = 5000
+    with pytest.raises(ValueError, match=r"token ids from 5 to 5000, but FeatureGateModel embeds ids in \[0, 2048\)"):
+        fca.build_cache(model, windows, tmp_path / "c", split="eval")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_documents_end_with_the_tokenizers_own_end_token():
+    """Mistral-style tokenizers (Mixtral) end documents with </s>, not <|endoftext|>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from fca.tables import data
+    from fca.tables.errors import ModelLoadError
+
+    vocab = {"</s>": 0, "in": 1, "the": 2, "beginning": 3, "[UNK]": 4}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert data.encode_stream(["in the beginning", "the"], tokenizer).tolist() == [1, 2, 3, 0, 2, 0]
+    bare = Tokenizer(models.WordLevel({"in": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    with pytest.raises(ModelLoadError, match=r"model.json: no end-of-document token \(none of <\|endoftext\|>, </s>"):
+        data.end_of_document(bare, "model.json")

@@ -23,7 +23,7 @@ from fca.engine.models.muddpythia import (
     MUDDPythiaConfig,
     dense_twin_config,
 )
-from fca.engine.sites import find_sites
+from fca.engine.sites import controller_parameters, find_sites
 from fca.testing import (
     build_random_model,
     write_dense_twin_checkpoint,
@@ -195,6 +195,27 @@ def test_missing_key_is_a_clear_error(ckpt, tmp_path):
     assert "\n" not in message and "model.safetensors" in message and "dense_bs.1" in message and "missing" in message
 
 
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (lambda path: torch.save([torch.zeros(2)], path), "holds a list, not a state dict of tensors"),
+        (lambda path: torch.save(torch.nn.Linear(2, 2), path), "not a weights-only state dict"),
+        (lambda path: path.write_bytes(b"not a pickle at all"), "pytorch_model.bin: "),
+    ],
+)
+def test_an_unusable_torch_pickle_is_named_in_one_line(ckpt, tmp_path, content, problem):
+    import shutil
+
+    path = tmp_path / "bin"
+    shutil.copytree(ckpt, path)
+    (path / "model.safetensors").unlink()
+    content(path / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError) as err:
+        fca.load_model(path)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(str(path / "pytorch_model.bin")) and problem in message
+
+
 def test_misshapen_key_is_a_clear_error(ckpt, tmp_path):
     def edit(state):
         state["dynamic_dense.0.w2.weight"] = torch.zeros(7, 64)
@@ -243,6 +264,9 @@ def test_sites_shapes_and_families(model, captured, ids):
         )
     # k = c * (i + 2) + j: layer 1, stream v (c = 2), source j = 2 (output of layer 1) -> k = 8.
     assert sites["dense.1"].spec.channel_labels[8] == "v:L1"
+    # The controllers' parameters (the audit's "in controllers"): every dynamic_dense MLP and static bias.
+    expected = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("dynamic_dense.", "dense_bs.")))
+    assert expected > 0 and controller_parameters(model) == expected
 
 
 def test_coefficients_are_dynamic_plus_static(model, captured, ids):

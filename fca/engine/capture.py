@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fca.engine.sites import as_input_ids, capture_tensors, find_sites, site_specs
+from fca.engine.sites import as_input_ids, capture_tensors, find_sites, site_specs, vocab_rows
 from fca.tables.store import (
     COEFFICIENT_BYTES,
     CacheError,
@@ -363,6 +363,12 @@ def write_cache(
     if N < 1 or batch_size < 1:
         raise ValueError(
             f"{out}: a build needs at least one window and a batch of at least one (got {N}, {batch_size})"
+        )
+    vocab = vocab_rows(model)
+    if vocab is not None and (windows.min() < 0 or windows.max() >= vocab):  # before anything is written
+        raise ValueError(
+            f"{out}: token ids from {windows.min()} to {windows.max()}, but {type(model).__name__} embeds ids in "
+            f"[0, {vocab}): the tokenizer (or the windows) do not belong to this model"
         )
     coefficient_dtype = plan.get("coefficient_dtype", "float32")
     schema = cache_schema(specs, coefficient_arrow_type(coefficient_dtype))

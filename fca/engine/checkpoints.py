@@ -9,6 +9,7 @@ Weights come from `model.safetensors`, a sharded safetensors index, or a `pytorc
 from __future__ import annotations
 
 import json
+import pickle as _pickle
 from pathlib import Path
 
 import torch
@@ -53,10 +54,19 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             return state
         if pickle.is_file():
             state = torch.load(pickle, map_location="cpu", weights_only=True)
-            return state.get("model", state) if isinstance(state, dict) else state
+            state = state.get("model", state) if isinstance(state, dict) else state
+            if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+                raise ModelLoadError(
+                    f"{pickle}: holds a {type(state).__name__}, not a state dict of tensors (name -> tensor)"
+                )
+            return state
     except (SafetensorError, OSError, RuntimeError, KeyError, json.JSONDecodeError, EOFError) as err:
         bad = single if single.is_file() else index if index.is_file() else pickle
         raise ModelLoadError(f"{bad}: unreadable weights ({str(err).splitlines()[0]})") from None
+    except _pickle.UnpicklingError as err:  # a whole pickled module (refused by weights_only) or not a pickle
+        raise ModelLoadError(
+            f"{pickle}: not a weights-only state dict ({str(err).splitlines()[0][:120]}); save model.state_dict()"
+        ) from None
     raise ModelLoadError(f"{path}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)")
 
 

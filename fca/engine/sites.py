@@ -126,6 +126,16 @@ def find_sites(model: nn.Module) -> dict[str, Site]:
     return found
 
 
+def controller_parameters(model: nn.Module) -> int:
+    """Parameters the model's controllers compute with, each counted once (a controller may be shared by
+    several sites, or be a callable over parameters the model keeps elsewhere and offers `parameters()`)."""
+    sizes: dict[int, int] = {}
+    for site in find_sites(model).values():
+        owned = site.controller.parameters() if hasattr(site.controller, "parameters") else site.parameters()
+        sizes.update((id(p), p.numel()) for p in owned)
+    return sum(sizes.values())
+
+
 def site_specs(model: nn.Module) -> dict[str, SiteSpec]:
     return {name: site.spec for name, site in find_sites(model).items()}
 
@@ -189,7 +199,7 @@ def as_input_ids(input_ids, model: nn.Module) -> torch.Tensor:
         raise ValueError(f"input_ids must be [batch, positions], got shape {tuple(ids.shape)}")
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be integer token ids, got {str(ids.dtype).replace('torch.', '')}")
-    vocab = _vocab_rows(model)
+    vocab = vocab_rows(model)
     if vocab is not None and ids.device.type == "cpu" and ids.numel():  # (on a GPU the check would wait for it)
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= vocab:
@@ -199,7 +209,7 @@ def as_input_ids(input_ids, model: nn.Module) -> torch.Tensor:
     return ids.to(device=device, dtype=torch.long)
 
 
-def _vocab_rows(model: nn.Module) -> int | None:
+def vocab_rows(model: nn.Module) -> int | None:
     """Rows of the model's input embedding (else its config's vocab_size); None when it has neither."""
     try:
         embedding = model.get_input_embeddings()

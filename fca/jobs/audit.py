@@ -15,7 +15,7 @@ import torch
 from fca.engine.environment import model_dtype_name
 from fca.engine.families import family_of
 from fca.engine.loading import fingerprint_state
-from fca.engine.sites import find_sites
+from fca.engine.sites import controller_parameters
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource
 from fca.tables.conditions import PAPER_CONDITIONS, Condition, parse_condition
 from fca.tables.fidelity import FOREIGN_TOLERANCES, MECHANISM_TOLERANCE, STORAGE_ULP
@@ -94,7 +94,7 @@ def audit_experiment(
     variance = variance_decomposition(moments, layout)
     execution = experiment.measure_execution(latency_runs)
     params = sum(p.numel() for p in model.parameters())
-    controller_params = sum(p.numel() for site in find_sites(model).values() for p in site.parameters())
+    controller_params = controller_parameters(model)
     return {
         "fca_report_version": REPORT_VERSION,
         "model": {

@@ -21,6 +21,7 @@ from fca.engine.execution import execution_audit
 from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.replay import ReplayResults, check_exactness, run_conditions
 from fca.engine.sites import find_sites
+from fca.tables.catalog import DENSE_TWINS, is_dense_twin
 from fca.tables.conditions import Condition, parse_condition
 from fca.tables.errors import CacheError, ModelLoadError
 from fca.tables.profiles import Profiles, calibration_profiles
@@ -39,6 +40,12 @@ def _model(source: ModelSource | None, device: str, dtype: torch.dtype | None) -
 
 def _cache(source: CacheSource, verify: bool) -> Cache:
     return source if isinstance(source, Cache) else open_cache(source, verify=verify)
+
+
+def _config_dict(model: nn.Module) -> dict:
+    """A model's config as a dict ({} for a module without one)."""
+    config = getattr(model, "config", None)
+    return config.to_dict() if hasattr(config, "to_dict") else {}
 
 
 def model_name(source: ModelSource) -> str:
@@ -132,6 +139,13 @@ class Experiment:
                 raise ModelLoadError(
                     f"{self.dense_name}: has controller sites, so it is not a Dense twin (the same sizes without "
                     "controllers)"
+                )
+            config, dense_config = _config_dict(self.model), _config_dict(dense)
+            twin = DENSE_TWINS.get(config.get("model_type"))
+            if twin is not None and not is_dense_twin(config, dense_config):  # (a family that knows its twin)
+                raise ModelLoadError(
+                    f"{self.dense_name}: not the Dense twin of {self.name} (a twin is the same family with the same "
+                    f"sizes and {twin.switch} false), so a latency ratio against it would not measure the controllers"
                 )
             self._dense = dense
         return self._dense

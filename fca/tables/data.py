@@ -24,6 +24,9 @@ from fca.tables.outputs import check_output, write_output
 SPLITS = ("train", "calibration", "eval")
 DEFAULT_SPLIT_FRACTIONS = {"train": 0.9, "calibration": 0.05, "eval": 0.05}
 EOS = "<|endoftext|>"
+# The end-of-document tokens of common tokenizers, the first one a tokenizer has is used: ours and
+# GPT-NeoX's / Qwen's, Llama's and Mistral's (Mixtral), Llama 3's, Gemma's.
+EOS_CANDIDATES = (EOS, "</s>", "<|end_of_text|>", "<eos>")
 TEXT_SUFFIXES = (".txt", ".md")
 TABLE_SUFFIXES = (".parquet", ".arrow", ".feather", ".ipc")
 
@@ -121,11 +124,18 @@ def load_tokenizer(model_dir: str | Path):
         raise ModelLoadError(f"{path}: not a readable tokenizer ({err})") from None
 
 
-def encode_stream(docs: Sequence[str], tokenizer) -> np.ndarray:
-    """All documents as one int32 token stream, each document followed by the end-of-text token."""
-    eos = tokenizer.token_to_id(EOS)
+def end_of_document(tokenizer, where: str = "the model's tokenizer.json") -> int:
+    """The id of the tokenizer's end-of-document token: the first of EOS_CANDIDATES it has."""
+    eos = next((i for i in map(tokenizer.token_to_id, EOS_CANDIDATES) if i is not None), None)
     if eos is None:
-        raise CorpusError(f"tokenizer has no {EOS} token")
+        raise ModelLoadError(f"{where}: no end-of-document token (none of {', '.join(EOS_CANDIDATES)})")
+    return eos
+
+
+def encode_stream(docs: Sequence[str], tokenizer) -> np.ndarray:
+    """All documents as one int32 token stream, each document followed by the tokenizer's end-of-document
+    token (the first of EOS_CANDIDATES it has)."""
+    eos = end_of_document(tokenizer)
     ids: list[int] = []
     for enc in tokenizer.encode_batch(list(docs)):
         ids.extend(enc.ids)

@@ -113,11 +113,27 @@ def adapt_moe(model: nn.Module) -> nn.Module:
 def load_hf_moe(path: Path) -> nn.Module:
     """A local transformers MoE directory, loaded in float32 on CPU without any network access."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    # transformers fills missing weights with a fresh initialisation and drops unexpected ones, saying so
+    # only in a multi-line load report: the model audited would not be the checkpoint. Its report is
+    # silenced and the same facts refused in one line instead.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=torch.float32, output_loading_info=True
+        )
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise ModelLoadError(f"{path}: transformers could not load it ({str(err).splitlines()[0]})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    for kind, what in (("missing_keys", "lacks"), ("unexpected_keys", "has unexpected"), ("mismatched_keys", "has")):
+        keys = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(kind) or ())
+        if keys:
+            shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            label = "weights of another shape" if kind == "mismatched_keys" else "weights"
+            raise ModelLoadError(f"{path}: the checkpoint {what} {label} ({shown}); it is not this model's checkpoint")
     return adapt_moe(model)
 
 

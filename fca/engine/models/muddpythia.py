@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import ClassVar, NamedTuple
@@ -326,6 +327,11 @@ class MixCoefficients:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(x) + self.static[self.i].flatten()  # [B, T, K] + [K]
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters this controller computes with (counted as the controller's by the audit)."""
+        yield from self.mlp.parameters()
+        yield self.static[self.i]
 
 
 def mix_streams(hiddens: list[torch.Tensor], coefficients: torch.Tensor) -> tuple[torch.Tensor, ...]:
