@@ -6,6 +6,7 @@ Every checkpoint here is a tiny random one written by `write_random_checkpoint` 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -161,6 +162,21 @@ def test_formats_give_the_same_model(tmp_path, fmt, ids, live):
         assert max_diff(fca.load_model(path)(ids), live) == 0.0
 
 
+def test_a_shard_that_disagrees_with_its_index_is_refused(tmp_path):
+    """Each key is read from the shard the index names: a key missing from its shard, or a shard holding
+    a key the index puts elsewhere, is refused (file order would otherwise decide which value wins)."""
+    path = write_random_checkpoint(tmp_path / "sharded", TINY, seed=1, fmt="sharded")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    key, shard = next(iter(index["weight_map"].items()))
+    other = next(s for s in index["weight_map"].values() if s != shard)  # the index now says another shard
+    index["weight_map"][key] = other
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(
+        ModelLoadError, match=rf"safetensors: (lacks|holds) {re.escape(key)}, which model.safetensors.index"
+    ):
+        fca.load_model(path)
+
+
 def test_random_model_matches_its_checkpoint(ids, live):
     with torch.no_grad():
         assert max_diff(build_random_model(TINY, seed=1)(ids), live) == 0.0
@@ -233,6 +249,11 @@ def test_bad_config_names_the_file(ckpt, tmp_path):
     (path / "config.json").write_text(json.dumps({**TINY.to_dict(), "dense_type": "l"}))
     with pytest.raises(ModelLoadError, match="config.json"):
         fca.load_model(path)
+    # Values of the wrong JSON type: "false" would be true, "64" fails deep inside the model.
+    for key, value, expected in [("use_parallel_residual", "false", "bool"), ("dim", "64", "int")]:
+        (path / "config.json").write_text(json.dumps({**TINY.to_dict(), key: value}))
+        with pytest.raises(ModelLoadError, match=rf"config.json: .*'{key}' must be {expected}, not '{value}'"):
+            fca.load_model(path)
 
 
 def test_tokenizer_from_local_tokenizer_json(ckpt, tmp_path):

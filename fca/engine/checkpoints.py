@@ -47,11 +47,7 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         if single.is_file():
             return load_file(single)
         if index.is_file():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            state: dict[str, torch.Tensor] = {}
-            for shard in shards:
-                state.update(load_file(path / shard))
-            return state
+            return _read_shards(path, index, json.loads(index.read_text())["weight_map"])
         if pickle.is_file():
             state = torch.load(pickle, map_location="cpu", weights_only=True)
             state = state.get("model", state) if isinstance(state, dict) else state
@@ -68,6 +64,28 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             f"{pickle}: not a weights-only state dict ({str(err).splitlines()[0][:120]}); save model.state_dict()"
         ) from None
     raise ModelLoadError(f"{path}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)")
+
+
+def _read_shards(path: Path, index: Path, weight_map: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The weights a sharded checkpoint's index maps, each read from the shard the index names: a key
+    the index puts in one shard and a shard that lacks it, or a shard holding a key the index does not
+    put there (a stale or hand-merged shard), is refused rather than resolved by file order."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        tensors = load_file(path / shard)
+        wanted = {k for k, s in weight_map.items() if s == shard}
+        lacking, stray = sorted(wanted - set(tensors)), sorted(set(tensors) - wanted)
+        if lacking:
+            raise ModelLoadError(f"{path / shard}: lacks {', '.join(lacking[:3])}, which {index.name} puts in it")
+        if stray:
+            raise ModelLoadError(
+                f"{path / shard}: holds {', '.join(stray[:3])}, which {index.name} does not put in it "
+                "(a stale or mixed-up shard)"
+            )
+        state.update(tensors)
+    return state
 
 
 def load_strict(model: nn.Module, state: dict[str, torch.Tensor], where: Path, assign: bool = False) -> nn.Module:

@@ -95,6 +95,20 @@ _IGNORED_KEYS = {
 # ----------------------------------------------------------------------------------------------- config
 
 
+def _check_type(name: str, value: object, annotation: str) -> None:
+    """ValueError unless a config.json value has its field's type: "false" as a string would be true, and
+    "64" as a size fails far from the cause. Whole numbers pass for floats; None where the field allows it."""
+    allowed = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
+    kinds = [k.strip() for k in str(annotation).split("|")]
+    if value is None and "None" in kinds:
+        return
+    ok = any(
+        isinstance(value, allowed[k]) and (k == "bool" or not isinstance(value, bool)) for k in kinds if k in allowed
+    )
+    if not ok and any(k in allowed for k in kinds):
+        raise ValueError(f"{name!r} must be {' or '.join(kinds)}, not {value!r}")
+
+
 @dataclass(frozen=True)
 class MUDDPythiaConfig:
     """The public release's config fields with the public defaults, plus derived per-layer sizes."""
@@ -180,6 +194,9 @@ class MUDDPythiaConfig:
         unknown = sorted(set(values) - known - _IGNORED_KEYS)
         if unknown:
             raise ValueError(f"unknown config keys {unknown}")
+        for f in fields(cls):
+            if f.init and f.name in values:
+                _check_type(f.name, values[f.name], f.type)
         return cls(**{k: v for k, v in values.items() if k in known})
 
     def to_dict(self) -> dict:
