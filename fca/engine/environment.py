@@ -30,6 +30,20 @@ def model_dtype_name(model: nn.Module) -> str:
     return str(next(model.parameters()).dtype).replace("torch.", "")
 
 
+def _setting(legacy, backend) -> bool | None:
+    """A TF32 switch: the legacy flag, or, where torch refuses to read it (the newer `fp32_precision` API
+    was used to set it) or warns, the newer API's value ("tf32" -> True); None when neither says."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return bool(legacy())
+    except (RuntimeError, AttributeError):
+        precision = getattr(backend, "fp32_precision", None)
+        return None if precision in (None, "none") else precision == "tf32"
+
+
 def numerics(device: torch.device) -> str:
     """The settings beside the device that change which kernels run ("default" when none does): float32
     matmul precision, TF32 on CUDA, oneDNN's instruction-set limit and precision on CPU."""
@@ -37,9 +51,9 @@ def numerics(device: torch.device) -> str:
     if torch.get_float32_matmul_precision() != "highest":
         settings.append(f"float32 matmul precision {torch.get_float32_matmul_precision()}")
     if device.type == "cuda":
-        if torch.backends.cuda.matmul.allow_tf32:
+        if _setting(lambda: torch.backends.cuda.matmul.allow_tf32, torch.backends.cuda.matmul) is True:
             settings.append("TF32 matmul")
-        if not torch.backends.cudnn.allow_tf32:
+        if _setting(lambda: torch.backends.cudnn.allow_tf32, torch.backends.cudnn) is False:
             settings.append("cuDNN TF32 off")
     else:
         isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
