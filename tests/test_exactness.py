@@ -387,3 +387,21 @@ def test_caches_of_two_model_dtypes_are_refused_together_with_the_right_advice(d
     (other / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CacheError, match="recorded with a bfloat16 model, the evaluated cache with a float32 one"):
         fca.Experiment.open(model_dir, ev, other)
+
+
+def test_the_newer_precision_api_is_recorded_not_a_crash():
+    """torch refuses the legacy float32-precision read once `torch.backends.fp32_precision` is set."""
+    import torch
+
+    from fca.engine.environment import numerics
+    from fca.tables.catalog import is_dense_twin
+
+    try:
+        torch.backends.fp32_precision = "tf32"
+        assert "float32 matmul precision per backend (tf32)" in numerics(torch.device("cpu"))
+    finally:
+        torch.backends.fp32_precision = "none"
+    assert numerics(torch.device("cpu")) == "default"
+    gated = {"model_type": "featuregate", "gated": True, "d_model": 32, "mlp_groups": 6}
+    assert is_dense_twin(gated, {**gated, "gated": False, "mlp_groups": 4})  # gate granularity is no size
+    assert not is_dense_twin(gated, {**gated, "gated": False, "d_model": 48})

@@ -48,8 +48,12 @@ def numerics(device: torch.device) -> str:
     """The settings beside the device that change which kernels run ("default" when none does): float32
     matmul precision, TF32 on CUDA, oneDNN's instruction-set limit and precision on CPU."""
     settings = []
-    if torch.get_float32_matmul_precision() != "highest":
-        settings.append(f"float32 matmul precision {torch.get_float32_matmul_precision()}")
+    try:  # torch refuses this legacy read once the per-backend fp32_precision API has been used
+        precision = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        precision = f"per backend ({getattr(torch.backends, 'fp32_precision', 'set')})"
+    if precision != "highest":
+        settings.append(f"float32 matmul precision {precision}")
     if device.type == "cuda":
         if _setting(lambda: torch.backends.cuda.matmul.allow_tf32, torch.backends.cuda.matmul) is True:
             settings.append("TF32 matmul")

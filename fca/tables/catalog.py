@@ -52,7 +52,7 @@ DENSE_TWINS: dict[str, DenseTwin] = {
 }
 # Integer config keys that say nothing about a model's size (seeds, controller internals), ignored
 # when checking that a Dense twin has the same sizes.
-_NOT_SIZES = ("seed", "controller", "dense", "gate", "expert", "router")
+_NOT_SIZES = ("seed", "controller", "dense", "gate", "expert", "router", "mlp_groups")  # (gate granularity)
 
 
 @dataclass(frozen=True)
