@@ -166,3 +166,15 @@ def test_the_package_ships_every_layer() -> None:
     found = set(find_packages(where=str(ROOT), include=include))
     assert {"fca", "fca.tables", "fca.engine", "fca.engine.models", "fca.jobs"} <= found
     assert not {p for p in found if not p.startswith("fca")}
+
+
+def test_conditions_given_as_specs_one_spec_or_objects():
+    from fca.tables.conditions import Condition, as_conditions
+
+    assert as_conditions("correct") == [Condition("correct")]  # one spec, not its letters
+    assert as_conditions(["interpolate:0.5", Condition("global_mean")], seed=3) == [
+        Condition("interpolate", 0.5, seed=3),
+        Condition("global_mean"),
+    ]
+    with pytest.raises(ValueError, match="not 0.5"):
+        as_conditions([0.5])

@@ -17,7 +17,7 @@ from fca.engine.families import family_of
 from fca.engine.loading import fingerprint_state
 from fca.engine.sites import controller_parameters
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource
-from fca.tables.conditions import PAPER_CONDITIONS, Condition, parse_condition
+from fca.tables.conditions import PAPER_CONDITIONS, Condition, as_conditions
 from fca.tables.fidelity import FOREIGN_TOLERANCES, MECHANISM_TOLERANCE, STORAGE_ULP
 from fca.tables.profiles import cache_moments
 from fca.tables.report import REPORT_VERSION
@@ -78,7 +78,7 @@ def audit_experiment(
     model, evaluated, calibration = experiment.model, experiment.evaluated, experiment.calibration
     dense = experiment.dense  # loaded (and checked to be a Dense twin) before the replays, not after
     conditions = [Condition(kind, seed=seed) for kind in PAPER_CONDITIONS]
-    conditions += [c if isinstance(c, Condition) else parse_condition(c, seed) for c in extra_conditions]
+    conditions += as_conditions(extra_conditions, seed)
     try:
         alphas = sorted({float(a) for a in sweep})
     except (TypeError, ValueError):

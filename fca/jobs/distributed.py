@@ -40,7 +40,7 @@ from fca.engine.capture import (
 )
 from fca.engine.replay import ReplayResults, check_exactness
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource
-from fca.tables.conditions import Condition, parse_condition
+from fca.tables.conditions import Condition, as_conditions
 from fca.tables.errors import CacheError
 from fca.tables.fidelity import FidelityMeasure
 from fca.tables.remote import RemoteParts, is_uri, staging
@@ -438,7 +438,7 @@ class ShardedExperiment(Experiment):
         """`Experiment.run` on the actors: each scores its shard, the driver merges and judges the run."""
         import ray
 
-        conditions = [c if isinstance(c, Condition) else parse_condition(c, seed) for c in conditions]
+        conditions = as_conditions(conditions, seed)
         n = self.evaluated.num_seqs if num_seqs is None else min(num_seqs, self.evaluated.num_seqs)
         self.check_run(conditions, n)  # in the driver first, as the local run does
         bounds = shard_bounds(n, batch_size, len(self.actors))

@@ -22,7 +22,7 @@ from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.replay import ReplayResults, check_exactness, run_conditions
 from fca.engine.sites import find_sites
 from fca.tables.catalog import DENSE_TWINS, is_dense_twin
-from fca.tables.conditions import Condition, parse_condition
+from fca.tables.conditions import Condition, as_conditions
 from fca.tables.errors import CacheError, ModelLoadError
 from fca.tables.profiles import Profiles, calibration_profiles
 from fca.tables.store import Cache, open_cache
@@ -224,7 +224,7 @@ class Experiment:
             raise ValueError(
                 f"a replay needs at least one sequence and a batch of at least one (got {num_seqs}, {batch_size})"
             )
-        conditions = [c if isinstance(c, Condition) else parse_condition(c, seed) for c in conditions]
+        conditions = as_conditions(conditions, seed)
         n = self.evaluated.num_seqs if num_seqs is None else min(num_seqs, self.evaluated.num_seqs)
         self.check_run(conditions, n)
         profiles = self.profiles(profile_progress) if any(c.needs_profiles for c in conditions) else None

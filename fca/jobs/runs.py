@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource
-from fca.tables.conditions import Condition, parse_condition
+from fca.tables.conditions import Condition, as_conditions
 from fca.tables.runs import check_runs_writable, save_run
 from fca.tables.scoring import summarize_conditions
 
@@ -36,7 +36,7 @@ def run_replay(
     sequences of the evaluated cache, and save the run beside it. Give an opened `experiment` (the
     dashboard keeps one per model and caches) or the model and both caches, as paths or objects. `dtype`:
     the model's (None: the precision the cache was recorded in)."""
-    parsed = [c if isinstance(c, Condition) else parse_condition(c, seed) for c in conditions]
+    parsed = as_conditions(conditions, seed)
     parsed = list(dict.fromkeys([Condition("correct", seed=seed), *parsed]))
     if experiment is None:
         experiment = Experiment.open(model, cache, calibration, device=device, dtype=dtype)

@@ -116,6 +116,18 @@ def parse_condition(text: str, seed: int = 0) -> Condition:
     return Condition(match["kind"], alpha, sites, bool(match["ind"]), seed)
 
 
+def as_conditions(specs, seed: int = 0) -> list[Condition]:
+    """`Condition`s or specs (`parse_condition`), or one spec, as a list of `Condition`s."""
+    if isinstance(specs, (str, Condition)):
+        specs = [specs]
+    conditions = []
+    for c in specs:
+        if not isinstance(c, (str, Condition)):
+            raise ValueError(f"a condition is a Condition or a spec such as 'static_layer', not {c!r}")
+        conditions.append(c if isinstance(c, Condition) else parse_condition(c, seed))
+    return conditions
+
+
 def derangement(n: int, seed: int) -> np.ndarray:
     """A uniformly drawn permutation of range(n) with no fixed point (rejection sampling; n >= 2)."""
     if n < 2:
