@@ -105,14 +105,29 @@ def test_calibration_from_the_same_windows_is_refused(adapted, tmp_path):
         fca.audit(adapted, tmp_path / "eval", tmp_path / "calibration")
     # Another split name is only a label for windows given in memory: what the caches hold is compared.
     fca.build_cache(adapted, windows, tmp_path / "relabelled", split="calibration")
-    with pytest.raises(CacheError, match=r"relabelled: 6 of its 6 windows are also in the evaluated cache"):
+    with pytest.raises(CacheError, match=r"relabelled: shares text .*: 100\.0% of its 17-token stretches"):
         fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "relabelled")
     fresh = np.random.default_rng(3).integers(0, 64, (6, 17))
     fca.build_cache(adapted, np.concatenate([fresh[:4], windows[2:4]]), tmp_path / "overlap", split="calibration")
-    with pytest.raises(CacheError, match="2 of its 6 windows"):
+    with pytest.raises(CacheError, match=r"33\.3% of its 17-token stretches"):
         fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "overlap")
     fca.build_cache(adapted, fresh, tmp_path / "other", split="calibration")
     fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "other")  # other windows: independent
+
+
+def test_shared_text_is_found_across_window_boundaries(adapted, tmp_path):
+    """The same text cut into windows at other offsets is refused as calibration; one window duplicated among
+    hundreds (a repeated document, padding) is not a reason to refuse."""
+    stream = np.random.default_rng(5).integers(0, 64, 400 * 64 + 1)
+    fca.build_cache(adapted, stream[: 200 * 64 + 1], tmp_path / "eval", seq_len=64, split="eval")
+    fca.build_cache(adapted, stream[10 : 200 * 64 + 11], tmp_path / "shifted", seq_len=64, split="calibration")
+    with pytest.raises(CacheError, match=r"shifted: shares text"):
+        fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "shifted")
+    # The calibration text, plus one of the evaluated windows once: 0.5% of either cache's stretches.
+    calibration = np.lib.stride_tricks.sliding_window_view(stream[200 * 64 + 1 :], 65)[::64]
+    evaluated_window = stream[:65][None]
+    fca.build_cache(adapted, np.concatenate([calibration, evaluated_window]), tmp_path / "one", split="calibration")
+    fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "one")
 
 
 def test_a_run_is_judged_before_its_figures_are_returned(adapted, tmp_path):

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -53,11 +54,31 @@ def model_name(source: ModelSource) -> str:
     return type(source).__name__ if isinstance(source, nn.Module) else Path(source).name
 
 
+SHARED_SPAN_TOKENS = 32  # text shared by chance is rarer at this length (none between the demo's splits)
+MAX_SHARED_SPAN_SHARE = 0.01  # one duplicated window among hundreds passes; a shifted copy does not
+
+
+def check_shared_text(evaluated: Cache, calibration: Cache) -> None:
+    """Refuse caches that share more than 1% of either one's text: the distinct 32-token stretches (whole
+    windows, when shorter) found in both, wherever the window boundaries fall. Both shares count: a small
+    calibration cache cut from a large evaluated one is all leak while a tiny share of the evaluated text."""
+    span = min(SHARED_SPAN_TOKENS, evaluated.seq_len + 1, calibration.seq_len + 1)
+    evaluated_spans, calibration_spans = evaluated.span_hashes(span), calibration.span_hashes(span)
+    shared = np.intersect1d(evaluated_spans, calibration_spans, assume_unique=True).size
+    shares = shared / max(calibration_spans.size, 1), shared / max(evaluated_spans.size, 1)
+    if max(shares) > MAX_SHARED_SPAN_SHARE:
+        raise CacheError(
+            f"{calibration.path}: shares text with the evaluated cache {evaluated.path}: {shares[0]:.1%} of its "
+            f"{span}-token stretches are there, and {shares[1]:.1%} of the evaluated cache's are here (at most "
+            f"{MAX_SHARED_SPAN_SHARE:.0%} of either); static profiles must be estimated on other text"
+        )
+
+
 def check_independent(evaluated: Cache, calibration: Cache) -> None:
     """Static profiles must be estimated on another split than the one they are evaluated on. Splits of
     one corpus file are disjoint only when drawn with the same split seed (`fca.tables.data.split_documents`);
     a calibration cache of another corpus counts as independent. Caches without a split seed (windows
-    given in memory) must share no window."""
+    given in memory) must share almost no text (`check_shared_text`)."""
     a, b = evaluated.manifest.corpus, calibration.manifest.corpus
     if (a.split, a.fingerprint, a.split_seed) == (b.split, b.fingerprint, b.split_seed):
         raise CacheError(
@@ -72,13 +93,8 @@ def check_independent(evaluated: Cache, calibration: Cache) -> None:
         )
     if a.split_seed is None or b.split_seed is None:
         # Windows given in memory (or caches older than split seeds) say nothing of how they were drawn:
-        # their split names are labels only, so what they hold is compared instead.
-        shared = len(evaluated.window_digests() & calibration.window_digests())
-        if shared:
-            raise CacheError(
-                f"{calibration.path}: {shared} of its {calibration.num_seqs} windows are also in the evaluated cache "
-                f"{evaluated.path}; static profiles must be estimated on other windows"
-            )
+        # their split names are labels only, so the text they hold is compared instead.
+        check_shared_text(evaluated, calibration)
     if set(evaluated.sites) != set(calibration.sites):
         raise CacheError(f"{calibration.path}: its sites differ from {evaluated.path}'s")
 

@@ -263,6 +263,21 @@ def read_progress(partial: str | Path) -> dict | None:
     return progress
 
 
+SPAN_HASH_BASE = np.uint64(0x9E3779B97F4A7C15)  # an odd 64-bit multiplier (the golden ratio's bits)
+
+
+def span_hashes(windows: np.ndarray, span: int) -> np.ndarray:
+    """[n, L] token ids -> [n * (L - span + 1)] 64-bit polynomial hashes (wrapping) of every `span`-token
+    stretch of each row, for finding shared text between caches."""
+    windows = windows.astype(np.uint64)
+    starts = windows.shape[1] - span + 1
+    hashes = np.zeros((windows.shape[0], starts), np.uint64)
+    with np.errstate(over="ignore"):
+        for offset in range(span):  # span vectorised passes: no [n, starts, span] temporary
+            hashes = hashes * SPAN_HASH_BASE + windows[:, offset : offset + starts]
+    return hashes.ravel()
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -1393,15 +1408,16 @@ class Cache:
                 f"{self.manifest.model.fingerprint[:12]}, this model {model_fingerprint[:12]})"
             )
 
-    def window_digests(self, chunk: int = 1024) -> set[bytes]:
-        """A digest of every sequence's token window (its T tokens and last target), read `chunk` sequences
-        at a time: what two caches hold in common, whatever their manifests say of where it came from."""
-        digests = set()
+    def span_hashes(self, span: int, chunk: int = 1024) -> np.ndarray:
+        """The distinct hashes of every `span`-token stretch of every sequence's window (its T tokens and
+        last target), read `chunk` sequences at a time: what two caches' text shares, wherever the window
+        boundaries fall and whatever their manifests say of where it came from."""
+        hashes = []
         for lo in range(0, self.num_seqs, chunk):
             rows = self.read_seqs(range(lo, min(self.num_seqs, lo + chunk)), sites=[])
-            windows = np.concatenate([rows["token"], rows["target"][:, -1:]], axis=1).astype(np.int64)  # [n, T + 1]
-            digests.update(hashlib.blake2b(w.tobytes(), digest_size=16).digest() for w in windows)
-        return digests
+            windows = np.concatenate([rows["token"], rows["target"][:, -1:]], axis=1)  # [n, T + 1]
+            hashes.append(np.unique(span_hashes(windows, span)))
+        return np.unique(np.concatenate(hashes)) if hashes else np.zeros(0, np.uint64)
 
     def verify(self, seqs: range | None = None) -> None:
         """Recompute the sha256 of every part (or of those holding `seqs`) against the manifest; a part is
