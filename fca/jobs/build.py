@@ -15,7 +15,7 @@ from fca.engine.capture import bytes_per_token, check_part_seqs, write_cache
 from fca.engine.checkpoints import read_config
 from fca.engine.environment import current_environment, model_dtype_name
 from fca.engine.loading import fingerprint_state, load_model
-from fca.engine.sites import model_logits, site_specs
+from fca.engine.sites import model_logits, site_specs, vocab_rows
 from fca.tables import data
 from fca.tables.remote import RemoteParts, is_uri
 from fca.tables.store import COEFFICIENT_BYTES, cache_plan, check_cache_destination, file_sha256
@@ -200,6 +200,14 @@ def build_cache(
     if not specs:
         raise ValueError(f"{type(model).__name__}: the model has no controller sites (declare them with attach_sites)")
     config = model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None
+    vocab_size = _vocab_size(model)
+    # A model without a known embedding (`vocab_rows`, checked by `write_cache`) is held to its logits' width,
+    # before anything is written; else an id beyond it fails deep in the model (on a GPU, a device assert).
+    if vocab_rows(model) is None and (windows.min() < 0 or windows.max() >= vocab_size):
+        raise ValueError(
+            f"{out}: token ids from {windows.min()} to {windows.max()}, but {type(model).__name__} predicts ids in "
+            f"[0, {vocab_size}): the windows do not belong to this model"
+        )
     plan = manifest_draft(
         model,
         windows,
@@ -211,7 +219,7 @@ def build_cache(
             "config": config,
         },
         corpus={"name": corpus_name, "fingerprint": hashlib.sha256(windows.tobytes()).hexdigest(), "split": split},
-        tokenizer={"fingerprint": None, "vocab_size": _vocab_size(model, windows)},
+        tokenizer={"fingerprint": None, "vocab_size": vocab_size},
     )
     return write_cache(
         model,
@@ -246,10 +254,11 @@ def as_windows(tokens, seq_len: int | None = None) -> np.ndarray:
 
 
 @torch.no_grad()
-def _vocab_size(model: nn.Module, windows: np.ndarray) -> int:
-    """The model's vocabulary: its config's, else the width of its logits on one short window."""
+def _vocab_size(model: nn.Module) -> int:
+    """The model's vocabulary: its config's, else the width of its logits on a window of token 0 (an id
+    every vocabulary has)."""
     size = getattr(getattr(model, "config", None), "vocab_size", None)
     if size:
         return int(size)
     device = next(model.parameters()).device
-    return int(model_logits(model(torch.from_numpy(windows[:1, :2]).to(device)), model).shape[-1])
+    return int(model_logits(model(torch.zeros(1, 2, dtype=torch.long, device=device)), model).shape[-1])
