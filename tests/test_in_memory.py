@@ -189,7 +189,8 @@ def test_windows_beyond_the_models_vocabulary_are_refused_before_anything_is_wri
 
 
 def test_documents_end_with_the_tokenizers_own_end_token():
-    """Mistral-style tokenizers (Mixtral) end documents with </s>, not <|endoftext|>."""
+    """Mistral-style tokenizers (Mixtral) end documents with </s>, not <|endoftext|>; a tokenizer with none of
+    the known end tokens uses the config's eos_token_id."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from fca.tables import data
@@ -202,3 +203,12 @@ def test_documents_end_with_the_tokenizers_own_end_token():
     bare = Tokenizer(models.WordLevel({"in": 0, "[UNK]": 1}, unk_token="[UNK]"))
     with pytest.raises(ModelLoadError, match=r"model.json: no end-of-document token \(none of <\|endoftext\|>, </s>"):
         data.end_of_document(bare, "model.json")
+    # A token none of the candidates names (DeepSeek's) is taken from the config's eos_token_id, an id or a
+    # list; a chat model's configured end of turn yields to its end of document.
+    deepseek = Tokenizer(models.WordLevel({"in": 0, "<｜end▁of▁sentence｜>": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    assert data.end_of_document(deepseek, config_eos=1) == data.end_of_document(deepseek, config_eos=[1, 0]) == 1
+    chat = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "<|im_end|>": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    assert data.end_of_document(chat, config_eos=1) == 0
+    for unusable in (7, -1, True, "1"):
+        with pytest.raises(ModelLoadError, match="and no eos_token_id in the model's config.json"):
+            data.end_of_document(deepseek, "model.json", config_eos=unusable)

@@ -128,8 +128,9 @@ def prepare_corpus_build(
     if context is not None and T > int(context):  # refused before a writer leaves anything on disk
         raise ValueError(f"{model_dir}: windows of {T} tokens exceed the model's context of {context}")
     tokenizer = data.load_tokenizer(model_dir)
-    data.end_of_document(tokenizer, str(model_dir / "tokenizer.json"))  # named here, before the corpus is read
-    windows = data.split_windows(corpus, split, tokenizer, T, split_seed, num_seqs, text_column)  # [N, T + 1]
+    # Found (or refused, naming the tokenizer) before the corpus is read.
+    eos = data.end_of_document(tokenizer, str(model_dir / "tokenizer.json"), config.get("eos_token_id"))
+    windows = data.split_windows(corpus, split, tokenizer, T, split_seed, num_seqs, text_column, eos)  # [N, T + 1]
     plan = manifest_draft(
         model,
         windows,

@@ -124,18 +124,28 @@ def load_tokenizer(model_dir: str | Path):
         raise ModelLoadError(f"{path}: not a readable tokenizer ({err})") from None
 
 
-def end_of_document(tokenizer, where: str = "the model's tokenizer.json") -> int:
-    """The id of the tokenizer's end-of-document token: the first of EOS_CANDIDATES it has."""
+def end_of_document(tokenizer, where: str = "the model's tokenizer.json", config_eos=None) -> int:
+    """The id of the tokenizer's end-of-document token: the first of EOS_CANDIDATES it has, else the model
+    config's `eos_token_id` (an id or a list, first id used). The candidates come first because a chat
+    model's configured end token often ends a turn (`<|im_end|>`), not a document."""
     eos = next((i for i in map(tokenizer.token_to_id, EOS_CANDIDATES) if i is not None), None)
+    if eos is None and isinstance(config_eos, list) and config_eos:
+        config_eos = config_eos[0]
+    if eos is None and isinstance(config_eos, int) and not isinstance(config_eos, bool):
+        if 0 <= config_eos < tokenizer.get_vocab_size(with_added_tokens=True):
+            eos = config_eos
     if eos is None:
-        raise ModelLoadError(f"{where}: no end-of-document token (none of {', '.join(EOS_CANDIDATES)})")
+        raise ModelLoadError(
+            f"{where}: no end-of-document token (none of {', '.join(EOS_CANDIDATES)}, and no eos_token_id in "
+            "the model's config.json)"
+        )
     return eos
 
 
-def encode_stream(docs: Sequence[str], tokenizer) -> np.ndarray:
-    """All documents as one int32 token stream, each document followed by the tokenizer's end-of-document
-    token (the first of EOS_CANDIDATES it has)."""
-    eos = end_of_document(tokenizer)
+def encode_stream(docs: Sequence[str], tokenizer, eos: int | None = None) -> np.ndarray:
+    """All documents as one int32 token stream, each followed by the end-of-document token `eos` (None: the
+    tokenizer's own, `end_of_document`)."""
+    eos = end_of_document(tokenizer) if eos is None else eos
     ids: list[int] = []
     for enc in tokenizer.encode_batch(list(docs)):
         ids.extend(enc.ids)
@@ -165,13 +175,14 @@ def split_windows(
     seed: int,
     num_seqs: int | None = None,
     text_column: str = "text",
+    eos: int | None = None,
 ) -> np.ndarray:
-    """Corpus path -> windows [N, seq_len + 1] of one split."""
+    """Corpus path -> windows [N, seq_len + 1] of one split, documents ended by `eos` (`encode_stream`)."""
     if split not in SPLITS:
         raise CorpusError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
     try:
         docs = split_documents(load_documents(corpus, text_column), seed)[split]
-        return make_windows(encode_stream(docs, tokenizer), seq_len, num_seqs)
+        return make_windows(encode_stream(docs, tokenizer, eos), seq_len, num_seqs)
     except CorpusError as err:  # name the corpus in every refusal (most already do)
         raise err if str(corpus) in str(err) else CorpusError(f"{corpus}: {err}") from None
 
