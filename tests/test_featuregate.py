@@ -246,6 +246,11 @@ def test_corpus_loaders(tmp_path):
     (tmp_path / "empty.txt").write_text("\n\n  \n")
     with pytest.raises(data.CorpusError, match="empty"):
         data.load_documents(tmp_path / "empty.txt")
+    # A column asked of plain text would be ignored: refused instead.
+    with pytest.raises(data.CorpusError, match=r"a.txt: a text corpus has no columns; --text-column body is for"):
+        data.load_documents(folder / "a.txt", text_column="body")
+    with pytest.raises(data.CorpusError, match="text corpus has no columns"):
+        data.load_documents(folder, text_column="body")
 
 
 def test_cli_train_errors_are_one_line(tmp_path, capsys):

@@ -58,18 +58,19 @@ def _read_table_texts(path: Path, text_column: str) -> list[str]:
 
 
 def load_documents(path: str | Path, text_column: str = "text") -> list[str]:
-    """Read a local corpus into a list of non-empty documents."""
+    """Read a local corpus into a list of non-empty documents: a table's `text_column`, or plain text (a
+    file of blank-line-separated documents, or a folder of files)."""
     path = Path(path)
     if not path.exists():
         raise CorpusError(f"{path}: corpus not found")
-    if path.is_dir():
-        if any(path.rglob("*.parquet")):
-            docs = _read_table_texts(path, text_column)
-        else:
-            files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
-            docs = [t for t in (_read_text(f).strip() for f in files) if t]
-    elif path.suffix in TABLE_SUFFIXES:
+    is_table = path.suffix in TABLE_SUFFIXES or (path.is_dir() and any(path.rglob("*.parquet")))
+    if text_column != "text" and not is_table:  # else the column asked for would be ignored
+        raise CorpusError(f"{path}: a text corpus has no columns; --text-column {text_column} is for tables")
+    if is_table:
         docs = _read_table_texts(path, text_column)
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
+        docs = [t for t in (_read_text(f).strip() for f in files) if t]
     else:
         text = _read_text(path)
         docs = [d.strip() for d in text.replace("\r\n", "\n").split("\n\n") if d.strip()]
