@@ -23,9 +23,11 @@ from fca.tables import catalog
 from fca.tables.catalog import weights_path
 from fca.tables.data import load_tokenizer
 from fca.tables.profiles import cache_moments, profiles_from_moments, quantile_band
+from fca.tables.report import read_report
 from fca.tables.stats import variance_decomposition
 from fca.tables.store import Cache
 from fca.tables.store import open_cache as _open_cache
+from fca.tables.study import load_study
 
 if TYPE_CHECKING:  # pandas is imported where a DataFrame is built (the sidebar and Overview do without it)
     import pandas as pd
@@ -197,10 +199,13 @@ def experiment_ready(
 
 @st.cache_data(show_spinner=False, max_entries=16)
 def report(path: str, stamp: str) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{path}: not a readable audit report ({err})") from None
+    """An audit report, checked whole (`read_report`): a damaged one is refused here, not halfway down a page."""
+    return read_report(path)
+
+
+@st.cache_data(show_spinner=False, max_entries=4)
+def study(path: str, stamp: str) -> dict:
+    return load_study(path)
 
 
 @st.cache_data(show_spinner=False, ttl=2, max_entries=4)

@@ -86,6 +86,24 @@ def test_catalog_finds_everything(tiny_demo, tmp_path):
     assert broken.error and "unreadable manifest" in broken.error
 
 
+def test_the_report_path_suggested_for_a_cache_is_where_its_report_is_found(tmp_path):
+    """With `audit.json` taken by another cache, the Overview suggests `audit-<name>.json`; the sidebar
+    must then find that report for this cache, and never another cache's."""
+    for name in ("eval", "eval2", "eval-b"):
+        (tmp_path / name).mkdir()
+    assert catalog.free_report_path(tmp_path, "eval2") == tmp_path / "audit.json"
+    (tmp_path / "audit.json").write_text(json.dumps({"cache": {"path": "x/eval"}}))
+    suggested = catalog.free_report_path(tmp_path, "eval2")
+    assert suggested == tmp_path / "audit-eval2.json"
+    suggested.write_text(json.dumps({"cache": {"path": "x/eval2"}}))
+    assert catalog.free_report_path(tmp_path, "eval2") == tmp_path / "audit-eval2-2.json"
+    assert catalog.find_report(tmp_path / "eval") == tmp_path / "audit.json"
+    assert catalog.find_report(tmp_path / "eval2") == suggested
+    assert catalog.find_report(tmp_path / "eval-b") is None  # audit-eval-2.json would be eval's, not eval-b's
+    (tmp_path / "audit-eval-b-2.json").write_text(json.dumps({"cache": {"path": "x/eval-b"}}))
+    assert catalog.find_report(tmp_path / "eval-b") == tmp_path / "audit-eval-b-2.json"
+
+
 def test_dense_twin_needs_same_sizes():
     gated = {"model_type": "featuregate", "gated": True, "d_model": 32, "n_layers": 2, "init_seed": 0}
     assert catalog.is_dense_twin(gated, {**gated, "gated": False, "init_seed": 3})
@@ -423,6 +441,18 @@ def test_corrupt_part_file_shows_error_and_app_recovers(tiny_demo, tmp_path, mon
     at.sidebar.selectbox(key="cache").set_value(str(tiny_demo / "eval")).run()  # the app keeps working
     no_exceptions(at)
     assert not at.error and len(at.get("plotly_chart")) >= 1
+
+
+@pytest.mark.parametrize("page", ["views/overview.py", "views/execution.py"])
+def test_a_damaged_report_is_one_error_and_the_page_goes_on(page, tiny_demo, tmp_path, monkeypatch):
+    """A report that names this cache but lacks the sections a page reads is refused when loaded (one
+    st.error naming the file), not a KeyError halfway down the page."""
+    for name in ("featuregate", "eval", "calibration"):
+        shutil.copytree(tiny_demo / name, tmp_path / name)
+    (tmp_path / "audit.json").write_text(json.dumps({"cache": {"path": str(tmp_path / "eval")}}))
+    at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), page)
+    no_exceptions(at)
+    assert any("audit.json: not an FCA audit report" in e.value for e in at.error), [e.value for e in at.error]
 
 
 def test_mismatched_model_fingerprint_shows_error(tiny_demo, tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ import streamlit as st
 
 from app import figures, resources
 from app.views.common import Selection, download, guard, require_cache, teach
+from fca.tables import catalog
 from fca.tables.report import exactness_sentences, render_markdown, report_mismatch, retention_sentence
 
 CHART_CONFIG = {"displaylogo": False}
@@ -31,17 +32,6 @@ def shown_path(path: Path) -> str:
         return os.path.relpath(path) if Path(path).resolve().is_relative_to(Path.cwd()) else str(path)
     except ValueError:  # another drive (Windows)
         return str(path)
-
-
-def free_report_path(folder: Path, stem: str) -> Path:
-    """`folder/audit.json` unless a file is there (a shipped report, or another cache's): then the first
-    free `audit-<stem>[-n].json`, so the suggested command never overwrites a report."""
-    path = folder / "audit.json"
-    n = 1
-    while path.exists():
-        path = folder / (f"audit-{stem}.json" if n == 1 else f"audit-{stem}-{n}.json")
-        n += 1
-    return path
 
 
 def suggest_audit(sel: Selection) -> tuple[str, str | None]:
@@ -79,7 +69,7 @@ def suggest_audit(sel: Selection) -> tuple[str, str | None]:
         why = "No audit report describes this cache yet. Make one with the CLI:"
     if model is None:
         return why.rsplit(";", 1)[0] + ". No model directory was found beside it, so it cannot be audited here.", None
-    out = free_report_path(target.parent, target.name)
+    out = catalog.free_report_path(target.parent, target.name)
     dense = f"--dense {shown_path(sel.dense_dir)} " if sel.dense_dir else ""
     command = (
         f"python -m fca audit --model {model} --cache {shown_path(target)} --calibration {shown_path(calibration)} "

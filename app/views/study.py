@@ -68,10 +68,7 @@ chosen = st.selectbox("Study", [str(p) for p in found], key="study_file", format
 study_path = Path(chosen)
 study = None
 with guard("Study"):
-    loaded = resources.report(str(study_path), resources.file_stamp(study_path))
-    if "fca_study_version" not in loaded or "seeds" not in loaded:
-        raise ValueError(f"{study_path}: not an FCA study (no 'fca_study_version' or 'seeds')")
-    study = loaded
+    study = resources.study(str(study_path), resources.file_stamp(study_path))
 if study is None:
     st.stop()
 

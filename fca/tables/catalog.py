@@ -15,6 +15,7 @@ and the audit report `audit.json` sits beside the caches it describes:
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -227,14 +228,36 @@ def find_dense_twin(model_dir: str | Path) -> Path | None:
 
 
 def find_report(cache_path: str | Path) -> Path | None:
-    """`audit.json` beside the cache, if it describes a cache of this directory name. Whether its
-    fingerprints still match the cache is for the caller to show (a stale report is worth seeing)."""
+    """The audit report beside the cache that describes a cache of this directory name: `audit.json`,
+    else one of the `audit-<name>[-n].json` that `free_report_path` suggests. Whether its fingerprints
+    still match the cache is for the caller to show (a stale report is worth seeing)."""
     cache_path = Path(cache_path)
-    path = cache_path.parent / REPORT
-    report = _read_json(path)
-    if report is None:
-        return None
-    described = (report.get("cache") or {}).get("path")
-    if described is not None and Path(described).name != cache_path.name:
-        return None
+    folder, name = cache_path.parent, cache_path.name
+    candidates = [folder / REPORT, folder / f"audit-{name}.json"]
+    candidates += sorted(folder.glob(f"audit-{glob.escape(name)}-*.json"), key=_report_number)
+    for path in candidates:
+        report = _read_json(path)
+        if report is None:
+            continue
+        described = (report.get("cache") or {}).get("path")
+        if described is None or Path(described).name == name:
+            return path
+    return None
+
+
+def _report_number(path: Path) -> int:
+    """n of `audit-<name>-n.json` (0 when the tail is not a number), so -10 sorts after -9."""
+    tail = path.stem.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+def free_report_path(folder: Path, name: str) -> Path:
+    """Where an audit of the cache `folder/name` should write its report: `audit.json` unless a file is
+    there (a shipped report, or another cache's), then the first free `audit-<name>[-n].json`; so a
+    suggested command never overwrites a report, and `find_report` finds what it writes."""
+    path = folder / REPORT
+    n = 1
+    while path.exists():
+        path = folder / (f"audit-{name}.json" if n == 1 else f"audit-{name}-{n}.json")
+        n += 1
     return path
