@@ -40,13 +40,14 @@ from fca.engine.capture import (
 )
 from fca.engine.replay import ReplayResults, check_exactness
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource
-from fca.tables.conditions import Condition, as_conditions
-from fca.tables.errors import CacheError
+from fca.tables.conditions import Condition
+from fca.tables.errors import CacheError, Cancelled
 from fca.tables.fidelity import FidelityMeasure
 from fca.tables.remote import RemoteParts, is_uri, staging
 from fca.tables.store import CacheWriter, cache_schema, coefficient_arrow_type, spec_from_json
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])  # so local Ray workers import this very `fca`
+STOP_POLL_S = 0.5  # how often a sharded replay asks `should_stop` while its shards run
 
 
 def connect(address: str | None = None):
@@ -435,17 +436,23 @@ class ShardedExperiment(Experiment):
         profile_progress: Callable[[int, int], None] | None = None,
         judge: bool = True,
     ) -> ReplayResults:
-        """`Experiment.run` on the actors: each scores its shard, the driver merges and judges the run."""
+        """`Experiment.run` on the actors: each scores its shard, the driver merges and judges the run.
+        Progress is reported per finished shard; `should_stop` is asked while the shards run, and a stop
+        raises `Cancelled` at once (the actors finish their shards, whose figures are dropped).
+        `profile_progress` is not reported: each actor estimates the profiles itself."""
         import ray
 
-        conditions = as_conditions(conditions, seed)
-        n = self.evaluated.num_seqs if num_seqs is None else min(num_seqs, self.evaluated.num_seqs)
-        self.check_run(conditions, n)  # in the driver first, as the local run does
+        conditions, n = self.planned_run(conditions, num_seqs, batch_size, seed)  # in the driver first
         bounds = shard_bounds(n, batch_size, len(self.actors))
         refs = [a.run.remote(conditions, n, batch_size, seed, b) for a, b in zip(self.actors, bounds)]
+        pending = list(refs)
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=STOP_POLL_S)
+            if should_stop is not None and should_stop():
+                raise Cancelled("replay cancelled")
+            if progress is not None:
+                progress(sum(hi - lo for (lo, hi), ref in zip(bounds, refs) if ref not in pending), n)
         results = merge_results(ray.get(refs), bounds)
-        if progress is not None:
-            progress(n, n)
         if judge:
             results.exactness = check_exactness(results)
         return results

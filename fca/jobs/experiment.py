@@ -217,6 +217,19 @@ class Experiment:
                 f"cache's {self.evaluated.seq_len} positions, and this calibration cache has {self.calibration.seq_len}"
             )
 
+    def planned_run(
+        self, conditions: Sequence[Condition | str] | str, num_seqs: int | None, batch_size: int, seed: int
+    ) -> tuple[list[Condition], int]:
+        """The conditions and the number of sequences of a run, checked (`check_run`) before it starts."""
+        if num_seqs is not None and num_seqs < 1 or batch_size < 1:
+            raise ValueError(
+                f"a replay needs at least one sequence and a batch of at least one (got {num_seqs}, {batch_size})"
+            )
+        conditions = as_conditions(conditions, seed)
+        n = self.evaluated.num_seqs if num_seqs is None else min(num_seqs, self.evaluated.num_seqs)
+        self.check_run(conditions, n)
+        return conditions, n
+
     def run(
         self,
         conditions: Sequence[Condition],
@@ -236,13 +249,7 @@ class Experiment:
         the figures unjudged, for a bench of the checks themselves.
         `shard`: score only those positions of the run (`run_conditions`; a distributed replay's actor,
         whose driver judges the merged run)."""
-        if num_seqs is not None and num_seqs < 1 or batch_size < 1:
-            raise ValueError(
-                f"a replay needs at least one sequence and a batch of at least one (got {num_seqs}, {batch_size})"
-            )
-        conditions = as_conditions(conditions, seed)
-        n = self.evaluated.num_seqs if num_seqs is None else min(num_seqs, self.evaluated.num_seqs)
-        self.check_run(conditions, n)
+        conditions, n = self.planned_run(conditions, num_seqs, batch_size, seed)
         profiles = self.profiles(profile_progress) if any(c.needs_profiles for c in conditions) else None
         results = run_conditions(
             self.model,
