@@ -31,6 +31,7 @@ from fca.tables.conditions import (
     parse_condition,
     position_permutation,
 )
+from fca.tables.fidelity import judge_mechanism
 from fca.tables.profiles import calibration_profiles
 from fca.tables.scoring import gap_retention
 from fca.tables.stats import (
@@ -440,6 +441,11 @@ def test_audit_refuses_when_correct_is_not_exact(demo, tmp_path, monkeypatch, ca
     )
     with pytest.raises(ExactnessError):
         check_exactness(fake)
+    # Within the logit tolerance, the NLL may move by what such logits can move it, and no more.
+    assert judge_mechanism(5e-7, 1.0, 1.0 + 1e-6, batches=1)["passed"]
+    for logit_diff, nll_replayed in [(0.0, 1.0 + 1e-5), (2e-6, 1.0)]:
+        with pytest.raises(ExactnessError, match="does not reproduce the live run"):
+            judge_mechanism(logit_diff, 1.0, nll_replayed, batches=1)
     # The replays' figures as an inexact run gives them: `Experiment.run` judges them before the audit sees them.
     monkeypatch.setattr("fca.jobs.experiment.run_conditions", lambda *a, **k: fake)
     code = main(_audit_args(demo / "featuregate", demo / "eval", demo / "calibration", tmp_path / "r.json"))

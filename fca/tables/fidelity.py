@@ -23,6 +23,9 @@ from fca.tables.environment import describe, differing_fields, same_environment
 from fca.tables.errors import CacheError, ExactnessError
 
 MECHANISM_TOLERANCE = 1e-6
+# Logits within MECHANISM_TOLERANCE move a token's log-softmax by at most twice that; twice again covers
+# the float32 rounding of the mean. (With logits identical, as seen everywhere so far, the NLLs are too.)
+MECHANISM_NLL_TOLERANCE = 4 * MECHANISM_TOLERANCE
 
 # Accepted differences for a cache computed in another environment, by model dtype, set from measured
 # drift (the demo model, bench/fidelity_drift.py). float32: coefficients differ by up to 6e-7 between
@@ -103,10 +106,11 @@ def tolerances(model_dtype: str, coefficient_dtype: str) -> dict:
 
 def judge_mechanism(max_abs_logit_diff: float, nll_live: float, nll_replayed: float, batches: int) -> dict:
     """Check 1: raise ExactnessError unless replaying the recorded coefficients reproduced the live run."""
-    if not max_abs_logit_diff <= MECHANISM_TOLERANCE or nll_live != nll_replayed:
+    if not (max_abs_logit_diff <= MECHANISM_TOLERANCE and abs(nll_live - nll_replayed) <= MECHANISM_NLL_TOLERANCE):
         raise ExactnessError(
-            f"Correct replay does not reproduce the live run (max |logit diff| {max_abs_logit_diff:.3g} > "
-            f"{MECHANISM_TOLERANCE:g}, or NLL {nll_replayed!r} != {nll_live!r}); no other figure is reported"
+            f"Correct replay does not reproduce the live run (max |logit diff| {max_abs_logit_diff:.3g}, at most "
+            f"{MECHANISM_TOLERANCE:g}; NLL {nll_replayed!r} replayed, {nll_live!r} live, at most "
+            f"{MECHANISM_NLL_TOLERANCE:g} apart); no other figure is reported"
         )
     return {
         "max_abs_logit_diff": max_abs_logit_diff,
