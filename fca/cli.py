@@ -329,11 +329,16 @@ def cmd_replay(args: argparse.Namespace) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> None:
     from fca.jobs.bench import run_bench
+    from fca.tables.outputs import check_output, json_with, write_output
 
+    # The JSON path is checked before minutes of measuring, and replaces only an earlier bench result.
+    kind, earlier = "bench result (JSON)", json_with("capture_ratio")
+    if args.json:
+        check_output(args.json, kind, earlier)
     result = run_bench(args.model, args.corpus, device=args.device, show_progress=True)
     text = json.dumps(result, indent=1)
     if args.json:
-        Path(args.json).write_text(text)
+        write_output(args.json, text, kind, earlier)
     print(text)
 
 

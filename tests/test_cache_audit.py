@@ -745,6 +745,10 @@ def test_damaged_reports_devices_and_one_path_for_two_outputs_are_refused(demo, 
     same = str(tmp_path / "same.out")
     err = _cli_error([*args[:-1], same, "--markdown", same, "--num-seqs", "4", "--sweep", "none"], capsys)
     assert "both the JSON and the Markdown" in err and not (tmp_path / "same.out").exists()
+    # `fca bench --json` replaces only an earlier bench result, and says so before minutes of measuring.
+    err = _cli_error(["bench", "--model", str(demo / "featuregate"), "--json", str(tmp_path / "r.json")], capsys)
+    assert "r.json: exists and is not an earlier bench result (JSON)" in err
+    assert json.loads((tmp_path / "r.json").read_text()) == report
 
 
 def test_an_unknown_device_is_one_line(demo, tmp_path, capsys):

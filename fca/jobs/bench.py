@@ -276,167 +276,171 @@ def run_bench(
     windows = capture_windows[:num_seqs]
     batches = [torch.from_numpy(windows[i : i + batch_size]).to(dev) for i in range(0, len(windows), batch_size)]
     work = Path(tempfile.mkdtemp(prefix="fca-bench-"))
-    capture_batches = [
-        torch.from_numpy(capture_windows[i : i + batch_size]).to(dev)
-        for i in range(0, len(capture_windows), batch_size)
-    ]
-    result: dict = {
-        "device": str(dev),
-        "model": Path(model_dir).name,
-        "num_seqs": len(windows),
-        "capture_seqs": len(capture_windows),
-        "seq_len": T,
-        "batch_size": batch_size,
-        "repeats": repeats,
-        "torch_threads": torch.get_num_threads(),
-    }
+    try:
+        capture_batches = [
+            torch.from_numpy(capture_windows[i : i + batch_size]).to(dev)
+            for i in range(0, len(capture_windows), batch_size)
+        ]
+        result: dict = {
+            "device": str(dev),
+            "model": Path(model_dir).name,
+            "num_seqs": len(windows),
+            "capture_seqs": len(capture_windows),
+            "seq_len": T,
+            "batch_size": batch_size,
+            "repeats": repeats,
+            "torch_threads": torch.get_num_threads(),
+        }
 
-    def forward_over(chunks: list[torch.Tensor]) -> None:
-        for w in chunks:
-            model_logits(model(w[:, :-1]), model)
+        def forward_over(chunks: list[torch.Tensor]) -> None:
+            for w in chunks:
+                model_logits(model(w[:, :-1]), model)
 
-    def plain_forward() -> None:
-        forward_over(batches)
+        def plain_forward() -> None:
+            forward_over(batches)
 
-    stages = Timings()
+        stages = Timings()
 
-    def cache_build(writer_processes: bool = False) -> None:
-        nonlocal stages
-        stages = Timings()  # the last build's are reported
-        write_cache(
-            model,
-            capture_windows,
-            work / "capture",
-            _plan(model, capture_windows, batch_size),
-            batch_size,
-            overwrite=True,
-            timings=stages,
-            writer_processes=writer_processes,
-        )
-
-    step("capture")
-    r = interleaved(cache_build, lambda: forward_over(capture_batches), repeats)
-    result["capture_ratio"] = r["ratio"]
-    result["capture_seconds"], result["forward_seconds"] = r["a_s"], r["b_s"]
-    result["capture_stages_s"] = stages.rounded()  # per stage (fca.tables.timings)
-    if dev.type == "cuda":  # the writers as processes, which leave the forward's interpreter lock alone
-        r = interleaved(lambda: cache_build(writer_processes=True), lambda: forward_over(capture_batches), repeats)
-        result["capture_ratio_writer_processes"] = r["ratio"]
-        result["capture_stages_s_writer_processes"] = stages.rounded()  # (the same cache as the threads')
-
-    # Replay vs live, the coefficients already in memory (as they are after one cache read).
-    step("replay")
-    cached = [capture_tensors(model, w[:, :-1])[1] for w in batches]
-    r = interleaved(lambda: [replay(model, w[:, :-1], c) for w, c in zip(batches, cached)], plain_forward, repeats)
-    result["replay_ratio"] = r["ratio"]
-
-    cache = open_cache(work / "capture")
-    # Both exactness checks on the cache just built, as the audit runs them (nothing is timed here).
-    experiment = Experiment.open(model, cache, None)
-    exactness = experiment.run([Condition("correct")], len(windows), batch_size).exactness
-    result["exactness"] = {
-        "max_abs_logit_diff": exactness["max_abs_logit_diff"],
-        "fidelity": exactness["fidelity"]["verdict"],
-    }
-    raw = sum(4 * s.num_channels for s in site_specs(model).values()) * len(capture_windows) * T
-    result["parquet_bytes_ratio"] = cache.manifest.total_bytes / raw
-
-    # Replay fed from the Parquet cache (reads included) vs live, read as the replay runner reads it: the
-    # next batch read and decoded on a background thread while this one runs.
-    def replay_from_cache() -> None:
-        reads = cache.prefetch(
-            [range(i * batch_size, i * batch_size + len(w)) for i, w in enumerate(batches)], list(cache.sites)
-        )
-        try:
-            for w in batches:
-                replay(model, w[:, :-1], next(reads))
-        finally:
-            reads.close()
-
-    step("replay from cache")
-    r = interleaved(replay_from_cache, plain_forward, repeats)
-    result["replay_from_cache_ratio"] = r["ratio"]
-
-    # Five conditions stacked in one forward vs one condition, per batch.
-    step("batched conditions")
-    profiles = calibration_profiles(cache)
-    conditions = [Condition(kind) for kind in PAPER_CONDITIONS]
-    own = [{k: v.cpu().numpy() for k, v in c.items()} for c in cached]
-    stacked = []
-    for i, (w, c) in enumerate(zip(batches, own)):
-        b = len(w)
-        index = list(range(i * batch_size, i * batch_size + b))
-        other = {k: np.roll(v, 1, axis=0) for k, v in c.items()}
-        stacked.append(
-            stack_conditions([condition_coefficients(cond, c, index, profiles, other) for cond in conditions], b, T)
-        )
-    r = interleaved(
-        lambda: [replay(model, w[:, :-1].repeat(len(conditions), 1), s) for w, s in zip(batches, stacked)],
-        lambda: [replay(model, w[:, :-1], c) for w, c in zip(batches, cached)],
-        repeats,
-    )
-    result["batched_conditions_ratio"] = r["ratio"]
-    result["batched_conditions_note"] = (
-        f"{len(conditions)} conditions stacked along the batch ({batch_size} x {len(conditions)} sequences per pass) "
-        f"vs one condition ({batch_size} per pass); {len(conditions)}.0 means no gain from batching"
-    )
-    # The same with one sequence per condition, where a pass is furthest from saturating the device.
-    one = [{k: v[:1] for k, v in s.items()} for s in stacked]  # correct's rows come first
-    r = interleaved(
-        lambda: [
-            replay(model, w[:1, :-1].repeat(len(conditions), 1), {k: v[::b] for k, v in s.items()})
-            for w, s, b in zip(batches, stacked, [len(w) for w in batches])
-        ],
-        lambda: [replay(model, w[:1, :-1], c) for w, c in zip(batches, one)],
-        repeats,
-    )
-    result["batched_conditions_ratio_one_sequence"] = r["ratio"]
-
-    # Our Parquet writer vs a straightforward pandas long-format writer, same coefficients.
-    step("long format")
-    all_coefficients = {k: np.concatenate([c[k] for c in own]) for k in own[0]}
-    schema = cache_schema(site_specs(model))
-    nll = np.zeros((len(windows), T), np.float32)
-
-    def ours() -> None:
-        writer = CacheWriter(work / "ours", _plan(model, windows), schema, seqs_per_part=len(windows), overwrite=True)
-        for lo in range(0, len(windows), batch_size):
-            hi = min(len(windows), lo + batch_size)
-            writer.write(
-                record_batch(
-                    schema,
-                    np.arange(lo, hi),
-                    windows[lo:hi, :-1],
-                    windows[lo:hi, 1:],
-                    nll[lo:hi],
-                    {k: v[lo:hi] for k, v in all_coefficients.items()},
-                ),
-                hi - lo,
+        def cache_build(writer_processes: bool = False) -> None:
+            nonlocal stages
+            stages = Timings()  # the last build's are reported
+            write_cache(
+                model,
+                capture_windows,
+                work / "capture",
+                _plan(model, capture_windows, batch_size),
+                batch_size,
+                overwrite=True,
+                timings=stages,
+                writer_processes=writer_processes,
             )
-        writer.finish()
 
-    r = interleaved(ours, lambda: long_format_write(all_coefficients, work / "long.parquet"), max(3, repeats // 2))
-    result["long_format_ratio"] = r["ratio"]
-    ours_bytes = open_cache(work / "ours").manifest.total_bytes
-    result["long_format_bytes_ratio"] = (work / "long.parquet").stat().st_size / ours_bytes
+        step("capture")
+        r = interleaved(cache_build, lambda: forward_over(capture_batches), repeats)
+        result["capture_ratio"] = r["ratio"]
+        result["capture_seconds"], result["forward_seconds"] = r["a_s"], r["b_s"]
+        result["capture_stages_s"] = stages.rounded()  # per stage (fca.tables.timings)
+        if dev.type == "cuda":  # the writers as processes, which leave the forward's interpreter lock alone
+            r = interleaved(lambda: cache_build(writer_processes=True), lambda: forward_over(capture_batches), repeats)
+            result["capture_ratio_writer_processes"] = r["ratio"]
+            result["capture_stages_s_writer_processes"] = stages.rounded()  # (the same cache as the threads')
 
-    # Streaming statistics: peak memory over a demo-sized cache and one `big_cache_factor` times larger.
-    step("statistics memory")
-    # Flat memory is the claim; the import baseline shows what Python, numpy and pyarrow alone take.
-    for name, seqs in (("demo", 256), ("big", 256 * big_cache_factor)):
-        synthetic = _synthetic_cache(work / name, site_specs(model), seqs, T, int(model.config.vocab_size))
-        result[f"stats_{name}_cache_mb"] = open_cache(synthetic).manifest.total_bytes / 1e6
-        result[f"stats_{name}_peak_mem_mb"] = _stats_peak_memory(synthetic)
-    result["stats_peak_mem_mb"] = result["stats_big_peak_mem_mb"]
-    result["stats_import_baseline_mem_mb"] = _stats_peak_memory(synthetic, baseline=True)
+        # Replay vs live, the coefficients already in memory (as they are after one cache read).
+        step("replay")
+        cached = [capture_tensors(model, w[:, :-1])[1] for w in batches]
+        r = interleaved(lambda: [replay(model, w[:, :-1], c) for w, c in zip(batches, cached)], plain_forward, repeats)
+        result["replay_ratio"] = r["ratio"]
 
-    # The cache writer alone, 1 and 2 worker threads, on MUDDPythia-1.4B-shaped coefficients in batches of
-    # 8, as `bench/writer_scale.py` (see `WRITER_BENCH_SEQS`).
-    step("writer scaling")
-    scaling = writer_scaling([1, 2], seq_len=1024, batch=8, repeats=5)
-    result["writer_mb_s_1"], result["writer_mb_s_2"] = scaling["mb_s"][1], scaling["mb_s"][2]
-    result["writer_scaling_2"] = scaling["ratio"][2]
-    shutil.rmtree(work, ignore_errors=True)
-    step("done")
-    bar.close()
-    return result
+        cache = open_cache(work / "capture")
+        # Both exactness checks on the cache just built, as the audit runs them (nothing is timed here).
+        experiment = Experiment.open(model, cache, None)
+        exactness = experiment.run([Condition("correct")], len(windows), batch_size).exactness
+        result["exactness"] = {
+            "max_abs_logit_diff": exactness["max_abs_logit_diff"],
+            "fidelity": exactness["fidelity"]["verdict"],
+        }
+        raw = sum(4 * s.num_channels for s in site_specs(model).values()) * len(capture_windows) * T
+        result["parquet_bytes_ratio"] = cache.manifest.total_bytes / raw
+
+        # Replay fed from the Parquet cache (reads included) vs live, read as the replay runner reads it: the
+        # next batch read and decoded on a background thread while this one runs.
+        def replay_from_cache() -> None:
+            reads = cache.prefetch(
+                [range(i * batch_size, i * batch_size + len(w)) for i, w in enumerate(batches)], list(cache.sites)
+            )
+            try:
+                for w in batches:
+                    replay(model, w[:, :-1], next(reads))
+            finally:
+                reads.close()
+
+        step("replay from cache")
+        r = interleaved(replay_from_cache, plain_forward, repeats)
+        result["replay_from_cache_ratio"] = r["ratio"]
+
+        # Five conditions stacked in one forward vs one condition, per batch.
+        step("batched conditions")
+        profiles = calibration_profiles(cache)
+        conditions = [Condition(kind) for kind in PAPER_CONDITIONS]
+        own = [{k: v.cpu().numpy() for k, v in c.items()} for c in cached]
+        stacked = []
+        for i, (w, c) in enumerate(zip(batches, own)):
+            b = len(w)
+            index = list(range(i * batch_size, i * batch_size + b))
+            other = {k: np.roll(v, 1, axis=0) for k, v in c.items()}
+            stacked.append(
+                stack_conditions([condition_coefficients(cond, c, index, profiles, other) for cond in conditions], b, T)
+            )
+        r = interleaved(
+            lambda: [replay(model, w[:, :-1].repeat(len(conditions), 1), s) for w, s in zip(batches, stacked)],
+            lambda: [replay(model, w[:, :-1], c) for w, c in zip(batches, cached)],
+            repeats,
+        )
+        result["batched_conditions_ratio"] = r["ratio"]
+        result["batched_conditions_note"] = (
+            f"{len(conditions)} conditions stacked along the batch ({batch_size} x {len(conditions)} sequences per pass) "
+            f"vs one condition ({batch_size} per pass); {len(conditions)}.0 means no gain from batching"
+        )
+        # The same with one sequence per condition, where a pass is furthest from saturating the device.
+        one = [{k: v[:1] for k, v in s.items()} for s in stacked]  # correct's rows come first
+        r = interleaved(
+            lambda: [
+                replay(model, w[:1, :-1].repeat(len(conditions), 1), {k: v[::b] for k, v in s.items()})
+                for w, s, b in zip(batches, stacked, [len(w) for w in batches])
+            ],
+            lambda: [replay(model, w[:1, :-1], c) for w, c in zip(batches, one)],
+            repeats,
+        )
+        result["batched_conditions_ratio_one_sequence"] = r["ratio"]
+
+        # Our Parquet writer vs a straightforward pandas long-format writer, same coefficients.
+        step("long format")
+        all_coefficients = {k: np.concatenate([c[k] for c in own]) for k in own[0]}
+        schema = cache_schema(site_specs(model))
+        nll = np.zeros((len(windows), T), np.float32)
+
+        def ours() -> None:
+            writer = CacheWriter(
+                work / "ours", _plan(model, windows), schema, seqs_per_part=len(windows), overwrite=True
+            )
+            for lo in range(0, len(windows), batch_size):
+                hi = min(len(windows), lo + batch_size)
+                writer.write(
+                    record_batch(
+                        schema,
+                        np.arange(lo, hi),
+                        windows[lo:hi, :-1],
+                        windows[lo:hi, 1:],
+                        nll[lo:hi],
+                        {k: v[lo:hi] for k, v in all_coefficients.items()},
+                    ),
+                    hi - lo,
+                )
+            writer.finish()
+
+        r = interleaved(ours, lambda: long_format_write(all_coefficients, work / "long.parquet"), max(3, repeats // 2))
+        result["long_format_ratio"] = r["ratio"]
+        ours_bytes = open_cache(work / "ours").manifest.total_bytes
+        result["long_format_bytes_ratio"] = (work / "long.parquet").stat().st_size / ours_bytes
+
+        # Streaming statistics: peak memory over a demo-sized cache and one `big_cache_factor` times larger.
+        step("statistics memory")
+        # Flat memory is the claim; the import baseline shows what Python, numpy and pyarrow alone take.
+        for name, seqs in (("demo", 256), ("big", 256 * big_cache_factor)):
+            synthetic = _synthetic_cache(work / name, site_specs(model), seqs, T, int(model.config.vocab_size))
+            result[f"stats_{name}_cache_mb"] = open_cache(synthetic).manifest.total_bytes / 1e6
+            result[f"stats_{name}_peak_mem_mb"] = _stats_peak_memory(synthetic)
+        result["stats_peak_mem_mb"] = result["stats_big_peak_mem_mb"]
+        result["stats_import_baseline_mem_mb"] = _stats_peak_memory(synthetic, baseline=True)
+
+        # The cache writer alone, 1 and 2 worker threads, on MUDDPythia-1.4B-shaped coefficients in batches of
+        # 8, as `bench/writer_scale.py` (see `WRITER_BENCH_SEQS`).
+        step("writer scaling")
+        scaling = writer_scaling([1, 2], seq_len=1024, batch=8, repeats=5)
+        result["writer_mb_s_1"], result["writer_mb_s_2"] = scaling["mb_s"][1], scaling["mb_s"][2]
+        result["writer_scaling_2"] = scaling["ratio"][2]
+        step("done")
+        return result
+    finally:  # the scratch caches go, and the bar closes, whether the bench finishes or fails
+        shutil.rmtree(work, ignore_errors=True)
+        bar.close()

@@ -20,6 +20,13 @@ def write_output(path: str | Path, text: str, kind: str, is_earlier: Callable[[s
     earlier `kind` (e.g. "audit report (JSON)"); a directory, or any other file, is refused."""
     path = check_output(path, kind, is_earlier)
     path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write_text(path, text)
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write `text` to a temporary file beside `path` (named for this process) and rename it into place:
+    readers see the old file or the new one, never half of one, and a failure leaves nothing behind."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(text, encoding="utf-8")

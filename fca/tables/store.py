@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 from fca.tables.environment import check_environment
 from fca.tables.errors import CacheError
 from fca.tables.fidelity import check_dtype
-from fca.tables.outputs import OutputError, check_replaceable
+from fca.tables.outputs import OutputError, atomic_write_text, check_replaceable
 from fca.tables.spec import SiteSpec
 from fca.tables.stats import Moments, MomentsMerger, merge_token_sums, moments_arrays, token_groups, token_sums
 from fca.tables.timings import Timings
@@ -289,9 +289,7 @@ def file_sha256(path: Path) -> str:
 def _write_json_atomic(path: Path, obj: dict, indent: int | None = 1) -> None:
     """`indent=None` for files only the library reads: json's C encoder then writes them, 5x faster than
     its Python one (which `indent` needs), and a writer thread holds the GIL that much less."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=indent))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj, indent=indent))
 
 
 def write_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
