@@ -771,22 +771,3 @@ def colour_legend_html(lo: float, hi: float, diverging: bool, what: str) -> str:
         f'<div style="font-size:0.85rem">{escape(what)}<div style="height:12px;max-width:420px;border:1px solid #ccc;'
         f'background:linear-gradient(to right, {gradient})"></div>{escape(ends)}</div>'
     )
-
-
-def run_sweep_curve(conditions: dict) -> go.Figure | None:
-    """The interpolation sweep of one replay run (the Replay lab's), drawn like the report's: NLL against
-    alpha with 95% paired CIs, reference lines at the run's correct / static / global-mean NLL.
-    conditions: a run record's `results.conditions` {spec: {nll, penalty, penalty_ci95}}. None when the
-    run has fewer than two `interpolate:alpha` conditions of the same sites (no curve to draw)."""
-    points: dict[str, list[dict]] = {}  # sites suffix ("" = all sites) -> interpolations there
-    for name, row in conditions.items():
-        kind, _, rest = name.partition(":")
-        if kind != "interpolate" or not rest:
-            continue
-        alpha, _, sites = rest.partition("@")
-        try:
-            points.setdefault(sites, []).append({**row, "alpha": float(alpha.split("+")[0])})
-        except ValueError:
-            continue
-    sweep = max(points.values(), key=len, default=[])
-    return sweep_curve(sweep, conditions) if len(sweep) >= 2 else None

@@ -239,7 +239,7 @@ def cmd_audit(args: argparse.Namespace) -> None:
             seed=args.seed,
             extra_conditions=args.extra_conditions,
             progress=progress,
-            **({} if args.sweep is None else {"sweep": args.sweep}),  # None: the audit's DEFAULT_SWEEP
+            **({} if args.sweep is None else {"sweep": args.sweep}),  # None: the audit's SWEEP_ALPHAS
         )
     finally:
         for bar in bars.values():

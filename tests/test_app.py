@@ -693,14 +693,22 @@ def test_lab_run_labels_and_csv_rows_are_plain():
     assert (correct["NLL 95% CI low"], correct["NLL 95% CI high"]) == (2.0, 4.0) and correct["sequences"] == 16
 
 
-def test_lab_sweep_figure_is_pure():
-    from app.figures import run_sweep_curve
+def test_lab_sweep_points_and_figure():
+    from app.figures import sweep_curve
+    from fca.tables.runs import sweep_points
 
     conditions = {"correct": {"nll": 3.0, "penalty": 0.0, "penalty_ci95": [0.0, 0.0]}}
-    assert run_sweep_curve(conditions) is None
-    for alpha, nll in [(0.0, 3.4), (0.5, 3.2), (1.0, 3.0)]:
-        conditions[f"interpolate:{alpha}"] = {"nll": nll, "penalty": nll - 3.0, "penalty_ci95": [nll - 3.1, nll - 2.9]}
-    fig = run_sweep_curve(conditions)
+    assert sweep_points(conditions) == []
+    for alpha, nll in [(1.0, 3.0), (0.0, 3.4), (0.5, 3.2)]:
+        conditions[f"interpolate:{alpha:g}"] = {
+            "nll": nll,
+            "penalty": nll - 3.0,
+            "penalty_ci95": [nll - 3.1, nll - 2.9],
+        }
+    conditions["interpolate:0.5@blocks.0.gate"] = {"nll": 3.1, "penalty": 0.1, "penalty_ci95": [0.0, 0.2]}
+    sweep = sweep_points(conditions)  # the sites most interpolations share, by alpha
+    assert [(row["alpha"], row["nll"]) for row in sweep] == [(0.0, 3.4), (0.5, 3.2), (1.0, 3.0)]
+    fig = sweep_curve(sweep, conditions)
     assert list(fig.data[0].x) == [0.0, 0.5, 1.0] and list(fig.data[0].y) == [3.4, 3.2, 3.0]
     assert "alpha" in fig.layout.xaxis.title.text and fig.layout.title.text
 

@@ -31,6 +31,7 @@ from fca.tables.runs import (
     runs_writable,
     saved_run_rows,
     sweep_conditions,
+    sweep_points,
 )
 
 JOB_KEY = "replay_job"
@@ -292,9 +293,9 @@ if job is not None and not job.running:
             figures.nll_bars(plotted, "NLL per condition (95% CI of the mean over sequences)"), key="lab_nll"
         )
         right.plotly_chart(figures.penalty_bars(plotted[plotted["condition"] != "correct"]), key="lab_penalty")
-        sweep_figure = figures.run_sweep_curve(record["results"]["conditions"])
-        if sweep_figure is not None:
-            st.plotly_chart(sweep_figure, key="lab_sweep_chart")
+        sweep = sweep_points(record["results"]["conditions"])
+        if len(sweep) >= 2:  # a curve, drawn like the report's, with the run's reference lines
+            st.plotly_chart(figures.sweep_curve(sweep, record["results"]["conditions"]), key="lab_sweep_chart")
         download(result, "replay_result.csv")
 
 st.subheader("Saved runs of this cache")

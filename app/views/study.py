@@ -101,17 +101,6 @@ if retained:
     st.plotly_chart(figures.study_retention(points, spreads), key="study_retention")
 
 
-def cell(s: dict, digits: int = 4, percent: bool = False) -> str:
-    if not s or s["mean"] is None:
-        return "n/a"
-    k, unit = (100.0, "%") if percent else (1.0, "")
-    text = f"{k * s['mean']:.{digits}f}{unit}"
-    if s["sd"] is None:
-        return text
-    lo, hi = s["ci95"]
-    return text + f" ± {k * s['sd']:.{digits}f} [{k * lo:.{digits}f}, {k * hi:.{digits}f}]"
-
-
 n_models = study["num_models"]
 st.subheader(f"Across {n_models} model{'s' if n_models != 1 else ''}")
 st.caption(
@@ -119,17 +108,18 @@ st.caption(
     if n_models > 1
     else "one model: its own figures; a spread and an interval need at least two independently trained models"
 )
+cell = studies.format_spread  # the cells of the study's Markdown, so the page and its download agree
 st.markdown(
     "| condition | NLL (nats) | penalty vs correct | gap retention |\n|---|---|---|---|\n"
     + "\n".join(
         f"| {c} | {cell(s['nll'])} | {'' if c == 'correct' else cell(s['penalty'])} | "
-        f"{cell(s['gap_retention'], 1, percent=True) if 'gap_retention' in s else ''} |"
+        f"{cell(s['gap_retention'], 1, percent=True, of=n_models) if 'gap_retention' in s else ''} |"
         for c, s in conditions.items()
     )
 )
 st.markdown(
     f"- **Layer-identity share** of coefficient variance: {cell(summary['layer_identity_share'], 3)}\n"
-    f"- **Latency vs Dense twin**: {cell(summary['latency_ratio_vs_dense'], 3)}x\n"
+    f"- **Latency vs Dense twin**: {cell(summary['latency_ratio_vs_dense'], 3, of=n_models)}x\n"
     f"- **Blocks executed** per token: {cell(summary['blocks_executed_fraction'], 3, percent=True)}; "
     f"**controller FLOPs**: {cell(summary['controller_flops_share'], 3, percent=True)} of the forward"
 )

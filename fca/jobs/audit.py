@@ -21,13 +21,10 @@ from fca.tables.conditions import PAPER_CONDITIONS, Condition, as_conditions
 from fca.tables.fidelity import FOREIGN_TOLERANCES, MECHANISM_NLL_TOLERANCE, MECHANISM_TOLERANCE, STORAGE_ULP
 from fca.tables.profiles import cache_moments
 from fca.tables.report import REPORT_VERSION
+from fca.tables.runs import SWEEP_ALPHAS  # an audit's interpolation sweep, as the Replay lab's; `sweep=()` skips it
 from fca.tables.scoring import BOOTSTRAP_RESAMPLES, gap_retention, summarize_conditions
 from fca.tables.stats import variance_decomposition
 from fca.tables.store import Cache
-
-# The interpolation sweep of an audit (CLI and library alike): alpha 0 is the static profile, 1 the own
-# coefficients; `sweep=()` (the CLI's `--sweep none`) skips it.
-DEFAULT_SWEEP = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 def run_audit(
@@ -43,7 +40,7 @@ def run_audit(
     extra_conditions: Sequence[str | Condition] = (),
     latency_runs: int = 7,
     progress: Callable[[str, int, int], None] | None = None,
-    sweep: Sequence[float] = DEFAULT_SWEEP,
+    sweep: Sequence[float] = SWEEP_ALPHAS,
 ) -> dict:
     """The three-property report of `model` (a directory, or a module held in memory: `fca.audit`) on an
     evaluated and a calibration cache (directories or opened caches), with its Dense twin's latency when
@@ -70,7 +67,7 @@ def audit_experiment(
     extra_conditions: Sequence[str | Condition] = (),
     latency_runs: int = 7,
     progress: Callable[[str, int, int], None] | None = None,
-    sweep: Sequence[float] = DEFAULT_SWEEP,
+    sweep: Sequence[float] = SWEEP_ALPHAS,
 ) -> dict:
     """The report of an opened experiment. Nothing is reported unless both exactness checks pass."""
     started = time.perf_counter()

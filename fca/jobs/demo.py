@@ -21,11 +21,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from fca.engine.models.featuregate import FeatureGateConfig
-from fca.jobs.audit import DEFAULT_SWEEP, run_audit
+from fca.jobs.audit import run_audit
 from fca.jobs.build import build_cache_from_corpus
 from fca.jobs.train import TrainSettings, train
 from fca.tables import data
 from fca.tables.report import render_markdown, write_report
+from fca.tables.runs import SWEEP_ALPHAS
 from fca.tables.study import study_from_files, write_study
 
 DEMO_CONFIG = dict(d_model=192, n_layers=6, n_heads=6, mlp_groups=6, max_seq_len=128)
@@ -37,7 +38,7 @@ def make_demo(out: Path, corpus: Path, steps: int = 800, retrain: bool = False, 
     if not corpus.exists():
         data.extract_kjv(corpus)
     train_pair(out, corpus, DEMO_CONFIG, TrainSettings(steps=steps, seed=seed), retrain=retrain)
-    report = cache_and_audit(out, corpus, DEMO_SEQS, split_seed=0, sweep=DEFAULT_SWEEP)
+    report = cache_and_audit(out, corpus, DEMO_SEQS, split_seed=0, sweep=SWEEP_ALPHAS)
     write_report(report, out / "audit.json", out / "audit.md")
     print(render_markdown(report))
     return report

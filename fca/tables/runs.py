@@ -154,17 +154,18 @@ def saved_run_rows(records: Sequence[dict], labels: Sequence[str] | None = None)
     return rows
 
 
-def sweep_rows(record: dict) -> list[dict]:
-    """The interpolations of a run (alpha, NLL and its CI, penalty), by alpha; empty when it has none."""
-    rows = []
-    for row in condition_rows(record):
+def sweep_points(conditions: dict) -> list[dict]:
+    """The interpolation sweep in a run's `results.conditions` {spec: row}: the `interpolate:alpha` rows of
+    the sites most of them share, each with its alpha, by alpha; [] when the run has none."""
+    by_sites: dict[tuple[str, ...] | None, list[dict]] = {}
+    for name, row in conditions.items():
         try:
-            c = parse_condition(row["condition"])
+            condition = parse_condition(name)
         except ValueError:
             continue
-        if c.kind == "interpolate":
-            rows.append({"alpha": c.alpha, **row})
-    return sorted(rows, key=lambda r: r["alpha"])
+        if condition.kind == "interpolate":
+            by_sites.setdefault(condition.sites, []).append({**row, "alpha": condition.alpha})
+    return sorted(max(by_sites.values(), key=len, default=[]), key=lambda row: row["alpha"])
 
 
 def replay_command(settings: dict, relative_to: str | Path | None = None) -> str:

@@ -353,7 +353,7 @@ def study_from_files(paths: Sequence[str | Path], relative_to: str | Path | None
         raise StudyError(f"{err} (paths relative to {relative_to})") from None
 
 
-def _pm(s: dict | None, digits: int = 4, percent: bool = False, of: int | None = None) -> str:
+def format_spread(s: dict | None, digits: int = 4, percent: bool = False, of: int | None = None) -> str:
     """'mean ± sd [lo, hi]' of a spread, in percent if asked; '(n=k)' when only k of `of` models count."""
     if not s or s["mean"] is None:
         return "n/a"
@@ -393,19 +393,19 @@ def render_markdown(study: dict) -> str:
         "|---|---|---|---|",
     ]
     for name, s in summary["conditions"].items():
-        retention = _pm(s["gap_retention"], 1, percent=True, of=n) if "gap_retention" in s else ""
-        penalty = _pm(s["penalty"]) if name != "correct" else ""
-        lines.append(f"| {name} | {_pm(s['nll'])} | {penalty} | {retention} |")
+        retention = format_spread(s["gap_retention"], 1, percent=True, of=n) if "gap_retention" in s else ""
+        penalty = format_spread(s["penalty"]) if name != "correct" else ""
+        lines.append(f"| {name} | {format_spread(s['nll'])} | {penalty} | {retention} |")
     lines += [
         "",
         "## Variation and execution",
         "",
         "| quantity | across models |",
         "|---|---|",
-        f"| layer-identity share of coefficient variance | {_pm(summary['layer_identity_share'], 3)} |",
-        f"| latency vs Dense twin (x) | {_pm(summary['latency_ratio_vs_dense'], 3, of=n)} |",
-        f"| blocks executed per token (fraction) | {_pm(summary['blocks_executed_fraction'], 3)} |",
-        f"| controller FLOPs (share of forward) | {_pm(summary['controller_flops_share'], 5)} |",
+        f"| layer-identity share of coefficient variance | {format_spread(summary['layer_identity_share'], 3)} |",
+        f"| latency vs Dense twin (x) | {format_spread(summary['latency_ratio_vs_dense'], 3, of=n)} |",
+        f"| blocks executed per token (fraction) | {format_spread(summary['blocks_executed_fraction'], 3)} |",
+        f"| controller FLOPs (share of forward) | {format_spread(summary['controller_flops_share'], 5)} |",
         "",
         "## Per model",
         "",
