@@ -73,6 +73,7 @@ def cache_stats(path: str, fingerprint: str) -> dict:
         "position_mean": m.position_mean,
         "sites": layout.sites,
         "widths": layout.widths,
+        "site_slots": {site: layout.site_slice(site) for site in layout.sites},  # its columns of the slot arrays
         "families": layout.families,
         "num_tokens": m.count,
     }

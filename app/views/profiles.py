@@ -8,6 +8,7 @@ import streamlit as st
 
 from app import figures, resources
 from app.views.common import download, guard, require_cache, teach
+from fca.tables.profiles import slot_deviation
 
 WINDOW = 32  # positions shown at once in the heatmap: every label legible on a 1024 px screen
 MAX_SITES = 12  # sites preselected when a model has many (the user can add the rest)
@@ -58,18 +59,16 @@ def _sequence_view() -> None:
 
     # Per slot of the chosen sites: live [T], static mean and SD, looked up by site name so the two
     # caches' column order does not matter.
-    offsets = dict(zip(ref_stats["sites"], np.cumsum([0, *ref_stats["widths"][:-1]])))
     live, static, sd, slots = [], [], [], []
     for site in chosen_sites:
         spec = cache.manifest.sites[site]
-        K = spec.num_channels
-        start = int(offsets[site])
+        columns = ref_stats["site_slots"][site]
         live.append(data[site])  # [T, K]
-        static.append(ref_stats["slot_mean"][start : start + K])
-        sd.append(ref_stats["slot_sd"][start : start + K])
-        slots += [f"{site}/{label}" for label in (spec.channel_labels or range(K))]
+        static.append(ref_stats["slot_mean"][columns])
+        sd.append(ref_stats["slot_sd"][columns])
+        slots += [f"{site}/{label}" for label in (spec.channel_labels or range(spec.num_channels))]
     live_m, static_v, sd_v = np.concatenate(live, axis=1), np.concatenate(static), np.concatenate(sd)
-    deviation = (live_m - static_v) / np.where(sd_v > 0, sd_v, 1.0)  # [T, C] in calibration SDs
+    deviation = slot_deviation(live_m, static_v, sd_v)  # [T, C] in calibration SDs
     tokens = resources.decode_tokens(str(sel.model_dir) if sel.model_dir else "", tuple(int(t) for t in data["token"]))
 
     # Lazy tabs: only the open one runs and is drawn (a chart fewer on a first visit).

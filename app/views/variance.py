@@ -8,6 +8,7 @@ import streamlit as st
 
 from app import figures, resources
 from app.views.common import download, guard, require_cache, teach
+from fca.tables.profiles import slot_deviation
 
 # Positions shown at once in the token x layer heatmap: every label stays legible on a 1024 px screen.
 WINDOW = 32
@@ -160,18 +161,17 @@ def _sequence_section() -> None:
     tokens = resources.decode_tokens(
         str(sel.model_dir) if sel.model_dir else "", tuple(int(t) for t in data["token"][span])
     )
-    matrix, offset = {}, 0
-    for site, width in zip(stats["sites"], stats["widths"]):
+    matrix = {}
+    for site in stats["sites"]:
         v = data[site][span]  # [t, K]
         if summary.startswith("mean over"):
             matrix[site] = v.mean(1)
         elif summary.startswith("SD"):
             matrix[site] = v.std(1)
         else:
-            mu, sd = stats["slot_mean"][offset : offset + width], stats["slot_sd"][offset : offset + width]
-            standardised = (v - mu) / np.where(sd > 0, sd, 1)  # [t, K] in slot SDs
+            slots = stats["site_slots"][site]
+            standardised = slot_deviation(v, stats["slot_mean"][slots], stats["slot_sd"][slots])  # [t, K]
             matrix[site] = standardised.mean(1) if diverging else np.sqrt((standardised**2).mean(1))
-        offset += width
     z = pd.DataFrame(matrix, index=range(span.start, span.stop)).T
     st.plotly_chart(
         figures.token_layer_heatmap(z, tokens, color_title, f"Sequence {seq}: {summary}", diverging=diverging),

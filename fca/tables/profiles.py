@@ -151,6 +151,12 @@ def profiles_from_moments(m: Moments, layout: SlotLayout) -> Profiles:
     )
 
 
+def slot_deviation(values: np.ndarray, mean: np.ndarray, sd: np.ndarray) -> np.ndarray:
+    """Coefficients [..., K] as deviations from their slots' means [K] in the slots' SDs [K] (a slot that
+    never varies: the raw deviation), as the dashboard's token views colour them."""
+    return (values - mean) / np.where(sd > 0, sd, 1.0)
+
+
 def calibration_profiles(cache: Cache, progress: Callable[[int, int], None] | None = None) -> Profiles:
     return profiles_from_moments(*cache_moments(cache, with_tokens=False, progress=progress))
 
