@@ -361,15 +361,7 @@ def merge_results(shards: Sequence[ReplayResults], bounds: Sequence[tuple[int, i
 
     measure = FidelityMeasure()
     for r in shards:
-        f = r.fidelity
-        measure.max_abs_coefficient_diff = max(measure.max_abs_coefficient_diff, f.max_abs_coefficient_diff)
-        measure.max_rel_coefficient_diff = max(measure.max_rel_coefficient_diff, f.max_rel_coefficient_diff)
-        measure.differing_coefficients += f.differing_coefficients
-        measure.coefficients_compared += f.coefficients_compared
-        for site, value in f.per_site_max_abs_diff.items():
-            measure.per_site_max_abs_diff[site] = max(measure.per_site_max_abs_diff.get(site, 0.0), value)
-        measure.stored_live_nll_max_diff = max(measure.stored_live_nll_max_diff, f.stored_live_nll_max_diff)
-        measure.same_batches = measure.same_batches and f.same_batches
+        measure.merge(r.fidelity)
     live, replayed = joined(lambda r: r.live_per_seq), joined(lambda r: r.replayed_per_seq)
     return ReplayResults(
         seqs=first.seqs,

@@ -70,6 +70,17 @@ class FidelityMeasure:
         self.coefficients_compared += compared
         self.per_site_max_abs_diff[site] = max(self.per_site_max_abs_diff.get(site, 0.0), max_abs)
 
+    def merge(self, other: FidelityMeasure) -> None:
+        """Add the differences `other` measured on other sequences (a shard of a distributed replay)."""
+        for site, value in other.per_site_max_abs_diff.items():
+            self.per_site_max_abs_diff[site] = max(self.per_site_max_abs_diff.get(site, 0.0), value)
+        self.max_abs_coefficient_diff = max(self.max_abs_coefficient_diff, other.max_abs_coefficient_diff)
+        self.max_rel_coefficient_diff = max(self.max_rel_coefficient_diff, other.max_rel_coefficient_diff)
+        self.differing_coefficients += other.differing_coefficients
+        self.coefficients_compared += other.coefficients_compared
+        self.stored_live_nll_max_diff = max(self.stored_live_nll_max_diff, other.stored_live_nll_max_diff)
+        self.same_batches = self.same_batches and other.same_batches
+
     @property
     def bit_identical(self) -> bool:
         return self.differing_coefficients == 0 and self.stored_live_nll_max_diff == 0.0
