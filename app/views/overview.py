@@ -17,7 +17,13 @@ import streamlit as st
 from app import figures, resources
 from app.views.common import Selection, download, guard, require_cache, teach
 from fca.tables import catalog
-from fca.tables.report import exactness_sentences, render_markdown, report_mismatch, retention_sentence
+from fca.tables.report import (
+    conditions_table,
+    exactness_sentences,
+    render_markdown,
+    report_mismatch,
+    retention_sentence,
+)
 
 CHART_CONFIG = {"displaylogo": False}
 
@@ -227,17 +233,7 @@ with c3:
     )
 
 # A Markdown table, not st.dataframe: the first page then needs no data-grid bundle in the browser.
-st.markdown(
-    "| condition | NLL (nats/token) | penalty vs correct (nats/token) | penalty 95% CI | gap retention |\n"
-    "|---|---|---|---|---|\n"
-    + "\n".join(
-        f"| {r['condition']} | {r['nll_nats']:.4f} | {r['penalty_nats']:+.4f} | "
-        f"[{r['penalty_ci95_low']:+.4f}, {r['penalty_ci95_high']:+.4f}] | "
-        + ("" if r["gap_retention"] is None else f"{100 * r['gap_retention']:.1f}%")
-        + " |"
-        for r in rows
-    )
-)
+st.markdown("\n".join(conditions_table(report)))
 
 m, ex = report["model"], report["exactness"]
 st.subheader("Model and data")

@@ -73,6 +73,23 @@ def report_mismatch(report: dict, model_fingerprint: str, cache_fingerprint: str
     return None
 
 
+def conditions_table(report: dict) -> list[str]:
+    """The report's conditions as Markdown table lines (the report's page and the dashboard's Overview):
+    NLL, penalty and its 95% CI, and gap retention ("undefined" where its CI does not lie above zero;
+    blank for the scale's two ends)."""
+    lines = [
+        "| condition | NLL (nats/token) | penalty vs correct (nats/token) | penalty 95% CI | gap retention |",
+        "|---|---|---|---|---|",
+    ]
+    for name, row in report["conditions"].items():
+        lo, hi = row["penalty_ci95"]
+        retention = report["gap_retention"].get(name)
+        shown = f"{100 * retention:.2f}%" if retention is not None else "undefined"
+        shown = "" if name in ("correct", "global_mean") else shown
+        lines.append(f"| {name} | {row['nll']:.4f} | {row['penalty']:+.4f} | [{lo:+.4f}, {hi:+.4f}] | {shown} |")
+    return lines
+
+
 def read_report(path: str | Path) -> dict:
     """An audit report from its JSON file, checked up front so that rendering never fails halfway."""
     try:
@@ -162,15 +179,8 @@ def render_markdown(report: dict) -> str:
         "",
         "## 2. Functional dependence (controllers removed, coefficients reassigned)",
         "",
-        "| condition | NLL (nats) | penalty vs correct | 95% CI | gap retention |",
-        "|---|---|---|---|---|",
+        *conditions_table(report),
     ]
-    for name, row in report["conditions"].items():
-        lo, hi = row["penalty_ci95"]
-        retention = report["gap_retention"].get(name)
-        shown = f"{100 * retention:.2f}%" if retention is not None else "undefined"
-        shown = "" if name in ("correct", "global_mean") else shown
-        lines.append(f"| {name} | {row['nll']:.4f} | {row['penalty']:+.4f} | [{lo:+.4f}, {hi:+.4f}] | {shown} |")
     lines += dependence_story_markdown(report)
     lines += [
         "",
