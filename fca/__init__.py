@@ -19,6 +19,8 @@ first page, say) never pay for importing torch:
 
 import importlib
 
+__version__ = "0.1.0"  # the package version (pyproject.toml reads it from here); manifests record it
+
 # name -> (module, attribute)
 _API = {
     "load_model": ("fca.engine.loading", "load_model"),

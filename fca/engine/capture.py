@@ -111,8 +111,10 @@ def finish_stamp() -> dict:
     import pyarrow
     import transformers
 
+    import fca
+
     versions = {
-        "fca": "0.1.0",
+        "fca": fca.__version__,
         "torch": torch.__version__,
         "pyarrow": pyarrow.__version__,
         "transformers": transformers.__version__,

@@ -90,10 +90,9 @@ class Site(nn.Module):
 
 
 def assign_site_names(model: nn.Module) -> None:
-    """Name every site after its path in the module tree (e.g. `blocks.3.gate`)."""
-    for name, module in model.named_modules():
-        if isinstance(module, Site):
-            module.site_name = name
+    """Name every site after its path in the module tree (e.g. `blocks.3.gate`) now, as each pass's
+    `find_sites` does, so that a model's sites have their names before its first pass."""
+    find_sites(model)
 
 
 def find_sites(model: nn.Module) -> dict[str, Site]:
