@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from app import figures
-from fca.tables.report import PAPER_STATIC_RETENTION, render_markdown, retention_sentence
+from fca.tables.report import render_markdown, retention_sentence
 from fca.tables.study import build_study, study_from_files, without_sweep
 
 REPO = Path(__file__).resolve().parent.parent
