@@ -20,6 +20,19 @@ import streamlit as st  # noqa: E402
 
 st.set_page_config(page_title="FCA: Frozen-Controller Auditing", page_icon="❄️", layout="wide")
 
+# The dashboard runs models and reads local files: it serves this machine unless told otherwise. Streamlit
+# reads the repository's `.streamlit/config.toml` (address 127.0.0.1) only when started from the
+# repository's root; started elsewhere it listens on every interface, so another machine's visit is
+# refused unless an address was chosen (`--server.address`).
+if st.context.ip_address is not None and not st.get_option("server.address"):
+    st.error(
+        "This FCA dashboard serves the machine it runs on only, and this visit comes from another machine "
+        f"({st.context.ip_address}). It was started outside the repository's root, without its settings: start "
+        "it with `python -m fca dashboard` (or `streamlit run app/main.py` from the repository root), or pass "
+        "`--server.address` to serve other machines deliberately."
+    )
+    st.stop()
+
 from app import resources  # noqa: E402
 from app.views.common import SELECTION_KEY, Selection, match_typed, typed_path, typed_problem  # noqa: E402
 from fca.tables import catalog  # noqa: E402

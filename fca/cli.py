@@ -400,6 +400,31 @@ def cmd_demo(args: argparse.Namespace) -> None:
     make_demo(Path(args.out), Path(args.corpus), steps=args.steps, retrain=args.retrain)
 
 
+def dashboard_command(address: str, port: int) -> list[str]:
+    """`streamlit run app/main.py` bound to `address`, with the repository's settings (no usage statistics,
+    no file watching) whichever folder it is started from: streamlit reads `.streamlit/config.toml` only
+    from the folder it is started in."""
+    main_py = Path(__file__).resolve().parent.parent / "app" / "main.py"
+    if not main_py.is_file():
+        raise FileNotFoundError(f"{main_py}: the dashboard ships with the repository, not with the package")
+    settings = {
+        "server.address": address,
+        "server.port": port,
+        "server.headless": "true",
+        "server.fileWatcherType": "none",
+        "browser.gatherUsageStats": "false",
+    }
+    return [sys.executable, "-m", "streamlit", "run", str(main_py), *(f"--{k}={v}" for k, v in settings.items())]
+
+
+def cmd_dashboard(args: argparse.Namespace) -> None:
+    import subprocess
+
+    command = dashboard_command(args.address, args.port)
+    print(f"FCA dashboard: http://{'localhost' if args.address == '127.0.0.1' else args.address}:{args.port}")
+    subprocess.run(command, cwd=Path(command[4]).parent.parent, check=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fca", description="Frozen-Controller Auditing of dynamic neural networks."
@@ -593,6 +618,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_size_flags(p)
     p.set_defaults(func=cmd_demo_study)
+
+    p = sub.add_parser(
+        "dashboard", help="start the dashboard on this machine (streamlit run app/main.py, from any folder)"
+    )
+    p.add_argument("--port", type=int, default=8501, help="port to serve on (default 8501)")
+    p.add_argument(
+        "--address",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 serves every network interface)",
+    )
+    p.set_defaults(func=cmd_dashboard)
     return parser
 
 

@@ -159,6 +159,20 @@ def test_declared_dependencies_agree_with_requirements() -> None:
     assert project["scripts"] == {"fca": "fca.cli:main"}
 
 
+def test_the_dashboard_command_serves_this_machine_with_the_repositorys_settings() -> None:
+    """`fca dashboard` works from any folder: streamlit reads `.streamlit/config.toml` only from the folder it
+    starts in, so the launcher passes what matters itself."""
+    from fca.cli import build_parser, dashboard_command
+
+    command = dashboard_command("127.0.0.1", 8765)
+    assert command[1:4] == ["-m", "streamlit", "run"] and command[4] == str(ROOT / "app" / "main.py")
+    assert {"--server.address=127.0.0.1", "--server.port=8765", "--browser.gatherUsageStats=false"} <= set(command)
+    args = build_parser().parse_args(["dashboard"])
+    assert (args.address, args.port) == ("127.0.0.1", 8501)
+    config = tomllib.loads((ROOT / ".streamlit" / "config.toml").read_text())
+    assert config["server"]["address"] == "127.0.0.1" and config["browser"]["gatherUsageStats"] is False
+
+
 def test_the_package_ships_every_layer() -> None:
     from setuptools import find_packages
 
