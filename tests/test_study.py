@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -352,6 +353,26 @@ def test_demo_study_end_to_end(tiny_study, tiny_demo, tmp_path, capsys):
     assert main(["study", *audits, str(tiny_demo / "audit.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert "differs between" in err and "seed1/audit.json" in err and "audit.json" in err and "\n" not in err
+
+
+def test_a_study_that_cannot_sit_with_its_audits_is_refused_before_training(tmp_path):
+    """Hours of GPU training must not end in a refusal: included audits, and a study the new one would
+    replace, are checked against the planned caches first (nothing is trained or written)."""
+    from fca.jobs.demo import make_demo_study
+    from tests.helpers import TINY
+
+    from .conftest import REPO
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("unused")
+    config = TINY  # windows of 16 tokens
+    with pytest.raises(StudyError, match=r"demo/audit.json: an audit with cache.seq_len 128, and this study's seeds"):
+        make_demo_study(tmp_path / "new", corpus, [1], include=[REPO / "cache/demo/audit.json"], config=config)
+    (tmp_path / "old").mkdir()
+    shutil.copy(REPO / "cache/demo-study/study.json", tmp_path / "old" / "study.json")
+    with pytest.raises(StudyError, match=r"old/study.json: a study of audits with cache.seq_len 128.*choose another"):
+        make_demo_study(tmp_path / "old", corpus, [1], include=[], config=config)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["corpus.txt", "old", "old/study.json"]
 
 
 def test_demo_study_command_defaults_are_the_demo_configuration(monkeypatch, tmp_path):

@@ -27,7 +27,7 @@ from fca.jobs.train import TrainSettings, train
 from fca.tables import data
 from fca.tables.report import render_markdown, write_report
 from fca.tables.runs import SWEEP_ALPHAS
-from fca.tables.study import study_from_files, write_study
+from fca.tables.study import StudyError, field, load_audit, load_study, study_from_files, write_study
 
 DEMO_CONFIG = dict(d_model=192, n_layers=6, n_heads=6, mlp_groups=6, max_seq_len=128)
 DEMO_SEQS = 256
@@ -131,6 +131,8 @@ def make_demo_study(
     if not corpus.exists():
         data.extract_kjv(corpus)
     settings = settings or TrainSettings(steps=steps)
+    config = config or DEMO_CONFIG
+    check_study_plan(out, include, config["max_seq_len"], num_seqs)
     paths = list(include)
     for seed in seeds:
         paths.append(
@@ -138,7 +140,7 @@ def make_demo_study(
                 out / f"seed{seed}",
                 corpus,
                 seed,
-                config or DEMO_CONFIG,
+                config,
                 settings,
                 device=device,
                 audit_device=audit_device,
@@ -147,6 +149,32 @@ def make_demo_study(
                 show_progress=show_progress,
             )
         )
+        if len(paths) == len(include) + 1:  # after the first new seed, not after all: can they sit together?
+            study_from_files(paths, relative_to=out)
     study = study_from_files(paths, relative_to=out)
     write_study(study, out / "study.json", out / "study.md")
     return study
+
+
+def check_study_plan(out: Path, include: Sequence[Path], seq_len: int, num_seqs: int) -> None:
+    """What can be refused before hours of training: included audits, or a study already in `out` (which
+    this one would replace), of caches of another shape than the seeds to come. (Whether the models
+    themselves compare is known after the first seed, whose audit is checked against them at once.)"""
+    planned = {"cache.seq_len": seq_len, "cache.sequences": num_seqs}
+    for path in include:
+        report = load_audit(path)
+        for key, value in planned.items():
+            if field(report, key) != value:
+                raise StudyError(
+                    f"{path}: an audit with {key} {field(report, key)}, and this study's seeds will have {value}; "
+                    "leave it out (--include with the audits to keep, or a bare --include for none)"
+                )
+    existing = out / "study.json"
+    if existing.is_file():
+        audit = load_study(existing)["definitions"]["audit"]
+        for key, value in planned.items():
+            if audit.get(key) != value:
+                raise StudyError(
+                    f"{existing}: a study of audits with {key} {audit.get(key)}, and this one's have {value}; "
+                    "it would be replaced: choose another --out"
+                )
