@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -322,7 +323,8 @@ def cmd_replay(args: argparse.Namespace) -> None:
         print(sentence)
     for name, row in record["results"]["conditions"].items():
         lo, hi = row["penalty_ci95"]
-        print(f"{name:40s} NLL {row['nll']:.4f}  penalty {row['penalty']:+.4f} [{lo:+.4f}, {hi:+.4f}]")
+        ci = f"[{lo:+.4f}, {hi:+.4f}]" if math.isfinite(lo) else "(no CI from one sequence)"
+        print(f"{name:40s} NLL {row['nll']:.4f}  penalty {row['penalty']:+.4f} {ci}")
     if record.get("path"):
         print(f"saved {record['path']}")
 

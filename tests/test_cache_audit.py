@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import duckdb
 import numpy as np
@@ -561,6 +562,18 @@ def test_replay_cli_saves_runs(demo, capsys):
     )
     assert again["results"]["conditions"] == runs[0]["results"]["conditions"]
     assert not (demo / "eval" / "runs").exists()  # runs live beside the cache, never inside it
+    # One sequence has no CI: said so, and saved as null (strict JSON readers refuse NaN).
+    base = ["replay", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval")]
+    capsys.readouterr()
+    assert main([*base, "--calibration", str(demo / "calibration"), "--num-seqs", "1"]) == 0
+    assert "(no CI from one sequence)" in capsys.readouterr().out
+    saved = Path(list_runs(demo / "eval")[0]["path"]).read_text()
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not strict JSON: {constant}")
+
+    strict = json.loads(saved, parse_constant=refuse)
+    assert strict["results"]["conditions"]["static_layer"]["penalty_ci95"] == [None, None]
 
 
 def test_blocked_moments_equal_the_whole_array_moments():

@@ -5,6 +5,7 @@ place, and never over a file that is not an earlier output of the same kind, so 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,22 @@ def write_output(path: str | Path, text: str, kind: str, is_earlier: Callable[[s
     path = check_output(path, kind, is_earlier)
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write_text(path, text)
+
+
+def strict_json(obj: object, indent: int | None = 1) -> str:
+    """JSON that strict readers (jq, JavaScript, DuckDB) accept: a float that is not finite (the undefined
+    CI of a one-sequence run) is written as null, where Python's json would write NaN."""
+
+    def finite(value: object) -> object:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v) for v in value]
+        return value
+
+    return json.dumps(finite(obj), indent=indent, allow_nan=False)
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

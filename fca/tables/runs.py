@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from fca.tables.conditions import Condition, parse_condition
-from fca.tables.outputs import atomic_write_text
+from fca.tables.outputs import atomic_write_text, strict_json
 from fca.tables.scoring import BOOTSTRAP_RESAMPLES
 from fca.tables.stats import paired_bootstrap_ci
 
@@ -50,7 +50,7 @@ def save_run(cache_dir: str | Path, record: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256(json.dumps(record["spec"], sort_keys=True).encode()).hexdigest()[:10]
     path = folder / f"{record['created'].replace(':', '').replace('-', '')}-{digest}.json"
-    return atomic_write_text(path, json.dumps({k: v for k, v in record.items() if k != "path"}, indent=1))
+    return atomic_write_text(path, strict_json({k: v for k, v in record.items() if k != "path"}))
 
 
 def list_runs(cache_dir: str | Path) -> list[dict]:
