@@ -207,6 +207,8 @@ def test_overview_tells_the_story_of_the_shipped_demo(monkeypatch):
     table = next(m.value for m in at.markdown if m.value.startswith("| condition"))
     assert "ci_lo" not in table and "penalty 95% CI" in table
     assert not any(m.value.strip() == "**condition_specs**" for m in at.markdown)
+    specs = next(m.value for m in at.markdown if "`interpolate:0`" in m.value)
+    assert "`interpolate:0`: kind interpolate, alpha 0.0, seed 0" in specs  # zeros are values, not absences
 
 
 def test_overview_suggests_a_real_audit_for_a_calibration_cache(monkeypatch):

@@ -89,7 +89,7 @@ def definition_lines(value: dict) -> str:
     lines = []
     for k, v in value.items():
         if isinstance(v, dict):
-            v = ", ".join(f"{kk} {vv}" for kk, vv in v.items() if vv not in (None, False))
+            v = ", ".join(f"{kk} {vv}" for kk, vv in v.items() if vv is not None and vv is not False)  # (0 stays)
         elif isinstance(v, list):
             v = ", ".join(f"`{x}`" for x in v)
         lines.append(f"- `{k}`: {v}")
