@@ -245,7 +245,7 @@ def retention_sentence(report: dict) -> str:
     retention = (report.get("gap_retention") or {}).get("static_layer")
     if retention is None:
         return (
-            "Per-token control is not clearly worth anything here (the global-mean profile's penalty CI reaches 0), "
+            "Per-token control is not clearly worth anything here (the global-mean profile's penalty CI does not lie above 0), "
             f"so the static profile's retention is undefined; {paper}."
         )
     return f"A fixed per-layer profile keeps {100 * retention:.0f}% of what per-token control is worth here; {paper}."

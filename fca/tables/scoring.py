@@ -32,7 +32,7 @@ def summarize_conditions(per_seq_nll: Mapping[str, np.ndarray], seed: int = 0, r
 
 def gap_retention(table: dict) -> dict:
     """(NLL_global - NLL_X) / (NLL_global - NLL_correct) for every condition; None when the gap is not
-    clearly positive (its bootstrap CI reaches zero)."""
+    clearly positive (its bootstrap CI does not lie above zero)."""
     if "global_mean" not in table or "correct" not in table:
         return {}
     gap = table["global_mean"]["nll"] - table["correct"]["nll"]
