@@ -15,6 +15,7 @@ first page, say) never pay for importing torch:
     open_cache(path)
     audit(model, cache, calibration)       the three-property report (model: a directory or a module)
     Experiment.open(model, cache, calibration)  replay runs (`fca.jobs.runs.run_replay(..., experiment=)`)
+    Condition(kind, alpha, sites), SiteDeclaration(path, axes, family)
 """
 
 import importlib
@@ -31,6 +32,8 @@ _API = {
     "open_cache": ("fca.tables.store", "open_cache"),
     "audit": ("fca.jobs.audit", "run_audit"),
     "Experiment": ("fca.jobs.experiment", "Experiment"),
+    "Condition": ("fca.tables.conditions", "Condition"),
+    "SiteDeclaration": ("fca.engine.adapters", "SiteDeclaration"),
 }
 __all__ = list(_API)
 
@@ -42,3 +45,7 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:  # the lazy API too, for completion in notebooks and shells
+    return sorted({*globals(), *_API})

@@ -118,6 +118,14 @@ def test_help_does_not_import_torch() -> None:
     assert loaded == []
 
 
+def test_the_public_api_is_listed_and_conditions_need_no_torch() -> None:
+    loaded, _ = _fresh("import fca\nassert fca.Condition('interpolate', 0.5).spec == 'interpolate:0.5'")
+    assert loaded == []
+    import fca
+
+    assert {"Condition", "SiteDeclaration", "audit", "build_cache", "Experiment"} <= set(dir(fca))
+
+
 def test_help_is_quick() -> None:
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "fca", "--help"], cwd=ROOT, capture_output=True, text=True)
