@@ -98,7 +98,7 @@ def _slot_section() -> None:
             rows.append(
                 {"site": site, "channel": k, "label": labels[k], "family": fams[k], "value": float(values[offset + k])}
             )
-            if len(axes) == 2:  # row-major flattening (DESIGN.md): k = a * size_1 + b
+            if len(axes) == 2:  # row-major flattening (README, adapters, `axes`): k = a * size_1 + b
                 a, b = divmod(k, int(axes[1][1]))
                 group = fams[k] if spec.channel_families else f"{axes[0][0]} {a}"
                 structured.append({"site": site, "group": group, "index": b, "value": float(values[offset + k])})

@@ -2,7 +2,7 @@
 audit report that belong to each. Only manifests and config files are read (never part files), so a
 fresh scan is cheap enough to run on every interaction and caches built later simply appear.
 
-Layout convention (DESIGN.md): a cache's manifest names its model by directory name
+Layout convention (README, "Cache layout"): a cache's manifest names its model by directory name
 (`Manifest.model.path`) and weights fingerprint; model directories sit beside their caches,
 and the audit report `audit.json` sits beside the caches it describes:
 

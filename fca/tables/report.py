@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fca.tables.outputs import RenderedPair, json_with, starts_with
 
-# The sections every audit report has (DESIGN.md, "Audit report"); a JSON without them is some other file.
+# The sections every audit report has (README, "What is measured, exactly"); a JSON without them is some other file.
 REQUIRED_KEYS = (
     "model",
     "cache",
@@ -235,7 +235,7 @@ PAPER_STATIC_RETENTION = (0.987, 0.994)
 
 
 def retention_sentence(report: dict) -> str:
-    """One plain sentence on the static profile's gap retention (DESIGN.md, "Gap retention") beside the
+    """One plain sentence on the static profile's gap retention (README, "What is measured, exactly") beside the
     paper's, from a report's `conditions` and `gap_retention`; says why when it is undefined."""
     lo, hi = (f"{100 * x:.1f}" for x in PAPER_STATIC_RETENTION)
     paper = f"the paper's gated models kept {lo}-{hi}%"

@@ -3,7 +3,7 @@
 Every coefficient of a cache sits in a *slot* (site, channel). All channels of all sites are laid out
 side by side as `C` slots (`C = sum_s K_s`). A family groups slots whose values mean the same thing.
 
-Variance decomposition within each family f (DESIGN.md):
+Variance decomposition within each family f (README, "What is measured, exactly"):
     SS_total_f   = sum over tokens and slots of f of (x - grand_mean_f)^2
     SS_between_f = sum over slots of f of n_slot * (slot_mean - grand_mean_f)^2     (layer identity)
     share        = sum_f SS_between_f / sum_f SS_total_f

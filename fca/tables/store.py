@@ -1,6 +1,6 @@
 """The coefficient cache on disk: Parquet schema, atomic resumable writer, manifest, streaming reader.
 
-Layout of one cache directory (see DESIGN.md):
+Layout of one cache directory (README, "Cache layout"):
     manifest.json       what the cache is: model and tokenizer fingerprints, split, sites, part hashes
     part-00000.parquet  one row per (sequence, position); one FixedSizeList<float32>[K_s] column per site
 

@@ -19,7 +19,7 @@ from fca.tables.outputs import RenderedPair, json_with, starts_with
 from fca.tables.report import ReportError, check_report
 
 STUDY_VERSION = 1
-# Keys every audit report has (DESIGN.md, "Audit report"); anything else is passed through or optional.
+# Keys every audit report has (README, "What is measured, exactly"); anything else is passed through or optional.
 REPORT_KEYS = ("model", "conditions", "gap_retention", "variance", "execution", "definitions")
 # The fields that must agree for numbers to be averaged: what was evaluated (corpus, split, window
 # length, sizes), how the conditions and statistics are defined (families, permutation seeds,
