@@ -195,6 +195,15 @@ def _chart_titles(at) -> list[str]:
     return [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
 
 
+def test_the_report_says_when_latency_runs_disagree():
+    report = json.loads((DEMO / "audit.json").read_text())
+    assert "The runs ranged from 0.993x to 1.075x.\n" in render_markdown(report)
+    busy = {**report, "execution": {**report["execution"], "ratio_min": 0.61, "ratio_max": 1.02}}
+    assert "ranged from 0.610x to 1.020x: too wide to trust; rerun the audit on an otherwise idle" in render_markdown(
+        busy
+    )
+
+
 def test_overview_tells_the_story_of_the_shipped_demo(monkeypatch):
     at = _app(monkeypatch, [], DEMO / "eval").run()
     assert not at.exception, [e.value for e in at.exception]

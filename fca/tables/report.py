@@ -73,6 +73,9 @@ def report_mismatch(report: dict, model_fingerprint: str, cache_fingerprint: str
     return None
 
 
+LATENCY_NOISY_SPREAD = 1.25  # max / min of the per-run latency ratios beyond which the report says so
+
+
 def conditions_table(report: dict) -> list[str]:
     """The report's conditions as Markdown table lines (the report's page and the dashboard's Overview):
     NLL, penalty and its 95% CI, and gap retention ("undefined" where its CI does not lie above zero;
@@ -196,6 +199,14 @@ def render_markdown(report: dict) -> str:
             f"(median of {exe['runs']} interleaved runs, batch {exe['batch_shape']}, {exe['device']}; "
             f"{exe['model_ms_median']:.1f} ms vs {exe['dense_ms_median']:.1f} ms)."
         )
+        low, high = exe.get("ratio_min"), exe.get("ratio_max")
+        if low is not None and high is not None:
+            # Timing shares the machine: a wide spread says other work ran, and the median may mislead.
+            noisy = high / low > LATENCY_NOISY_SPREAD
+            lines.append(
+                f"  The runs ranged from {low:.3f}x to {high:.3f}x"
+                + (": too wide to trust; rerun the audit on an otherwise idle machine." if noisy else ".")
+            )
     else:
         lines.append("- Latency vs a Dense twin: not measured (no --dense given).")
     if exe.get("experts"):
