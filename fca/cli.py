@@ -427,16 +427,35 @@ def cmd_dashboard(args: argparse.Namespace) -> None:
     subprocess.run(command, cwd=Path(command[4]).parent.parent, check=False)
 
 
+MODEL_HELP = "model directory (config.json, weights, tokenizer.json)"
+DEVICE_HELP = "auto (cuda when available), cpu, cuda or cuda:N"
+BATCH_HELP = "sequences per forward pass"
+SEED_HELP = "seed of cross_input's pairing, token_shuffle's permutations and the bootstrap CIs"
+
+
+class DefaultsHelp(argparse.HelpFormatter):
+    """Help that states each option's default, unless the help says it already (or there is none to say)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default in (argparse.SUPPRESS, [])
+        if "default" in text or unset or not action.option_strings:
+            return text
+        shown = " ".join(map(str, action.default)) if isinstance(action.default, list) else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fca", description="Frozen-Controller Auditing of dynamic neural networks."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser(
-        "corpus", help="extract the default corpus (King James Bible, Debian's bible-kjv) to a text file"
-    )
-    p.add_argument("--out", default="data/kjv.txt")
+    def add_command(name: str, **kwargs) -> argparse.ArgumentParser:
+        return sub.add_parser(name, formatter_class=DefaultsHelp, **kwargs)  # every command's help shows defaults
+
+    p = add_command("corpus", help="extract the default corpus (King James Bible, Debian's bible-kjv) to a text file")
+    p.add_argument("--out", default="data/kjv.txt", help="text file to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing file")
     p.set_defaults(func=cmd_corpus)
 
@@ -444,13 +463,17 @@ def build_parser() -> argparse.ArgumentParser:
         ("train", "train a FeatureGate model or its Dense twin"),
         ("train-seeds", "train several seeds (gated and dense) for multi-seed studies"),
     ):
-        p = sub.add_parser(name, help=helptext)
+        p = add_command(name, help=helptext)
         if name == "train":
-            p.add_argument("--arch", choices=["featuregate", "dense"], default="featuregate")
-            p.add_argument("--seed", type=_seed, default=0)
+            p.add_argument(
+                "--arch", choices=["featuregate", "dense"], default="featuregate", help="gated or Dense twin"
+            )
+            p.add_argument("--seed", type=_seed, default=0, help="training seed (initial weights and batch order)")
         else:
-            p.add_argument("--arch", nargs="+", choices=["featuregate", "dense"], default=["featuregate", "dense"])
-            p.add_argument("--seeds", type=_seed, nargs="+", required=True)
+            p.add_argument(
+                "--arch", nargs="+", choices=["featuregate", "dense"], default=["featuregate", "dense"], help="per seed"
+            )
+            p.add_argument("--seeds", type=_seed, nargs="+", required=True, help="training seeds")
         p.add_argument(
             "--corpus", required=True, help="text file, folder of .txt files, or Parquet/Arrow with a 'text' column"
         )
@@ -461,9 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
             if name == "train"
             else "parent directory: one subdirectory per arch and seed",
         )
-        p.add_argument("--steps", type=_positive_int, default=800)
-        p.add_argument("--batch", type=_positive_int, default=32)
-        p.add_argument("--lr", type=_learning_rate, default=2e-3)
+        p.add_argument("--steps", type=_positive_int, default=800, help="optimizer steps")
+        p.add_argument("--batch", type=_positive_int, default=32, help="training windows per step")
+        p.add_argument("--lr", type=_learning_rate, default=2e-3, help="peak learning rate (cosine decay to a tenth)")
         p.add_argument("--overwrite", action="store_true", help="replace an existing model directory")
         p.add_argument("--split-seed", type=_seed, default=0, help="seed of the train/calibration/eval document split")
         p.add_argument("--text-column", default="text", help="text column of a Parquet/Arrow corpus")
@@ -477,15 +500,17 @@ def build_parser() -> argparse.ArgumentParser:
         _add_model_size_flags(p)
         p.set_defaults(func=cmd_train if name == "train" else cmd_train_seeds)
 
-    p = sub.add_parser("build-cache", help="record every site's coefficients on one split into a Parquet cache")
-    p.add_argument("--model", required=True)
-    p.add_argument("--corpus", required=True)
-    p.add_argument("--split", choices=["calibration", "eval", "train"], required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--num-seqs", type=_positive_int, default=256)
+    p = add_command("build-cache", help="record every site's coefficients on one split into a Parquet cache")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--corpus", required=True, help="text file, folder of .txt files, or Parquet/Arrow table")
+    p.add_argument(
+        "--split", choices=["calibration", "eval", "train"], required=True, help="the document split to cache"
+    )
+    p.add_argument("--out", required=True, help="cache directory to create")
+    p.add_argument("--num-seqs", type=_positive_int, default=256, help="windows to cache")
     p.add_argument("--seq-len", type=_positive_int, default=None, help="window length (default: the model's context)")
-    p.add_argument("--batch", type=_positive_int, default=16)
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--batch", type=_positive_int, default=16, help=BATCH_HELP)
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="model weights dtype")
     p.add_argument(
         "--coefficient-dtype",
@@ -505,9 +530,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the writers as processes, which leave the forward's interpreter lock alone (for small models on a GPU)",
     )
-    p.add_argument("--split-seed", type=_seed, default=0)
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument(
+        "--split-seed", type=_seed, default=0, help="seed of the document split (the same for eval and calibration)"
+    )
+    p.add_argument("--text-column", default="text", help="text column of a Parquet/Arrow corpus")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier cache at --out")
     p.add_argument(
         "--part-seqs",
         type=_positive_int,
@@ -518,18 +545,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(p, "windows")
     p.set_defaults(func=cmd_build_cache)
 
-    p = sub.add_parser("audit", help="the three-property report of a model on an evaluated and a calibration cache")
-    p.add_argument("--model", required=True)
+    p = add_command("audit", help="the three-property report of a model on an evaluated and a calibration cache")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--cache", required=True, help="evaluated cache")
     p.add_argument("--calibration", required=True, help="calibration cache (an independent split)")
     p.add_argument("--dense", help="Dense twin for the latency ratio")
-    p.add_argument("--json")
-    p.add_argument("--markdown")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--json", help="write the report as JSON here")
+    p.add_argument("--markdown", help="write the report as Markdown here (with neither, it is printed)")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
-    p.add_argument("--batch", type=_positive_int, default=16)
+    p.add_argument("--batch", type=_positive_int, default=16, help=BATCH_HELP)
     p.add_argument("--num-seqs", type=_positive_int, default=None, help="evaluate only the first N sequences")
-    p.add_argument("--seed", type=_seed, default=0)
+    p.add_argument("--seed", type=_seed, default=0, help=SEED_HELP)
     p.add_argument("--extra-conditions", nargs="*", default=[], help="e.g. interpolate:0.5 token_shuffle+independent")
     p.add_argument(
         "--sweep",
@@ -542,59 +569,61 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(p, "replayed sequences")
     p.set_defaults(func=cmd_audit)
 
-    p = sub.add_parser("report", help="render an audit JSON as Markdown")
-    p.add_argument("json")
-    p.add_argument("--markdown")
+    p = add_command("report", help="render an audit JSON as Markdown")
+    p.add_argument("json", help="an audit report (JSON)")
+    p.add_argument("--markdown", help="write the Markdown here (without it, it is printed)")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("inspect", help="describe a cache (and verify its part hashes)")
-    p.add_argument("cache")
-    p.add_argument("--verify", action="store_true")
+    p = add_command("inspect", help="describe a cache (and verify its part hashes)")
+    p.add_argument("cache", help="cache directory")
+    p.add_argument("--verify", action="store_true", help="recompute every part's sha256 against the manifest")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("replay", help="replay chosen conditions and save the run beside the cache")
-    p.add_argument("--model", required=True)
-    p.add_argument("--cache", required=True)
-    p.add_argument("--calibration", required=True)
+    p = add_command("replay", help="replay chosen conditions and save the run beside the cache")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--cache", required=True, help="evaluated cache")
+    p.add_argument("--calibration", required=True, help="calibration cache (an independent split)")
     p.add_argument(
         "--conditions", nargs="+", default=["correct", "static_layer"], help="kind[:alpha][+independent][@site,site]"
     )
-    p.add_argument(
-        "--num-seqs", type=_positive_int, default=32, help="replay the first N evaluated sequences (default 32)"
-    )
-    p.add_argument("--seed", type=_seed, default=0)
-    p.add_argument("--batch", type=_positive_int, default=16)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--num-seqs", type=_positive_int, default=32, help="replay the first N evaluated sequences")
+    p.add_argument("--seed", type=_seed, default=0, help=SEED_HELP)
+    p.add_argument("--batch", type=_positive_int, default=16, help=BATCH_HELP)
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
-    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--no-save", action="store_true", help="do not save the run in <cache>.runs/")
     _add_engine_flags(p, "replayed sequences")
     p.set_defaults(func=cmd_replay)
 
-    p = sub.add_parser("bench", help="performance ratios measured in one run (capture, replay, batching, Parquet)")
-    p.add_argument("--model", default="cache/demo/featuregate")
+    p = add_command(
+        "bench",
+        help="performance ratios measured in one run (capture, replay, batching, Parquet)",
+        description="Performance ratios measured in one run; about 7 minutes on 2 CPU cores.",
+    )
+    p.add_argument("--model", default="cache/demo/featuregate", help="model directory to time")
     p.add_argument(
         "--corpus", default="data/kjv.txt", help="eval windows from here; if it is missing, from cache/demo/eval"
     )
-    p.add_argument("--device", default="auto")
-    p.add_argument("--json")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument("--json", help="also write the figures here")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("demo", help="regenerate the shipped demo: models, caches and audit report")
-    p.add_argument("--out", default="cache/demo")
+    p = add_command("demo", help="regenerate the shipped demo: models, caches and audit report")
+    p.add_argument("--out", default="cache/demo", help="folder of the demo's models, caches and report")
     p.add_argument("--corpus", default="data/kjv.txt", help="extracted first if missing (needs Debian's bible-kjv)")
-    p.add_argument("--steps", type=_positive_int, default=800)
+    p.add_argument("--steps", type=_positive_int, default=800, help="optimizer steps (for models not yet trained)")
     p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("study", help="one table across models (seeds) from their audit reports: mean, SD and 95%% CI")
+    p = add_command("study", help="one table across models (seeds) from their audit reports: mean, SD and 95%% CI")
     p.add_argument("audits", nargs="+", metavar="AUDIT.json", help="audit reports of independently trained models")
     p.add_argument("--json", help="write the study here (audit paths are stored relative to its folder)")
     p.add_argument("--markdown", help="write the study as Markdown here")
     p.set_defaults(func=cmd_study)
 
-    p = sub.add_parser("demo-study", help="train, cache and audit more seeds of the demo configuration; write a study")
-    p.add_argument("--seeds", type=_seed, nargs="+", default=[1, 2])
-    p.add_argument("--out", default="cache/demo-study")
+    p = add_command("demo-study", help="train, cache and audit more seeds of the demo configuration; write a study")
+    p.add_argument("--seeds", type=_seed, nargs="+", default=[1, 2], help="training seeds of the new models")
+    p.add_argument("--out", default="cache/demo-study", help="the study's folder (one seed<N>/ per seed)")
     p.add_argument("--corpus", default="data/kjv.txt", help="extracted first if missing (needs Debian's bible-kjv)")
     p.add_argument(
         "--device", choices=["auto", "cpu", "cuda"], default="cpu", help="training device (see train --help)"
@@ -605,15 +634,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="caches and audit (default cpu, like the shipped demo, so latency ratios compare)",
     )
-    p.add_argument("--steps", type=_positive_int, default=800)
+    p.add_argument("--steps", type=_positive_int, default=800, help="optimizer steps")
     p.add_argument(
         "--include",
         nargs="*",
         default=["cache/demo/audit.json"],
-        help="audits put first in the study (default: the shipped demo, seed 0); none: --include",
+        help="audits put first in the study (default: the shipped demo, seed 0); a bare --include puts none",
     )
     p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
-    p.add_argument("--batch", type=_positive_int, default=32)
+    p.add_argument("--batch", type=_positive_int, default=32, help="training windows per step")
     p.add_argument("--lr", type=_learning_rate, default=2e-3, help="peak learning rate (cosine decay to a tenth of it)")
     p.add_argument(
         "--num-seqs", type=_positive_int, default=256, help="windows in each of the eval and calibration caches"
@@ -621,7 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_size_flags(p)
     p.set_defaults(func=cmd_demo_study)
 
-    p = sub.add_parser(
+    p = add_command(
         "dashboard", help="start the dashboard on this machine (streamlit run app/main.py, from any folder)"
     )
     p.add_argument("--port", type=int, default=8501, help="port to serve on (default 8501)")
