@@ -142,8 +142,9 @@ def sidebar() -> Selection:
                 sel.cache = resources.open_cache(str(entry.path), entry.manifest_hash)
             except CacheError as err:
                 sel.cache_error = str(err)
-        models = catalog.model_dirs_beside(entry.path)
         named = catalog.find_model_dir(entry.path)
+        twin = catalog.find_dense_twin(named) if named else None  # it has no controllers: never the cache's model
+        models = [m for m in catalog.model_dirs_beside(entry.path) if m != twin]
         if models:
             default = models.index(named) if named in models else 0
             chosen = st.selectbox(

@@ -106,6 +106,14 @@ def test_the_report_path_suggested_for_a_cache_is_where_its_report_is_found(tmp_
     assert catalog.find_report(tmp_path / "eval-b") == tmp_path / "audit-eval-b-2.json"
 
 
+def test_the_sidebar_never_offers_the_dense_twin_as_the_caches_model(tiny_demo, monkeypatch):
+    """The twin has no controllers, so it cannot have made the cache: choosing it only failed a run later."""
+    at = app_for(monkeypatch, [tiny_demo], tiny_demo / "eval").run()
+    no_exceptions(at)
+    models = at.sidebar.selectbox(key=f"model::{tiny_demo / 'eval'}")
+    assert [Path(m).name for m in models.options] == ["featuregate"]
+
+
 def test_dense_twin_needs_same_sizes():
     gated = {"model_type": "featuregate", "gated": True, "d_model": 32, "n_layers": 2, "init_seed": 0}
     assert catalog.is_dense_twin(gated, {**gated, "gated": False, "init_seed": 3})
