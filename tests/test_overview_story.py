@@ -5,6 +5,7 @@ Overview's suggested audit command."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -220,13 +221,20 @@ def test_overview_tells_the_story_of_the_shipped_demo(monkeypatch):
     assert "`interpolate:0`: kind interpolate, alpha 0.0, seed 0" in specs  # zeros are values, not absences
 
 
-def test_overview_suggests_a_real_audit_for_a_calibration_cache(monkeypatch):
+def test_overview_of_a_calibration_cache_points_to_its_evaluated_cache(monkeypatch, tmp_path):
     at = _app(monkeypatch, [], DEMO / "calibration").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.code  # the evaluated cache has a report: no second audit suggested
+    assert any("`demo/eval` has an audit report: pick that cache" in w.value for w in at.warning)
+    # Without a report beside them, the audit to run, with real paths, writing where it will be found.
+    for name in ("featuregate", "eval", "calibration"):
+        shutil.copytree(DEMO / name, tmp_path / name)
+    at = _app(monkeypatch, [tmp_path], tmp_path / "calibration").run()
     assert not at.exception, [e.value for e in at.exception]
     command = at.code[0].value
     assert "CALIBRATION_CACHE" not in command and "MODEL_DIR" not in command
-    assert "--cache cache/demo/eval --calibration cache/demo/calibration" in command
-    assert "--json cache/demo/audit.json" not in command and "audit-eval.json" in command
+    assert f"--cache {tmp_path / 'eval'} --calibration {tmp_path / 'calibration'}" in command
+    assert f"--json {tmp_path / 'audit.json'}" in command
 
 
 def test_token_text_page_colours_every_token(tiny_demo, monkeypatch):

@@ -60,9 +60,15 @@ def suggest_audit(sel: Selection) -> tuple[str, str | None]:
                 None,
             )
         target, calibration = evaluated[0].path, cache.path
+        if catalog.find_report(target) is not None:
+            return (
+                f"This is a calibration cache: it provides the static profile. Its model's evaluated cache "
+                f"`{evaluated[0].label}` has an audit report: pick that cache in the sidebar to see it.",
+                None,
+            )
         why = (
             f"This is a calibration cache: it provides the static profile. Its model's evaluated cache is "
-            f"`{evaluated[0].label}` (pick it in the sidebar to see its report, if it has one); to audit it:"
+            f"`{evaluated[0].label}`, not audited yet; to audit it:"
         )
     elif sel.calibration is None:
         return (

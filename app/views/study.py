@@ -32,7 +32,7 @@ teach(
     "(the same configuration, different seeds) side by side: for each condition the mean over models, the sample "
     "standard deviation and a 95% Student t interval over models. The figure places every model on the "
     "**gap-retention** scale: 0 is the global-mean profile (no layer identity), 1 the model's own per-token "
-    "coefficients; a static per-layer profile at 0.42 keeps 42% of what per-token control buys."
+    "coefficients; a static per-layer profile placed at 0.42 keeps 42% of what per-token control buys."
 )
 
 # A picked seed's cache was set in the button's callback (a widget's value can be changed only before
@@ -120,8 +120,8 @@ st.markdown(
 st.markdown(
     f"- **Layer-identity share** of coefficient variance: {cell(summary['layer_identity_share'], 3)}\n"
     f"- **Latency vs Dense twin**: {cell(summary['latency_ratio_vs_dense'], 3, of=n_models)}x\n"
-    f"- **Blocks executed** per token: {cell(summary['blocks_executed_fraction'], 3, percent=True)}; "
-    f"**controller FLOPs**: {cell(summary['controller_flops_share'], 3, percent=True)} of the forward"
+    f"- **Blocks executed** per token: {cell(summary['blocks_executed_fraction'], 1, percent=True)}; "
+    f"**controller FLOPs**: {cell(summary['controller_flops_share'], 2, percent=True)} of the forward"
 )
 
 st.subheader("Seeds")
