@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -541,6 +543,40 @@ def test_interrupted_parallel_build_resumes_to_the_same_cache(artifacts, tmp_pat
     assert redone == N_SEQS - SEQS_PER_PART * len(complete)
     assert _hashes(out) == _hashes(clean) and _same_values(out, clean)
     assert not partial.exists()
+
+
+@pytest.mark.parametrize("stop_at", ["set aside", "rename", "bookkeeping"])
+def test_a_build_stopped_while_replacing_an_old_cache_still_ends_in_a_cache(artifacts, tmp_path, stop_at, monkeypatch):
+    """`--overwrite` over an old cache, stopped at each step of putting the new one in place: the same
+    command then finishes (or has finished) the build, with the contents of an uninterrupted one."""
+    from fca.tables import store
+
+    clean = _build(artifacts, tmp_path / "clean", workers=1)
+    out = tmp_path / "cache"
+    shutil.copytree(clean, out)  # the old cache
+    real_replace, real_unlink = os.replace, Path.unlink
+
+    def replace(src, dst):
+        if (stop_at, Path(src).name) in (("set aside", "cache"), ("rename", "cache.partial")):
+            raise KeyboardInterrupt
+        return real_replace(src, dst)
+
+    def unlink(path, missing_ok=False):
+        if stop_at == "bookkeeping" and path == out / "progress.json":
+            raise KeyboardInterrupt
+        return real_unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(store.os, "replace", replace)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    with pytest.raises(KeyboardInterrupt):
+        _build(artifacts, out, workers=1, overwrite=True)
+    monkeypatch.undo()
+    if stop_at == "bookkeeping":  # the new cache is in place, with the build's progress beside its files
+        assert (out / "progress.json").exists() and _same_values(out, clean)
+    _build(artifacts, out, workers=1, overwrite=True)
+    assert _hashes(out) == _hashes(clean) and _same_values(out, clean)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "clean"]  # nothing set aside or partial left
+    assert not (out / "progress.json").exists()
 
 
 def test_a_resumed_build_rewrites_parts_damaged_since_they_were_recorded(artifacts, tmp_path, small_parts):

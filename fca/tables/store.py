@@ -314,13 +314,17 @@ def read_arrays(path: Path) -> dict[str, np.ndarray]:
 
 
 def is_cache_file(name: str) -> bool:
-    """Whether a finished cache's folder holds an entry of this name (what --overwrite may delete)."""
-    return name in (MANIFEST, MOMENTS) or re.fullmatch(r"part-\d+(\.moments\.npz|\.parquet)", name) is not None
+    """Whether a finished cache's folder holds an entry of this name (what --overwrite may delete): its
+    files, and the build's bookkeeping, which a build stopped just after its final rename leaves behind."""
+    return (
+        name in (MANIFEST, MOMENTS, PROGRESS, PROGRESS_JOURNAL)
+        or re.fullmatch(r"part-\d+(\.moments\.npz|\.parquet)", name) is not None
+    )
 
 
 def is_partial_file(name: str) -> bool:
     """Whether an unfinished build's `<out>.partial/` holds an entry of this name."""
-    return is_cache_file(name) or name in (PROGRESS, PROGRESS_JOURNAL) or name.endswith(".tmp")
+    return is_cache_file(name) or name.endswith(".tmp")
 
 
 def check_cache_destination(out: str | Path, overwrite: bool) -> None:
@@ -965,12 +969,17 @@ class CacheWriter:
                 ],
                 **({"moments": moments} if moments else {}),
             }
-            (self.partial / PROGRESS).unlink(missing_ok=True)
-            (self.partial / PROGRESS_JOURNAL).unlink(missing_ok=True)
+            # Every step below is one rename or a removal of what is no longer needed, so a stop anywhere
+            # leaves either a build that resumes (progress.json is kept until the rename) or the new cache.
             _write_json_atomic(self.partial / MANIFEST, manifest)
-            if self.out.exists():
-                shutil.rmtree(self.out)
+            replaced = self.out.with_name(f".{self.out.name}.replaced")  # hidden: never listed as a cache
+            shutil.rmtree(replaced, ignore_errors=True)  # left by a build stopped here before
+            if self.out.exists():  # --overwrite (checked when the build started): set the old cache aside
+                os.replace(self.out, replaced)
             os.replace(self.partial, self.out)
+            for bookkeeping in (PROGRESS, PROGRESS_JOURNAL):
+                (self.out / bookkeeping).unlink(missing_ok=True)
+            shutil.rmtree(replaced, ignore_errors=True)
             self.timings.add("finish", time.perf_counter() - started)  # merged moments, manifest, rename
         except BaseException:
             self.abort()
