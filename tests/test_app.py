@@ -104,6 +104,12 @@ def test_the_report_path_suggested_for_a_cache_is_where_its_report_is_found(tmp_
     assert catalog.find_report(tmp_path / "eval-b") is None  # audit-eval-2.json would be eval's, not eval-b's
     (tmp_path / "audit-eval-b-2.json").write_text(json.dumps({"cache": {"path": "x/eval-b"}}))
     assert catalog.find_report(tmp_path / "eval-b") == tmp_path / "audit-eval-b-2.json"
+    # Damaged files: not an object is no report; an object that names no cache path is this cache's, refused
+    # (one line) when the page reads it.
+    (tmp_path / "audit-eval-b-2.json").write_text("[]")
+    assert catalog.find_report(tmp_path / "eval-b") is None
+    (tmp_path / "audit-eval-b-2.json").write_text(json.dumps({"cache": "x"}))
+    assert catalog.find_report(tmp_path / "eval-b") == tmp_path / "audit-eval-b-2.json"
 
 
 def test_the_sidebar_never_offers_the_dense_twin_as_the_caches_model(tiny_demo, monkeypatch):

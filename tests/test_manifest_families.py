@@ -176,6 +176,23 @@ def test_manifest_refuses_what_open_cache_refuses(tmp_path):
     ):
         with pytest.raises(CacheError, match=f"m.json: inconsistent manifest: .*{said}"):
             Manifest.from_json({**raw, **edit}, "m.json")
+        with pytest.raises(CacheError, match="m.json: inconsistent manifest: no sites"):
+            Manifest.from_json({**raw, "sites": {}}, "m.json")
+    # Fields of the wrong type are refused by name, never read as something else (256.7 as 256, "1" as 1)
+    # nor left to fail later (a part file of 5, or one outside the cache's folder).
+    for edit, said in (
+        ({"num_seqs": "256"}, 'num_seqs is "256", not a whole number'),
+        ({"num_seqs": 256.7}, "num_seqs is 256.7, not a whole number"),
+        ({"schema_version": "1"}, 'schema_version is "1", not a whole number'),
+        ({"parts": [{**part, "file": 5}]}, "a part's file is 5, not text"),
+        ({"parts": [{**part, "file": "../other/part-00000.parquet"}]}, "is not a part-NNNNN.parquet of this folder"),
+        ({"parts": [{**part, "num_seqs": None}]}, "part-00000.parquet's num_seqs is null"),
+        ({"model": {**raw["model"], "path": 5}}, "model.path is 5, not text"),
+        ({"model": {**raw["model"], "config": [1]}}, r"model.config is \[1\], not an object"),
+        ({"seqs_per_part": True}, "seqs_per_part is true, not a whole number"),
+    ):
+        with pytest.raises(CacheError, match=f"m.json: malformed manifest: .*{said}"):
+            Manifest.from_json({**raw, **edit}, "m.json")
     # The catalog reads the same way: a manifest open_cache would refuse is listed with its reason.
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / MANIFEST).write_text(json.dumps({**raw, "schema_version": 99}))

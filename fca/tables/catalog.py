@@ -137,10 +137,12 @@ def path_allowed(path: str | Path, roots: Iterable[str | Path]) -> bool:
 
 
 def _read_json(path: Path) -> dict | None:
+    """A JSON object from `path`; None when it is missing, unreadable or not an object."""
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return value if isinstance(value, dict) else None
 
 
 def weights_path(model_dir: Path) -> Path:
@@ -239,8 +241,9 @@ def find_report(cache_path: str | Path) -> Path | None:
         report = _read_json(path)
         if report is None:
             continue
-        described = (report.get("cache") or {}).get("path")
-        if described is None or Path(described).name == name:
+        section = report.get("cache")
+        described = section.get("path") if isinstance(section, dict) else None
+        if not isinstance(described, str) or Path(described).name == name:  # (a damaged one: said when read)
             return path
     return None
 

@@ -1013,6 +1013,38 @@ def _optional_int(value) -> int | None:
     return None if value is None else int(value)
 
 
+_TYPE_NAMES = {int: "a whole number", str: "text", dict: "an object", list: "a list"}
+PART_FILE = re.compile(r"part-\d+\.parquet")  # a part is a file of the cache's own folder, by this name
+
+
+def _typed(value, kind: type, what: str, where: str, optional: bool = False):
+    """`value` if it is a `kind` (a whole number for int: not a bool, a float or text), or None when
+    `optional`; else a one-line CacheError naming the field."""
+    if value is None and optional:
+        return None
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    raise CacheError(
+        f"{where}: malformed manifest: {what} is {json.dumps(value)[:40]}, not {_TYPE_NAMES.get(kind, kind.__name__)}"
+    )
+
+
+def _part_record(p: object, where: str) -> PartRecord:
+    p = _typed(p, dict, "a part record", where)
+    file = _typed(p.get("file"), str, "a part's file", where)
+    if not PART_FILE.fullmatch(file):
+        raise CacheError(f"{where}: malformed manifest: part file {file!r} is not a part-NNNNN.parquet of this folder")
+    return PartRecord(
+        file=file,
+        num_seqs=_typed(p.get("num_seqs"), int, f"{file}'s num_seqs", where),
+        rows=_typed(p.get("rows"), int, f"{file}'s rows", where),
+        sha256=_typed(p.get("sha256"), str, f"{file}'s sha256", where),
+        bytes=_typed(p.get("bytes"), int, f"{file}'s bytes", where),
+        index=_typed(p.get("index"), int, f"{file}'s index", where, optional=True),
+        first_seq=_typed(p.get("first_seq"), int, f"{file}'s first_seq", where, optional=True),
+    )
+
+
 @dataclass(frozen=True)
 class ModelRecord:
     """The model that computed the coefficients. `path` is its directory's name (caches sit beside it)."""
@@ -1092,19 +1124,20 @@ class Manifest:
         for key in REQUIRED_KEYS:
             if key not in raw:
                 raise CacheError(f"{where}: no {key!r} entry")
-        if raw["schema_version"] != SCHEMA_VERSION:
+        if _typed(raw["schema_version"], int, "schema_version", where) != SCHEMA_VERSION:
             raise CacheError(f"{where}: schema version {raw['schema_version']}, this FCA reads {SCHEMA_VERSION}")
         model, tokenizer, corpus = (_record(raw, key, where) for key in ("model", "tokenizer", "corpus"))
         try:
-            num_seqs, seq_len = int(raw["num_seqs"]), int(raw["seq_len"])
+            num_seqs = _typed(raw["num_seqs"], int, "num_seqs", where)
+            seq_len = _typed(raw["seq_len"], int, "seq_len", where)
             manifest = cls(
-                schema_version=int(raw["schema_version"]),
+                schema_version=raw["schema_version"],
                 model=ModelRecord(
-                    path=model.get("path"),
-                    model_type=model.get("model_type"),
-                    fingerprint=str(model.get("fingerprint", "")),
-                    config=model.get("config") or {},
-                    dtype=model.get("dtype"),
+                    path=_typed(model.get("path"), str, "model.path", where, optional=True),
+                    model_type=_typed(model.get("model_type"), str, "model.model_type", where, optional=True),
+                    fingerprint=_typed(model.get("fingerprint", ""), str, "model.fingerprint", where),
+                    config=_typed(model.get("config") or {}, dict, "model.config", where),
+                    dtype=_typed(model.get("dtype"), str, "model.dtype", where, optional=True),
                 ),
                 tokenizer=TokenizerRecord(
                     fingerprint=tokenizer.get("fingerprint"), vocab_size=_optional_int(tokenizer.get("vocab_size"))
@@ -1120,23 +1153,12 @@ class Manifest:
                 num_seqs=num_seqs,
                 num_tokens=int(raw.get("num_tokens", num_seqs * seq_len)),
                 coefficient_dtype=raw.get("coefficient_dtype", "float32"),
-                sites={name: spec_from_json(d) for name, d in raw["sites"].items()},
-                parts=tuple(
-                    PartRecord(
-                        file=p["file"],
-                        num_seqs=int(p["num_seqs"]),
-                        rows=int(p["rows"]),
-                        sha256=p["sha256"],
-                        bytes=int(p["bytes"]),
-                        index=_optional_int(p.get("index")),
-                        first_seq=_optional_int(p.get("first_seq")),
-                    )
-                    for p in raw["parts"]
-                ),
-                seqs_per_part=_optional_int(raw.get("seqs_per_part")),
+                sites={name: spec_from_json(d) for name, d in _typed(raw["sites"], dict, "sites", where).items()},
+                parts=tuple(_part_record(p, where) for p in _typed(raw["parts"], list, "parts", where)),
+                seqs_per_part=_typed(raw.get("seqs_per_part"), int, "seqs_per_part", where, optional=True),
                 environment=_environment(raw.get("environment"), where),
                 created=raw.get("created"),
-                library_versions=raw.get("library_versions") or {},
+                library_versions=_typed(raw.get("library_versions") or {}, dict, "library_versions", where),
                 raw=raw,
             )
         except CacheError:
@@ -1153,6 +1175,10 @@ class Manifest:
         problem = None
         if T < 1 or N < 1:
             problem = f"{N} sequences of {T} tokens"
+        elif not self.sites:
+            problem = "no sites"
+        elif self.seqs_per_part is not None and self.seqs_per_part < 1:
+            problem = f"seqs_per_part {self.seqs_per_part}"
         elif self.coefficient_dtype not in COEFFICIENT_BYTES:
             problem = f"coefficient dtype {self.coefficient_dtype!r} (known: {', '.join(COEFFICIENT_BYTES)})"
         elif self.num_tokens != N * T:
