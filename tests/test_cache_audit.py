@@ -574,6 +574,15 @@ def test_replay_cli_saves_runs(demo, capsys):
 
     strict = json.loads(saved, parse_constant=refuse)
     assert strict["results"]["conditions"]["static_layer"]["penalty_ci95"] == [None, None]
+    # Files in the runs folder that are not run records are skipped, not shown half-read.
+    folder = Path(list_runs(demo / "eval")[0]["path"]).parent
+    count = len(list_runs(demo / "eval"))
+    for name, junk in [("a", []), ("b", {}), ("c", {"spec": {"conditions": "abc"}}), ("d", {"spec": None})]:
+        (folder / f"zzzz-{name}.json").write_text(json.dumps(junk))
+    damaged = json.loads(saved)
+    damaged["results"]["conditions"]["correct"]["penalty_ci95"] = [0.0]
+    (folder / "zzzz-e.json").write_text(json.dumps(damaged))
+    assert len(list_runs(demo / "eval")) == count
 
 
 def test_blocked_moments_equal_the_whole_array_moments():

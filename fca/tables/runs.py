@@ -54,14 +54,39 @@ def save_run(cache_dir: str | Path, record: dict) -> Path:
 
 
 def list_runs(cache_dir: str | Path) -> list[dict]:
-    """Saved runs of a cache, newest first; unreadable files are skipped."""
+    """Saved runs of a cache, newest first; files that are not readable run records are skipped."""
     runs = []
     for path in sorted(runs_dir(cache_dir).glob("*.json"), reverse=True):
         try:
-            runs.append({**json.loads(path.read_text()), "path": str(path)})
-        except (OSError, json.JSONDecodeError):
+            record = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             continue
+        if is_run_record(record):
+            runs.append({**record, "path": str(path)})
     return runs
+
+
+def is_run_record(record: object) -> bool:
+    """Whether `record` has what the run views read: its spec (conditions, sizes) and, for each condition,
+    a numeric NLL and penalty with a two-sided CI (null ends allowed: a one-sequence run has none)."""
+
+    def number(x: object, nullable: bool = False) -> bool:
+        return (x is None and nullable) or (isinstance(x, (int, float)) and not isinstance(x, bool))
+
+    if not isinstance(record, dict) or not isinstance(record.get("spec"), dict):
+        return False
+    spec, results = record["spec"], record.get("results")
+    if not isinstance(spec.get("conditions"), list) or not number(spec.get("num_seqs")):
+        return False
+    if not isinstance(results, dict) or not isinstance(results.get("conditions"), dict):
+        return False
+    for row in results["conditions"].values():
+        if not isinstance(row, dict) or not (number(row.get("nll")) and number(row.get("penalty"))):
+            return False
+        ci = row.get("penalty_ci95")
+        if not (isinstance(ci, list) and len(ci) == 2 and all(number(x, nullable=True) for x in ci)):
+            return False
+    return isinstance(results.get("per_sequence_nll", {}), dict) and isinstance(record.get("created", ""), str)
 
 
 # ------------------------------------------------------------------ runs as people read them
