@@ -716,6 +716,34 @@ def test_stale_lock_is_resumed_past(artifacts, tmp_path, small_parts):
     assert _hashes(out) == _hashes(clean) and not (tmp_path / "cache.lock").exists()
 
 
+def test_a_held_lock_is_refused_before_loading_and_stale_kinds_are_recognised(artifacts, tmp_path, monkeypatch):
+    """A build refuses a held lock before it loads the model or reads the corpus. A lock naming this very
+    pid without this process's token (an earlier process: pids start over after a container restart), and an
+    empty lock left by a crash between creating and writing it, are stale."""
+    import fca.jobs.build as build
+    from fca.tables.store import PROCESS_TOKEN, UNREADABLE_LOCK_STALE_S, build_lock
+
+    lock = tmp_path / "cache.lock"
+    lock.write_text(json.dumps({"pid": 1, "host": "elsewhere.example", "started": "2025-01-01T00:00:00Z"}))
+    monkeypatch.setattr(build, "prepare_corpus_build", lambda *a, **k: pytest.fail("loaded before refusing"))
+    with pytest.raises(CacheError, match="another build is writing this cache \\(pid 1 on elsewhere.example"):
+        _build(artifacts, tmp_path / "cache", workers=1)
+    monkeypatch.undo()
+    here = {"pid": os.getpid(), "host": socket.gethostname(), "started": "then"}
+    lock.write_text(json.dumps({**here, "token": PROCESS_TOKEN}))  # this process holds it: not stale
+    with pytest.raises(CacheError, match="another build"):
+        build_lock(tmp_path / "cache").check_free()
+    lock.write_text(json.dumps(here))  # the same pid, another process's
+    build_lock(tmp_path / "cache").check_free()
+    lock.write_text("")  # fresh and empty: maybe being written now, so held
+    with pytest.raises(CacheError, match="lock unreadable"):
+        build_lock(tmp_path / "cache").check_free()
+    old = time.time() - 2 * UNREADABLE_LOCK_STALE_S
+    os.utime(lock, (old, old))
+    _build(artifacts, tmp_path / "cache", workers=1)  # taken over
+    assert open_cache(tmp_path / "cache").num_seqs == N_SEQS and not lock.exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # bfloat16 storage.
 

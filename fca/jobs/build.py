@@ -18,7 +18,7 @@ from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.sites import model_logits, site_specs, vocab_rows
 from fca.tables import data
 from fca.tables.remote import RemoteParts, is_uri
-from fca.tables.store import COEFFICIENT_BYTES, cache_plan, check_cache_destination, file_sha256
+from fca.tables.store import COEFFICIENT_BYTES, build_lock, cache_plan, check_cache_destination, file_sha256
 
 
 def build_cache_from_corpus(
@@ -55,6 +55,7 @@ def build_cache_from_corpus(
     # What the writer would refuse, refused before the model and corpus are loaded.
     if remote is None:
         check_cache_destination(out, overwrite)
+        build_lock(Path(out)).check_free()  # another build writing it: said now, not after loading
     if part_seqs is not None:
         check_part_seqs(part_seqs, batch_size)
     with remote.staged(overwrite) if remote else nullcontext(None) as stage:

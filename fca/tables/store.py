@@ -388,11 +388,22 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+# This process's mark in the locks it takes: a lock naming our pid without it was taken by an earlier process
+# that had the same pid (pids start over when a container restarts, and the host name stays).
+PROCESS_TOKEN = os.urandom(8).hex()
+UNREADABLE_LOCK_STALE_S = 10.0  # a lock is written the moment it is created; one still unreadable is a crash's
+
+
 def holder_is_dead(holder: dict) -> bool:
-    """A lock's holder (its `host` and `pid`) that is known dead: on this host, no such process. A holder
-    on another host cannot be checked and counts as alive."""
+    """A lock's holder (its `host` and `pid`) that is known dead: on this host, no such process, or this
+    process's pid taken by another process before it. A holder on another host cannot be checked and counts
+    as alive."""
     pid = holder.get("pid")
-    return holder.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid)
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return False
+    if pid == os.getpid():
+        return holder.get("token") != PROCESS_TOKEN
+    return not _pid_alive(pid)
 
 
 class BuildLock:
@@ -413,10 +424,29 @@ class BuildLock:
             return None
         return holder if isinstance(holder, dict) else None
 
-    def _stale(self, holder: dict) -> bool:
+    def _stale(self, holder: dict | None) -> bool:
+        if holder is None:  # empty or damaged: a build that crashed between creating and writing it
+            try:
+                return time.time() - self.path.stat().st_mtime > UNREADABLE_LOCK_STALE_S
+            except OSError:
+                return False
         return holder_is_dead(holder)
 
-    def _take_over(self, holder: dict) -> None:
+    def check_free(self) -> None:
+        """Refuse now if another build holds the lock (`acquire` takes it later, when the writer starts; a
+        build checks first, before minutes of loading a model and reading a corpus)."""
+        if self.path.exists() and not self._stale(self._read()):
+            raise self._refusal(self._read())
+
+    def _refusal(self, holder: dict | None) -> CacheError:
+        who = (
+            f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}"
+            if holder
+            else "lock unreadable: delete it if no build is running"
+        )
+        return CacheError(f"{self.what}: another build is writing this cache ({who}); lock {self.path}")
+
+    def _take_over(self, holder: dict | None) -> None:
         """Remove a stale lock, unless another build replaced it meanwhile (then put that one back)."""
         aside = self.path.with_name(f"{self.path.name}.stale-{os.getpid()}")
         try:
@@ -435,6 +465,7 @@ class BuildLock:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "token": PROCESS_TOKEN,
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(3):
@@ -442,17 +473,10 @@ class BuildLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 holder = self._read()
-                if holder is not None and self._stale(holder):
+                if self._stale(holder):
                     self._take_over(holder)
                     continue
-                who = (
-                    f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}"
-                    if holder
-                    else "lock unreadable: delete it if no build is running"
-                )
-                raise CacheError(
-                    f"{self.what}: another build is writing this cache ({who}); lock {self.path}"
-                ) from None
+                raise self._refusal(holder) from None
             with os.fdopen(fd, "w") as f:
                 json.dump(record, f)
             self.held = True
@@ -463,6 +487,12 @@ class BuildLock:
         if self.held:
             self.path.unlink(missing_ok=True)
             self.held = False
+
+
+def build_lock(out: Path) -> BuildLock:
+    """The lock of the cache `out`: `<out>.lock` beside it."""
+    out = Path(out)
+    return BuildLock(out.with_name(out.name + ".lock"), out)
 
 
 @dataclass
@@ -606,7 +636,7 @@ class CacheWriter:
         self.num_parts = -(-self.num_seqs // self.seqs_per_part)
         self.sites = [f.name for f in schema if f.name not in KEY_COLUMNS]
         self.shard = None if shard is None else sorted({int(k) for k in shard})
-        self.lock = BuildLock(self.out.with_name(self.out.name + ".lock"), self.out)
+        self.lock = build_lock(self.out)
         if self.shard is not None:
             bad = [k for k in self.shard if not 0 <= k < self.num_parts]
             if bad:
