@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # pandas is imported where a DataFrame is built (the sidebar 
 SAMPLE_TOKENS = 65_536
 # The calibration band the Profiles page shows first (quantiles of the calibration coefficients).
 DEFAULT_BAND = (0.05, 0.95)
+BAND_SEQS = 64  # the calibration band's quantiles are over the tokens of this many sequences
 
 
 def file_stamp(path: str | Path) -> str:
@@ -107,15 +108,26 @@ def site_quantiles(path: str, fingerprint: str) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+@st.cache_resource(show_spinner=False, max_entries=8)
+def _checked_reader(path: str, fingerprint: str) -> Cache:
+    """A reader that hashes each part against the manifest before its first read (`Cache.verify` remembers
+    what it hashed), so a part changed in place is refused here as on every other page."""
+    return _open_cache(path)
+
+
 @st.cache_data(show_spinner=False, max_entries=64)
 def sequence(path: str, fingerprint: str, seq: int) -> dict[str, np.ndarray]:
     """Tokens, targets, live NLL [T] and coefficients [T, K_s] of one sequence (its row group only)."""
-    return {k: v[0] for k, v in _open_cache(path).read_seqs([seq]).items()}
+    cache = _checked_reader(path, fingerprint)
+    cache.verify(range(seq, seq + 1))
+    return {k: v[0] for k, v in cache.read_seqs([seq]).items()}
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
 def calibration_band(path: str, fingerprint: str, lo: float, hi: float) -> dict[str, np.ndarray]:
-    return quantile_band(_open_cache(path), (lo, hi))
+    cache = _checked_reader(path, fingerprint)
+    cache.verify(range(min(cache.num_seqs, BAND_SEQS)))
+    return quantile_band(cache, (lo, hi), BAND_SEQS)
 
 
 @st.cache_resource(show_spinner=False, max_entries=8)

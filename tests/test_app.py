@@ -459,6 +459,21 @@ def test_corrupt_part_file_shows_error_and_app_recovers(tiny_demo, tmp_path, mon
     assert not at.error and len(at.get("plotly_chart")) >= 1
 
 
+@pytest.mark.parametrize("page", ["views/profiles.py", "views/token_text.py"])
+def test_a_part_changed_in_place_is_refused_by_the_sequence_views(page, tiny_demo, tmp_path, monkeypatch):
+    """One byte changed inside a part (same size, so only its hash tells): the pages that read single
+    sequences refuse it as the statistics pages do, instead of showing the changed values."""
+    for name in ("featuregate", "eval", "calibration"):
+        shutil.copytree(tiny_demo / name, tmp_path / name)
+    part = next((tmp_path / "eval").glob("part-*.parquet"))
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), page)
+    no_exceptions(at)
+    assert any("contents do not match the manifest's sha256" in e.value for e in at.error), [e.value for e in at.error]
+
+
 @pytest.mark.parametrize("page", ["views/overview.py", "views/execution.py"])
 def test_a_damaged_report_is_one_error_and_the_page_goes_on(page, tiny_demo, tmp_path, monkeypatch):
     """A report that names this cache but lacks the sections a page reads is refused when loaded (one
