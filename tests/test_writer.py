@@ -545,6 +545,17 @@ def test_interrupted_parallel_build_resumes_to_the_same_cache(artifacts, tmp_pat
     assert not partial.exists()
 
 
+def test_more_writers_than_parts_are_not_started(artifacts, tmp_path, small_parts):
+    """100,000 writers asked for: one per part runs (threads beyond that would idle; that many could not
+    even start), and the cache is the one-writer cache."""
+    clean = _build(artifacts, tmp_path / "clean", workers=1)
+    started = threading.active_count()
+    seen = []
+    _build(artifacts, tmp_path / "many", workers=100_000, progress=lambda *_: seen.append(threading.active_count()))
+    assert max(seen) - started <= N_SEQS // SEQS_PER_PART + 1
+    assert _hashes(tmp_path / "many") == _hashes(clean)
+
+
 @pytest.mark.parametrize("stop_at", ["set aside", "rename", "bookkeeping"])
 def test_a_build_stopped_while_replacing_an_old_cache_still_ends_in_a_cache(artifacts, tmp_path, stop_at, monkeypatch):
     """`--overwrite` over an old cache, stopped at each step of putting the new one in place: the same

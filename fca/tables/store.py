@@ -664,19 +664,20 @@ class CacheWriter:
         self._failures: list[BaseException] = []
         self._open: dict[int, _OpenPart] = {}  # parts written in the caller's thread (workers=1)
         self.closed_moments: dict[int, dict] | None = None  # a shard writer's, kept for its owner if a dict
+        workers = max(1, min(int(workers), self.num_parts))  # a worker writes a whole part: more would idle
         bound = workers * (max_pending_seqs or self.seqs_per_part)
         self._threads = None  # _WriterThreads or WriterProcesses; None: parts written in the caller's thread
-        if processes:
-            from fca.tables.writer_processes import WriterProcesses
+        try:
+            if processes:
+                from fca.tables.writer_processes import WriterProcesses
 
-            try:
                 self._threads = WriterProcesses(self, workers, bound)
-            except BaseException:  # the processes could not start: no build, and no lock left behind
-                if self.shard is None:
-                    self.lock.release()
-                raise
-        elif workers > 1:
-            self._threads = _WriterThreads(self, workers, bound)
+            elif workers > 1:
+                self._threads = _WriterThreads(self, workers, bound)
+        except BaseException:  # the writers could not start: no build, and no lock left behind
+            if self.shard is None:
+                self.lock.release()
+            raise
 
     def _resume(self) -> dict[int, dict]:
         if self.partial.exists() or self.partial.is_symlink():  # a build's own folder, or nobody's to delete
