@@ -585,6 +585,17 @@ def test_replay_cli_saves_runs(demo, capsys):
     assert len(list_runs(demo / "eval")) == count
 
 
+def test_coefficients_that_overflow_the_model_give_no_figures(demo, capsys):
+    """interpolate:1e30 drives the gates to inf: the NLL is not a number, and the run says so (exit 2)
+    rather than reporting, saving and plotting NaN as a result."""
+    args = ["replay", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval"), "--no-save"]
+    code = main(
+        [*args, "--calibration", str(demo / "calibration"), "--num-seqs", "2", "--conditions", "interpolate:1e30"]
+    )
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # (after the progress bar)
+    assert code == 2 and err.startswith("fca: error: interpolate:") and "NLL is not finite in 2 of 2 sequences" in err
+
+
 def test_blocked_moments_equal_the_whole_array_moments():
     """The writer's cache-sized blocks (`Moments.add_blocked`) give the sums of `Moments.add` over the
     whole array, whatever the block size (positions not a multiple of it, one-row blocks); given per-site

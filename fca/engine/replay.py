@@ -144,6 +144,19 @@ class ReplayResults:
         return float(self.per_seq_nll[name].mean())
 
 
+def check_finite(results: ReplayResults) -> None:
+    """Refuse a run with a condition whose NLL is not a number (coefficients far from any the model makes,
+    e.g. `interpolate:1e30`, overflow it): such a figure would be reported, averaged and plotted as if it
+    were one."""
+    for name, per_seq in results.per_seq_nll.items():
+        bad = int(np.count_nonzero(~np.isfinite(per_seq)))
+        if bad:
+            raise ValueError(
+                f"{name}: the replay's NLL is not finite in {bad} of {len(per_seq)} sequences (its coefficients "
+                "overflow the model); no figure of this run is reported"
+            )
+
+
 def check_exactness(results: ReplayResults) -> dict:
     """Judge both checks of a run (fca.tables.fidelity): raises ExactnessError if replaying the recorded coefficients
     did not reproduce the live run, FidelityError if the cache is not this model's output here; else returns

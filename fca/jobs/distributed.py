@@ -38,7 +38,7 @@ from fca.engine.capture import (
     seqs_per_part,
     spreads_parts,
 )
-from fca.engine.replay import ReplayResults, check_exactness
+from fca.engine.replay import ReplayResults, check_exactness, check_finite
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource
 from fca.tables.conditions import Condition
 from fca.tables.errors import CacheError, Cancelled
@@ -447,6 +447,7 @@ class ShardedExperiment(Experiment):
         results = merge_results(ray.get(refs), bounds)
         if judge:
             results.exactness = check_exactness(results)
+            check_finite(results)
         return results
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 from fca.engine.environment import model_dtype_name
 from fca.engine.execution import execution_audit
 from fca.engine.loading import fingerprint_state, load_model
-from fca.engine.replay import ReplayResults, check_exactness, run_conditions
+from fca.engine.replay import ReplayResults, check_exactness, check_finite, run_conditions
 from fca.engine.sites import find_sites
 from fca.tables.catalog import DENSE_TWINS, is_dense_twin
 from fca.tables.conditions import Condition, as_conditions
@@ -265,4 +265,5 @@ class Experiment:
         )
         if judge and shard is None:
             results.exactness = check_exactness(results)
+            check_finite(results)
         return results

@@ -29,6 +29,8 @@ def strict_json(obj: object, indent: int | None = 1) -> str:
     CI of a one-sequence run) is written as null, where Python's json would write NaN."""
 
     def finite(value: object) -> object:
+        if type(value).__module__ == "numpy" and hasattr(value, "item"):  # a numpy scalar: as Python's
+            value = value.item()
         if isinstance(value, float) and not math.isfinite(value):
             return None
         if isinstance(value, dict):

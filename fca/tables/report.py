@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fca.tables.outputs import RenderedPair, json_with, starts_with
+from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
 
 # The sections every audit report has (README, "What is measured, exactly"); a JSON without them is some other file.
 REQUIRED_KEYS = (
@@ -232,7 +232,7 @@ def render_markdown(report: dict) -> str:
 def write_report(report: dict, json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
     """The report as JSON and/or Markdown, each replacing only an earlier report (`fca.tables.outputs`)."""
     REPORT_FILES.write(
-        json_path, lambda: json.dumps(report, indent=1, default=float), markdown_path, lambda: render_markdown(report)
+        json_path, lambda: strict_json(report), markdown_path, lambda: render_markdown(report)
     )
 
 

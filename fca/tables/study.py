@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from fca.tables.outputs import RenderedPair, json_with, starts_with
+from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
 from fca.tables.report import ReportError, check_report
 
 STUDY_VERSION = 1
@@ -452,7 +452,7 @@ def render_markdown(study: dict) -> str:
 def write_study(study: dict, json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
     """Write the study as JSON and/or Markdown, each through a temporary file renamed into place, and
     replacing only an earlier study (never, say, one of its audits)."""
-    STUDY_FILES.write(json_path, lambda: json.dumps(study, indent=1), markdown_path, lambda: render_markdown(study))
+    STUDY_FILES.write(json_path, lambda: strict_json(study), markdown_path, lambda: render_markdown(study))
 
 
 STUDY_FILES = RenderedPair("study", json_with("fca_study_version"), starts_with("# FCA study"))
