@@ -211,6 +211,9 @@ def test_a_damaged_live_nll_column_is_refused_in_a_foreign_cache(demo_pair, tmp_
     damaged = rewrite_cache(ev, tmp_path / "damaged", 2e-7, FOREIGN, nll_offset=3.0)
     assert replay_cli(model_dir, damaged, cal) == 2
     assert "stored live NLL difference per token 3 > 0.01" in capsys.readouterr().err
+    unreadable = rewrite_cache(ev, tmp_path / "nan", 2e-7, FOREIGN, nll_offset=float("nan"))  # NaN, not skipped
+    assert replay_cli(model_dir, unreadable, cal) == 2
+    assert "stored live NLL difference per token inf > 0.01" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -252,7 +252,9 @@ def _check_batch(
     live_tokens = token_nll(live, targets)  # [b, T]
     measure.same_batches = measure.same_batches and is_build_batch(batch_seqs, cache.build_batches())
     stored = torch.from_numpy(own["live_nll"].astype(np.float32)).to(live_tokens.device)
-    measure.stored_live_nll_max_diff = max(measure.stored_live_nll_max_diff, float((stored - live_tokens).abs().max()))
+    # nan_to_num: a NaN stored NLL must count as the largest difference (Python's max would skip it).
+    gap = float((stored - live_tokens).abs().nan_to_num(nan=float("inf")).max())
+    measure.stored_live_nll_max_diff = max(measure.stored_live_nll_max_diff, gap)
     return _BatchCheck(
         max_abs_logit_diff=float((live.float() - replayed.float()).abs().max()),
         live_nll=live_tokens.double().mean(1).cpu().numpy(),
