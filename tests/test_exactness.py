@@ -43,11 +43,17 @@ FOREIGN = {
 
 
 def rewrite_cache(
-    src: Path, dst: Path, relative_noise: float, environment: dict | None, seed: int = 0, nll_offset: float = 0.0
+    src: Path,
+    dst: Path,
+    relative_noise: float,
+    environment: dict | None,
+    seed: int = 0,
+    nll_offset: float = 0.0,
+    token_offset: int = 0,
 ) -> Path:
     """A copy of the cache at `src` whose coefficients are scaled by (1 + relative_noise * u), u uniform in
-    [-1, 1], whose stored live NLL is moved by `nll_offset`, and whose manifest names `environment`; part
-    hashes are updated so the copy opens cleanly."""
+    [-1, 1], whose stored live NLL is moved by `nll_offset` and token ids by `token_offset`, and whose
+    manifest names `environment`; part hashes are updated so the copy opens cleanly."""
     shutil.copytree(src, dst)
     manifest = json.loads((dst / MANIFEST).read_text())
     rng = np.random.default_rng(seed)
@@ -62,6 +68,8 @@ def rewrite_cache(
             table = table.set_column(table.schema.get_field_index(name), table.schema.field(name), noisy_column)
         nll = pa.array(table.column("live_nll").to_numpy() + np.float32(nll_offset))
         table = table.set_column(table.schema.get_field_index("live_nll"), table.schema.field("live_nll"), nll)
+        tokens = pa.array(table.column("token").to_numpy() + np.int32(token_offset))
+        table = table.set_column(table.schema.get_field_index("token"), table.schema.field("token"), tokens)
         pq.write_table(table, path, compression="zstd")
         part["sha256"], part["bytes"] = file_sha256(path), path.stat().st_size
     manifest["environment"] = environment
@@ -214,6 +222,10 @@ def test_a_damaged_live_nll_column_is_refused_in_a_foreign_cache(demo_pair, tmp_
     unreadable = rewrite_cache(ev, tmp_path / "nan", 2e-7, FOREIGN, nll_offset=float("nan"))  # NaN, not skipped
     assert replay_cli(model_dir, unreadable, cal) == 2
     assert "stored live NLL difference per token inf > 0.01" in capsys.readouterr().err
+    # Token ids beyond the vocabulary (hashes updated to match) are refused by name, not as a torch IndexError.
+    beyond = rewrite_cache(ev, tmp_path / "beyond", 0.0, FOREIGN, token_offset=100_000)
+    assert replay_cli(model_dir, beyond, cal) == 2
+    assert "beyond: sequences 0-7 hold token ids from 0 to 100" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -16,9 +17,10 @@ from fca.engine.sites import (
     model_logits,
     site_modes,
     tensor_provider,
+    vocab_rows,
 )
 from fca.tables.conditions import Condition, condition_coefficients, derangement
-from fca.tables.errors import Cancelled, ExactnessError  # noqa: F401  (ExactnessError re-exported)
+from fca.tables.errors import CacheError, Cancelled, ExactnessError  # noqa: F401  (ExactnessError re-exported)
 from fca.tables.fidelity import (
     MECHANISM_TOLERANCE,
     FidelityMeasure,
@@ -142,6 +144,18 @@ class ReplayResults:
 
     def nll(self, name: str) -> float:
         return float(self.per_seq_nll[name].mean())
+
+
+def check_token_ids(rows: dict[str, np.ndarray], vocab: int | None, cache_path: Path, seqs: list[int]) -> None:
+    """The cached windows' token and target ids [b, T] must index the model's vocabulary: a damaged cache
+    would otherwise fail inside the embedding (on a GPU, as a device assert)."""
+    ids = np.concatenate([rows["token"], rows["target"]], axis=1)
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or (vocab is not None and high >= vocab):
+        raise CacheError(
+            f"{cache_path}: sequences {seqs[0]}-{seqs[-1]} hold token ids from {low} to {high}, outside the "
+            f"model's vocabulary [0, {vocab}): not this model's windows, or a damaged cache"
+        )
 
 
 def check_finite(results: ReplayResults) -> None:
@@ -325,6 +339,7 @@ def run_conditions(
             index = list(range(lo, min(len(seqs) if shard is None else shard[1], lo + batch_size)))
             batch_seqs = [seqs[i] for i in index]
             own = next(reads)
+            check_token_ids(own, vocab_rows(model) or vocab, cache.path, batch_seqs)
             ids = torch.from_numpy(own["token"].astype(np.int64)).to(device)
             targets = torch.from_numpy(own["target"].astype(np.int64)).to(device)
             coefficients = {name: own[name] for name in cache.sites}

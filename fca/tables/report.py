@@ -231,9 +231,7 @@ def render_markdown(report: dict) -> str:
 
 def write_report(report: dict, json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
     """The report as JSON and/or Markdown, each replacing only an earlier report (`fca.tables.outputs`)."""
-    REPORT_FILES.write(
-        json_path, lambda: strict_json(report), markdown_path, lambda: render_markdown(report)
-    )
+    REPORT_FILES.write(json_path, lambda: strict_json(report), markdown_path, lambda: render_markdown(report))
 
 
 def check_report_paths(json_path: str | Path | None = None, markdown_path: str | Path | None = None) -> None:
