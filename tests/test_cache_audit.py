@@ -764,6 +764,11 @@ def test_damaged_reports_devices_and_one_path_for_two_outputs_are_refused(demo, 
         ({"conditions": {**report["conditions"], "correct": {"nll": "x"}}}, "'correct' has no numeric nll", True),
         ({"interpolation_sweep": 7}, "interpolation_sweep is not a list", True),
         ({"exactness": None}, "'exactness' is a NoneType", False),  # (a study does not read it)
+        (
+            {"conditions": {**report["conditions"], "correct": {"nll": 1.0, "penalty": 0.0, "penalty_ci95": [0]}}},
+            "'correct' has no [low, high] penalty_ci95",
+            True,
+        ),
     ):
         bad = tmp_path / "bad.json"
         bad.write_text(json.dumps({**report, **damage}))
@@ -774,6 +779,8 @@ def test_damaged_reports_devices_and_one_path_for_two_outputs_are_refused(demo, 
     assert "report version 99" in _cli_error(["study", str(tmp_path / "future.json"), str(bad)], capsys)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
+    for endless in ("/dev/zero", str(fifo)):  # read without end, or never: refused before reading
+        assert "not a readable audit report (not a regular file)" in _cli_error(["report", endless], capsys)
     assert "not a regular file" in _cli_error(["report", str(tmp_path / "r.json"), "--markdown", str(fifo)], capsys)
     same = str(tmp_path / "same.out")
     err = _cli_error([*args[:-1], same, "--markdown", same, "--num-seqs", "4", "--sweep", "none"], capsys)

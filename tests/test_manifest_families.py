@@ -156,6 +156,16 @@ def test_demo_cache_manifest_reads():
     assert m.model.fingerprint == report["model"]["fingerprint"] and cache.fingerprint == report["cache"]["fingerprint"]
 
 
+def test_sequences_are_asked_for_as_whole_numbers():
+    cache = open_cache(DEMO / "eval")
+    for wrong in ("12", [0.7], [True]):
+        with pytest.raises(TypeError, match="sequences are given as whole numbers"):
+            cache.read_seqs(wrong)
+    with pytest.raises(ValueError, match="no sequences asked for"):
+        cache.read_seqs([])
+    assert cache.read_seqs(np.array([3, 1]))["token"].shape == (2, 128)
+
+
 def test_manifest_refuses_what_open_cache_refuses(tmp_path):
     raw = json.loads((DEMO / "eval" / MANIFEST).read_text())
     with pytest.raises(CacheError, match="no 'parts' entry"):

@@ -52,11 +52,20 @@ def check_report(report: object, source: str | Path = "report", required: tuple[
     row = next((name for name, r in report["conditions"].items() if not _has_number(r, "nll")), None)
     if row is not None:
         raise ReportError(f"{source}: not an FCA audit report (condition {row!r} has no numeric nll)")
+    row = next((name for name, r in report["conditions"].items() if not _has_interval(r, "penalty_ci95")), None)
+    if row is not None:
+        raise ReportError(f"{source}: not an FCA audit report (condition {row!r} has no [low, high] penalty_ci95)")
     if not isinstance(report.get("interpolation_sweep", []), list) or not all(
         _has_number(r, "nll") and _has_number(r, "alpha") for r in report.get("interpolation_sweep", [])
     ):
         raise ReportError(f"{source}: not an FCA audit report (its interpolation_sweep is not a list of rows)")
     return report
+
+
+def _has_interval(row: dict, key: str) -> bool:
+    """A two-ended interval of numbers (null ends: a one-sequence run's undefined CI)."""
+    value = row.get(key)
+    return isinstance(value, list) and len(value) == 2 and all(x is None or _has_number({"x": x}, "x") for x in value)
 
 
 def _has_number(row: object, key: str) -> bool:
@@ -93,13 +102,21 @@ def conditions_table(report: dict) -> list[str]:
     return lines
 
 
-def read_report(path: str | Path) -> dict:
-    """An audit report from its JSON file, checked up front so that rendering never fails halfway."""
+MAX_REPORT_BYTES = 64 * 2**20  # a report is kilobytes; a file this large is something else
+
+
+def read_report(path: str | Path, required: tuple[str, ...] = REQUIRED_KEYS) -> dict:
+    """An audit report from its JSON file, checked up front (`check_report`, with the `required` sections)
+    so that rendering never fails halfway."""
+    if not Path(path).is_file():  # a device (/dev/zero) or a pipe would be read without end
+        raise ReportError(f"{path}: not a readable audit report (not a regular file)")
+    if Path(path).stat().st_size > MAX_REPORT_BYTES:
+        raise ReportError(f"{path}: not an audit report ({Path(path).stat().st_size:,} bytes; reports are small)")
     try:
         report = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ReportError(f"{path}: not a readable audit report ({err})") from None
-    return check_report(report, path)
+    return check_report(report, path, required)
 
 
 def _fmt(x, digits: int = 4) -> str:

@@ -1391,7 +1391,13 @@ class Cache:
     def read_seqs(self, seqs: Sequence[int], sites: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Tokens, targets, live NLL ([n, T]) and coefficients ([n, T, K_s]) of the given sequences, in the
         order given. Only the row groups holding them are read."""
+        if isinstance(seqs, (str, bytes)) or not all(
+            isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in seqs
+        ):  # "12" would read sequences 1 and 2, and 0.7 sequence 0
+            raise TypeError(f"{self.path}: sequences are given as whole numbers, not {seqs!r}"[:200])
         seqs = [int(s) for s in seqs]
+        if not seqs:
+            raise ValueError(f"{self.path}: no sequences asked for")
         bad = [s for s in seqs if not 0 <= s < self.num_seqs]
         if bad:
             raise CacheError(f"{self.path}: sequences {bad[:5]} are out of range (cache has {self.num_seqs})")
@@ -1557,7 +1563,7 @@ def open_cache(path: str | Path, verify: bool = False) -> Cache:
     """Open a finished cache: checks the manifest, that every part file is there with its recorded
     size, and the first part's schema (the others' when first read; `verify=True` checks every part's
     hash). Raises `CacheError` with a one-line reason."""
-    path = Path(path)
+    path = Path(path).resolve() if str(path) in ("", ".") else Path(path)  # ("" and "." name no folder)
     manifest_path = path / MANIFEST
     if not path.is_dir():
         raise CacheError(f"{path}: cache directory not found")

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
-from fca.tables.report import ReportError, check_report
+from fca.tables.report import ReportError, read_report
 
 STUDY_VERSION = 1
 # Keys every audit report has (README, "What is measured, exactly"); anything else is passed through or optional.
@@ -152,11 +152,9 @@ def load_audit(path: str | Path) -> dict:
     """An audit report from disk, or a one-line StudyError naming the file."""
     path = Path(path)
     try:
-        report = check_report(json.loads(path.read_text()), path, REPORT_KEYS)  # as `fca report` checks
-    except (OSError, ValueError) as err:  # (ReportError is a ValueError; its message names the file)
-        raise StudyError(
-            str(err) if isinstance(err, ReportError) else f"{path}: not a readable audit report ({err})"
-        ) from None
+        report = read_report(path, REPORT_KEYS)  # as `fca report` reads it, with the sections a study needs
+    except ReportError as err:  # (its message names the file)
+        raise StudyError(str(err)) from None
     if not field(report, "model.fingerprint"):
         raise StudyError(f"{path}: not an FCA audit report (no model fingerprint)")
     return report
