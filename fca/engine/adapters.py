@@ -142,9 +142,9 @@ class ModuleSite(Site):
             device = first.device if first is not None else None
             coefficients = self.replayed(B, T, device, dtype)  # [B, T, K]
             native = (
-                coefficients.reshape(B * T, *dims)
+                coefficients.reshape(B * T, *dims)  # [B * T, *axes]
                 if self.declaration.token_layout == "flat"
-                else coefficients.reshape(B, T, *dims)
+                else coefficients.reshape(B, T, *dims)  # [B, T, *axes]
             )
             return native if self.declaration.rebuild is None else self.declaration.rebuild(native, self.controller)
         output = self.controller(*args, **kwargs)

@@ -192,7 +192,7 @@ class HostCopies:
             flat = torch.frombuffer(mapping, dtype=torch.uint8)  # [bytes]
             held = self.blocks[slot] = (block, mapping, flat, self.cuda and _pin_in_place(flat))
         self.layouts[slot] = (held[0], layout)
-        return {
+        return {  # each tensor's bytes of the block, seen as its dtype and shape (e.g. [b, T, K])
             name: held[2][offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             for (name, t), (offset, _, _) in zip(tensors.items(), layout.values())
         }

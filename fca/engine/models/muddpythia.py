@@ -432,7 +432,8 @@ class MUDDPythia(nn.Module):
             hiddens.append(layer(x, pos, qkv))  # X_{i+1}: [B, T, D]
             coefficients = self.dense[i](hiddens[-1])  # [B, T, K]
             streams = mix_streams(
-                hiddens, coefficients.unflatten(-1, (self.config.dense_streams[i], i + 2))
+                hiddens,
+                coefficients.unflatten(-1, (self.config.dense_streams[i], i + 2)),  # [B, T, C, i + 2]
             )  # C x [B, T, D]
             qkv, x = streams[:-1], streams[-1]  # q, k, v for the next attention; r (the last layer mixes only r)
         return self.output(self.norm(x))  # [B, T, V]
