@@ -28,8 +28,10 @@ import numpy as np
 from bench.output import emit
 from fca.engine.capture import bytes_per_token, num_slots, seqs_per_part
 from fca.tables.profiles import cache_moments
+from fca.tables.schema import cache_plan, cache_schema, record_batch
 from fca.tables.stats import variance_decomposition
-from fca.tables.store import CacheWriter, cache_plan, cache_schema, open_cache, record_batch
+from fca.tables.store import open_cache
+from fca.tables.writer import CacheWriter
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN = 256

@@ -35,7 +35,8 @@ import torch
 from bench.output import emit
 from fca.engine.capture import NLL_KEY, HostCopies, hand_over
 from fca.jobs.bench import muddpythia_1p4b_specs
-from fca.tables.store import CacheWriter, cache_plan, cache_schema, record_batch
+from fca.tables.schema import cache_plan, cache_schema, record_batch
+from fca.tables.writer import CacheWriter
 
 BATCH, SEQ_LEN = 8, 1024
 WAYS = ("threads", "processes_ipc", "processes_shared")

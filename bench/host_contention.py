@@ -49,7 +49,9 @@ from fca.engine.capture import NLL_KEY, HostCopies, hand_over, record_windows
 from fca.engine.loading import load_model
 from fca.engine.sites import model_logits, site_specs
 from fca.jobs.bench import _plan, windows_from_cache
-from fca.tables.store import CacheWriter, cache_schema, open_cache, record_batch
+from fca.tables.schema import cache_schema, record_batch
+from fca.tables.store import open_cache
+from fca.tables.writer import CacheWriter
 from fca.tables.writer_processes import writer_pool
 
 DEMO = Path(__file__).resolve().parent.parent / "cache" / "demo"

@@ -82,7 +82,8 @@ def stream_cache(
     """Build a cache of random windows through the real writer; time it against plain forwards."""
     from fca.engine.capture import default_writers, write_cache
     from fca.engine.sites import site_specs
-    from fca.tables.store import cache_plan, open_cache
+    from fca.tables.schema import cache_plan
+    from fca.tables.store import open_cache
     from fca.tables.timings import Timings
 
     windows = np.random.default_rng(seed).integers(0, vocab, (num_seqs, seq_len + 1))

@@ -29,15 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.output import emit  # noqa: E402
+from fca.tables.manifest import Manifest
+from fca.tables.schema import cache_plan, cache_schema, record_batch
 from fca.tables.spec import SiteSpec  # noqa: E402
-from fca.tables.store import (  # noqa: E402
-    CacheWriter,
-    Manifest,
-    cache_plan,
-    cache_schema,
-    open_cache,
-    record_batch,
-)
+from fca.tables.store import open_cache
+from fca.tables.writer import CacheWriter
 
 T, K = 8, 4
 SPECS = {"blocks.0.gate": SiteSpec(axes=(("group", K),), family="gate")}

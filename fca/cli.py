@@ -107,8 +107,9 @@ def _dtype(name: str | None):
 
 
 def cmd_build_cache(args: argparse.Namespace) -> None:
+    from fca.tables.manifest import Manifest
     from fca.tables.remote import is_uri, remote_manifest
-    from fca.tables.store import Manifest, open_cache
+    from fca.tables.store import open_cache
 
     common = dict(
         num_seqs=args.num_seqs,

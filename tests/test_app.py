@@ -260,7 +260,8 @@ def _ragged_caches(root: Path) -> Path:
     """MUDD-like sites of different widths (stream x source, per-channel families q/k/v/r) and an MoE
     router site, written with the library's own writer; no model beside them."""
     from fca.engine.sites import SiteSpec
-    from fca.tables.store import CacheWriter, cache_schema, record_batch, spec_to_json
+    from fca.tables.schema import cache_schema, record_batch, spec_to_json
+    from fca.tables.writer import CacheWriter
 
     specs = {
         f"layers.{i}": SiteSpec(

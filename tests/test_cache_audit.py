@@ -32,8 +32,10 @@ from fca.tables.conditions import (
     parse_condition,
     position_permutation,
 )
+from fca.tables.errors import CacheError
 from fca.tables.fidelity import judge_mechanism
 from fca.tables.profiles import calibration_profiles
+from fca.tables.schema import MANIFEST
 from fca.tables.scoring import gap_retention
 from fca.tables.stats import (
     Moments,
@@ -42,7 +44,7 @@ from fca.tables.stats import (
     token_sums,
     variance_decomposition,
 )
-from fca.tables.store import MANIFEST, CacheError, open_cache
+from fca.tables.store import open_cache
 
 from .helpers import make_model_dir, write_corpus
 
@@ -259,7 +261,7 @@ def test_nan_coefficients(demo, tmp_path, capsys):
     pq.write_table(table, part, compression="zstd")
     manifest = json.loads((bad / MANIFEST).read_text())
     # a consistent cache that holds NaN: its record says the new part's hash and size
-    manifest["parts"][0].update(sha256=fca.tables.store.file_sha256(part), bytes=part.stat().st_size)
+    manifest["parts"][0].update(sha256=fca.tables.schema.file_sha256(part), bytes=part.stat().st_size)
     (bad / MANIFEST).write_text(json.dumps(manifest))
     before = _snapshot(bad)
     with pytest.raises(CacheError, match="non-finite"):
@@ -279,7 +281,7 @@ def test_missing_site_column(demo, tmp_path, capsys):
     with pytest.raises(CacheError, match="not the part the manifest records"):
         open_cache(bad)  # its size is not the recorded one
     manifest = json.loads((bad / MANIFEST).read_text())  # recorded as it now is: the schema check refuses it
-    manifest["parts"][0].update(sha256=fca.tables.store.file_sha256(part), bytes=part.stat().st_size)
+    manifest["parts"][0].update(sha256=fca.tables.schema.file_sha256(part), bytes=part.stat().st_size)
     (bad / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CacheError, match="column 'blocks.1.gate' is missing"):
         open_cache(bad)

@@ -26,7 +26,8 @@ from fca.tables.environment import describe, same_environment
 from fca.tables.errors import CacheError
 from fca.tables.fidelity import FidelityError, check_dtype, tolerances
 from fca.tables.profiles import calibration_profiles
-from fca.tables.store import MANIFEST, file_sha256, open_cache
+from fca.tables.schema import MANIFEST, file_sha256
+from fca.tables.store import open_cache
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "cache" / "demo"

@@ -1,4 +1,4 @@
-"""The typed manifest (fca.tables.store.Manifest) and the registry of model families (fca.engine.families)."""
+"""The typed manifest (fca.tables.manifest.Manifest) and the registry of model families (fca.engine.families)."""
 
 from __future__ import annotations
 
@@ -31,24 +31,13 @@ from fca.engine.models.muddpythia import (
     dense_twin_config,
 )
 from fca.tables import catalog
-from fca.tables.errors import ModelLoadError
+from fca.tables.errors import CacheError, ModelLoadError
+from fca.tables.manifest import CorpusRecord, Manifest, ModelRecord, PartRecord, TokenizerRecord, read_manifest
 from fca.tables.profiles import cache_moments
+from fca.tables.schema import MANIFEST, cache_plan, cache_schema, record_batch
 from fca.tables.spec import SiteSpec
-from fca.tables.store import (
-    MANIFEST,
-    CacheError,
-    CacheWriter,
-    CorpusRecord,
-    Manifest,
-    ModelRecord,
-    PartRecord,
-    TokenizerRecord,
-    cache_plan,
-    cache_schema,
-    open_cache,
-    read_manifest,
-    record_batch,
-)
+from fca.tables.store import open_cache
+from fca.tables.writer import CacheWriter
 
 DEMO = Path(__file__).resolve().parents[1] / "cache" / "demo"
 SPECS = {

@@ -18,7 +18,8 @@ from fca.jobs.distributed import REPO_ROOT, build_cache_distributed, shard_bound
 from fca.tables.errors import CacheError  # noqa: E402
 from fca.tables.profiles import cache_moments, scan_moments, slot_layout  # noqa: E402
 from fca.tables.stats import variance_decomposition  # noqa: E402
-from fca.tables.store import open_cache, read_progress  # noqa: E402
+from fca.tables.store import open_cache
+from fca.tables.writer import read_progress
 
 SIZES = dict(num_seqs=8, seq_len=16, batch_size=2, device="cpu", part_seqs=2)  # 4 parts of 2 sequences
 
@@ -192,7 +193,8 @@ def test_a_sharded_run_is_checked_reports_progress_and_stops(tiny_demo):
 
 def _synthetic_writer(out, num_seqs, vocab=64, **kw):
     from bench.scale_driver import SPECS, T, synthetic_plan
-    from fca.tables.store import CacheWriter, cache_schema
+    from fca.tables.schema import cache_schema
+    from fca.tables.writer import CacheWriter
 
     plan = synthetic_plan(num_seqs)
     plan["tokenizer"]["vocab_size"] = plan["model"]["config"]["vocab_size"] = vocab
@@ -220,12 +222,12 @@ def test_a_journaled_progress_resumes_every_committed_part(tmp_path):
 
 
 def test_token_sums_too_large_to_store_are_scanned_or_left_out(tmp_path, monkeypatch):
-    import fca.tables.store as store
+    import fca.tables.writer as writer_module
     from bench.scale_driver import synthetic_rows
 
     # Parts of one 8-token sequence hold ~8 distinct ids (more than rows / 8): without the small-size
     # allowance their token sums are dropped, as for a large vocabulary.
-    monkeypatch.setattr(store, "TOKEN_SUMS_ALLOWANCE", 0)
+    monkeypatch.setattr(writer_module, "TOKEN_SUMS_ALLOWANCE", 0)
     writer, _ = _synthetic_writer(tmp_path / "c", 4)
     for k in range(4):
         writer.write(*synthetic_rows(k, k + 1))

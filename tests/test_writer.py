@@ -23,22 +23,21 @@ from fca.cli import main
 from fca.engine.capture import record_windows, write_cache
 from fca.engine.sites import site_specs
 from fca.jobs.build import build_cache_from_corpus
+from fca.tables.errors import CacheError
 from fca.tables.profiles import cache_moments
-from fca.tables.spec import SiteSpec
-from fca.tables.store import (
+from fca.tables.schema import (
     PROGRESS,
     PROGRESS_JOURNAL,
-    CacheError,
-    CacheWriter,
     bfloat16_bits,
     cache_plan,
     cache_schema,
     coefficient_arrow_type,
-    open_cache,
-    read_progress,
     record_batch,
 )
+from fca.tables.spec import SiteSpec
+from fca.tables.store import open_cache
 from fca.tables.timings import Timings
+from fca.tables.writer import CacheWriter, read_progress
 
 from .conftest import REPO
 from .helpers import make_model_dir, write_corpus
@@ -160,7 +159,8 @@ def test_the_writer_never_imports_pandas(tmp_path):
     code = (
         "import sys, numpy as np\n"
         "from fca.tables.spec import SiteSpec\n"
-        "from fca.tables.store import CacheWriter, cache_plan, cache_schema, record_batch\n"
+        "from fca.tables.schema import cache_plan, cache_schema, record_batch\n"
+        "from fca.tables.writer import CacheWriter\n"
         "specs = {'g': SiteSpec(axes=(('channel', 4),), family='gate')}\n"
         "schema = cache_schema(specs)\n"
         "plan = cache_plan(specs, 3, 4, model={'path': 'm', 'fingerprint': 'm'}, corpus={'split': 'x'})\n"
@@ -442,7 +442,7 @@ def test_an_interrupted_build_with_writer_processes_resumes_to_the_same_cache(ar
 def test_a_part_is_read_only_when_a_read_needs_it(artifacts, tmp_path, small_parts):
     """Opening reads one part's schema; reading sequences opens only the footers of the parts holding
     them (found from the manifest), so a part whose columns are wrong is refused when it is first read."""
-    from fca.tables.store import MANIFEST, file_sha256
+    from fca.tables.schema import MANIFEST, file_sha256
 
     cache_dir = _build(artifacts, tmp_path / "lazy", workers=1)
     whole = open_cache(cache_dir).read_seqs(range(N_SEQS))
@@ -560,7 +560,7 @@ def test_more_writers_than_parts_are_not_started(artifacts, tmp_path, small_part
 def test_a_build_stopped_while_replacing_an_old_cache_still_ends_in_a_cache(artifacts, tmp_path, stop_at, monkeypatch):
     """`--overwrite` over an old cache, stopped at each step of putting the new one in place: the same
     command then finishes (or has finished) the build, with the contents of an uninterrupted one."""
-    from fca.tables import store
+    from fca.tables import writer
 
     clean = _build(artifacts, tmp_path / "clean", workers=1)
     out = tmp_path / "cache"
@@ -577,7 +577,7 @@ def test_a_build_stopped_while_replacing_an_old_cache_still_ends_in_a_cache(arti
             raise KeyboardInterrupt
         return real_unlink(path, missing_ok=missing_ok)
 
-    monkeypatch.setattr(store.os, "replace", replace)
+    monkeypatch.setattr(writer.os, "replace", replace)
     monkeypatch.setattr(Path, "unlink", unlink)
     with pytest.raises(KeyboardInterrupt):
         _build(artifacts, out, workers=1, overwrite=True)
@@ -621,7 +621,7 @@ def test_parts_whose_items_an_older_fca_declared_nullable_read_beside_new_ones(a
     of part (one an older FCA began and this one resumed) reads across them: same values."""
     import shutil
 
-    from fca.tables.store import MANIFEST, file_sha256
+    from fca.tables.schema import MANIFEST, file_sha256
 
     clean = _build(artifacts, tmp_path / "clean", workers=1)
     mixed = tmp_path / "mixed"
@@ -732,7 +732,7 @@ def test_a_held_lock_is_refused_before_loading_and_stale_kinds_are_recognised(ar
     pid without this process's token (an earlier process: pids start over after a container restart), and an
     empty lock left by a crash between creating and writing it, are stale."""
     import fca.jobs.build as build
-    from fca.tables.store import PROCESS_TOKEN, UNREADABLE_LOCK_STALE_S, build_lock
+    from fca.tables.writer import PROCESS_TOKEN, UNREADABLE_LOCK_STALE_S, build_lock
 
     lock = tmp_path / "cache.lock"
     lock.write_text(json.dumps({"pid": 1, "host": "elsewhere.example", "started": "2025-01-01T00:00:00Z"}))
@@ -884,8 +884,8 @@ def test_prefetch_raises_in_the_caller_and_stops_when_closed(artifacts, tmp_path
 def test_moments_merged_while_building_equal_those_merged_at_the_end(tmp_path):
     """A writer merges each part's moments once it and the parts before it are complete (any worker
     order); the result is the bits of merging every sidecar in part order at the end."""
+    from fca.tables.schema import MOMENTS, read_arrays
     from fca.tables.stats import merge_moment_arrays
-    from fca.tables.store import MOMENTS, read_arrays
 
     for workers in (1, 3):
         out, _ = _synthetic(23, 4, workers, tmp_path / f"w{workers}")
@@ -903,7 +903,7 @@ def test_moment_sidecars_are_the_bytes_numpy_writes(tmp_path):
     Fortran-ordered and integer arrays, so stored moment hashes do not change."""
     import zipfile
 
-    from fca.tables.store import read_arrays, write_arrays
+    from fca.tables.schema import read_arrays, write_arrays
 
     rng = np.random.default_rng(5)
     arrays = {

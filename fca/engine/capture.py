@@ -16,15 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fca.engine.sites import as_input_ids, capture_tensors, find_sites, site_specs, vocab_rows
-from fca.tables.store import (
-    COEFFICIENT_BYTES,
-    CacheError,
-    CacheWriter,
-    cache_schema,
-    coefficient_arrow_type,
-    record_batch,
-)
+from fca.tables.errors import CacheError
+from fca.tables.schema import COEFFICIENT_BYTES, cache_schema, coefficient_arrow_type, record_batch
 from fca.tables.timings import Timings
+from fca.tables.writer import CacheWriter
 
 
 def capture(model: nn.Module, input_ids) -> dict[str, np.ndarray]:

@@ -29,14 +29,10 @@ from fca.jobs.experiment import Experiment
 from fca.tables import data
 from fca.tables.conditions import PAPER_CONDITIONS, Condition, condition_coefficients
 from fca.tables.profiles import calibration_profiles
-from fca.tables.store import (
-    CacheWriter,
-    cache_plan,
-    cache_schema,
-    open_cache,
-    record_batch,
-)
+from fca.tables.schema import cache_plan, cache_schema, record_batch
+from fca.tables.store import open_cache
 from fca.tables.timings import Timings
+from fca.tables.writer import CacheWriter
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout holding the fca package
 

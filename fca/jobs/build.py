@@ -18,7 +18,8 @@ from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.sites import model_logits, site_specs, vocab_rows
 from fca.tables import data
 from fca.tables.remote import RemoteParts, is_uri
-from fca.tables.store import COEFFICIENT_BYTES, build_lock, cache_plan, check_cache_destination, file_sha256
+from fca.tables.schema import COEFFICIENT_BYTES, cache_plan, file_sha256
+from fca.tables.writer import build_lock, check_cache_destination
 
 
 def build_cache_from_corpus(

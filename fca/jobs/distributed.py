@@ -44,7 +44,8 @@ from fca.tables.conditions import Condition
 from fca.tables.errors import CacheError, Cancelled
 from fca.tables.fidelity import FidelityMeasure
 from fca.tables.remote import RemoteParts, is_uri, staging
-from fca.tables.store import CacheWriter, cache_schema, coefficient_arrow_type, spec_from_json
+from fca.tables.schema import cache_schema, coefficient_arrow_type, spec_from_json
+from fca.tables.writer import CacheWriter
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])  # so local Ray workers import this very `fca`
 STOP_POLL_S = 0.5  # how often a sharded replay asks `should_stop` while its shards run

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fca.tables.errors import CacheError
-from fca.tables.store import MANIFEST, Manifest
+from fca.tables.manifest import Manifest
+from fca.tables.schema import MANIFEST
 
 REPORT = "audit.json"
 ROOTS_ENV = "FCA_CACHE_ROOTS"

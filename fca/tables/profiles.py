@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from fca.tables.errors import CacheError
+from fca.tables.schema import file_sha256, read_arrays
 from fca.tables.stats import Moments, SlotLayout, family_grand_means, merge_moment_arrays
-from fca.tables.store import Cache, CacheError, file_sha256, read_arrays
+from fca.tables.store import Cache
 
 
 def slot_layout(cache: Cache) -> SlotLayout:

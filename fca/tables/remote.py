@@ -34,7 +34,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from fca.tables.errors import CacheError
-from fca.tables.store import holder_is_dead
+from fca.tables.writer import PROCESS_TOKEN, holder_is_dead
 
 PLAN = "plan.json"
 RECORD_SUFFIX = ".record.json"
@@ -125,7 +125,12 @@ class RemoteLock:
         write_json(
             self.fs,
             self.path,
-            {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")},
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "token": PROCESS_TOKEN,
+            },
         )
         self.held = True
         return self

@@ -21,8 +21,9 @@ import numpy as np
 import pyarrow as pa
 
 from fca.tables.errors import CacheError
-from fca.tables.store import CacheWriter, record_batch
+from fca.tables.schema import record_batch
 from fca.tables.timings import Timings
+from fca.tables.writer import CacheWriter
 
 
 def _values(block, at: tuple) -> np.ndarray:

@@ -1,0 +1,280 @@
+"""The cache's on-disk format: file names, the Parquet schema, coefficient encodings, record batches.
+
+Layout of one cache directory (README, "Cache layout"):
+    manifest.json       what the cache is: model and tokenizer fingerprints, split, sites, part hashes
+    part-00000.parquet  one row per (sequence, position); one FixedSizeList<float32>[K_s] column per site
+    part-00000.moments.npz, moments.npz   each part's moments, and all parts' merged
+
+bfloat16 caches store each coefficient's raw bits as uint16 (Parquet has no bfloat16); every reader
+widens them to float32 exactly (`coefficient_values`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from fca.tables.errors import CacheError
+from fca.tables.spec import SiteSpec
+
+SCHEMA_VERSION = 1
+KEY_COLUMNS = ("seq", "pos", "token", "target", "live_nll")
+KEY_INTS = KEY_COLUMNS[:4]  # int32 keys; every other column is floats (16-bit ones as their raw bits)
+MANIFEST = "manifest.json"
+PROGRESS = "progress.json"  # a build's bookkeeping in `<name>.partial/` (fca.tables.writer)
+PROGRESS_JOURNAL = "progress.journal.jsonl"
+MOMENTS = "moments.npz"  # the merged moments of all parts, written by `finish` (see `write_arrays`)
+
+
+def cache_schema(specs: dict[str, SiteSpec], coefficient_type: pa.DataType = pa.float32()) -> pa.Schema:
+    fields = [
+        pa.field("seq", pa.int32(), nullable=False),
+        pa.field("pos", pa.int32(), nullable=False),
+        pa.field("token", pa.int32(), nullable=False),
+        pa.field("target", pa.int32(), nullable=False),
+        pa.field("live_nll", pa.float32(), nullable=False),
+    ]
+    # The list items are declared non-null: Parquet then stores no definition level per value, which
+    # made encoding a demo part 13% and decoding it 12% faster (zstd, byte-stream split; 41 interleaved
+    # repeats). Caches written before that declared them nullable; readers take either (`same_site_type`).
+    item = pa.field("element", coefficient_type, nullable=False)
+    fields += [pa.field(name, pa.list_(item, spec.num_channels), nullable=False) for name, spec in specs.items()]
+    return pa.schema(fields)
+
+
+def same_site_type(stored: pa.DataType, expected: pa.DataType) -> bool:
+    """Whether a part's column type is the expected one, whether or not its list items are declared
+    nullable (caches by an older FCA declared them so; no coefficient is ever null)."""
+    if pa.types.is_fixed_size_list(stored) and pa.types.is_fixed_size_list(expected):
+        return stored.list_size == expected.list_size and stored.value_type.equals(expected.value_type)
+    return stored.equals(expected)
+
+
+# Stored coefficient types. bfloat16 has no Parquet type: its raw bits are stored as uint16 and the
+# manifest's `coefficient_dtype` says how to read them; a uint16 column means bfloat16 bits.
+COEFFICIENT_DTYPES = {"float32": pa.float32(), "float16": pa.float16(), "bfloat16": pa.uint16()}
+COEFFICIENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 values that are exactly bfloat16 numbers -> their bfloat16 bits (uint16, same shape).
+
+    Refuses values that would lose bits: bfloat16 storage is lossless or nothing."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    bits = values.view(np.uint32)
+    if np.any(bits & 0xFFFF):
+        raise CacheError("bfloat16 storage takes bfloat16 numbers; these float32 values would be rounded")
+    return (bits >> 16).astype(np.uint16)
+
+
+def arrow_numpy(array: pa.Array) -> np.ndarray:
+    """A primitive Arrow array as numpy: a zero-copy, read-only view where it has no nulls. `to_numpy`
+    gives the same, but its first call imports pandas (0.2-0.6 s here): in a build, inside the first
+    batches, on a writer thread."""
+    if array.null_count or pa.types.is_boolean(array.type):
+        return array.to_numpy(zero_copy_only=False)
+    dtype = np.dtype(array.type.to_pandas_dtype())
+    if len(array) == 0:
+        return np.empty(0, dtype)
+    view = np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
+    view.flags.writeable = False  # as `to_numpy` gives it: the Arrow data is shared, not copied
+    return view
+
+
+def coefficient_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A site column (FixedSizeList of K) -> float32 values [rows, K].
+
+    float16 widens exactly; bfloat16 bits (uint16) become the high half of a float32, which is exact too."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    K = column.type.list_size
+    flat = arrow_numpy(column.flatten())
+    if pa.types.is_uint16(column.type.value_type):
+        flat = (flat.astype(np.uint32) << 16).view(np.float32)
+    return flat.astype(np.float32, copy=False).reshape(-1, K)
+
+
+def decoded_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A record batch whose bfloat16-bit (uint16) site columns are replaced by float32 ones."""
+    columns, fields, changed = [], [], False
+    for column_field, column in zip(batch.schema, batch.columns):
+        if pa.types.is_fixed_size_list(column_field.type) and pa.types.is_uint16(column_field.type.value_type):
+            item = column_field.type.value_field
+            list_type = pa.list_(pa.field(item.name, pa.float32(), nullable=item.nullable), column_field.type.list_size)
+            column = pa.FixedSizeListArray.from_arrays(pa.array(coefficient_values(column).reshape(-1)), type=list_type)
+            column_field = pa.field(column_field.name, list_type, nullable=column_field.nullable)
+            changed = True
+        columns.append(column)
+        fields.append(column_field)
+    return pa.RecordBatch.from_arrays(columns, schema=pa.schema(fields)) if changed else batch
+
+
+def coefficient_arrow_type(name: str) -> pa.DataType:
+    if name not in COEFFICIENT_DTYPES:
+        raise CacheError(f"coefficient dtype {name!r} is not supported (choose {', '.join(COEFFICIENT_DTYPES)})")
+    return COEFFICIENT_DTYPES[name]
+
+
+def spec_to_json(spec: SiteSpec) -> dict:
+    out = {
+        "shape": [spec.num_channels],
+        "axes": [[a, n] for a, n in spec.axes],
+        "family": spec.family,
+        "dtype": "float32",
+    }
+    for key in ("channel_labels", "channel_families"):
+        if getattr(spec, key) is not None:
+            out[key] = list(getattr(spec, key))
+    if spec.coefficient:
+        out["coefficient"] = spec.coefficient
+    return out
+
+
+def spec_from_json(d: dict) -> SiteSpec:
+    return SiteSpec(
+        axes=tuple((a, int(n)) for a, n in d["axes"]),
+        family=d["family"],
+        channel_labels=tuple(d["channel_labels"]) if d.get("channel_labels") is not None else None,
+        channel_families=tuple(d["channel_families"]) if d.get("channel_families") is not None else None,
+        coefficient=d.get("coefficient", ""),
+    )
+
+
+def cache_plan(
+    specs: dict[str, SiteSpec],
+    seq_len: int,
+    num_seqs: int,
+    model: dict,
+    corpus: dict,
+    coefficient_dtype: str = "float32",
+    **extra,
+) -> dict:
+    """The manifest draft of a cache (everything but the part list and creation time)."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": model,
+        "corpus": corpus,
+        "seq_len": seq_len,
+        "num_seqs": num_seqs,
+        "num_tokens": num_seqs * seq_len,
+        "coefficient_dtype": coefficient_dtype,
+        "sites": {name: spec_to_json(spec) for name, spec in specs.items()},
+        **extra,
+    }
+
+
+def _arrow(values: np.ndarray) -> pa.Array:
+    """A 1-D numpy array as an Arrow array of its dtype, zero-copy (the reverse of `_numpy`). `pa.array`
+    gives the same array, but its first call imports pandas (0.2 s here) to check the input is not a
+    pandas object: in a build, inside the first batches."""
+    values = np.ascontiguousarray(values)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
+
+
+def record_batch(
+    schema: pa.Schema,
+    seq: np.ndarray,
+    tokens: np.ndarray,
+    targets: np.ndarray,
+    live_nll: np.ndarray,
+    coefficients: dict[str, np.ndarray],
+) -> pa.RecordBatch:
+    """Columns straight from numpy. seq: [n]; tokens, targets, live_nll: [n, T]; coefficients: site -> [n, T, K].
+
+    For a bfloat16 schema (uint16 site columns) a site's values are its bfloat16 bits (uint16 or int16),
+    or float32 values that are exactly bfloat16 numbers."""
+    n, T = tokens.shape
+    columns = [
+        _arrow(np.repeat(seq.astype(np.int32), T)),
+        _arrow(np.tile(np.arange(T, dtype=np.int32), n)),
+        _arrow(tokens.reshape(-1).astype(np.int32)),
+        _arrow(targets.reshape(-1).astype(np.int32)),
+        _arrow(live_nll.reshape(-1).astype(np.float32)),
+    ]
+    for column_field in schema:
+        if column_field.name in KEY_COLUMNS:
+            continue
+        values = coefficients[column_field.name]
+        K = column_field.type.list_size
+        if values.shape != (n, T, K):
+            raise CacheError(f"site {column_field.name}: coefficients of shape {values.shape}, expected {(n, T, K)}")
+        if pa.types.is_uint16(
+            column_field.type.value_type
+        ):  # bfloat16 bits: take bits as they are, floats only if exact
+            values = values.view(np.uint16) if values.dtype in (np.int16, np.uint16) else bfloat16_bits(values)
+        flat = _arrow(np.ascontiguousarray(values, dtype=column_field.type.value_type.to_pandas_dtype()).reshape(-1))
+        columns.append(pa.FixedSizeListArray.from_arrays(flat, type=column_field.type))
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Named arrays as an .npz that `np.load` reads, written atomically and byte-for-byte reproducibly:
+    `np.savez` stamps each member with the current time, which would make equal moments hash differently."""
+    tmp = path.with_name(path.name + ".tmp")
+    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as z:
+        for name, array in arrays.items():
+            info = zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
+            array = np.asarray(array, order="C")  # keeps 0-d (`np.ascontiguousarray` would not)
+            with z.open(info, "w", force_zip64=True) as f:
+                # What `np.lib.format.write_array` writes, without its `tobytes` copy of each array (a
+                # 10 MB per-position table per 1.4B part, in fresh pages each time).
+                np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(array))
+                f.write(array.reshape(-1).view(np.uint8))
+    os.replace(tmp, path)
+
+
+def read_arrays(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as z:
+        return {name: z[name] for name in z.files}
+
+
+def is_cache_file(name: str) -> bool:
+    """Whether a finished cache's folder holds an entry of this name (what --overwrite may delete): its
+    files, and the build's bookkeeping, which a build stopped just after its final rename leaves behind."""
+    return (
+        name in (MANIFEST, MOMENTS, PROGRESS, PROGRESS_JOURNAL)
+        or re.fullmatch(r"part-\d+(\.moments\.npz|\.parquet)", name) is not None
+    )
+
+
+def is_partial_file(name: str) -> bool:
+    """Whether an unfinished build's `<out>.partial/` holds an entry of this name."""
+    return is_cache_file(name) or name.endswith(".tmp")
+
+
+def byte_stream_split_columns(schema: pa.Schema) -> list[str]:
+    """The columns written byte-stream-split: `live_nll` and every site's values. pyarrow names a list
+    column's values by their leaf path (`<site>.list.element`); the site's own name would leave them PLAIN
+    (measured on the demo cache: 8.07 MB split against 8.66 PLAIN, for 30.3 ms of encoding against 24.7)."""
+    return [f.name if f.name == "live_nll" else f"{f.name}.list.element" for f in schema if f.name not in KEY_INTS]
+
+
+def moments_file(part_file: str) -> str:
+    """The moments sidecar of a part: `part-00000.parquet` -> `part-00000.moments.npz`."""
+    return part_file.removesuffix(".parquet") + ".moments.npz"
+
+
+def check_part_schema(part: Path, schema: pa.Schema, expected: pa.Schema) -> None:
+    """CacheError naming the part and column when `schema` lacks a column of `expected` or types it otherwise."""
+    for column_field in expected:
+        if column_field.name not in schema.names:
+            raise CacheError(f"{part}: column {column_field.name!r} is missing")
+        if not same_site_type(schema.field(column_field.name).type, column_field.type):
+            raise CacheError(
+                f"{part}: column {column_field.name!r} has type {schema.field(column_field.name).type}, "
+                f"expected {column_field.type}"
+            )
