@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -203,6 +204,14 @@ def _learning_rate(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text}")
     return value
+
+
+def _device(text: str) -> str:
+    """--device: auto, cpu, cuda or cuda:N, checked when the command line is read (whether CUDA is there is
+    checked when the device is used)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, not {text!r}")
+    return text
 
 
 def _alphas(text: str) -> tuple[float, ...]:
@@ -493,9 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--text-column", default="text", help="text column of a Parquet/Arrow corpus")
         p.add_argument(
             "--device",
-            choices=["auto", "cpu", "cuda"],
+            type=_device,
             default="cpu",
-            help="cpu (default: float32, how the shipped demo was trained) or cuda (bf16 autocast, "
+            help="cpu (default: float32, how the shipped demo was trained) or cuda[:N] (bf16 autocast, "
             "fused AdamW, float32 weights saved); auto: cuda when available",
         )
         _add_model_size_flags(p)
@@ -511,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-seqs", type=_positive_int, default=256, help="windows to cache")
     p.add_argument("--seq-len", type=_positive_int, default=None, help="window length (default: the model's context)")
     p.add_argument("--batch", type=_positive_int, default=16, help=BATCH_HELP)
-    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="model weights dtype")
     p.add_argument(
         "--coefficient-dtype",
@@ -553,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense", help="Dense twin for the latency ratio")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--markdown", help="write the report as Markdown here (with neither, it is printed)")
-    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
     p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
     p.add_argument("--batch", type=_positive_int, default=16, help=BATCH_HELP)
     p.add_argument("--num-seqs", type=_positive_int, default=None, help="evaluate only the first N sequences")
@@ -590,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-seqs", type=_positive_int, default=32, help="replay the first N evaluated sequences")
     p.add_argument("--seed", type=_seed, default=0, help=SEED_HELP)
     p.add_argument("--batch", type=_positive_int, default=16, help=BATCH_HELP)
-    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
     p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
     p.add_argument("--no-save", action="store_true", help="do not save the run in <cache>.runs/")
     _add_engine_flags(p, "replayed sequences")
@@ -605,7 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--corpus", default="data/kjv.txt", help="eval windows from here; if it is missing, from cache/demo/eval"
     )
-    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
     p.add_argument("--json", help="also write the figures here")
     p.set_defaults(func=cmd_bench)
 
@@ -626,12 +635,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=_seed, nargs="+", default=[1, 2], help="training seeds of the new models")
     p.add_argument("--out", default="cache/demo-study", help="the study's folder (one seed<N>/ per seed)")
     p.add_argument("--corpus", default="data/kjv.txt", help="extracted first if missing (needs Debian's bible-kjv)")
-    p.add_argument(
-        "--device", choices=["auto", "cpu", "cuda"], default="cpu", help="training device (see train --help)"
-    )
+    p.add_argument("--device", type=_device, default="cpu", help="training device (see train --help)")
     p.add_argument(
         "--audit-device",
-        choices=["auto", "cpu", "cuda"],
+        type=_device,
         default="cpu",
         help="caches and audit (default cpu, like the shipped demo, so latency ratios compare)",
     )

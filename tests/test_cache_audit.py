@@ -794,6 +794,18 @@ def test_damaged_reports_devices_and_one_path_for_two_outputs_are_refused(demo, 
 
 
 def test_an_unknown_device_is_one_line(demo, tmp_path, capsys):
+    from fca.engine.loading import resolve_device
+    from fca.tables.errors import ModelLoadError
+
     build = ["build-cache", "--model", str(demo / "featuregate"), "--corpus", str(demo / "prose.txt")]
-    err = _cli_error([*build, "--split", "eval", "--out", str(tmp_path / "c"), "--device", "gpu"], capsys)
-    assert "unknown device 'gpu'" in err and not (tmp_path / "c.partial").exists()
+    build += ["--split", "eval", "--out", str(tmp_path / "c")]
+    train = ["train", "--corpus", str(demo / "prose.txt"), "--out", str(tmp_path / "m")]
+    study = ["demo-study", "--out", str(tmp_path / "s")]
+    # every command reads a device the same way, before any work starts
+    for args, device in ((build, "gpu"), (train, "cuda:x"), (study, "cuda1"), ([*study, "--device", "cpu"], "gpu")):
+        flag = "--audit-device" if "--device" in args else "--device"
+        said = _cli_error_argparse([*args, flag, device], capsys).strip().splitlines()[-1]
+        assert said.endswith(f"argument {flag}: expected auto, cpu, cuda or cuda:N, not {device!r}")
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(ModelLoadError, match="unknown device 'gpu'"):  # library callers are told too
+        resolve_device("gpu")
