@@ -53,13 +53,32 @@ DEVICES = ("auto", "cuda", "cpu")
 def default_cache(entries: list[catalog.CacheEntry]) -> int:
     """Index of the cache selected first: FCA_DEFAULT_CACHE, else cache/demo/eval, else the first
     evaluated (non-calibration) cache."""
-    wanted = [Path(os.environ["FCA_DEFAULT_CACHE"]).resolve()] if os.environ.get("FCA_DEFAULT_CACHE") else []
+    env = os.environ.get("FCA_DEFAULT_CACHE", "").strip()
+    wanted = [Path(env).expanduser().resolve()] if env else []
     wanted.append((REPO / "cache" / "demo" / "eval").resolve())
     paths = [e.path for e in entries]
     for w in wanted:
         if w in paths:
             return paths.index(w)
     return next((i for i, e in enumerate(entries) if e.split != "calibration" and e.error is None), 0)
+
+
+def default_cache_problem(entries: list[catalog.CacheEntry], roots: list[Path]) -> str | None:
+    """Why FCA_DEFAULT_CACHE, when set, names none of the listed caches (None: it is listed, or unset), so
+    that a mistyped variable is said instead of another cache silently shown in its place."""
+    wanted = os.environ.get("FCA_DEFAULT_CACHE", "").strip()
+    path = Path(wanted).expanduser().resolve()
+    if not wanted or path in [e.path for e in entries]:
+        return None
+    if not catalog.path_allowed(path, roots):
+        why = "it is outside the configured roots (add its folder to FCA_CACHE_ROOTS)"
+    elif not path.is_dir():
+        why = "there is no such folder"
+    elif not (path / "manifest.json").is_file():
+        why = "the folder has no manifest.json"
+    else:
+        why = "it is not among the caches found"
+    return f"FCA_DEFAULT_CACHE={wanted}: {why}; another cache is selected instead."
 
 
 def _on_cache_typed(roots: list[Path]) -> None:
@@ -85,6 +104,8 @@ def sidebar() -> Selection:
                 + ", ".join(str(r) for r in roots)
                 + ". Build one with `python -m fca build-cache`."
             )
+        if problem := default_cache_problem(entries, roots):
+            st.warning(problem)
         by_path = {str(e.path): e for e in entries}
         # Caches inside the repository are named from its root (`cache/demo/eval`), so typing the path
         # one would type in a shell filters to the listed cache instead of offering "Add: ...".

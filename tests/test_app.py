@@ -668,6 +668,25 @@ def test_sidebar_matches_typed_paths_and_explains_missing_ones(tiny_demo, tmp_pa
     assert "new/eval (eval, 8 seq)" in at.sidebar.selectbox(key="cache").options
 
 
+def test_a_default_cache_that_is_not_listed_is_said_and_another_is_shown(tiny_demo, tmp_path, monkeypatch):
+    """The repository's own cache folder is always a root, so the shipped demo is what is shown instead."""
+    root = tmp_path / "root"
+    shutil.copytree(tiny_demo / "eval", root / "eval")
+    (root / "notes").mkdir()
+    for default, why in (
+        (root / "evl", "there is no such folder"),
+        (root / "notes", "the folder has no manifest.json"),
+        (tiny_demo / "eval", "it is outside the configured roots (add its folder to FCA_CACHE_ROOTS)"),
+    ):
+        at = app_for(monkeypatch, [root], default).run()
+        no_exceptions(at)
+        said = [w.value for w in at.sidebar.warning]
+        assert said == [f"FCA_DEFAULT_CACHE={default}: {why}; another cache is selected instead."]
+        assert at.sidebar.selectbox(key="cache").value == str(REPO / "cache" / "demo" / "eval")
+    at = app_for(monkeypatch, [root], root / "eval").run()
+    assert not at.sidebar.warning and at.sidebar.selectbox(key="cache").value == str(root / "eval")
+
+
 # ------------------------------------------------------------------ the Replay lab's state
 
 
