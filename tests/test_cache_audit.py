@@ -569,7 +569,9 @@ def test_replay_cli_saves_runs(demo, capsys):
     capsys.readouterr()
     assert main([*base, "--calibration", str(demo / "calibration"), "--num-seqs", "1"]) == 0
     assert "(no CI from one sequence)" in capsys.readouterr().out
-    saved = Path(list_runs(demo / "eval")[0]["path"]).read_text()
+    newest = list_runs(demo / "eval")[0]  # the run just made, though both may fall in one second
+    assert newest["spec"]["num_seqs"] == 1 and newest["created"] > runs[0]["created"]
+    saved = Path(newest["path"]).read_text()
 
     def refuse(constant: str) -> None:
         raise ValueError(f"not strict JSON: {constant}")

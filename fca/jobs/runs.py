@@ -5,8 +5,8 @@ dashboard's Replay lab both call `run_replay`, so the same settings give the sam
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
 
 import torch
 
@@ -74,7 +74,8 @@ def run_replay(
             "conditions": summarize_conditions(results.per_seq_nll, seed),
             "per_sequence_nll": {k: v.tolist() for k, v in results.per_seq_nll.items()},
         },
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        # Milliseconds, because runs are listed newest first by this stamp and a run can take under a second.
+        "created": datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
         "device": str(experiment.device),
     }
     if save:
