@@ -795,6 +795,41 @@ def test_damaged_reports_devices_and_one_path_for_two_outputs_are_refused(demo, 
     assert json.loads((tmp_path / "r.json").read_text()) == report
 
 
+def test_bench_measures_every_figure_it_documents(demo):
+    """`fca bench` run small: every README figure is a finite number, the cache it timed replays exactly,
+    and its scratch caches are gone (no timing is asserted)."""
+    import tempfile
+
+    from fca.jobs.bench import run_bench
+
+    scratch = set(Path(tempfile.gettempdir()).glob("fca-bench-*"))
+    result = run_bench(
+        demo / "featuregate",
+        None,  # no corpus: the windows stored in the eval cache beside the model
+        device="cpu",
+        num_seqs=4,
+        capture_seqs=8,
+        batch_size=4,
+        repeats=1,
+        stats_seqs=8,
+        big_cache_factor=2,
+        writer_seqs=8,
+    )
+    figures = (
+        "capture_ratio", "replay_ratio", "replay_from_cache_ratio", "batched_conditions_ratio",
+        "batched_conditions_ratio_one_sequence", "parquet_bytes_ratio", "long_format_ratio",
+        "long_format_bytes_ratio", "writer_mb_s_1", "writer_mb_s_2", "writer_scaling_2", "stats_peak_mem_mb",
+    )  # fmt: skip
+    for key in figures:
+        assert isinstance(result[key], float) and 0 < result[key] < float("inf"), key
+    assert result["exactness"] == {"max_abs_logit_diff": 0.0, "fidelity": "bit-identical"}
+    assert (result["num_seqs"], result["capture_seqs"], result["device"]) == (4, 8, "cpu")
+    assert set(result["capture_stages_s"]) >= {"record", "encode"}
+    assert result["stats_big_cache_mb"] > result["stats_demo_cache_mb"]
+    assert "capture_ratio_writer_processes" not in result  # measured on CUDA only
+    assert set(Path(tempfile.gettempdir()).glob("fca-bench-*")) == scratch
+
+
 def test_an_unknown_device_is_one_line(demo, tmp_path, capsys):
     from fca.engine.loading import resolve_device
     from fca.tables.errors import ModelLoadError

@@ -14,6 +14,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -231,6 +233,201 @@ def writer_scaling(
     }
 
 
+@dataclass
+class BenchRun:
+    """What the figures of one bench run share: the model, its windows in batches, a scratch folder.
+
+    The cache build is timed on a demo-sized cache (its fixed costs amortised as in real use); the replay
+    figures on the first `num_seqs` of the same windows."""
+
+    model: torch.nn.Module
+    capture_windows: np.ndarray  # [capture_seqs, T + 1]
+    num_seqs: int
+    batch_size: int
+    repeats: int
+    work: Path
+
+    def __post_init__(self) -> None:
+        self.device = next(self.model.parameters()).device
+        self.T = self.capture_windows.shape[1] - 1
+        self.windows = self.capture_windows[: self.num_seqs]  # [num_seqs, T + 1]
+        self.batches = self._batches(self.windows)
+        self.capture_batches = self._batches(self.capture_windows)
+        self.build_stages = Timings()  # the last cache build's
+
+    def _batches(self, windows: np.ndarray) -> list[torch.Tensor]:
+        b = self.batch_size
+        return [torch.from_numpy(windows[i : i + b]).to(self.device) for i in range(0, len(windows), b)]
+
+    def forward_over(self, batches: list[torch.Tensor]) -> None:
+        for w in batches:
+            model_logits(self.model(w[:, :-1]), self.model)
+
+    def plain_forward(self) -> None:
+        self.forward_over(self.batches)
+
+    def build_cache(self, writer_processes: bool = False) -> None:
+        self.build_stages = Timings()
+        write_cache(
+            self.model,
+            self.capture_windows,
+            self.work / "capture",
+            _plan(self.model, self.capture_windows, self.batch_size),
+            self.batch_size,
+            overwrite=True,
+            timings=self.build_stages,
+            writer_processes=writer_processes,
+        )
+
+    @cached_property
+    def cache(self):
+        """The cache the capture figures built (so those run first)."""
+        return open_cache(self.work / "capture")
+
+    @cached_property
+    def recorded(self) -> list[dict[str, torch.Tensor]]:
+        """Each replay batch's coefficients, recorded live: site -> [b, T, K] on the device."""
+        return [capture_tensors(self.model, w[:, :-1])[1] for w in self.batches]
+
+    def replay_recorded(self) -> None:
+        for w, c in zip(self.batches, self.recorded):
+            replay(self.model, w[:, :-1], c)
+
+
+def capture_figures(run: BenchRun) -> dict:
+    """Cache build over plain forward, and where the build's time went."""
+    figures: dict = {}
+    r = interleaved(run.build_cache, lambda: run.forward_over(run.capture_batches), run.repeats)
+    figures["capture_ratio"] = r["ratio"]
+    figures["capture_seconds"], figures["forward_seconds"] = r["a_s"], r["b_s"]
+    figures["capture_stages_s"] = run.build_stages.rounded()  # per stage (fca.tables.timings)
+    if run.device.type == "cuda":  # the writers as processes, which leave the forward's interpreter lock alone
+        r = interleaved(
+            lambda: run.build_cache(writer_processes=True), lambda: run.forward_over(run.capture_batches), run.repeats
+        )
+        figures["capture_ratio_writer_processes"] = r["ratio"]
+        figures["capture_stages_s_writer_processes"] = run.build_stages.rounded()  # (the same cache)
+    return figures
+
+
+def replay_figures(run: BenchRun) -> dict:
+    """Replay vs live, the coefficients already in memory (as they are after one cache read)."""
+    return {"replay_ratio": interleaved(run.replay_recorded, run.plain_forward, run.repeats)["ratio"]}
+
+
+def cache_figures(run: BenchRun) -> dict:
+    """The built cache's exactness (as the audit checks it; nothing timed) and size, and replay fed from
+    it vs live, read as the replay runner reads it: the next batch read and decoded on a background
+    thread while this one runs."""
+    cache, b = run.cache, run.batch_size
+    exactness = Experiment.open(run.model, cache, None).run([Condition("correct")], run.num_seqs, b).exactness
+    raw = sum(4 * s.num_channels for s in site_specs(run.model).values()) * len(run.capture_windows) * run.T
+
+    def replay_from_cache() -> None:
+        reads = cache.prefetch([range(i * b, i * b + len(w)) for i, w in enumerate(run.batches)], list(cache.sites))
+        try:
+            for w in run.batches:
+                replay(run.model, w[:, :-1], next(reads))
+        finally:
+            reads.close()
+
+    return {
+        "exactness": {
+            "max_abs_logit_diff": exactness["max_abs_logit_diff"],
+            "fidelity": exactness["fidelity"]["verdict"],
+        },
+        "parquet_bytes_ratio": cache.manifest.total_bytes / raw,
+        "replay_from_cache_ratio": interleaved(replay_from_cache, run.plain_forward, run.repeats)["ratio"],
+    }
+
+
+def batched_conditions_figures(run: BenchRun) -> dict:
+    """The five paper conditions stacked in one forward vs one condition, per batch; then the same with
+    one sequence per condition, where a pass is furthest from saturating the device."""
+    profiles = calibration_profiles(run.cache)
+    conditions = [Condition(kind) for kind in PAPER_CONDITIONS]
+    n = len(conditions)
+    stacked = []  # per batch: site -> [n * b, T, K], condition-major
+    for i, (w, recorded) in enumerate(zip(run.batches, run.recorded)):
+        own = {k: v.cpu().numpy() for k, v in recorded.items()}
+        index = list(range(i * run.batch_size, i * run.batch_size + len(w)))
+        other = {k: np.roll(v, 1, axis=0) for k, v in own.items()}
+        per_condition = [condition_coefficients(c, own, index, profiles, other) for c in conditions]
+        stacked.append(stack_conditions(per_condition, len(w), run.T))
+    batched = interleaved(
+        lambda: [replay(run.model, w[:, :-1].repeat(n, 1), s) for w, s in zip(run.batches, stacked)],
+        run.replay_recorded,
+        run.repeats,
+    )
+    # Row 0 of each condition's block: the first sequence (correct's rows come first).
+    firsts = [{k: v[:: len(w)] for k, v in s.items()} for w, s in zip(run.batches, stacked)]  # [n, T, K]
+    one = interleaved(
+        lambda: [replay(run.model, w[:1, :-1].repeat(n, 1), f) for w, f in zip(run.batches, firsts)],
+        lambda: [replay(run.model, w[:1, :-1], {k: v[:1] for k, v in f.items()}) for w, f in zip(run.batches, firsts)],
+        run.repeats,
+    )
+    return {
+        "batched_conditions_ratio": batched["ratio"],
+        "batched_conditions_note": (
+            f"{n} conditions stacked along the batch ({run.batch_size} x {n} sequences per pass) "
+            f"vs one condition ({run.batch_size} per pass); {n}.0 means no gain from batching"
+        ),
+        "batched_conditions_ratio_one_sequence": one["ratio"],
+    }
+
+
+def long_format_figures(run: BenchRun) -> dict:
+    """Our Parquet writer vs a straightforward pandas long-format writer, same coefficients."""
+    coefficients = {k: np.concatenate([c[k].cpu().numpy() for c in run.recorded]) for k in run.recorded[0]}
+    schema = cache_schema(site_specs(run.model))
+    windows, b = run.windows, run.batch_size
+    nll = np.zeros((len(windows), run.T), np.float32)
+
+    def ours() -> None:
+        writer = CacheWriter(run.work / "ours", _plan(run.model, windows), schema, len(windows), overwrite=True)
+        for lo in range(0, len(windows), b):
+            hi = min(len(windows), lo + b)
+            rows = np.arange(lo, hi)
+            values = {k: v[lo:hi] for k, v in coefficients.items()}
+            writer.write(
+                record_batch(schema, rows, windows[lo:hi, :-1], windows[lo:hi, 1:], nll[lo:hi], values), hi - lo
+            )
+        writer.finish()
+
+    long_path = run.work / "long.parquet"
+    r = interleaved(ours, lambda: long_format_write(coefficients, long_path), max(3, run.repeats // 2))
+    return {
+        "long_format_ratio": r["ratio"],
+        "long_format_bytes_ratio": long_path.stat().st_size / open_cache(run.work / "ours").manifest.total_bytes,
+    }
+
+
+def stats_memory_figures(run: BenchRun, stats_seqs: int, big_cache_factor: int) -> dict:
+    """Peak memory of the streaming statistics over a demo-sized synthetic cache and one `big_cache_factor`
+    times larger: flat memory is the claim, and the import baseline shows what Python, numpy and pyarrow
+    alone take."""
+    figures: dict = {}
+    specs, vocab = site_specs(run.model), int(run.model.config.vocab_size)
+    for name, seqs in (("demo", stats_seqs), ("big", stats_seqs * big_cache_factor)):
+        synthetic = _synthetic_cache(run.work / name, specs, seqs, run.T, vocab)
+        figures[f"stats_{name}_cache_mb"] = open_cache(synthetic).manifest.total_bytes / 1e6
+        figures[f"stats_{name}_peak_mem_mb"] = _stats_peak_memory(synthetic)
+    figures["stats_peak_mem_mb"] = figures["stats_big_peak_mem_mb"]
+    figures["stats_import_baseline_mem_mb"] = _stats_peak_memory(synthetic, baseline=True)
+    return figures
+
+
+def writer_figures(writer_seqs: int) -> dict:
+    """The cache writer alone, 1 and 2 worker threads, on MUDDPythia-1.4B-shaped coefficients in batches
+    of 8, as `bench/writer_scale.py` (see `WRITER_BENCH_SEQS`)."""
+    scaling = writer_scaling([1, 2], num_seqs=writer_seqs, seq_len=1024, batch=8, repeats=5)
+    return {
+        "writer_mb_s_1": scaling["mb_s"][1],
+        "writer_mb_s_2": scaling["mb_s"][2],
+        "writer_scaling_2": scaling["ratio"][2],
+    }
+
+
 BENCH_STEPS = (
     "capture", "replay", "replay from cache", "batched conditions", "long format", "statistics memory",
     "writer scaling", "done",
@@ -240,202 +437,58 @@ BENCH_STEPS = (
 @torch.no_grad()
 def run_bench(
     model_dir: str | Path,
-    corpus: str | Path,
+    corpus: str | Path | None,
     device: str = "auto",
     num_seqs: int = 64,
     capture_seqs: int = 256,
     batch_size: int = 16,
     repeats: int = 7,
+    stats_seqs: int = 256,
     big_cache_factor: int = 8,
+    writer_seqs: int = WRITER_BENCH_SEQS,
     show_progress: bool = False,
 ) -> dict:
+    """Every figure of the README's performance section, measured in one run on one device (the sizes
+    default to the README's; the tests run it small)."""
     from tqdm.auto import tqdm
 
-    # One step per measurement below, so a run of minutes says where it is.
-    bar = tqdm(total=len(BENCH_STEPS), desc="bench", unit="step", disable=not show_progress)
-
-    def step(name: str) -> None:
-        bar.set_postfix_str(name)
-        bar.update(1)
-
     model = load_model(model_dir, device=device)
-    dev = next(model.parameters()).device
     T = int(model.config.max_seq_len) if hasattr(model.config, "max_seq_len") else 128
-    # The cache build is timed on a demo-sized cache (its fixed costs amortised as in real use); the
-    # replay figures on the first `num_seqs` of the same windows.
     if corpus is not None and Path(corpus).exists():
-        capture_windows = data.split_windows(
-            corpus, "eval", data.load_tokenizer(model_dir), T, 0, capture_seqs
-        )  # [N, T + 1]
+        tokenizer = data.load_tokenizer(model_dir)
+        capture_windows = data.split_windows(corpus, "eval", tokenizer, T, 0, capture_seqs)  # [N, T + 1]
     else:  # no corpus at hand (a bare GPU machine, say): the windows stored in the shipped demo cache
         capture_windows = windows_from_cache(open_cache(Path(model_dir).parent / "eval"), capture_seqs)
-    windows = capture_windows[:num_seqs]
-    batches = [torch.from_numpy(windows[i : i + batch_size]).to(dev) for i in range(0, len(windows), batch_size)]
     work = Path(tempfile.mkdtemp(prefix="fca-bench-"))
+    run = BenchRun(model, capture_windows, min(num_seqs, len(capture_windows)), batch_size, repeats, work)
+    result: dict = {
+        "device": str(run.device),
+        "model": Path(model_dir).name,
+        "num_seqs": run.num_seqs,
+        "capture_seqs": len(capture_windows),
+        "seq_len": run.T,
+        "batch_size": batch_size,
+        "repeats": repeats,
+        "torch_threads": torch.get_num_threads(),
+    }
+    figures: list[Callable[[], dict]] = [  # in BENCH_STEPS's order; the cache figures read the built cache
+        lambda: capture_figures(run),
+        lambda: replay_figures(run),
+        lambda: cache_figures(run),
+        lambda: batched_conditions_figures(run),
+        lambda: long_format_figures(run),
+        lambda: stats_memory_figures(run, stats_seqs, big_cache_factor),
+        lambda: writer_figures(writer_seqs),
+    ]
+    # One step per group of figures, so a run of minutes says where it is.
+    bar = tqdm(total=len(BENCH_STEPS), desc="bench", unit="step", disable=not show_progress)
     try:
-        capture_batches = [
-            torch.from_numpy(capture_windows[i : i + batch_size]).to(dev)
-            for i in range(0, len(capture_windows), batch_size)
-        ]
-        result: dict = {
-            "device": str(dev),
-            "model": Path(model_dir).name,
-            "num_seqs": len(windows),
-            "capture_seqs": len(capture_windows),
-            "seq_len": T,
-            "batch_size": batch_size,
-            "repeats": repeats,
-            "torch_threads": torch.get_num_threads(),
-        }
-
-        def forward_over(chunks: list[torch.Tensor]) -> None:
-            for w in chunks:
-                model_logits(model(w[:, :-1]), model)
-
-        def plain_forward() -> None:
-            forward_over(batches)
-
-        stages = Timings()
-
-        def cache_build(writer_processes: bool = False) -> None:
-            nonlocal stages
-            stages = Timings()  # the last build's are reported
-            write_cache(
-                model,
-                capture_windows,
-                work / "capture",
-                _plan(model, capture_windows, batch_size),
-                batch_size,
-                overwrite=True,
-                timings=stages,
-                writer_processes=writer_processes,
-            )
-
-        step("capture")
-        r = interleaved(cache_build, lambda: forward_over(capture_batches), repeats)
-        result["capture_ratio"] = r["ratio"]
-        result["capture_seconds"], result["forward_seconds"] = r["a_s"], r["b_s"]
-        result["capture_stages_s"] = stages.rounded()  # per stage (fca.tables.timings)
-        if dev.type == "cuda":  # the writers as processes, which leave the forward's interpreter lock alone
-            r = interleaved(lambda: cache_build(writer_processes=True), lambda: forward_over(capture_batches), repeats)
-            result["capture_ratio_writer_processes"] = r["ratio"]
-            result["capture_stages_s_writer_processes"] = stages.rounded()  # (the same cache as the threads')
-
-        # Replay vs live, the coefficients already in memory (as they are after one cache read).
-        step("replay")
-        cached = [capture_tensors(model, w[:, :-1])[1] for w in batches]
-        r = interleaved(lambda: [replay(model, w[:, :-1], c) for w, c in zip(batches, cached)], plain_forward, repeats)
-        result["replay_ratio"] = r["ratio"]
-
-        cache = open_cache(work / "capture")
-        # Both exactness checks on the cache just built, as the audit runs them (nothing is timed here).
-        experiment = Experiment.open(model, cache, None)
-        exactness = experiment.run([Condition("correct")], len(windows), batch_size).exactness
-        result["exactness"] = {
-            "max_abs_logit_diff": exactness["max_abs_logit_diff"],
-            "fidelity": exactness["fidelity"]["verdict"],
-        }
-        raw = sum(4 * s.num_channels for s in site_specs(model).values()) * len(capture_windows) * T
-        result["parquet_bytes_ratio"] = cache.manifest.total_bytes / raw
-
-        # Replay fed from the Parquet cache (reads included) vs live, read as the replay runner reads it: the
-        # next batch read and decoded on a background thread while this one runs.
-        def replay_from_cache() -> None:
-            reads = cache.prefetch(
-                [range(i * batch_size, i * batch_size + len(w)) for i, w in enumerate(batches)], list(cache.sites)
-            )
-            try:
-                for w in batches:
-                    replay(model, w[:, :-1], next(reads))
-            finally:
-                reads.close()
-
-        step("replay from cache")
-        r = interleaved(replay_from_cache, plain_forward, repeats)
-        result["replay_from_cache_ratio"] = r["ratio"]
-
-        # Five conditions stacked in one forward vs one condition, per batch.
-        step("batched conditions")
-        profiles = calibration_profiles(cache)
-        conditions = [Condition(kind) for kind in PAPER_CONDITIONS]
-        own = [{k: v.cpu().numpy() for k, v in c.items()} for c in cached]
-        stacked = []
-        for i, (w, c) in enumerate(zip(batches, own)):
-            b = len(w)
-            index = list(range(i * batch_size, i * batch_size + b))
-            other = {k: np.roll(v, 1, axis=0) for k, v in c.items()}
-            stacked.append(
-                stack_conditions([condition_coefficients(cond, c, index, profiles, other) for cond in conditions], b, T)
-            )
-        r = interleaved(
-            lambda: [replay(model, w[:, :-1].repeat(len(conditions), 1), s) for w, s in zip(batches, stacked)],
-            lambda: [replay(model, w[:, :-1], c) for w, c in zip(batches, cached)],
-            repeats,
-        )
-        result["batched_conditions_ratio"] = r["ratio"]
-        result["batched_conditions_note"] = (
-            f"{len(conditions)} conditions stacked along the batch ({batch_size} x {len(conditions)} sequences per pass) "
-            f"vs one condition ({batch_size} per pass); {len(conditions)}.0 means no gain from batching"
-        )
-        # The same with one sequence per condition, where a pass is furthest from saturating the device.
-        one = [{k: v[:1] for k, v in s.items()} for s in stacked]  # correct's rows come first
-        r = interleaved(
-            lambda: [
-                replay(model, w[:1, :-1].repeat(len(conditions), 1), {k: v[::b] for k, v in s.items()})
-                for w, s, b in zip(batches, stacked, [len(w) for w in batches])
-            ],
-            lambda: [replay(model, w[:1, :-1], c) for w, c in zip(batches, one)],
-            repeats,
-        )
-        result["batched_conditions_ratio_one_sequence"] = r["ratio"]
-
-        # Our Parquet writer vs a straightforward pandas long-format writer, same coefficients.
-        step("long format")
-        all_coefficients = {k: np.concatenate([c[k] for c in own]) for k in own[0]}
-        schema = cache_schema(site_specs(model))
-        nll = np.zeros((len(windows), T), np.float32)
-
-        def ours() -> None:
-            writer = CacheWriter(
-                work / "ours", _plan(model, windows), schema, seqs_per_part=len(windows), overwrite=True
-            )
-            for lo in range(0, len(windows), batch_size):
-                hi = min(len(windows), lo + batch_size)
-                writer.write(
-                    record_batch(
-                        schema,
-                        np.arange(lo, hi),
-                        windows[lo:hi, :-1],
-                        windows[lo:hi, 1:],
-                        nll[lo:hi],
-                        {k: v[lo:hi] for k, v in all_coefficients.items()},
-                    ),
-                    hi - lo,
-                )
-            writer.finish()
-
-        r = interleaved(ours, lambda: long_format_write(all_coefficients, work / "long.parquet"), max(3, repeats // 2))
-        result["long_format_ratio"] = r["ratio"]
-        ours_bytes = open_cache(work / "ours").manifest.total_bytes
-        result["long_format_bytes_ratio"] = (work / "long.parquet").stat().st_size / ours_bytes
-
-        # Streaming statistics: peak memory over a demo-sized cache and one `big_cache_factor` times larger.
-        step("statistics memory")
-        # Flat memory is the claim; the import baseline shows what Python, numpy and pyarrow alone take.
-        for name, seqs in (("demo", 256), ("big", 256 * big_cache_factor)):
-            synthetic = _synthetic_cache(work / name, site_specs(model), seqs, T, int(model.config.vocab_size))
-            result[f"stats_{name}_cache_mb"] = open_cache(synthetic).manifest.total_bytes / 1e6
-            result[f"stats_{name}_peak_mem_mb"] = _stats_peak_memory(synthetic)
-        result["stats_peak_mem_mb"] = result["stats_big_peak_mem_mb"]
-        result["stats_import_baseline_mem_mb"] = _stats_peak_memory(synthetic, baseline=True)
-
-        # The cache writer alone, 1 and 2 worker threads, on MUDDPythia-1.4B-shaped coefficients in batches of
-        # 8, as `bench/writer_scale.py` (see `WRITER_BENCH_SEQS`).
-        step("writer scaling")
-        scaling = writer_scaling([1, 2], seq_len=1024, batch=8, repeats=5)
-        result["writer_mb_s_1"], result["writer_mb_s_2"] = scaling["mb_s"][1], scaling["mb_s"][2]
-        result["writer_scaling_2"] = scaling["ratio"][2]
-        step("done")
+        for name, measure in zip(BENCH_STEPS, figures):
+            bar.set_postfix_str(name)
+            bar.update(1)
+            result.update(measure())
+        bar.set_postfix_str(BENCH_STEPS[-1])
+        bar.update(1)
         return result
     finally:  # the scratch caches go, and the bar closes, whether the bench finishes or fails
         shutil.rmtree(work, ignore_errors=True)
