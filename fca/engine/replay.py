@@ -279,6 +279,23 @@ def _check_batch(
     )
 
 
+def _shard_bounds(shard: tuple[int, int] | None, batch_size: int, n: int) -> tuple[int, int]:
+    """Positions [lo, hi) of a run's `n` sequences that a shard scores: whole batches of the whole run."""
+    if shard is None:
+        return 0, n
+    lo, hi = shard
+    if lo % batch_size or (hi % batch_size and hi != n) or not 0 <= lo <= hi <= n:
+        raise ValueError(f"shard {shard} is not whole batches of {batch_size} within {n} sequences")
+    return lo, hi
+
+
+def _replay_nll(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, stacked: dict, g: int) -> np.ndarray:
+    """Per-sequence NLL of one replay of `g` conditions stacked along the batch: ids and targets [b, T],
+    each site's coefficients [g * b, T, K] condition-major; returns [g, b]."""
+    logits = replay(model, ids.repeat(g, 1), stacked)  # [g * b, T, V]
+    return _nll_per_seq(logits, targets.repeat(g, 1)).cpu().numpy().reshape(g, ids.shape[0])
+
+
 @torch.no_grad()
 def run_conditions(
     model: nn.Module,
@@ -323,20 +340,15 @@ def run_conditions(
     live_nll, replayed_nll, cache_nll = np.zeros(len(seqs)), np.zeros(len(seqs)), np.zeros(len(seqs))
     measure = FidelityMeasure()
     max_diff, batches = 0.0, 0
-    if shard is not None and (
-        shard[0] % batch_size
-        or (shard[1] % batch_size and shard[1] != len(seqs))
-        or not 0 <= shard[0] <= shard[1] <= len(seqs)
-    ):
-        raise ValueError(f"shard {shard} is not whole batches of {batch_size} within {len(seqs)} sequences")
-    starts = range(0, len(seqs), batch_size) if shard is None else range(shard[0], shard[1], batch_size)
+    lo_seq, hi_seq = _shard_bounds(shard, batch_size, len(seqs))
+    starts = range(lo_seq, hi_seq, batch_size)
     # The next batch is read and decoded on a background thread while this one runs.
     reads = cache.prefetch([seqs[lo : lo + batch_size] for lo in starts])
     try:
         for lo in starts:
             if should_stop is not None and should_stop():
                 raise Cancelled("replay cancelled")
-            index = list(range(lo, min(len(seqs) if shard is None else shard[1], lo + batch_size)))
+            index = list(range(lo, min(hi_seq, lo + batch_size)))
             batch_seqs = [seqs[i] for i in index]
             own = next(reads)
             check_token_ids(own, vocab_rows(model) or vocab, cache.path, batch_seqs)
@@ -356,17 +368,13 @@ def run_conditions(
             other = cache.coefficients([seqs[partner[i]] for i in index]) if partner is not None else None
             to_run = [c for c in conditions if not (cache_is_recorded and _is_plain_correct(c))]
             if check_exactness and not cache_is_recorded and not any(map(_is_plain_correct, conditions)):
-                to_run.append(
-                    Condition("correct")
-                )  # the fidelity check needs Correct-from-cache even when not asked for
-            scored: dict[Condition, np.ndarray] = {}
+                to_run.append(Condition("correct"))  # the fidelity check needs Correct-from-cache even unasked
+            scored: dict[Condition, np.ndarray] = {}  # condition -> [b] NLL
             for start in range(0, len(to_run), per_pass):
                 group = to_run[start : start + per_pass]
                 parts = [condition_coefficients(c, coefficients, index, profiles, other) for c in group]
                 stacked = stack_conditions(parts, b, T)
-                logits = replay(model, ids.repeat(len(group), 1), stacked)  # [len(group) * b, T, V]
-                nll = _nll_per_seq(logits, targets.repeat(len(group), 1)).cpu().numpy().reshape(len(group), b)
-                scored.update(zip(group, nll))
+                scored.update(zip(group, _replay_nll(model, ids, targets, stacked, len(group))))
             for c in conditions:
                 per_seq[c.name][index] = replayed_nll[index] if c not in scored else scored[c]
             if check_exactness and not cache_is_recorded:
