@@ -7,7 +7,9 @@
 # OUT_DIR receives log.txt (everything printed), results.jsonl (one JSON object per measurement) and
 # the study's archives (kjv-34m-study.tar.gz: the larger configuration's study and audits, as committed in
 # cache/kjv-34m-study/: `tar -C cache -xzf OUT_DIR/kjv-34m-study.tar.gz` replaces them; with demo-seeds,
-# demo-seedN-ARCH.tar.gz: trained models). A failing step is logged and the next one runs.
+# demo-seedN-ARCH.tar.gz: trained models). A failing step is logged and the next one runs; the script
+# exits 1 when any step failed, and 2 at once without a CUDA device or, for the sections that build caches
+# or train, without the corpus (a machine that cannot run `python -m fca corpus` needs data/kjv.txt copied).
 #
 # exactness  the shipped CPU-built demo audited on CUDA (accepted, fidelity reported); caches built and
 #            audited on CUDA (bit-identical), and built again with writer processes (the same parts); the drift between this machine's CPU and its GPU, float32
@@ -63,11 +65,33 @@ print(len(a), 'identical parts')" "$work/$1" "$work/$2"
 # FCA_CHECK_DEVICE=cpu runs the same steps on the CPU: a dry run of this script where there is no GPU.
 gpu="${FCA_CHECK_DEVICE:-cuda}"
 if [ "$gpu" = cuda ]; then
-  python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(), torch.__version__)"
+  python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(), torch.__version__)" ||
+    { echo "!! no CUDA device: nothing to check"; exit 2; }
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 fi
+case " $sections " in
+  *" exactness "* | *" study "* | *" demo-seeds "*)
+    if [ ! -f "$corpus" ] && ! python -m fca corpus; then
+      echo "!! $corpus is missing and could not be extracted: copy it here (sections: $sections)"
+      exit 2
+    fi
+    ;;
+esac
 
 section_exactness() {
+  if [ "$gpu" = cuda ]; then
+    # A page-lock CUDA refuses stays the thread's last error; the build must take it back, or torch raises
+    # it at the next kernel launch as that kernel's failure.
+    step "a refused page-lock is taken back" 60 python -c "
+import torch
+from fca.engine.capture import _pin_in_place
+dev, flat = torch.device('cuda'), torch.zeros(1 << 20, dtype=torch.uint8)
+assert _pin_in_place(flat, dev), 'the first page-lock was refused'
+assert not _pin_in_place(flat, dev), 'a second page-lock of the same memory was accepted'
+assert float(torch.ones(4, device=dev).sum()) == 4.0
+torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())
+print('the next launch ran')"
+  fi
   step "demo audited on cuda" 240 python -m fca audit --model $demo/featuregate --cache $demo/eval --calibration $demo/calibration \
     --dense $demo/dense --device $gpu --json "$work/demo_cuda.json"
   record "audit: shipped demo (built on a CPU) on cuda" "$work/demo_cuda.json"
@@ -153,3 +177,4 @@ for section in $sections; do
 done
 echo "== done: $failed step(s) failed"
 rm -rf "$work"
+exit $((failed > 0))

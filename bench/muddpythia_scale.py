@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 import fca
+from fca.engine.execution import synchronize
 from fca.engine.models.muddpythia import MUDDPythiaConfig
 from fca.testing import build_random_model
 
@@ -60,11 +61,12 @@ MUDDPYTHIA_1P4B = dict(
 )
 
 
-def timed(fn) -> tuple[float, object]:
+def timed(fn, device: torch.device | None = None) -> tuple[float, object]:
+    """Seconds `fn` takes, to the end of what it queued on `device`, and its result."""
+    synchronize(device)
     start = time.perf_counter()
     out = fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    synchronize(device)
     return time.perf_counter() - start, out
 
 
@@ -104,7 +106,7 @@ def stream_cache(
                 for i in range(0, num_seqs, batch):
                     model(torch.from_numpy(windows[i : i + batch, :-1]).to(device))
 
-        forward_s, _ = timed(forwards)
+        forward_s, _ = timed(forwards, device)
         stages = Timings()
         build_s, _ = timed(
             lambda: write_cache(
@@ -117,7 +119,8 @@ def stream_cache(
                 workers=workers,
                 timings=stages,
                 writer_processes=writer_processes,
-            )
+            ),
+            device,
         )
         size = open_cache(out).manifest.total_bytes
     finally:
@@ -189,10 +192,10 @@ def main() -> None:
     times: dict[str, list[float]] = {"live": [], "capture": [], "replay_host": [], "replay_device": []}
     for _ in range(args.rounds):
         with torch.no_grad():
-            times["live"].append(timed(lambda: model(ids))[0])
-        times["capture"].append(timed(lambda: fca.capture(model, ids))[0])
-        times["replay_host"].append(timed(lambda: fca.replay(model, ids, coefficients))[0])
-        times["replay_device"].append(timed(lambda: fca.replay(model, ids, on_device))[0])
+            times["live"].append(timed(lambda: model(ids), ids.device)[0])
+        times["capture"].append(timed(lambda: fca.capture(model, ids), ids.device)[0])
+        times["replay_host"].append(timed(lambda: fca.replay(model, ids, coefficients), ids.device)[0])
+        times["replay_device"].append(timed(lambda: fca.replay(model, ids, on_device), ids.device)[0])
     live_s, capture_s = min(times["live"]), min(times["capture"])
     replay_s, replay_device_s = min(times["replay_host"]), min(times["replay_device"])
     replayed = fca.replay(model, ids, coefficients)

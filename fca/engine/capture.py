@@ -170,7 +170,8 @@ class HostCopies:
         """A pinned host tensor shaped like `t`: a view of the slot's buffer, grown when too small."""
         buf = self.buffers[slot].get(name)
         if buf is None or buf.dtype != t.dtype or buf.numel() < t.numel():
-            buf = self.buffers[slot][name] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+            with torch.cuda.device(self.device):  # pinned by the build's GPU, not by cuda:0's context
+                buf = self.buffers[slot][name] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
         return buf[: t.numel()].view(t.shape)
 
     def _shared_buffers(self, slot: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -185,7 +186,7 @@ class HostCopies:
             self._drop_block(slot)
             block, mapping = self.shared.shared_block(max(size, 64))
             flat = torch.frombuffer(mapping, dtype=torch.uint8)  # [bytes]
-            held = self.blocks[slot] = (block, mapping, flat, self.cuda and _pin_in_place(flat))
+            held = self.blocks[slot] = (block, mapping, flat, self.cuda and _pin_in_place(flat, self.device))
         self.layouts[slot] = (held[0], layout)
         return {  # each tensor's bytes of the block, seen as its dtype and shape (e.g. [b, T, K])
             name: held[2][offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
@@ -221,7 +222,9 @@ class HostCopies:
         if not self.cuda:
             return host, None, slot
         event = torch.cuda.Event()
-        event.record()
+        # On the stream the copies were queued on: a bare record() uses the current device's, which for a
+        # build on cuda:1 is cuda:0's idle stream, and the event would complete before the copies land.
+        event.record(torch.cuda.current_stream(self.device))
         return host, event, slot
 
     def release(self, slot: int | None) -> None:
@@ -239,11 +242,19 @@ class HostCopies:
 
         return release
 
-    def close(self) -> None:
-        """Unpin and drop the shared blocks (a writer process may still be reading one: its mapping stays)."""
+    def close(self, raise_errors: bool = True) -> None:
+        """Unpin and drop the shared blocks (a writer process may still be reading one: its mapping stays).
+        Every block is dropped even when one fails; on the way out of an error (`raise_errors=False`) a
+        failure here (a CUDA error outliving the one being raised, say) does not hide that one."""
         self.views = [None] * len(self.views)
+        failures = []
         for slot in range(len(self.blocks)):
-            self._drop_block(slot)
+            try:
+                self._drop_block(slot)
+            except Exception as e:
+                failures.append(e)
+        if failures and raise_errors:
+            raise failures[0]
 
 
 def hand_over(writer: CacheWriter, copies: HostCopies, windows: np.ndarray, lo: int, hi: int, event, slot: int) -> None:
@@ -264,13 +275,31 @@ def hand_over(writer: CacheWriter, copies: HostCopies, windows: np.ndarray, lo: 
         writer.write_shared(lo, hi - lo, windows[lo:hi], block, layout[NLL_KEY], sites_at, free)
 
 
-def _pin_in_place(flat: torch.Tensor) -> bool:
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, not one
+
+
+def _pin_in_place(flat: torch.Tensor, device: torch.device) -> bool:
     """Page-lock host memory torch did not allocate (a shared block), so that copies into it are
     asynchronous; False if CUDA refuses (the copies are then synchronous, the values the same)."""
+    with torch.cuda.device(device):
+        try:
+            status = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), _HOST_REGISTER_PORTABLE))
+        except Exception:
+            return False
+        if status != 0:
+            _take_last_cuda_error(device)
+        return status == 0
+
+
+def _take_last_cuda_error(device: torch.device) -> None:
+    """A refused cudaHostRegister stays this thread's last CUDA error, which torch reads after its next
+    kernel launch and raises as that kernel's failure. One throwaway launch takes it: torch clears the
+    error as it raises."""
     try:
-        return int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0)) == 0
-    except Exception:
-        return False
+        torch.zeros(1, device=device).add_(1)
+        torch.cuda.synchronize(device)
+    except RuntimeError:
+        pass
 
 
 class _BackgroundWriter:
@@ -467,6 +496,6 @@ def record_pending(
         if background is not None:
             background.close(raise_errors=False)
         writer.abort()
+        copies.close(raise_errors=False)
         raise
-    finally:
-        copies.close()
+    copies.close()

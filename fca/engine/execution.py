@@ -75,8 +75,10 @@ def controller_flops(model: nn.Module, input_ids: torch.Tensor) -> dict:
     }
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
+def synchronize(device: torch.device | None) -> None:
+    """Wait for the work queued on a CUDA `device` (a no-op elsewhere): CUDA calls return once their
+    kernels are queued, so a clock read without this times the queueing, not the work."""
+    if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
@@ -88,10 +90,10 @@ def latency_ratio(model: nn.Module, dense: nn.Module, input_ids: torch.Tensor, r
     for i in range(warmup + runs):
         times = []
         for m in (model, dense) if i % 2 == 0 else (dense, model):  # alternate who goes first
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             m(input_ids)
-            _sync(device)
+            synchronize(device)
             times.append(time.perf_counter() - start)
         if i >= warmup:
             pairs.append((times[0], times[1]) if i % 2 == 0 else (times[1], times[0]))

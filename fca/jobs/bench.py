@@ -24,6 +24,7 @@ import torch
 
 from fca.engine.capture import write_cache
 from fca.engine.environment import current_environment, model_dtype_name
+from fca.engine.execution import synchronize
 from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.replay import replay, stack_conditions
 from fca.engine.sites import capture_tensors, model_logits, site_specs
@@ -39,24 +40,33 @@ from fca.tables.writer import CacheWriter
 REPO = Path(__file__).resolve().parents[2]  # the checkout holding the fca package
 
 
-def _timed(fn: Callable[[], object]) -> float:
+def _timed(fn: Callable[[], object], device: torch.device | None) -> float:
+    synchronize(device)  # nothing queued before starts the clock, and all fn queued on the GPU is in it
     start = time.perf_counter()
     fn()
+    synchronize(device)
     return time.perf_counter() - start
 
 
-def interleaved(a: Callable[[], object], b: Callable[[], object], repeats: int = 5, warmup: int = 1) -> dict:
-    """Median of a/b over interleaved repeats, and each side's median seconds."""
+def interleaved(
+    a: Callable[[], object],
+    b: Callable[[], object],
+    repeats: int = 5,
+    warmup: int = 1,
+    device: torch.device | None = None,
+) -> dict:
+    """Median of a/b over interleaved repeats, and each side's median seconds (each call timed to the end
+    of its work on `device`)."""
     for _ in range(warmup):
         a(), b()
     ta, tb = [], []
     for i in range(repeats):
         if i % 2:
-            tb.append(_timed(b))
-            ta.append(_timed(a))
+            tb.append(_timed(b, device))
+            ta.append(_timed(a, device))
         else:
-            ta.append(_timed(a))
-            tb.append(_timed(b))
+            ta.append(_timed(a, device))
+            tb.append(_timed(b, device))
     return {
         "ratio": statistics.median(x / y for x, y in zip(ta, tb)),
         "a_s": statistics.median(ta),
@@ -289,6 +299,9 @@ class BenchRun:
         """Each replay batch's coefficients, recorded live: site -> [b, T, K] on the device."""
         return [capture_tensors(self.model, w[:, :-1])[1] for w in self.batches]
 
+    def interleaved(self, a: Callable[[], object], b: Callable[[], object]) -> dict:
+        return interleaved(a, b, self.repeats, device=self.device)
+
     def replay_recorded(self) -> None:
         for w, c in zip(self.batches, self.recorded):
             replay(self.model, w[:, :-1], c)
@@ -297,13 +310,13 @@ class BenchRun:
 def capture_figures(run: BenchRun) -> dict:
     """Cache build over plain forward, and where the build's time went."""
     figures: dict = {}
-    r = interleaved(run.build_cache, lambda: run.forward_over(run.capture_batches), run.repeats)
+    r = run.interleaved(run.build_cache, lambda: run.forward_over(run.capture_batches))
     figures["capture_ratio"] = r["ratio"]
     figures["capture_seconds"], figures["forward_seconds"] = r["a_s"], r["b_s"]
     figures["capture_stages_s"] = run.build_stages.rounded()  # per stage (fca.tables.timings)
     if run.device.type == "cuda":  # the writers as processes, which leave the forward's interpreter lock alone
-        r = interleaved(
-            lambda: run.build_cache(writer_processes=True), lambda: run.forward_over(run.capture_batches), run.repeats
+        r = run.interleaved(
+            lambda: run.build_cache(writer_processes=True), lambda: run.forward_over(run.capture_batches)
         )
         figures["capture_ratio_writer_processes"] = r["ratio"]
         figures["capture_stages_s_writer_processes"] = run.build_stages.rounded()  # (the same cache)
@@ -312,7 +325,7 @@ def capture_figures(run: BenchRun) -> dict:
 
 def replay_figures(run: BenchRun) -> dict:
     """Replay vs live, the coefficients already in memory (as they are after one cache read)."""
-    return {"replay_ratio": interleaved(run.replay_recorded, run.plain_forward, run.repeats)["ratio"]}
+    return {"replay_ratio": run.interleaved(run.replay_recorded, run.plain_forward)["ratio"]}
 
 
 def cache_figures(run: BenchRun) -> dict:
@@ -337,7 +350,7 @@ def cache_figures(run: BenchRun) -> dict:
             "fidelity": exactness["fidelity"]["verdict"],
         },
         "parquet_bytes_ratio": cache.manifest.total_bytes / raw,
-        "replay_from_cache_ratio": interleaved(replay_from_cache, run.plain_forward, run.repeats)["ratio"],
+        "replay_from_cache_ratio": run.interleaved(replay_from_cache, run.plain_forward)["ratio"],
     }
 
 
@@ -354,17 +367,15 @@ def batched_conditions_figures(run: BenchRun) -> dict:
         other = {k: np.roll(v, 1, axis=0) for k, v in own.items()}
         per_condition = [condition_coefficients(c, own, index, profiles, other) for c in conditions]
         stacked.append(stack_conditions(per_condition, len(w), run.T))
-    batched = interleaved(
+    batched = run.interleaved(
         lambda: [replay(run.model, w[:, :-1].repeat(n, 1), s) for w, s in zip(run.batches, stacked)],
         run.replay_recorded,
-        run.repeats,
     )
     # Row 0 of each condition's block: the first sequence (correct's rows come first).
     firsts = [{k: v[:: len(w)] for k, v in s.items()} for w, s in zip(run.batches, stacked)]  # [n, T, K]
-    one = interleaved(
+    one = run.interleaved(
         lambda: [replay(run.model, w[:1, :-1].repeat(n, 1), f) for w, f in zip(run.batches, firsts)],
         lambda: [replay(run.model, w[:1, :-1], {k: v[:1] for k, v in f.items()}) for w, f in zip(run.batches, firsts)],
-        run.repeats,
     )
     return {
         "batched_conditions_ratio": batched["ratio"],
@@ -395,7 +406,7 @@ def long_format_figures(run: BenchRun) -> dict:
         writer.finish()
 
     long_path = run.work / "long.parquet"
-    r = interleaved(ours, lambda: long_format_write(coefficients, long_path), max(3, run.repeats // 2))
+    r = interleaved(ours, lambda: long_format_write(coefficients, long_path), max(3, run.repeats // 2))  # host only
     return {
         "long_format_ratio": r["ratio"],
         "long_format_bytes_ratio": long_path.stat().st_size / open_cache(run.work / "ours").manifest.total_bytes,

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from fca.engine.execution import synchronize
 from fca.engine.loading import resolve_device, save_model
 from fca.engine.models.featuregate import FeatureGateConfig, build_featuregate
 from fca.tables import data
@@ -115,11 +116,6 @@ def deterministic_kernels(enabled: bool) -> Iterator[None]:
         torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def train(
     corpus: str | Path,
     out: str | Path,
@@ -212,7 +208,7 @@ def _train(
         pending.append((entry, loss.detach()))
         log["history"].append(entry)
         if (step + 1) % settings.eval_every == 0 or step + 1 == settings.steps:
-            _sync(device)
+            synchronize(device)
             step_seconds += time.perf_counter() - since
             for e, value in pending:
                 e["loss"] = round(value.item(), 5)
