@@ -12,6 +12,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 # Only torch-free modules at module level, so `fca --help` stays fast; each subcommand imports what it runs.
 from fca.tables.errors import CacheError, CorpusError, ExactnessError, ModelLoadError
@@ -256,6 +257,11 @@ def cmd_audit(args: argparse.Namespace) -> None:
         for bar in bars.values():
             bar.close()
     write_report(report, args.json, args.markdown)
+    audited = report["cache"]["sequences"]
+    if (
+        args.num_seqs is not None and audited < args.num_seqs
+    ):  # said, as replay says it (stderr: stdout may be Markdown)
+        print(f"{args.cache}: {audited} sequences audited (all it has; {args.num_seqs} asked for)", file=sys.stderr)
     if not args.json and not args.markdown:
         print(render_markdown(report))
     else:
@@ -429,12 +435,13 @@ def dashboard_command(address: str, port: int) -> list[str]:
     return [sys.executable, "-m", "streamlit", "run", str(main_py), *(f"--{k}={v}" for k, v in settings.items())]
 
 
-def cmd_dashboard(args: argparse.Namespace) -> None:
+def cmd_dashboard(args: argparse.Namespace) -> int:
     import subprocess
 
     command = dashboard_command(args.address, args.port)
     print(f"FCA dashboard: http://{'localhost' if args.address == '127.0.0.1' else args.address}:{args.port}")
-    subprocess.run(command, cwd=Path(command[4]).parent.parent, check=False)
+    # Streamlit's own message (a port in use, say) is already printed; its exit status is ours.
+    return subprocess.run(command, cwd=Path(command[4]).parent.parent, check=False).returncode
 
 
 MODEL_HELP = "model directory (config.json, weights, tokenizer.json)"
@@ -455,10 +462,20 @@ class DefaultsHelp(argparse.HelpFormatter):
         return f"{text} (default: {shown})"
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A mistake on the command line is said in one line, as every other error is (`fca: error: ...`),
+    with where to read the command's options, instead of the whole usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("python -m ").removeprefix("fca").strip()
+        where = f"{command}: " if command else ""
+        self.exit(2, f"fca: error: {where}{message} (options: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m fca", description="Frozen-Controller Auditing of dynamic neural networks."
-    )
+    # The installed `fca` script is named as such; `python -m fca` otherwise.
+    prog = "fca" if Path(sys.argv[0]).name == "fca" else "python -m fca"
+    parser = OneLineErrors(prog=prog, description="Frozen-Controller Auditing of dynamic neural networks.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add_command(name: str, **kwargs) -> argparse.ArgumentParser:
@@ -674,7 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        status = args.func(args)  # None, or the exit status of a command that runs another program
     except ExactnessError as err:
         print(f"fca: error: {err}", file=sys.stderr)
         return EXIT_INEXACT
@@ -691,4 +708,4 @@ def main(argv: list[str] | None = None) -> int:
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         print(f"fca: error: {message}", file=sys.stderr)
         return 2
-    return 0
+    return status or 0

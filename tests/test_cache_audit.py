@@ -754,14 +754,15 @@ def test_overwrite_never_deletes_what_a_cache_or_model_does_not_hold(demo, tmp_p
 def _cli_error_argparse(args, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(args)
-    assert exit_.value.code == 2
-    return capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("fca: error:") and err.count("\n") == 1, err
+    return err
 
 
 def test_damaged_reports_devices_and_one_path_for_two_outputs_are_refused(demo, tmp_path, capsys):
     args = _audit_args(demo / "featuregate", demo / "eval", demo / "calibration", tmp_path / "r.json")
-    assert main([*args, "--num-seqs", "4", "--sweep", "none", "--device", "cpu"]) == 0
-    capsys.readouterr()
+    assert main([*args, "--num-seqs", "99", "--sweep", "none", "--device", "cpu"]) == 0
+    assert f"{demo / 'eval'}: {N_SEQS} sequences audited (all it has; 99 asked for)" in capsys.readouterr().err
     report = json.loads((tmp_path / "r.json").read_text())
     for damage, said, studied in (
         ({"conditions": 5}, "'conditions' is a int", True),
@@ -841,8 +842,10 @@ def test_an_unknown_device_is_one_line(demo, tmp_path, capsys):
     # every command reads a device the same way, before any work starts
     for args, device in ((build, "gpu"), (train, "cuda:x"), (study, "cuda1"), ([*study, "--device", "cpu"], "gpu")):
         flag = "--audit-device" if "--device" in args else "--device"
-        said = _cli_error_argparse([*args, flag, device], capsys).strip().splitlines()[-1]
-        assert said.endswith(f"argument {flag}: expected auto, cpu, cuda or cuda:N, not {device!r}")
+        said = _cli_error_argparse([*args, flag, device], capsys)
+        assert said.startswith(
+            f"fca: error: {args[0]}: argument {flag}: expected auto, cpu, cuda or cuda:N, not {device!r}"
+        )
     assert not any(tmp_path.iterdir())
     with pytest.raises(ModelLoadError, match="unknown device 'gpu'"):  # library callers are told too
         resolve_device("gpu")

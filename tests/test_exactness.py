@@ -192,6 +192,12 @@ def test_same_environment_must_be_bit_identical(demo_pair, tmp_path, capsys):
     renamed = rewrite_cache(ev, tmp_path / "renamed_nll", 0.0, here, nll_offset=1e-3)
     assert replay_cli(model_dir, renamed, cal) == 2
     assert "the cached live NLL differs from the one computed now" in capsys.readouterr().err
+    # Beyond drift in other batches: not a matter of rebuilding "in this environment", which it already is.
+    changed = rewrite_cache(ev, tmp_path / "changed_nll", 0.0, here, nll_offset=3.0)
+    assert replay_cli(model_dir, changed, cal, "--batch", "3") == 2
+    err = capsys.readouterr().err
+    assert "stored live NLL difference per token 3 > 0.01" in err and "this very environment" in err
+    assert "not this model's output" in err and "in this environment" not in err
 
 
 def test_settings_that_choose_kernels_are_part_of_the_environment(demo_pair, tmp_path, monkeypatch, capsys):

@@ -200,3 +200,26 @@ def test_conditions_given_as_specs_one_spec_or_objects():
     ]
     with pytest.raises(ValueError, match="not 0.5"):
         as_conditions([0.5])
+
+
+def test_usage_mistakes_are_one_line_naming_the_command(capsys) -> None:
+    for argv, said in (
+        (["replay", "--num-seqs", "0"], "fca: error: replay: argument --num-seqs: must be at least 1, not 0"),
+        (["replya"], "fca: error: argument COMMAND: invalid choice: 'replya'"),
+        ([], "fca: error: the following arguments are required: COMMAND"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith(said), err
+        assert "--help)" in err  # where the command's options are
+
+
+def test_the_dashboard_command_exits_as_streamlit_does(capsys) -> None:
+    """A port already taken: streamlit says so and exits 1, and so does `fca dashboard` (it returned 0)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["dashboard", "--port", str(taken.getsockname()[1])]) == 1
