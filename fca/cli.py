@@ -284,6 +284,7 @@ def cmd_report(args: argparse.Namespace) -> None:
     report = read_report(args.json)
     if args.markdown:
         write_report(report, markdown_path=args.markdown)
+        print(f"wrote {args.markdown}")
     else:
         print(render_markdown(report), end="")
 
