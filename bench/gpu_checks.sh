@@ -28,6 +28,7 @@ sections="${*:-exactness study speed}"
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT  # also when a check below stops the script early
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$out/log.txt") 2>&1
 demo=cache/demo
@@ -64,7 +65,7 @@ print(len(a), 'identical parts')" "$work/$1" "$work/$2"
 
 # FCA_CHECK_DEVICE=cpu runs the same steps on the CPU: a dry run of this script where there is no GPU.
 gpu="${FCA_CHECK_DEVICE:-cuda}"
-if [ "$gpu" = cuda ]; then
+if [[ $gpu == cuda* ]]; then
   python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(), torch.__version__)" ||
     { echo "!! no CUDA device: nothing to check"; exit 2; }
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
@@ -79,13 +80,13 @@ case " $sections " in
 esac
 
 section_exactness() {
-  if [ "$gpu" = cuda ]; then
+  if [[ $gpu == cuda* ]]; then
     # A page-lock CUDA refuses stays the thread's last error; the build must take it back, or torch raises
     # it at the next kernel launch as that kernel's failure.
     step "a refused page-lock is taken back" 60 python -c "
 import torch
 from fca.engine.capture import _pin_in_place
-dev, flat = torch.device('cuda'), torch.zeros(1 << 20, dtype=torch.uint8)
+dev, flat = torch.device('$gpu'), torch.zeros(1 << 20, dtype=torch.uint8)
 assert _pin_in_place(flat, dev), 'the first page-lock was refused'
 assert not _pin_in_place(flat, dev), 'a second page-lock of the same memory was accepted'
 assert float(torch.ones(4, device=dev).sum()) == 4.0
@@ -176,5 +177,4 @@ for section in $sections; do
   esac
 done
 echo "== done: $failed step(s) failed"
-rm -rf "$work"
 exit $((failed > 0))

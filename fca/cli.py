@@ -11,6 +11,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
@@ -436,13 +437,28 @@ def dashboard_command(address: str, port: int) -> list[str]:
     return [sys.executable, "-m", "streamlit", "run", str(main_py), *(f"--{k}={v}" for k, v in settings.items())]
 
 
+def dashboard_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The app's environment: streamlit starts in the repository (its settings live there), so the paths in
+    the variables the app reads are made absolute against the folder the command was given in."""
+    env = dict(environ)
+    if env.get("FCA_DEFAULT_CACHE", "").strip():
+        env["FCA_DEFAULT_CACHE"] = str(Path(env["FCA_DEFAULT_CACHE"].strip()).expanduser().absolute())
+    if env.get("FCA_CACHE_ROOTS", "").strip():
+        roots = [p.strip() for p in env["FCA_CACHE_ROOTS"].split(os.pathsep) if p.strip()]
+        env["FCA_CACHE_ROOTS"] = os.pathsep.join(str(Path(p).expanduser().absolute()) for p in roots)
+    return env
+
+
 def cmd_dashboard(args: argparse.Namespace) -> int:
     import subprocess
 
     command = dashboard_command(args.address, args.port)
     print(f"FCA dashboard: http://{'localhost' if args.address == '127.0.0.1' else args.address}:{args.port}")
-    # Streamlit's own message (a port in use, say) is already printed; its exit status is ours.
-    return subprocess.run(command, cwd=Path(command[4]).parent.parent, check=False).returncode
+    env = dashboard_environment(os.environ)
+    # Streamlit's own message (a port in use, say) is already printed; its exit status is ours (a signal's
+    # as a shell gives it: 128 + the signal's number).
+    code = subprocess.run(command, cwd=Path(command[4]).parent.parent, env=env, check=False).returncode
+    return code if code >= 0 else 128 - code
 
 
 MODEL_HELP = "model directory (config.json, weights, tokenizer.json)"
@@ -477,10 +493,13 @@ def build_parser() -> argparse.ArgumentParser:
     # The installed `fca` script is named as such; `python -m fca` otherwise.
     prog = "fca" if Path(sys.argv[0]).name == "fca" else "python -m fca"
     parser = OneLineErrors(prog=prog, description="Frozen-Controller Auditing of dynamic neural networks.")
+    parser.commands = {}  # name -> its parser, so that an error can name the command it is about
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add_command(name: str, **kwargs) -> argparse.ArgumentParser:
-        return sub.add_parser(name, formatter_class=DefaultsHelp, **kwargs)  # every command's help shows defaults
+        command = sub.add_parser(name, formatter_class=DefaultsHelp, **kwargs)  # every command's help shows defaults
+        parser.commands[name] = command
+        return command
 
     p = add_command("corpus", help="extract the default corpus (King James Bible, Debian's bible-kjv) to a text file")
     p.add_argument("--out", default="data/kjv.txt", help="text file to write")
@@ -690,7 +709,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse would report a command's unknown arguments as the top level's: name the command
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         status = args.func(args)  # None, or the exit status of a command that runs another program
     except ExactnessError as err:

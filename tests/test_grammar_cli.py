@@ -5,6 +5,7 @@ with requirements.txt."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -207,6 +208,7 @@ def test_usage_mistakes_are_one_line_naming_the_command(capsys) -> None:
         (["replay", "--num-seqs", "0"], "fca: error: replay: argument --num-seqs: must be at least 1, not 0"),
         (["replya"], "fca: error: argument COMMAND: invalid choice: 'replya'"),
         ([], "fca: error: the following arguments are required: COMMAND"),
+        (["inspect", "a", "--bogus"], "fca: error: inspect: unrecognized arguments: --bogus"),
     ):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
@@ -223,3 +225,19 @@ def test_the_dashboard_command_exits_as_streamlit_does(capsys) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         assert main(["dashboard", "--port", str(taken.getsockname()[1])]) == 1
+
+
+def test_the_dashboard_reads_relative_paths_from_where_it_was_started(tmp_path, monkeypatch) -> None:
+    """The app runs in the repository: `FCA_DEFAULT_CACHE=mine fca dashboard` means ./mine of the caller."""
+    from fca.cli import dashboard_environment
+
+    monkeypatch.chdir(tmp_path)
+    env = dashboard_environment(
+        {"FCA_DEFAULT_CACHE": "mine/eval", "FCA_CACHE_ROOTS": f"mine{os.pathsep}/abs", "X": "y"}
+    )
+    assert env == {
+        "FCA_DEFAULT_CACHE": str(tmp_path / "mine" / "eval"),
+        "FCA_CACHE_ROOTS": f"{tmp_path / 'mine'}{os.pathsep}/abs",
+        "X": "y",
+    }
+    assert dashboard_environment({"FCA_DEFAULT_CACHE": " "}) == {"FCA_DEFAULT_CACHE": " "}  # unset, as the app reads it

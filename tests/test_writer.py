@@ -97,6 +97,34 @@ def test_a_part_outweighs_its_moments_sidecar():
     assert seqs_per_part(4904, 1024, 8, spread_over=256, num_slots=1221) == 16
 
 
+def test_a_failed_build_lets_go_of_its_shared_blocks_even_when_its_clean_up_fails(artifacts, tmp_path, monkeypatch):
+    """Interrupted, then the writer's own clean-up failing too: the build's host blocks (page-locked on
+    CUDA) are still let go, once, and the interruption stays chained to the error the caller sees."""
+    from fca.engine.capture import HostCopies
+    from fca.tables.writer import CacheWriter
+
+    model = fca.load_model(artifacts / "model")
+    windows = np.random.default_rng(5).integers(0, 300, (N_SEQS, T + 1))
+    plan = cache_plan(site_specs(model), T, N_SEQS, model={"path": "m", "fingerprint": "m"}, corpus={"split": "x"})
+    closed = []
+    real_close = HostCopies.close
+    monkeypatch.setattr(HostCopies, "close", lambda self, **kw: (closed.append(kw), real_close(self, **kw))[1])
+
+    def failing_abort(self):
+        raise OSError("the clean-up failed too")
+
+    monkeypatch.setattr(CacheWriter, "abort", failing_abort)
+
+    def interrupt(done, total):
+        raise KeyboardInterrupt
+
+    build = {"batch_size": 2, "workers": 2, "part_seqs": 4, "writer_processes": True, "progress": interrupt}
+    with pytest.raises(OSError, match="the clean-up failed too") as raised:
+        write_cache(model, windows, tmp_path / "c", plan, **build)
+    assert isinstance(raised.value.__context__, KeyboardInterrupt)  # the interruption is chained, not lost
+    assert closed == [{"raise_errors": False}]
+
+
 def _build(artifacts, out, workers, **kw):
     return build_cache_from_corpus(
         artifacts / "model",

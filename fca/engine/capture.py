@@ -493,9 +493,11 @@ def record_pending(
         if background is not None:
             background.close()
     except BaseException:
-        if background is not None:
-            background.close(raise_errors=False)
-        writer.abort()
-        copies.close(raise_errors=False)
+        try:
+            if background is not None:
+                background.close(raise_errors=False)
+            writer.abort()
+        finally:  # the pinned blocks are let go even when the clean-up itself fails or is interrupted
+            copies.close(raise_errors=False)
         raise
     copies.close()

@@ -373,9 +373,10 @@ def batched_conditions_figures(run: BenchRun) -> dict:
     )
     # Row 0 of each condition's block: the first sequence (correct's rows come first).
     firsts = [{k: v[:: len(w)] for k, v in s.items()} for w, s in zip(run.batches, stacked)]  # [n, T, K]
+    corrects = [{k: v[:1] for k, v in f.items()} for f in firsts]  # [1, T, K]
     one = run.interleaved(
         lambda: [replay(run.model, w[:1, :-1].repeat(n, 1), f) for w, f in zip(run.batches, firsts)],
-        lambda: [replay(run.model, w[:1, :-1], {k: v[:1] for k, v in f.items()}) for w, f in zip(run.batches, firsts)],
+        lambda: [replay(run.model, w[:1, :-1], c) for w, c in zip(run.batches, corrects)],
     )
     return {
         "batched_conditions_ratio": batched["ratio"],
@@ -470,30 +471,30 @@ def run_bench(
         capture_windows = data.split_windows(corpus, "eval", tokenizer, T, 0, capture_seqs)  # [N, T + 1]
     else:  # no corpus at hand (a bare GPU machine, say): the windows stored in the shipped demo cache
         capture_windows = windows_from_cache(open_cache(Path(model_dir).parent / "eval"), capture_seqs)
-    work = Path(tempfile.mkdtemp(prefix="fca-bench-"))
-    run = BenchRun(model, capture_windows, min(num_seqs, len(capture_windows)), batch_size, repeats, work)
-    result: dict = {
-        "device": str(run.device),
-        "model": Path(model_dir).name,
-        "num_seqs": run.num_seqs,
-        "capture_seqs": len(capture_windows),
-        "seq_len": run.T,
-        "batch_size": batch_size,
-        "repeats": repeats,
-        "torch_threads": torch.get_num_threads(),
-    }
-    figures: list[Callable[[], dict]] = [  # in BENCH_STEPS's order; the cache figures read the built cache
-        lambda: capture_figures(run),
-        lambda: replay_figures(run),
-        lambda: cache_figures(run),
-        lambda: batched_conditions_figures(run),
-        lambda: long_format_figures(run),
-        lambda: stats_memory_figures(run, stats_seqs, big_cache_factor),
-        lambda: writer_figures(writer_seqs),
-    ]
     # One step per group of figures, so a run of minutes says where it is.
     bar = tqdm(total=len(BENCH_STEPS), desc="bench", unit="step", disable=not show_progress)
-    try:
+    work = Path(tempfile.mkdtemp(prefix="fca-bench-"))
+    try:  # (from here on: making the batches may fail too, out of device memory, say)
+        run = BenchRun(model, capture_windows, min(num_seqs, len(capture_windows)), batch_size, repeats, work)
+        result: dict = {
+            "device": str(run.device),
+            "model": Path(model_dir).name,
+            "num_seqs": run.num_seqs,
+            "capture_seqs": len(capture_windows),
+            "seq_len": run.T,
+            "batch_size": batch_size,
+            "repeats": repeats,
+            "torch_threads": torch.get_num_threads(),
+        }
+        figures: list[Callable[[], dict]] = [  # in BENCH_STEPS's order; the cache figures read the built cache
+            lambda: capture_figures(run),
+            lambda: replay_figures(run),
+            lambda: cache_figures(run),
+            lambda: batched_conditions_figures(run),
+            lambda: long_format_figures(run),
+            lambda: stats_memory_figures(run, stats_seqs, big_cache_factor),
+            lambda: writer_figures(writer_seqs),
+        ]
         for name, measure in zip(BENCH_STEPS, figures):
             bar.set_postfix_str(name)
             bar.update(1)
