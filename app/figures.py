@@ -532,10 +532,10 @@ def flops_bar(df: pd.DataFrame) -> go.Figure:
     return _layout(
         fig,
         "Where the forward's FLOPs go",
-        height=230,
+        height=300,
         barmode="stack",
-        legend=dict(orientation="h", y=-0.45),
-        margin=dict(l=20, r=20, t=70, b=60),
+        legend=dict(orientation="h", y=-1.1),  # below the axis title, not over it
+        margin=dict(l=20, r=20, t=70, b=150),
     )
 
 
@@ -584,7 +584,7 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
     values = np.concatenate([points["retention"].dropna().to_numpy(dtype=float), mean.dropna().to_numpy()])
     lo = min(-0.05, float(values.min()) - 0.05) if values.size else -0.05
     hi = max(1.05, float(values.max()) + 0.05) if values.size else 1.05
-    fig.update_yaxes(title="gap retention (fraction: 0 = global mean, 1 = correct)", range=[lo, hi], tickformat=".0%")
+    fig.update_yaxes(title="gap retention (0% = global mean, 100% = correct)", range=[lo, hi], tickformat=".0%")
     fig.update_xaxes(title="condition", categoryorder="array", categoryarray=order)
     return _layout(fig, "Gap retention per model across seeds", height=420, legend=dict(orientation="h", y=-0.25))
 

@@ -16,7 +16,10 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
-from fca.tables.errors import Cancelled
+from fca.tables.errors import CacheError, Cancelled, CorpusError, ExactnessError, ModelLoadError
+
+# Errors whose message is the whole story (what the CLI prints after "fca: error:"); others keep their type.
+SAID_AS_IS = (CacheError, CorpusError, ExactnessError, ModelLoadError, ValueError)
 
 # Seconds to wait after each batch: lets a demo or the browser test watch the progress and press
 # Cancel on a tiny cache whose batches take milliseconds. Unset (0) in normal use.
@@ -77,6 +80,8 @@ class ReplayJob:
                 steps()
             except Cancelled:
                 self.cancelled = True
+            except SAID_AS_IS as err:  # a one-line message for the user, as the CLI prints it
+                self.error = str(err)
             except Exception as err:  # shown on the page; the thread must never die silently
                 self.error = f"{type(err).__name__}: {err}"
             finally:

@@ -332,6 +332,26 @@ def test_a_cache_of_one_sequence_opens_in_the_replay_lab(tiny_demo, tmp_path, mo
     assert (sequences.min, sequences.max, sequences.value) == (1, 1, 1)
 
 
+def test_lab_settings_survive_a_visit_to_another_page(tiny_demo, monkeypatch):
+    """Streamlit forgets a widget's value when its page is left; the lab's form comes back as it was left."""
+    at = render(app_for(monkeypatch, [tiny_demo], tiny_demo / "eval"), "views/replay_lab.py")
+    assert at.slider(key="lab_alpha").disabled  # alpha is interpolate's: idle until it is chosen
+    at.multiselect(key="lab_kinds").set_value(["interpolate"])
+    at.multiselect(key="lab_sites").set_value([at.multiselect(key="lab_sites").options[-1]])
+    at.number_input(key="lab_num_seqs").set_value(4)
+    at.number_input(key="lab_seed").set_value(7)
+    at.run()
+    at.slider(key="lab_alpha").set_value(0.25).run()
+    chosen = {k: at.session_state[k] for k in ("lab_kinds", "lab_sites", "lab_num_seqs", "lab_seed", "lab_alpha")}
+    assert not at.slider(key="lab_alpha").disabled
+    render(at, "views/variance.py")
+    at = render(at, "views/replay_lab.py")
+    no_exceptions(at)
+    assert {k: at.session_state[k] for k in chosen} == chosen
+    assert at.number_input(key="lab_num_seqs").value == 4 and at.slider(key="lab_alpha").value == 0.25
+    assert "--num-seqs 4 " in at.code[0].value and "--seed 7" in at.code[0].value
+
+
 def test_warm_up_fills_the_caches_once_in_the_background(tiny_demo, tmp_path, monkeypatch):
     """After a page is sent, the statistics, calibration profiles and model the other pages need are
     computed in a background thread, once per selection; the pages then find them cached."""
@@ -381,8 +401,8 @@ def test_ui_replay_equals_python_api(tiny_demo, monkeypatch):
 
     at = render(app_for(monkeypatch, [tiny_demo], tiny_demo / "eval"), "views/replay_lab.py")
     at.sidebar.selectbox(key="device").set_value("cpu")
-    at.multiselect(key="lab_kinds").set_value(["cross_input", "static_layer", "interpolate"])
-    at.slider(key="lab_alpha").set_value(0.25)
+    at.multiselect(key="lab_kinds").set_value(["cross_input", "static_layer", "interpolate"]).run()
+    at.slider(key="lab_alpha").set_value(0.25)  # (enabled once interpolate is chosen)
     at.number_input(key="lab_num_seqs").set_value(4)
     at.number_input(key="lab_batch").set_value(2)
     at.number_input(key="lab_seed").set_value(3)

@@ -43,7 +43,7 @@ def test_study_page_shows_seeds_and_opens_a_seed_in_the_other_pages(tiny_study, 
     assert [t["name"] for t in seeds] == ["seed 1", "seed 2"]  # one point per seed and condition
     assert seeds[1]["y"] == [study["seeds"][1]["gap_retention"][c] for c in seeds[1]["x"]]
     # Pick seed 2 and open it: the sidebar now selects its evaluated cache and the Overview shows it.
-    at.selectbox(key="study_seed").set_value(1).run()
+    at.selectbox(key=f"study_seed:{at.selectbox(key='study_file').value}").set_value(1).run()
     at.button(key="study_open").click().run()
     no_exceptions(at)
     assert at.session_state["cache"] == str((tiny_study / "seed2" / "eval").resolve())

@@ -49,7 +49,7 @@ measured_key = (
 left, right = st.columns([2, 1])
 with right:
     measure = st.button(
-        f"Measure now on {sel.device}",
+        "Measure now" + ("" if sel.device == "auto" else f" on {sel.device}"),
         key="exec_measure",
         disabled=sel.model_dir is None,
         help=f"times {PROBE_SEQS} sequences of this cache through the model and its Dense twin (5 interleaved runs)",

@@ -82,7 +82,7 @@ def _sequence_view() -> None:
     dev_df = pd.DataFrame(deviation, columns=slots)
     dev_df.insert(0, "token", tokens)
     dev_df.insert(0, "position", np.arange(T))
-    download(dev_df, f"deviation_seq{seq}.csv", key="dl-deviation")
+    download(dev_df, f"deviation_seq{seq}.csv", "Deviations (CSV)", key="dl-deviation")
 
 
 @st.fragment
@@ -114,7 +114,7 @@ def token_view(seq, chosen_sites, slots, live_m, static_v, deviation, tokens) ->
             }
         )
         st.plotly_chart(figures.profile_lines(profile, f"position {token} {tokens[token]!r}"), key="prof_lines")
-        download(profile, f"profile_seq{seq}_tok{token}.csv", key="dl-profile")
+        download(profile, f"profile_seq{seq}_tok{token}.csv", "This token's profile (CSV)", key="dl-profile")
 
 
 @st.fragment

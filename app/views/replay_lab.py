@@ -136,18 +136,56 @@ def form_settings(kinds: list[str], freeze: list[str], alpha: float, independent
     )
 
 
+# The form's settings are also kept under KEPT_KEY: Streamlit forgets a widget's value once its page is
+# left, and the form must come back as it was (while a run is in progress: as that run was started).
+KEPT_KEY = "lab_kept_settings"
+
+
+def fitted_settings(values: dict) -> dict:
+    """The form's settings (widget key -> value) made valid for this cache: its own sites only, and a
+    number of sequences it has."""
+    fewest = min(2, cache.num_seqs)
+    return {
+        **values,
+        "lab_sites": [s for s in values["lab_sites"] if s in cache.sites],
+        "lab_num_seqs": max(fewest, min(int(values["lab_num_seqs"]), cache.num_seqs)),
+    }
+
+
+def keep_settings() -> None:
+    """Before the widgets are drawn: each setting as the user left it, else its default, fitted to this
+    cache; and the values kept for the next visit."""
+    state = st.session_state
+    defaults = {
+        "lab_kinds": ["static_layer", "global_mean"],
+        "lab_sites": [],
+        "lab_sweep": False,
+        "lab_alpha": 0.5,
+        "lab_independent": False,
+        "lab_num_seqs": min(16, cache.num_seqs),
+        "lab_seed": 0,
+        "lab_batch": DEFAULT_BATCH,
+    }
+    kept = state.get(KEPT_KEY, {})
+    values = fitted_settings({k: state[k] if k in state else kept.get(k, default) for k, default in defaults.items()})
+    for key, value in values.items():
+        if key not in state or state[key] != value:
+            state[key] = value
+    state[KEPT_KEY] = values
+
+
 @st.fragment
 def settings_form() -> None:
     """The settings, a live preview of the command they give, and Run. A fragment: changing a setting
     reruns only this part; Run starts the job and reruns the page, which then draws everything locked."""
     current: ReplayJob | None = st.session_state.get(JOB_KEY)
     locked = current is not None and current.running
+    keep_settings()
     with st.container(border=True):
         c1, c2 = st.columns([3, 2])
         kinds = c1.multiselect(
             "Conditions (correct always runs)",
             list(KINDS),
-            default=["static_layer", "global_mean"],
             key="lab_kinds",
             disabled=locked,
             help="; ".join(f"{k}: {v}" for k, v in KINDS.items()),
@@ -171,27 +209,25 @@ def settings_form() -> None:
             "alpha (interpolate)",
             0.0,
             1.0,
-            0.5,
-            0.05,
+            step=0.05,
             key="lab_alpha",
-            disabled=locked or sweep,
-            help="1 = live coefficients, 0 = static profile",
+            disabled=locked or sweep or "interpolate" not in kinds,
+            help="used by the interpolate condition: 1 = live coefficients, 0 = static profile",
         )
         independent = c4.checkbox("token_shuffle: one permutation per site", key="lab_independent", disabled=locked)
         c5.number_input(
             "Sequences",
             min(2, cache.num_seqs),
             cache.num_seqs,
-            min(16, cache.num_seqs),
             key="lab_num_seqs",
             disabled=locked,
+            help=f"the first N of this cache's {cache.num_seqs}",
         )
-        c6.number_input("Seed", 0, 2**31 - 1, 0, key="lab_seed", disabled=locked)
+        c6.number_input("Seed", 0, 2**31 - 1, key="lab_seed", disabled=locked)
         c7.number_input(
             "Batch size",
             1,
             256,
-            DEFAULT_BATCH,
             key="lab_batch",
             disabled=locked,
             help="sequences per forward pass; progress and Cancel act between batches, and results depend on "

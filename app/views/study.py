@@ -163,7 +163,8 @@ def seed_label(i: int) -> str:
     return f"seed {seed}: {rows[i]['name']} ({rows[i]['fingerprint'][:12]})"
 
 
-index = st.selectbox("Seed", list(range(len(rows))), key="study_seed", format_func=seed_label)
+# One box per study: with the same options (0, 1, 2) another study's box kept showing its own labels.
+index = st.selectbox("Seed", list(range(len(rows))), key=f"study_seed:{chosen}", format_func=seed_label)
 row = rows[index]
 if str(evaluated_cache(row)) in by_path:
     st.caption(
