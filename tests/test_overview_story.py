@@ -237,6 +237,23 @@ def test_overview_of_a_calibration_cache_points_to_its_evaluated_cache(monkeypat
     assert f"--json {tmp_path / 'audit.json'}" in command
 
 
+def test_the_other_pages_of_a_calibration_cache_say_what_it_is(tiny_demo, monkeypatch):
+    """A calibration cache is the static profile: the lab points to the evaluated cache it replays, and the
+    profile pages use the cache's own mean (they said no calibration cache was found)."""
+    at = _app(monkeypatch, [tiny_demo], tiny_demo / "calibration")
+    at.switch_page("views/replay_lab.py")
+    at.run()
+    assert not at.exception and not at.error, [e.value for e in [*at.exception, *at.error]]
+    assert "This is a calibration cache" in at.info[0].value and "Pick `eval` in the sidebar" in at.info[0].value
+    at.switch_page("views/profiles.py")
+    at.run()
+    assert not at.exception and not at.warning, [w.value for w in at.warning]
+    assert any("the static profile itself" in c.value for c in at.caption)
+    at.switch_page("views/token_text.py")
+    at.run()
+    assert not at.exception and "deviation" in " ".join(at.radio(key="tt_mode").options)
+
+
 def test_token_text_page_colours_every_token(tiny_demo, monkeypatch):
     at = _app(monkeypatch, [tiny_demo], tiny_demo / "eval")
     at.switch_page("views/token_text.py")

@@ -44,6 +44,23 @@ class Selection:
     def fingerprint(self) -> str:
         return self.cache.fingerprint if self.cache is not None else ""
 
+    @property
+    def is_calibration(self) -> bool:
+        """The selected cache is a calibration split: the static profile's source, not what is evaluated."""
+        return self.entry is not None and self.entry.split == "calibration"
+
+    def evaluated_caches(self) -> list[CacheEntry]:
+        """The readable evaluated (non-calibration) caches of the selected cache's model, those beside it
+        first."""
+        if self.entry is None:
+            return []
+        found = [
+            e
+            for e in self.entries
+            if e.error is None and e.split != "calibration" and e.model_fingerprint == self.entry.model_fingerprint
+        ]
+        return sorted(found, key=lambda e: (e.path.parent != self.entry.path.parent, e.label))
+
 
 def typed_path(typed: str, roots: list[Path], repo: Path) -> Path:
     """A cache path typed in the sidebar as the folder it names: `~` expanded, trailing slashes and

@@ -44,15 +44,10 @@ def suggest_audit(sel: Selection) -> tuple[str, str | None]:
     """(explanation, command or None): the audit to run for the selected cache, with real paths from
     the catalog. A calibration cache is the static profile's source, not what is audited: the command
     then audits an evaluated cache of the same model against it."""
-    entry, cache = sel.entry, sel.cache
+    cache = sel.cache
     model = shown_path(sel.model_dir) if sel.model_dir else None
-    if entry is not None and entry.split == "calibration":
-        evaluated = [
-            e
-            for e in sel.entries
-            if e.error is None and e.split != "calibration" and e.model_fingerprint == entry.model_fingerprint
-        ]
-        evaluated.sort(key=lambda e: (e.path.parent != entry.path.parent, e.label))
+    if sel.is_calibration:
+        evaluated = sel.evaluated_caches()
         if not evaluated:
             return (
                 "This is a calibration cache: it provides the static profile, and an audit evaluates another "

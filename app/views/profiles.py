@@ -27,7 +27,10 @@ teach(
 )
 
 reference = sel.calibration_cache
-if reference is None:
+if sel.is_calibration:  # its own mean is the static profile
+    st.caption("This is a calibration cache: the profile and band are its own, the static profile itself.")
+    reference = cache
+elif reference is None:
     st.warning("No calibration cache of this model was found, so the profile and band come from this cache itself.")
     reference = cache
 

@@ -80,6 +80,19 @@ if sel.model_dir is None:
     st.error("The replay lab needs the model directory the cache names, beside the cache; none was found.")
     st.stop()
 
+if sel.is_calibration:
+    evaluated = sel.evaluated_caches()
+    st.info(
+        "This is a calibration cache: it provides the static profile, and the lab replays an evaluated cache "
+        "of the same model against it. "
+        + (
+            f"Pick `{evaluated[0].label}` in the sidebar."
+            if evaluated
+            else "Build one with `python -m fca build-cache --split eval`."
+        )
+    )
+    st.stop()
+
 if sel.calibration is None:
     st.error(
         "The replay lab needs a calibration cache of the same model (a different split) beside this one; "
@@ -328,7 +341,11 @@ if job is not None and not job.running:
         left.plotly_chart(
             figures.nll_bars(plotted, "NLL per condition (95% CI of the mean over sequences)"), key="lab_nll"
         )
-        right.plotly_chart(figures.penalty_bars(plotted[plotted["condition"] != "correct"]), key="lab_penalty")
+        others = plotted[plotted["condition"] != "correct"]
+        if len(others):
+            right.plotly_chart(figures.penalty_bars(others), key="lab_penalty")
+        else:
+            right.info("Only correct ran: there is no penalty to draw. Choose a condition above to compare with it.")
         sweep = sweep_points(record["results"]["conditions"])
         if len(sweep) >= 2:  # a curve, drawn like the report's, with the run's reference lines
             st.plotly_chart(figures.sweep_curve(sweep, record["results"]["conditions"]), key="lab_sweep_chart")

@@ -31,14 +31,15 @@ with guard("Sequence"):
     coefficients = np.asarray(data[site], dtype=float)  # [T, K]
     width = coefficients.shape[1]
     channel = c3.selectbox("Channel", [MEAN, *range(width)], key="tt_channel", format_func=str)
-    modes = [COEFFICIENT, DEVIATION] if sel.calibration_cache is not None else [COEFFICIENT]
+    # A calibration cache's own mean is the static profile.
+    cal = cache if sel.is_calibration else sel.calibration_cache
+    modes = [COEFFICIENT, DEVIATION] if cal is not None else [COEFFICIENT]
     mode = c4.radio("Colour by", modes, key="tt_mode", help="deviation needs a calibration cache of this model")
-    if sel.calibration_cache is None:
+    if cal is None:
         st.caption("No calibration cache of this model was found: deviations from the static profile are unavailable.")
 
     static = None
-    if sel.calibration_cache is not None:
-        cal = sel.calibration_cache
+    if cal is not None:
         static = np.asarray(resources.profiles(str(cal.path), cal.fingerprint).static[site], dtype=float)  # [K]
     pick = (lambda a: a.mean(axis=-1)) if channel == MEAN else (lambda a: a[..., int(channel)])
     coefficient = pick(coefficients)  # [T]
