@@ -449,16 +449,14 @@ def dashboard_environment(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def cmd_dashboard(args: argparse.Namespace) -> int:
-    import subprocess
-
+def cmd_dashboard(args: argparse.Namespace) -> NoReturn:
     command = dashboard_command(args.address, args.port)
     print(f"FCA dashboard: http://{'localhost' if args.address == '127.0.0.1' else args.address}:{args.port}")
-    env = dashboard_environment(os.environ)
-    # Streamlit's own message (a port in use, say) is already printed; its exit status is ours (a signal's
-    # as a shell gives it: 128 + the signal's number).
-    code = subprocess.run(command, cwd=Path(command[4]).parent.parent, env=env, check=False).returncode
-    return code if code >= 0 else 128 - code
+    sys.stdout.flush()
+    # This process becomes streamlit, started in the repository (its settings live there): a signal sent to
+    # it (Ctrl-C, kill, a timeout) reaches the server itself, and the server's exit status is the command's.
+    os.chdir(Path(command[4]).parent.parent)
+    os.execve(command[0], command, dashboard_environment(os.environ))
 
 
 MODEL_HELP = "model directory (config.json, weights, tokenizer.json)"
@@ -714,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # argparse would report a command's unknown arguments as the top level's: name the command
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        status = args.func(args)  # None, or the exit status of a command that runs another program
+        args.func(args)
     except ExactnessError as err:
         print(f"fca: error: {err}", file=sys.stderr)
         return EXIT_INEXACT
@@ -731,4 +729,4 @@ def main(argv: list[str] | None = None) -> int:
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         print(f"fca: error: {message}", file=sys.stderr)
         return 2
-    return status or 0
+    return 0

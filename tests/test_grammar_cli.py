@@ -217,14 +217,40 @@ def test_usage_mistakes_are_one_line_naming_the_command(capsys) -> None:
         assert "--help)" in err  # where the command's options are
 
 
-def test_the_dashboard_command_exits_as_streamlit_does(capsys) -> None:
-    """A port already taken: streamlit says so and exits 1, and so does `fca dashboard` (it returned 0)."""
+def test_the_dashboard_command_is_the_server(tmp_path) -> None:
+    """`fca dashboard` becomes the streamlit server: its exit status is the server's (a taken port: 1; the
+    launcher had exited 0), and stopping the command stops the server (a launcher stopped by its pid had
+    left the server running)."""
+    import signal
     import socket
+    import urllib.request
 
+    launch = [sys.executable, "-m", "fca", "dashboard", "--port"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        assert main(["dashboard", "--port", str(taken.getsockname()[1])]) == 1
+        port = str(taken.getsockname()[1])
+        assert subprocess.run([*launch, port], cwd=tmp_path, env=env, capture_output=True, timeout=60).returncode == 1
+    server = subprocess.Popen(
+        [*launch, port], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as answer:
+                    assert answer.read() == b"ok"
+                    break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "the dashboard did not start"
+                time.sleep(0.5)
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+        with pytest.raises(OSError):  # nothing listens there any more
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2)
+    finally:
+        server.kill()
 
 
 def test_the_dashboard_reads_relative_paths_from_where_it_was_started(tmp_path, monkeypatch) -> None:
