@@ -762,6 +762,12 @@ def test_lab_run_labels_and_csv_rows_are_plain():
     # bootstrap means of two sequences (2 and 4) are 2, 3 or 4, each end with probability 1/4: the 95%
     # percentile interval is [2, 4], the library's resampling (as the audit's penalty CIs)
     assert (correct["NLL 95% CI low"], correct["NLL 95% CI high"]) == (2.0, 4.0) and correct["sequences"] == 16
+    assert "gap retention" not in columns  # no global_mean, no gap
+    from fca.tables.runs import condition_rows
+
+    results["conditions"]["global_mean"] = {"nll": 4.0, "penalty": 1.0, "penalty_ci95": [0.5, 1.5]}
+    retention = {r["condition"]: r["gap retention"] for r in condition_rows({"spec": spec, "results": results})}
+    assert retention == {"correct": None, "static_layer": 0.5, "global_mean": None}  # (4 - 3.5) / (4 - 3)
 
 
 def test_lab_sweep_points_and_figure():

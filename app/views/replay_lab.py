@@ -58,6 +58,13 @@ FIGURE_COLUMNS = {
 }
 
 
+# Nats to four decimals, as the audit report gives them; retention in percent.
+RESULT_COLUMNS = {
+    **{name: st.column_config.NumberColumn(format="%.4f") for name in FIGURE_COLUMNS},
+    "gap retention": st.column_config.NumberColumn(format="percent"),
+}
+
+
 def rel(path: str | Path) -> str:
     try:
         return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
@@ -335,7 +342,7 @@ if job is not None and not job.running:
         mechanism, fidelity = exactness_sentences(record["results"]["exactness"])
         st.success(f"{mechanism}  \n{fidelity}  \nSaved `{rel(record.get('path', ''))}`.")
         result = pd.DataFrame(condition_rows(record))
-        st.dataframe(result, hide_index=True, key="lab_result")
+        st.dataframe(result, hide_index=True, key="lab_result", column_config=RESULT_COLUMNS)
         plotted = result.rename(columns=FIGURE_COLUMNS)
         left, right = st.columns(2)
         left.plotly_chart(

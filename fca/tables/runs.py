@@ -16,7 +16,7 @@ import numpy as np
 
 from fca.tables.conditions import Condition, parse_condition
 from fca.tables.outputs import atomic_write_text, strict_json
-from fca.tables.scoring import BOOTSTRAP_RESAMPLES
+from fca.tables.scoring import BOOTSTRAP_RESAMPLES, gap_retention
 from fca.tables.stats import paired_bootstrap_ci
 
 
@@ -139,10 +139,11 @@ def run_labels(records: Sequence[dict]) -> list[str]:
 
 def condition_rows(record: dict) -> list[dict]:
     """One row per condition of a run, in plain words: mean NLL with the 95% bootstrap CI of the mean over
-    sequences, and the penalty vs correct with its 95% paired bootstrap CI (the same resampling as the
-    audit's, `fca.tables.scoring`)."""
+    sequences, the penalty vs correct with its 95% paired bootstrap CI (the same resampling as the
+    audit's, `fca.tables.scoring`), and, when global_mean ran, each condition's gap retention."""
     per_seq = record["results"].get("per_sequence_nll", {})
     seed = int(record.get("spec", {}).get("seed", 0))
+    retention = gap_retention(record["results"]["conditions"])  # {} unless global_mean ran
     rows = []
     for name, row in record["results"]["conditions"].items():
         values = np.asarray(per_seq.get(name, []), dtype=np.float64)
@@ -156,6 +157,7 @@ def condition_rows(record: dict) -> list[dict]:
                 "penalty (nats/token)": row["penalty"],
                 "penalty 95% CI low": row["penalty_ci95"][0],
                 "penalty 95% CI high": row["penalty_ci95"][1],
+                **({"gap retention": retention.get(name)} if retention else {}),
             }
         )
     return rows
