@@ -770,6 +770,21 @@ def test_lab_run_labels_and_csv_rows_are_plain():
     assert retention == {"correct": None, "static_layer": 0.5, "global_mean": None}  # (4 - 3.5) / (4 - 3)
 
 
+def test_saved_runs_list_newest_first_across_time_stamp_precisions(tmp_path):
+    """Records of earlier versions carry whole seconds, ours milliseconds: the list orders them by time,
+    not by file name ('05Z' sorted after '05.900Z'); a record without a readable time comes last."""
+    from fca.tables.runs import list_runs, save_run
+
+    results = {"conditions": {"correct": {"nll": 1.0, "penalty": 0.0, "penalty_ci95": [0.0, 0.0]}}}
+    stamps = ["2026-12-01T23:00:05.900Z", "2026-12-01T23:00:05Z", "2026-12-01T23:00:06.010Z", "not a time"]
+    for n, created in enumerate(stamps):
+        save_run(
+            tmp_path / "c",
+            {"spec": {"conditions": ["correct"], "num_seqs": n + 1}, "results": results, "created": created},
+        )
+    assert [r["created"] for r in list_runs(tmp_path / "c")] == [stamps[2], stamps[0], stamps[1], stamps[3]]
+
+
 def test_lab_sweep_points_and_figure():
     from app.figures import sweep_curve
     from fca.tables.runs import sweep_points

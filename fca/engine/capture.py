@@ -52,9 +52,12 @@ def num_slots(specs) -> int:
     return sum(s.num_channels for s in specs.values())
 
 
+ROW_KEY_BYTES = 4 * 4 + 4  # four int32 keys and the float32 live NLL
+
+
 def bytes_per_token(specs, coefficient_bytes: int = 4) -> int:
-    """Raw bytes one row occupies: four int32 keys, the float32 live NLL, and every site's channels."""
-    return 4 * 4 + 4 + coefficient_bytes * num_slots(specs)
+    """Raw bytes one row occupies: its keys and live NLL (ROW_KEY_BYTES), and every site's channels."""
+    return ROW_KEY_BYTES + coefficient_bytes * num_slots(specs)
 
 
 def seqs_per_part(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +55,8 @@ def save_run(cache_dir: str | Path, record: dict) -> Path:
 
 
 def list_runs(cache_dir: str | Path) -> list[dict]:
-    """Saved runs of a cache, newest first; files that are not readable run records are skipped."""
+    """Saved runs of a cache, newest first by their creation time (to the millisecond; records of earlier
+    versions, to the second, sort as at its start); files that are not readable run records are skipped."""
     runs = []
     for path in sorted(runs_dir(cache_dir).glob("*.json"), reverse=True):
         try:
@@ -63,7 +65,15 @@ def list_runs(cache_dir: str | Path) -> list[dict]:
             continue
         if is_run_record(record):
             runs.append({**record, "path": str(path)})
-    return runs
+    return sorted(runs, key=lambda r: _created_at(r.get("created", "")), reverse=True)  # (stable: name breaks ties)
+
+
+def _created_at(created: str) -> datetime:
+    try:
+        at = datetime.fromisoformat(created.replace("Z", "+00:00"))
+    except ValueError:  # not a time: listed last
+        return datetime.min.replace(tzinfo=timezone.utc)
+    return at if at.tzinfo is not None else at.replace(tzinfo=timezone.utc)  # (ours are UTC)
 
 
 def is_run_record(record: object) -> bool:
