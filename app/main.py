@@ -50,6 +50,20 @@ PAGES = [
 DEVICES = ("auto", "cuda", "cpu")
 
 
+def offered_devices() -> tuple[str, ...]:
+    """The Device box's choices, fixed for a session: `cuda` only where a CUDA device may be present.
+    torch is not imported to ask (the first page would wait for it): once loaded it is asked, and before,
+    a Linux machine without NVIDIA's driver has none."""
+    if "fca_devices" not in st.session_state:
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            cuda = torch.cuda.is_available()
+        else:
+            cuda = not sys.platform.startswith("linux") or Path("/proc/driver/nvidia").exists()
+        st.session_state["fca_devices"] = DEVICES if cuda else tuple(d for d in DEVICES if d != "cuda")
+    return st.session_state["fca_devices"]
+
+
 def default_cache(entries: list[catalog.CacheEntry]) -> int:
     """Index of the cache selected first: FCA_DEFAULT_CACHE, else cache/demo/eval, else the first
     evaluated (non-calibration) cache."""
@@ -180,7 +194,12 @@ def sidebar() -> Selection:
             sel.model_dir = Path(chosen)
         else:
             st.caption("No model directory beside this cache: replay and execution are unavailable.")
-        sel.device = st.selectbox("Device", DEVICES, key="device", help="auto: CUDA when available, else CPU")
+        sel.device = st.selectbox(
+            "Device",
+            offered_devices(),
+            key="device",
+            help="auto: CUDA when available, else CPU (cuda is offered where present)",
+        )
         sel.calibration = catalog.find_calibration(entry, entries)
         if sel.calibration is not None:
             try:
