@@ -98,6 +98,11 @@ if sel.is_calibration:
             else "Build one with `python -m fca build-cache --split eval`."
         )
     )
+    running: ReplayJob | None = st.session_state.get(JOB_KEY)
+    if running is not None and running.running:  # its progress and Cancel are on the page of its cache
+        st.caption(
+            f"A run of `{rel(running.settings['cache'])}` is in progress: select that cache to follow or cancel it."
+        )
     st.stop()
 
 if sel.calibration is None:
