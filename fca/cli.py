@@ -259,9 +259,7 @@ def cmd_audit(args: argparse.Namespace) -> None:
             bar.close()
     write_report(report, args.json, args.markdown)
     audited = report["cache"]["sequences"]
-    if (
-        args.num_seqs is not None and audited < args.num_seqs
-    ):  # said, as replay says it (stderr: stdout may be Markdown)
+    if args.num_seqs is not None and audited < args.num_seqs:  # said as replay says it, on stderr (stdout: Markdown)
         print(f"{args.cache}: {audited} sequences audited (all it has; {args.num_seqs} asked for)", file=sys.stderr)
     if not args.json and not args.markdown:
         print(render_markdown(report))
