@@ -49,6 +49,12 @@ class Selection:
         """The selected cache is a calibration split: the static profile's source, not what is evaluated."""
         return self.entry is not None and self.entry.split == "calibration"
 
+    @property
+    def static_profile_cache(self) -> Cache | None:
+        """The cache whose mean is the static profile: the calibration cache found for the selected one, or
+        the selected cache itself when it is a calibration split."""
+        return self.cache if self.is_calibration else self.calibration_cache
+
     def evaluated_caches(self) -> list[CacheEntry]:
         """The readable evaluated (non-calibration) caches of the selected cache's model, those beside it
         first."""

@@ -26,10 +26,9 @@ teach(
     "token of the sequence."
 )
 
-reference = sel.calibration_cache
-if sel.is_calibration:  # its own mean is the static profile
+reference = sel.static_profile_cache
+if sel.is_calibration:
     st.caption("This is a calibration cache: the profile and band are its own, the static profile itself.")
-    reference = cache
 elif reference is None:
     st.warning("No calibration cache of this model was found, so the profile and band come from this cache itself.")
     reference = cache

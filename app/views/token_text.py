@@ -31,8 +31,7 @@ with guard("Sequence"):
     coefficients = np.asarray(data[site], dtype=float)  # [T, K]
     width = coefficients.shape[1]
     channel = c3.selectbox("Channel", [MEAN, *range(width)], key="tt_channel", format_func=str)
-    # A calibration cache's own mean is the static profile.
-    cal = cache if sel.is_calibration else sel.calibration_cache
+    cal = sel.static_profile_cache
     modes = [COEFFICIENT, DEVIATION] if cal is not None else [COEFFICIENT]
     mode = c4.radio("Colour by", modes, key="tt_mode", help="deviation needs a calibration cache of this model")
     if cal is None:

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fca.engine.capture import write_cache
+from fca.engine.capture import num_slots, write_cache
 from fca.engine.environment import current_environment, model_dtype_name
 from fca.engine.execution import synchronize
 from fca.engine.loading import fingerprint_state, load_model
@@ -299,6 +299,11 @@ class BenchRun:
         """Each replay batch's coefficients, recorded live: site -> [b, T, K] on the device."""
         return [capture_tensors(self.model, w[:, :-1])[1] for w in self.batches]
 
+    @cached_property
+    def recorded_host(self) -> list[dict[str, np.ndarray]]:
+        """`recorded`, copied to the host once for the figures that build coefficients there."""
+        return [{k: v.cpu().numpy() for k, v in c.items()} for c in self.recorded]
+
     def interleaved(self, a: Callable[[], object], b: Callable[[], object]) -> dict:
         return interleaved(a, b, self.repeats, device=self.device)
 
@@ -334,7 +339,7 @@ def cache_figures(run: BenchRun) -> dict:
     thread while this one runs."""
     cache, b = run.cache, run.batch_size
     exactness = Experiment.open(run.model, cache, None).run([Condition("correct")], run.num_seqs, b).exactness
-    raw = sum(4 * s.num_channels for s in site_specs(run.model).values()) * len(run.capture_windows) * run.T
+    raw = 4 * num_slots(site_specs(run.model)) * len(run.capture_windows) * run.T  # float32 coefficient bytes
 
     def replay_from_cache() -> None:
         reads = cache.prefetch([range(i * b, i * b + len(w)) for i, w in enumerate(run.batches)], list(cache.sites))
@@ -361,8 +366,7 @@ def batched_conditions_figures(run: BenchRun) -> dict:
     conditions = [Condition(kind) for kind in PAPER_CONDITIONS]
     n = len(conditions)
     stacked = []  # per batch: site -> [n * b, T, K], condition-major
-    for i, (w, recorded) in enumerate(zip(run.batches, run.recorded)):
-        own = {k: v.cpu().numpy() for k, v in recorded.items()}
+    for i, (w, own) in enumerate(zip(run.batches, run.recorded_host)):
         index = list(range(i * run.batch_size, i * run.batch_size + len(w)))
         other = {k: np.roll(v, 1, axis=0) for k, v in own.items()}
         per_condition = [condition_coefficients(c, own, index, profiles, other) for c in conditions]
@@ -390,7 +394,7 @@ def batched_conditions_figures(run: BenchRun) -> dict:
 
 def long_format_figures(run: BenchRun) -> dict:
     """Our Parquet writer vs a straightforward pandas long-format writer, same coefficients."""
-    coefficients = {k: np.concatenate([c[k].cpu().numpy() for c in run.recorded]) for k in run.recorded[0]}
+    coefficients = {k: np.concatenate([c[k] for c in run.recorded_host]) for k in run.recorded_host[0]}
     schema = cache_schema(site_specs(run.model))
     windows, b = run.windows, run.batch_size
     nll = np.zeros((len(windows), run.T), np.float32)

@@ -133,6 +133,13 @@ def judge_mechanism(max_abs_logit_diff: float, nll_live: float, nll_replayed: fl
     }
 
 
+# Why a cache refused in its own recorded environment is refused, and what to do.
+NOT_ITS_OUTPUT = (
+    "the cache is not this model's output on these sequences (changed since it was built?), or was computed "
+    "under settings its manifest does not record; rebuild it here"
+)
+
+
 def judge_fidelity(
     cache_path: str,
     measure: FidelityMeasure,
@@ -184,9 +191,7 @@ def judge_fidelity(
             f"{measure.stored_live_nll_max_diff:.3g} nats per token; the coefficients are identical)"
         )
         raise FidelityError(
-            f"{cache_path}: {what}, in what its manifest records as this very environment ({where}): the cache is "
-            "not this model's output on these sequences, or was computed under settings its manifest does not "
-            "record; rebuild it here"
+            f"{cache_path}: {what}, in what its manifest records as this very environment ({where}): {NOT_ITS_OUTPUT}"
         )
     worst = [
         (name, value, tol[key])
@@ -203,8 +208,7 @@ def judge_fidelity(
         if same_env:  # only the batches differ, and other batches move values by float rounding at most
             why = (
                 f"in what its manifest records as this very environment ({describe(replayed_on)}), batched "
-                "otherwise); the cache is not this model's output on these sequences (changed since it was built?), "
-                "or was computed under settings its manifest does not record; rebuild it here"
+                f"otherwise); {NOT_ITS_OUTPUT}"
             )
         else:
             why = f"{where}); rebuild the cache in this environment"
