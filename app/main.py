@@ -51,15 +51,9 @@ DEVICES = ("auto", "cuda", "cpu")
 
 
 def offered_devices() -> tuple[str, ...]:
-    """The Device box's choices, fixed for a session: `cuda` only where a CUDA device may be present.
-    torch is not imported to ask (the first page would wait for it): once loaded it is asked, and before,
-    a Linux machine without NVIDIA's driver has none."""
+    """The Device box's choices, fixed for a session: `cuda` only where a CUDA device may be present."""
     if "fca_devices" not in st.session_state:
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            cuda = torch.cuda.is_available()
-        else:
-            cuda = not sys.platform.startswith("linux") or Path("/proc/driver/nvidia").exists()
+        cuda = resources.cuda_may_be_present()
         st.session_state["fca_devices"] = DEVICES if cuda else tuple(d for d in DEVICES if d != "cuda")
     return st.session_state["fca_devices"]
 

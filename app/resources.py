@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -225,6 +226,17 @@ def study(path: str, stamp: str) -> dict:
 def caches(roots: tuple[str, ...]) -> list[catalog.CacheEntry]:
     """The catalog, re-scanned at most every 2 s (so caches built later appear within a rerun or two)."""
     return catalog.discover_caches(roots)
+
+
+def cuda_may_be_present() -> bool:
+    """Whether a CUDA device may be present, without importing torch to ask (the first page would wait
+    for it). Once torch is loaded it is asked; before, a Linux machine without NVIDIA's driver has none.
+    While the warm-up thread is importing torch, `sys.modules` already holds the half-made module, which
+    has no `torch.cuda` yet (asked then, a page failed with AttributeError): that counts as not loaded."""
+    torch = sys.modules.get("torch")
+    if torch is not None and not getattr(getattr(torch, "__spec__", None), "_initializing", False):
+        return torch.cuda.is_available()
+    return not sys.platform.startswith("linux") or Path("/proc/driver/nvidia").exists()
 
 
 # The warm-up starts this long after a page was sent, so that the browser has the page (and asks for

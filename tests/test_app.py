@@ -354,6 +354,24 @@ def test_lab_settings_survive_a_visit_to_another_page(tiny_demo, monkeypatch):
     assert "--num-seqs 4 " in at.code[0].value and "--seed 7" in at.code[0].value
 
 
+def test_a_page_opened_while_torch_is_being_imported_offers_devices(tiny_demo, monkeypatch):
+    """The warm-up thread imports torch; a page run meanwhile found the half-made module in sys.modules,
+    asked it for `torch.cuda` and failed (seen in Chromium). A half-imported torch counts as not loaded."""
+    import importlib.machinery
+    import types
+
+    half_made = types.ModuleType("torch")  # as Python leaves it mid-import: spec marked, no `cuda` yet
+    half_made.__spec__ = importlib.machinery.ModuleSpec("torch", None)
+    half_made.__spec__._initializing = True
+    at = app_for(monkeypatch, [tiny_demo], tiny_demo / "eval")
+    monkeypatch.setitem(sys.modules, "torch", half_made)
+    at.run()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    no_exceptions(at)
+    driver = not sys.platform.startswith("linux") or Path("/proc/driver/nvidia").exists()
+    assert ("cuda" in at.sidebar.selectbox(key="device").options) == driver
+
+
 def test_warm_up_fills_the_caches_once_in_the_background(tiny_demo, tmp_path, monkeypatch):
     """After a page is sent, the statistics, calibration profiles and model the other pages need are
     computed in a background thread, once per selection; the pages then find them cached."""
