@@ -45,7 +45,8 @@ def open_drawn(page, url: str, selector: str | None = ".js-plotly-plot .main-svg
     and on the next try)."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-    for attempt in (1, 2):
+    seen = []
+    for _ in (1, 2):
         page.goto(url)
         try:
             if selector is not None:
@@ -53,8 +54,22 @@ def open_drawn(page, url: str, selector: str | None = ".js-plotly-plot .main-svg
             wait_settled(page)
             return
         except PlaywrightTimeout:
-            if attempt == 2:
-                raise AssertionError(f"{url}: {selector or 'the page'} not drawn within 45 s, twice") from None
+            seen.append(page_state(page))
+    raise AssertionError(f"{url}: {selector or 'the page'} not drawn within 45 s, twice; the page showed: {seen}")
+
+
+def page_state(page) -> str:
+    """What a page that timed out showed: the script state, loading placeholders and charts, and the
+    start of its text, so a timeout in CI says where the page stood."""
+    state = page.evaluate(
+        """() => ({
+        script: document.querySelector('[data-testid="stApp"]')?.getAttribute('data-test-script-state'),
+        skeletons: document.querySelectorAll('[data-testid="stSkeleton"]').length,
+        charts: document.querySelectorAll('.js-plotly-plot').length,
+        drawn: document.querySelectorAll('.js-plotly-plot .main-svg').length})"""
+    )
+    text = " ".join(page.inner_text("body").split())[:300]
+    return f"{state} {text!r}"
 
 
 def test_every_page_in_chromium(server):
