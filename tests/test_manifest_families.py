@@ -139,8 +139,10 @@ def test_demo_cache_manifest_reads():
     assert (m.seq_len, m.num_seqs, m.num_tokens) == (128, 256, 128 * 256) and m.coefficient_dtype == "float32"
     assert list(m.sites) == [f"blocks.{i}.gate" for i in range(6)]
     assert all(s.num_channels == 12 and s.family == "gate" for s in m.sites.values())
-    assert m.environment is None and cache.model_dtype == "float32"  # the demo predates the environment record
-    assert m.seqs_per_part is None and len(m.parts) == 1 and m.total_bytes == m.parts[0].bytes
+    env = m.environment  # where the shipped demo was built: a CPU, in float32, in batches of 16
+    assert (env["device_type"], env["model_dtype"], env["batch_size"]) == ("cpu", "float32", 16)
+    assert cache.model_dtype == "float32" and m.seqs_per_part >= 256 and len(m.parts) == 1
+    assert m.total_bytes == m.parts[0].bytes and (DEMO / "eval" / "moments.npz").is_file()
     report = json.loads((DEMO / "audit.json").read_text())
     assert m.model.fingerprint == report["model"]["fingerprint"] and cache.fingerprint == report["cache"]["fingerprint"]
 
