@@ -51,7 +51,7 @@ def sequence_view() -> None:
 
 def _sequence_view() -> None:
     c1, c3 = st.columns([1, 3])
-    seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, 0, key="prof_seq"))
+    seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, 0, key="prof_seq", help=f"0 to {cache.num_seqs - 1}"))
     sites = cache.sites
     chosen_sites = c3.multiselect("Sites", sites, default=sites[:MAX_SITES], key="prof_sites")
     if not chosen_sites:
@@ -98,7 +98,9 @@ def token_view(seq, chosen_sites, slots, live_m, static_v, deviation, tokens) ->
         if st.session_state.get("prof_token", 0) >= T:
             st.session_state["prof_token"] = 0
         c1, c2 = st.columns([3, 1])
-        token = int(c1.number_input("Token index (or click a point below)", 0, T - 1, key="prof_token"))
+        token = int(
+            c1.number_input("Token index (or click a point below)", 0, T - 1, key="prof_token", help=f"0 to {T - 1}")
+        )
         band_name = c2.selectbox("Calibration band", list(BANDS), key="prof_band")
 
         strip = pd.DataFrame({"pos": np.arange(T), "token": tokens, "deviation": np.sqrt((deviation**2).mean(1))})

@@ -246,16 +246,16 @@ def settings_form() -> None:
             cache.num_seqs,
             key="lab_num_seqs",
             disabled=locked,
-            help=f"the first N of this cache's {cache.num_seqs}",
+            help=f"the first N of this cache's {cache.num_seqs} ({min(2, cache.num_seqs)} to {cache.num_seqs})",
         )
-        c6.number_input("Seed", 0, 2**31 - 1, key="lab_seed", disabled=locked)
+        c6.number_input("Seed", 0, 2**31 - 1, key="lab_seed", disabled=locked, help="0 to 2^31 - 1")
         c7.number_input(
             "Batch size",
             1,
             256,
             key="lab_batch",
             disabled=locked,
-            help="sequences per forward pass; progress and Cancel act between batches, and results depend on "
+            help="sequences per forward pass (1 to 256); progress and Cancel act between batches, and results depend on "
             "the batch composition (the command below carries it)",
         )
         settings = form_settings(kinds, freeze, alpha, independent, sweep)

@@ -24,7 +24,7 @@ teach(
 )
 
 c1, c2, c3, c4 = st.columns([1, 2, 2, 2])
-seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, 0, key="tt_seq"))
+seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, 0, key="tt_seq", help=f"0 to {cache.num_seqs - 1}"))
 site = c2.selectbox("Site", list(cache.sites), key="tt_site")
 with guard("Sequence"):
     data = resources.sequence(str(cache.path), cache.fingerprint, seq)

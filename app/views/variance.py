@@ -149,7 +149,7 @@ def _sequence_section() -> None:
         "layer at once; horizontal bands mean a layer behaves the same for every token."
     )
     c1, c2, c3 = st.columns([1, 2, 2])
-    seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, 0, key="var_seq"))
+    seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, 0, key="var_seq", help=f"0 to {cache.num_seqs - 1}"))
     summary = c2.selectbox("Cell value", list(CELLS), key="var_summary")
     color_title, diverging = CELLS[summary]
     T = cache.seq_len
