@@ -546,18 +546,6 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
     summary: condition, mean, lo, hi (lo and hi None for a single model)."""
     fig = go.Figure()
     order = list(dict.fromkeys(summary["condition"]))
-    for seed, part in points.groupby("seed", sort=False):
-        part = part[part["retention"].notna()]
-        fig.add_trace(
-            go.Scatter(
-                x=part["condition"],
-                y=part["retention"],
-                mode="markers",
-                name=f"seed {seed}",
-                marker=dict(size=10, opacity=0.8),
-                hovertemplate=f"seed {seed}, " + "%{x}: %{y:.1%}<extra></extra>",
-            )
-        )
     has_ci = summary["lo"].notna() & summary["hi"].notna()
     mean = summary["mean"].astype(float)
     fig.add_trace(
@@ -575,8 +563,21 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
                 color="#333",
             ),
             hovertemplate="mean %{x}: %{y:.1%}<extra></extra>",
+            legendrank=2000,  # drawn first, so that the seeds' points lie on it, but listed last
         )
     )
+    for seed, part in points.groupby("seed", sort=False):
+        part = part[part["retention"].notna()]
+        fig.add_trace(
+            go.Scatter(
+                x=part["condition"],
+                y=part["retention"],
+                mode="markers",
+                name=f"seed {seed}",
+                marker=dict(size=10, opacity=0.8),
+                hovertemplate=f"seed {seed}, " + "%{x}: %{y:.1%}<extra></extra>",
+            )
+        )
     for y, label in ((0.0, "global mean (no layer identity)"), (1.0, "correct (per-token control)")):
         fig.add_hline(
             y=y, line_dash="dot", line_color="#888", annotation_text=label, annotation_position="bottom right"

@@ -140,9 +140,10 @@ def test_study_retention_figure_is_pure_and_titled():
     )
     fig = figures.study_retention(points, summary)
     assert fig.layout.xaxis.title.text and fig.layout.yaxis.title.text
-    assert [t.name for t in fig.data][:2] == ["seed 0", "seed 1"]
-    assert list(fig.data[1].y) == [0.5]  # an undefined retention is left out, not drawn at 0
-    mean = fig.data[2]
+    mean, *seeds = fig.data  # the mean first, so that the seeds' points are drawn on top of it
+    assert [t.name for t in seeds] == ["seed 0", "seed 1"]
+    assert mean.legendrank > 1000 and all(t.legendrank is None for t in seeds)  # listed last (default rank 1000)
+    assert list(seeds[1].y) == [0.5]  # an undefined retention is left out, not drawn at 0
     assert list(mean.error_y.array) == pytest.approx([0.0, 0.26])
     assert list(mean.error_y.arrayminus) == pytest.approx([0.0, 0.26])
     assert fig.layout.yaxis.range[0] <= 0 and fig.layout.yaxis.range[1] >= 1

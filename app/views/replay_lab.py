@@ -222,7 +222,7 @@ def settings_form() -> None:
             disabled=locked,
             help="the other sites keep their correct coefficients",
         )
-        c3, c4, c5, c6, c7 = st.columns(5)
+        c3, c4 = st.columns(2)  # two rows: five columns cut the checkboxes' labels at 1024 px
         sweep = c3.checkbox(
             "Interpolation sweep",
             key="lab_sweep",
@@ -239,7 +239,13 @@ def settings_form() -> None:
             disabled=locked or sweep or "interpolate" not in kinds,
             help="used by the interpolate condition: 1 = live coefficients, 0 = static profile",
         )
-        independent = c4.checkbox("token_shuffle: one permutation per site", key="lab_independent", disabled=locked)
+        independent = c4.checkbox(
+            "token_shuffle per site",
+            key="lab_independent",
+            disabled=locked,
+            help="token_shuffle with one permutation per site (by default one per sequence, shared by all sites)",
+        )
+        c5, c6, c7 = st.columns(3)
         c5.number_input(
             "Sequences",
             min(2, cache.num_seqs),

@@ -9,7 +9,7 @@ import streamlit as st
 from app import figures, resources
 from app.views.common import download, guard, require_cache, teach
 
-MEAN = "mean over channels"
+MEAN = "mean of all"  # short: the box is narrow
 COEFFICIENT, DEVIATION = "coefficient", "deviation from the static profile"
 
 sel = require_cache()
@@ -23,14 +23,20 @@ teach(
     "control treats differently. Hover a token for its values."
 )
 
-c1, c2, c3, c4 = st.columns([1, 2, 2, 2])
+c1, c2, c3, c4 = st.columns([2, 3, 3, 3])  # narrower, the Sequence label broke and the channel was cut at 1024 px
 seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, 0, key="tt_seq", help=f"0 to {cache.num_seqs - 1}"))
 site = c2.selectbox("Site", list(cache.sites), key="tt_site")
 with guard("Sequence"):
     data = resources.sequence(str(cache.path), cache.fingerprint, seq)
     coefficients = np.asarray(data[site], dtype=float)  # [T, K]
     width = coefficients.shape[1]
-    channel = c3.selectbox("Channel", [MEAN, *range(width)], key="tt_channel", format_func=str)
+    channel = c3.selectbox(
+        "Channel",
+        [MEAN, *range(width)],
+        key="tt_channel",
+        format_func=str,
+        help="one channel, or the mean over the site's channels",
+    )
     cal = sel.static_profile_cache
     modes = [COEFFICIENT, DEVIATION] if cal is not None else [COEFFICIENT]
     mode = c4.radio("Colour by", modes, key="tt_mode", help="deviation needs a calibration cache of this model")
