@@ -28,7 +28,8 @@ from fca.engine.loading import fingerprint_state
 from fca.engine.models import expert_execution
 from fca.engine.models.hf_moe import adapt_moe
 from fca.engine.sites import find_sites, model_logits
-from fca.tables.errors import ModelLoadError
+from fca.jobs.experiment import Experiment
+from fca.tables.errors import CacheError, ModelLoadError
 
 B, T, E, TOP_K, VOCAB = 2, 8, 4, 2, 100
 COMMON = dict(
@@ -394,3 +395,67 @@ def test_a_checkpoint_missing_or_adding_weights_is_refused(tmp_path):
         with pytest.raises(ModelLoadError, match=rf"{name}: the checkpoint (lacks|has unexpected) weights \(") as err:
             fca.load_model(tmp_path / name)
         assert "\n" not in str(err.value)
+
+
+class UpcastGate(nn.Module):
+    """A controller that computes in float32 whatever the model's dtype, as many routers do."""
+
+    def __init__(self, d: int, groups: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, groups)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.proj(x).float())  # [B, T, G] float32
+
+
+class UpcastBlock(GatedBlock):
+    def __init__(self, d: int, groups: int) -> None:
+        super().__init__(d, groups, flat=False)
+        self.gate = UpcastGate(d, groups)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Bx, Tx, D = x.shape
+        y = self.mlp(x).view(Bx, Tx, self.groups, D // self.groups)  # [B, T, G, D/G]
+        scaled = y * self.gate(x).unsqueeze(-1)  # float32: the float32 gate promotes the product
+        return x + scaled.to(x.dtype).view(Bx, Tx, D)
+
+
+def test_a_float32_controller_in_a_bfloat16_model_is_replayed_in_float32(ids, tmp_path):
+    """Replay feeds each site in the dtype its controller produced: fed rounded to the model's bfloat16
+    (as before), this model's Correct replay differed from its live run (max |logit diff| ~0.03)."""
+    torch.manual_seed(0)
+    model = TinyUserModel(flat=False)
+    model.blocks = nn.ModuleList(UpcastBlock(16, 4) for _ in range(2))
+    model = model.to(torch.bfloat16).eval()
+    attach_sites(model, [SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate")], blocks="blocks")
+    with torch.no_grad():
+        live = model(ids)
+    assert (fca.replay(model, ids, fca.capture(model, ids)) - live).abs().max().item() == 0
+    windows = torch.randint(3, VOCAB, (8, T + 1), generator=torch.Generator().manual_seed(1))
+    cache = fca.build_cache(model, windows, tmp_path / "eval", batch_size=4)
+    results = Experiment.open(model, cache, None).run(["correct"], batch_size=4)
+    assert results.max_abs_logit_diff == 0 and results.exactness["fidelity"]["verdict"] == "bit-identical"
+    model.to(torch.float32)  # what the controller produced before says nothing of what it produces now
+    assert all(site._produced_dtype is None for site in find_sites(model).values())
+
+
+def test_a_model_declaring_other_sites_than_its_cache_is_refused(ids, tmp_path):
+    """A cached site the model does not declare would run live in every condition, its controller never
+    removed; the audit said nothing and reported the run as a replay."""
+    torch.manual_seed(0)
+    model = TinyUserModel(flat=False).eval()
+    weights = model.state_dict()
+    attach_sites(model, [SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate")])
+    windows = torch.randint(3, VOCAB, (8, T + 1), generator=torch.Generator().manual_seed(1))
+    cache = fca.build_cache(model, windows, tmp_path / "eval", batch_size=4)
+    partial = TinyUserModel(flat=False).eval()
+    partial.load_state_dict(weights)  # the same weights, so the same fingerprint
+    attach_sites(partial, [SiteDeclaration(path="blocks.0.gate", axes=(("group", 4),), family="gate")])
+    with pytest.raises(CacheError, match=r"the model lacks \['blocks\.1\.gate'\] and has none beyond"):
+        Experiment.open(partial, cache, None)
+    wider = TinyUserModel(flat=False).eval()
+    wider.load_state_dict(weights)
+    attach_sites(wider, [SiteDeclaration(path="blocks.*.gate", axes=(("half", 2), ("pair", 2)), family="gate")])
+    Experiment.open(wider, cache, None)  # the same channels, in other axes: the cache's values fit
+    with pytest.raises(KeyError, match=r"site\(s\) \['blocks\.7\.gate'\] that the model lacks"):
+        fca.replay(model, ids, {**fca.capture(model, ids), "blocks.7.gate": np.zeros((B, T, 4), np.float32)})

@@ -149,6 +149,7 @@ class ModuleSite(Site):
             return native if self.declaration.rebuild is None else self.declaration.rebuild(native, self.controller)
         output = self.controller(*args, **kwargs)
         coefficients = self._coefficients(output, B, T)  # [B, T, K]
+        self.__dict__["_produced_dtype"] = coefficients.dtype  # what replay feeds (Site._produced_dtype)
         if self.mode == "record":
             self.record(coefficients)
         return output

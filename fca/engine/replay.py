@@ -49,11 +49,12 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class DeviceCoefficients(Mapping):
-    """Coefficients (site -> array or tensor) served as contiguous tensors on `device` in `dtype`, each
-    site moved when the forward pass first asks for it.
+    """Coefficients (site -> array or tensor) served as contiguous tensors on `device`, each site moved
+    when the forward pass first asks for it.
 
-    Host values are copied as they are and cast on the device: a cast on the CPU would cost host time the
-    device does not need. On CUDA a site's copy leaves from pinned memory on a side stream when the forward
+    Host values are copied as they are; each site casts them on the device to the dtype its controller
+    produces (`Site.replayed`): a cast on the CPU would cost host time the device does not need, and a
+    cast here to the model's dtype would round a float32 controller's values in a bfloat16 model. On CUDA a site's copy leaves from pinned memory on a side stream when the forward
     reaches the site, so the host copies into pinned memory happen while the device runs the layers
     before it (the CPU launches kernels ahead of the GPU); the compute stream waits only for the copies
     of the sites it has reached. Copying every site before the forward had left the GPU idle while the
@@ -62,9 +63,9 @@ class DeviceCoefficients(Mapping):
     must not depend on the caller's memory layout.
     """
 
-    def __init__(self, coefficients: Mapping[str, object], device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, coefficients: Mapping[str, object], device: torch.device) -> None:
         self.values = coefficients
-        self.device, self.dtype = device, dtype
+        self.device = device
         self.moved: dict[str, torch.Tensor] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -90,7 +91,7 @@ class DeviceCoefficients(Mapping):
                 t = t.contiguous().pin_memory().to(self.device, non_blocking=True)
             compute.wait_stream(copy)
             t.record_stream(compute)  # memory of the copy stream, in use on the compute stream
-        return t.to(device=self.device).to(dtype=self.dtype).contiguous()
+        return t.to(device=self.device).contiguous()
 
 
 @torch.no_grad()
@@ -107,12 +108,14 @@ def replay(
         raise ValueError(f"coefficients must map site names to arrays, not {type(coefficients).__name__}")
     if isinstance(only, str):  # one site's name, not a set of its characters
         only = {only}
-    param = next(model.parameters())
-    staged = DeviceCoefficients(coefficients, param.device, param.dtype)
+    staged = DeviceCoefficients(coefficients, next(model.parameters()).device)
     with site_modes(model, "replay", provider=tensor_provider(staged), only=only) as chosen:
         missing = sorted(set(chosen) - set(coefficients))
         if missing:
             raise KeyError(f"no coefficients given for site(s) {missing}")
+        unknown = sorted(set(coefficients) - set(chosen)) if only is None else []
+        if unknown:  # a misspelt site would otherwise be left out without a word
+            raise KeyError(f"coefficients given for site(s) {unknown} that the model lacks; its sites: {list(chosen)}")
         return model_logits(model(ids), model)
 
 

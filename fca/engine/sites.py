@@ -48,6 +48,10 @@ class Site(nn.Module):
         self._sink: MutableMapping[str, torch.Tensor] | None = None
         self._provider: Provider | None = None
         self._in_pass = False  # inside a `site_modes` block: no other pass may set its mode meanwhile
+        # The dtype the controller produced when it last ran, which replay feeds: a float32 router in a
+        # bfloat16 model hands float32 values on, and fed them rounded to the model's dtype, its replay
+        # differs. Unknown (None) until the controller has run, and after the model changes dtype or device.
+        self._produced_dtype: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor, batch_shape: tuple[int, int] | None = None) -> torch.Tensor:
         """x: the controller's input; batch_shape: (B, T) when x is not already [B, T, ...]."""
@@ -55,13 +59,15 @@ class Site(nn.Module):
             B, T = batch_shape if batch_shape is not None else (x.shape[0], x.shape[1])
             return self.replayed(B, T, x.device, x.dtype)
         coefficients = self.controller(x)  # [B, T, K]
+        self.__dict__["_produced_dtype"] = coefficients.dtype  # (past nn.Module.__setattr__, as in _set_mode)
         if self.mode == "record":
             self.record(coefficients)
         return coefficients
 
     def replayed(self, B: int, T: int, device, dtype: torch.dtype) -> torch.Tensor:
-        """The provider's coefficients for this call as [B, T, K] (a view where they broadcast)."""
-        coefficients = self._provider(self, B, T).to(device=device, dtype=dtype)
+        """The provider's coefficients for this call as [B, T, K] (a view where they broadcast), in the dtype
+        the controller produced when it last ran, else in `dtype` (the site input's)."""
+        coefficients = self._provider(self, B, T).to(device=device, dtype=self._produced_dtype or dtype)
         try:
             return coefficients.expand(B, T, self.spec.num_channels)
         except RuntimeError:
@@ -84,6 +90,11 @@ class Site(nn.Module):
         # Plain attributes, set past nn.Module.__setattr__ and its checks for parameters, buffers and
         # modules (none of these is one): site_modes sets them on every site twice per pass.
         self.__dict__.update(mode=mode, _sink=sink, _provider=provider, _in_pass=in_pass)
+
+    def _apply(self, fn, *args, **kwargs):
+        # `.to()`, `.half()`, `.cuda()`: what the controller produced before says nothing of what it will.
+        self.__dict__["_produced_dtype"] = None
+        return super()._apply(fn, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"name={self.site_name!r}, K={self.spec.num_channels}, family={self.spec.family!r}"

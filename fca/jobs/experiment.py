@@ -21,7 +21,7 @@ from fca.engine.environment import model_dtype_name
 from fca.engine.execution import execution_audit
 from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.replay import ReplayResults, check_exactness, check_finite, run_conditions
-from fca.engine.sites import find_sites
+from fca.engine.sites import find_sites, site_specs
 from fca.tables.catalog import DENSE_TWINS, is_dense_twin
 from fca.tables.conditions import Condition, as_conditions
 from fca.tables.errors import CacheError, ModelLoadError
@@ -141,6 +141,7 @@ class Experiment:
         for c in (evaluated, calibrated):
             if c is not None:
                 c.check_model(fingerprint, model_dtype_name(loaded))
+        evaluated.check_sites(site_specs(loaded))  # (the calibration cache's are checked against these)
         if calibrated is not None:
             check_independent(evaluated, calibrated)
         training = {} if isinstance(model, nn.Module) else model_training(model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -41,6 +41,14 @@ def span_hashes(windows: np.ndarray, span: int) -> np.ndarray:
         for offset in range(span):  # span vectorised passes: no [n, starts, span] temporary
             hashes = hashes * SPAN_HASH_BASE + windows[:, offset : offset + starts]
     return hashes.ravel()
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    """A few of `names` for a one-line message: "none", "['a', 'b']" or "['a', 'b', 'c'] and 5 more"."""
+    if not names:
+        return "none"
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{names[:shown]}{more}"
 
 
 @dataclass
@@ -262,6 +270,25 @@ class Cache:
                 f"{self.path / MANIFEST}: made by a different model (fingerprint "
                 f"{self.manifest.model.fingerprint[:12]}, this model {model_fingerprint[:12]})"
             )
+
+    def check_sites(self, model_sites: Mapping[str, SiteSpec]) -> None:
+        """Refuse a model whose controller sites are not the cache's, by name and channel count: a cached
+        site the model does not declare would run live in every condition (its controller never removed),
+        and a site the model has beyond the cache's would have no coefficients to replay."""
+        cached = self.manifest.sites
+        lacking = [name for name in cached if name not in model_sites]
+        beyond = [name for name in model_sites if name not in cached]
+        if lacking or beyond:
+            raise CacheError(
+                f"{self.path / MANIFEST}: its sites are not the model's: the model lacks {_some(lacking)} and has "
+                f"{_some(beyond)} beyond the cache's {len(cached)}; declare the sites the cache was built with"
+            )
+        for name, spec in model_sites.items():
+            if spec.num_channels != cached[name].num_channels:
+                raise CacheError(
+                    f"{self.path / MANIFEST}: site {name!r} has {cached[name].num_channels} channels here and "
+                    f"{spec.num_channels} in the model"
+                )
 
     def span_hashes(self, span: int, chunk: int = 1024) -> np.ndarray:
         """The distinct hashes of every `span`-token stretch of every sequence's window (its T tokens and
