@@ -358,7 +358,7 @@ def test_bad_replay_coefficients_and_inputs_are_one_line_errors(ids):
 
 
 @pytest.mark.parametrize(
-    "axes", [2, (2,), (("group", "4"),), (("group", 0),), (), (("group", 4, 1),), (("group", True),)]
+    "axes", [2, (2,), (("group", "4"),), (("group", 0),), None, (("group", 4, 1),), (("group", True),)]
 )
 def test_axes_are_checked_when_declared(axes):
     with pytest.raises(SiteDeclarationError, match=r"blocks\.\*\.gate: axes must be \(name, size\) pairs"):
@@ -459,3 +459,44 @@ def test_a_model_declaring_other_sites_than_its_cache_is_refused(ids, tmp_path):
     Experiment.open(wider, cache, None)  # the same channels, in other axes: the cache's values fit
     with pytest.raises(KeyError, match=r"site\(s\) \['blocks\.7\.gate'\] that the model lacks"):
         fca.replay(model, ids, {**fca.capture(model, ids), "blocks.7.gate": np.zeros((B, T, 4), np.float32)})
+
+
+class ScalarGate(nn.Module):
+    """One gate value per token, [B, T]: the commonest gate of all."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.proj(x)).squeeze(-1)  # [B, T]
+
+
+class ScalarGatedBlock(GatedBlock):
+    def __init__(self, d: int) -> None:
+        super().__init__(d, 1, flat=False)
+        self.gate = ScalarGate(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x) * self.gate(x).unsqueeze(-1)
+
+
+def test_a_controller_giving_one_scalar_per_token_is_declared_with_no_axes(ids, tmp_path):
+    torch.manual_seed(0)
+    model = TinyUserModel(flat=False)
+    model.blocks = nn.ModuleList(ScalarGatedBlock(16) for _ in range(2))
+    model.eval()
+    with pytest.raises(SiteDeclarationError, match=r"one scalar per token: declare axes=\(\)"):
+        attach_sites(model, [SiteDeclaration(path="blocks.*.gate", axes=(("one", 1),), family="gate")])
+        fca.capture(model, ids)
+    detach_sites(model)
+    attach_sites(model, [SiteDeclaration(path="blocks.*.gate", axes=(), family="gate")], blocks="blocks")
+    with torch.no_grad():
+        live = model(ids)
+    coefficients = fca.capture(model, ids)
+    assert coefficients["blocks.0.gate"].shape == (B, T, 1)
+    assert (fca.replay(model, ids, coefficients) - live).abs().max().item() == 0
+    windows = torch.randint(3, VOCAB, (8, T + 1), generator=torch.Generator().manual_seed(1))
+    cache = fca.build_cache(model, windows, tmp_path / "eval", batch_size=4)
+    assert fca.open_cache(cache).manifest.sites["blocks.1.gate"].num_channels == 1
+    assert Experiment.open(model, cache, None).run(["correct"], batch_size=4).max_abs_logit_diff == 0

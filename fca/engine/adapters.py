@@ -80,8 +80,9 @@ class SiteDeclaration:
 
 
 def check_axes(axes: Any, path: str) -> None:
-    """SiteDeclarationError unless `axes` is a non-empty sequence of (name, size) pairs, sizes whole numbers >= 1."""
-    ok = isinstance(axes, (tuple, list)) and len(axes) > 0
+    """SiteDeclarationError unless `axes` is a sequence of (name, size) pairs, sizes whole numbers >= 1; empty
+    for a controller that gives one scalar per token ([B, T] or [B * T])."""
+    ok = isinstance(axes, (tuple, list))
     for axis in axes if ok else ():
         ok = ok and (
             isinstance(axis, (tuple, list))
@@ -93,8 +94,8 @@ def check_axes(axes: Any, path: str) -> None:
         )
     if not ok:
         raise SiteDeclarationError(
-            f"{path}: axes must be (name, size) pairs with whole sizes of at least 1, e.g. (('group', 4),); "
-            f"got {axes!r}"
+            f"{path}: axes must be (name, size) pairs with whole sizes of at least 1, e.g. (('group', 4),), or () "
+            f"for one scalar per token; got {axes!r}"
         )
 
 
@@ -194,9 +195,12 @@ class ModuleSite(Site):
             and tuple(picked.shape[len(lead) :]) == dims
         )
         if not fits:
+            extra = list(picked.shape[len(lead) :]) if isinstance(picked, torch.Tensor) else None
             trailing = (
-                f" (declare axes for each of its dims {list(picked.shape[len(lead) :])})"
-                if isinstance(picked, torch.Tensor) and math.prod(picked.shape[len(lead) :]) == K
+                " (one scalar per token: declare axes=())"
+                if extra == []
+                else f" (declare axes for each of its dims {extra})"
+                if extra is not None and math.prod(extra) == K
                 else ""
             )
             raise SiteDeclarationError(
