@@ -500,3 +500,33 @@ def test_a_controller_giving_one_scalar_per_token_is_declared_with_no_axes(ids, 
     cache = fca.build_cache(model, windows, tmp_path / "eval", batch_size=4)
     assert fca.open_cache(cache).manifest.sites["blocks.1.gate"].num_channels == 1
     assert Experiment.open(model, cache, None).run(["correct"], batch_size=4).max_abs_logit_diff == 0
+
+
+class UngatedBlock(GatedBlock):
+    """GatedBlock's Dense twin: the same MLP, no gate."""
+
+    def __init__(self, d: int, groups: int) -> None:
+        super().__init__(d, groups, flat=False)
+        del self.gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+def test_a_dense_twin_held_in_memory_must_be_the_model_without_its_controllers(ids, tmp_path):
+    """The CLI refuses a wrong twin by its family's config; a model in memory was timed against anything
+    (a 35-times larger model gave 0.25x)."""
+    torch.manual_seed(0)
+    model = TinyUserModel(flat=False).eval()
+    attach_sites(model, [SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate")])
+    windows = torch.randint(3, VOCAB, (8, T + 1), generator=torch.Generator().manual_seed(1))
+    cache = fca.build_cache(model, windows, tmp_path / "eval", batch_size=4)
+    twin = TinyUserModel(flat=False)
+    twin.blocks = nn.ModuleList(UngatedBlock(16, 4) for _ in range(2))
+    assert Experiment.open(model, cache, None, dense=twin.eval()).dense is twin
+    with pytest.raises(ModelLoadError, match="TinyUserModel: is in training mode; call .eval"):
+        _ = Experiment.open(model, cache, None, dense=twin.train()).dense
+    larger = TinyUserModel(flat=False)
+    larger.blocks = nn.ModuleList(UngatedBlock(16, 4) for _ in range(3))
+    with pytest.raises(ModelLoadError, match=r"has 6,516 parameters, and TinyUserModel without its controllers 5,444"):
+        _ = Experiment.open(model, cache, None, dense=larger.eval()).dense

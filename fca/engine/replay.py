@@ -30,6 +30,7 @@ from fca.tables.fidelity import (
     judge_mechanism,
 )
 from fca.tables.profiles import Profiles
+from fca.tables.schema import KEY_COLUMNS
 from fca.tables.store import Cache
 
 
@@ -113,8 +114,10 @@ def replay(
         missing = sorted(set(chosen) - set(coefficients))
         if missing:
             raise KeyError(f"no coefficients given for site(s) {missing}")
-        unknown = sorted(set(coefficients) - set(chosen)) if only is None else []
-        if unknown:  # a misspelt site would otherwise be left out without a word
+        # A cache's rows may be given whole (their key columns are not sites); a misspelt site would
+        # otherwise be left out without a word.
+        unknown = sorted(set(coefficients) - set(chosen) - set(KEY_COLUMNS)) if only is None else []
+        if unknown:
             raise KeyError(f"coefficients given for site(s) {unknown} that the model lacks; its sites: {list(chosen)}")
         return model_logits(model(ids), model)
 

@@ -49,6 +49,17 @@ def _config_dict(model: nn.Module) -> dict:
     return config.to_dict() if hasattr(config, "to_dict") else {}
 
 
+def _parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # (a parameter shared by modules counts once)
+
+
+def _controller_parameters(model: nn.Module) -> int:
+    """Parameters inside the model's controllers, each counted once (a controller may serve several sites)."""
+    controllers = [s.controller for s in find_sites(model).values() if isinstance(s.controller, nn.Module)]
+    unique = {id(p): p for controller in controllers for p in controller.parameters()}
+    return sum(p.numel() for p in unique.values())
+
+
 def model_name(source: ModelSource) -> str:
     """A model's name in reports: its directory's name, or its class name when held in memory."""
     return type(source).__name__ if isinstance(source, nn.Module) else Path(source).name
@@ -157,6 +168,8 @@ class Experiment:
                     f"{self.dense_name}: has controller sites, so it is not a Dense twin (the same sizes without "
                     "controllers)"
                 )
+            if dense.training:  # dropout would be timed (the gated model is refused the same way)
+                raise ModelLoadError(f"{self.dense_name}: is in training mode; call .eval() on the Dense twin")
             config, dense_config = _config_dict(self.model), _config_dict(dense)
             twin = DENSE_TWINS.get(config.get("model_type"))
             if twin is not None and not is_dense_twin(config, dense_config):  # (a family that knows its twin)
@@ -164,6 +177,14 @@ class Experiment:
                     f"{self.dense_name}: not the Dense twin of {self.name} (a twin is the same family with the same "
                     f"sizes and {twin.switch} false), so a latency ratio against it would not measure the controllers"
                 )
+            if twin is None:  # any other model: a twin is the model without its controllers, weight for weight
+                expected, got = _parameters(self.model) - _controller_parameters(self.model), _parameters(dense)
+                if got != expected:
+                    raise ModelLoadError(
+                        f"{self.dense_name}: has {got:,} parameters, and {self.name} without its controllers "
+                        f"{expected:,}: not its Dense twin (the same model without controllers), so a latency ratio "
+                        "against it would not measure the controllers"
+                    )
             self._dense = dense
         return self._dense
 
