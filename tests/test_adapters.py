@@ -165,6 +165,10 @@ def test_wrong_path_lists_candidates():
     ) as err:
         attach_sites(model, [declaration])
     assert "\n" not in str(err.value)
+    gates = SiteDeclaration(path="model.layers.*.mlp.gate", axes=(("expert", E),), family="router", token_layout="flat")
+    with pytest.raises(SiteDeclarationError, match=r"blocks='model\.layerz': no module .* candidates: .*model\.layers"):
+        attach_sites(model, [gates], blocks="model.layerz")
+    assert not find_sites(model)  # nothing was swapped
 
 
 def test_spec_that_does_not_fit_is_a_clear_error(ids):

@@ -142,6 +142,12 @@ def test_a_run_is_judged_before_its_figures_are_returned(adapted, tmp_path):
         results.exactness["max_abs_logit_diff"] == 0.0 and results.exactness["fidelity"]["verdict"] == "bit-identical"
     )
     assert set(results.per_seq_nll) == {"interpolate:0.5"}
+    with pytest.raises(KeyError, match=r"no condition 'correct' in this run; it scored \['interpolate:0\.5'\]"):
+        results.nll("correct")
+    with pytest.raises(
+        KeyError, match=r"unknown site\(s\) \['blocks\.9\.gate'\]; the sites: \['blocks\.0\.gate', 'blocks"
+    ):
+        experiment.run(["static_layer@blocks.9.gate"], num_seqs=4)
     # A block whose output depends on the call count: the replay of a pass cannot reproduce that pass.
     block = adapted.blocks[1]
     calls = {"n": 0}
@@ -186,6 +192,35 @@ def test_windows_beyond_the_models_vocabulary_are_refused_before_anything_is_wri
     with pytest.raises(ValueError, match=r"token ids from 5 to 5000, but TinyGatedLM predicts ids in \[0, 64\)"):
         fca.build_cache(adapted, windows, tmp_path / "d", split="eval")
     assert list(tmp_path.iterdir()) == []
+
+
+class PositionedLM(TinyGatedLM):
+    """Learned positions: a context of 16 tokens, which nothing in the module states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = nn.Embedding(16, 16)
+
+    def forward(self, ids: torch.Tensor):
+        h = self.embed(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h), {"hidden": h}
+
+
+def test_windows_longer_than_the_models_context_or_a_training_model_leave_nothing_behind(tmp_path):
+    """Both failed inside the first record pass with the build's folder already begun (`<out>.partial/`);
+    a window longer than the context as a bare IndexError."""
+    model = PositionedLM().eval()
+    fca.attach_sites(model, [SiteDeclaration("blocks.*.gate", (("group", 4),), "gate")], blocks="blocks", output=0)
+    tokens = np.random.default_rng(0).integers(0, 64, 400)
+    with pytest.raises(ValueError, match=r"PositionedLM fails on a window of 32 tokens, so nothing was written \("):
+        fca.build_cache(model, tokens, tmp_path / "long", seq_len=32)
+    model.train()
+    with pytest.raises(ValueError, match=r"PositionedLM is in training mode; call model\.eval\(\) before building"):
+        fca.build_cache(model, tokens, tmp_path / "training", seq_len=16)
+    assert list(tmp_path.iterdir()) == []
+    fca.build_cache(model.eval(), tokens, tmp_path / "fits", seq_len=16)
 
 
 def test_documents_end_with_the_tokenizers_own_end_token():

@@ -372,8 +372,14 @@ def attach_sites(
                 coefficient=declaration.coefficient,
             )
             planned[path] = (module, declaration, spec)
-    if blocks is not None:
-        model.get_submodule(blocks)  # fail now, not in the execution audit
+    if blocks is not None:  # fail now, not in the execution audit
+        try:
+            model.get_submodule(blocks)
+        except AttributeError:
+            candidates = candidate_paths(model, blocks)
+            raise SiteDeclarationError(
+                f"blocks={blocks!r}: no module of {type(model).__name__} is there; candidates: {', '.join(candidates)}"
+            ) from None
     new_sites: list[ModuleSite] = []
     for path, (module, declaration, spec) in planned.items():
         site = ModuleSite(module, spec, declaration)

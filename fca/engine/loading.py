@@ -26,7 +26,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     if family is None or family.load is None:
         known = sorted(t for t, f in registered_families().items() if f.load is not None)
         raise ModelLoadError(
-            f"{path / 'config.json'}: unsupported model_type {model_type!r} (known: {', '.join(known)})"
+            f"{path / 'config.json'}: unsupported model_type {model_type!r} (known: {', '.join(known)}); a model of "
+            "your own is audited from Python (fca.attach_sites, then fca.audit), or loaded here once its family "
+            "is registered (fca.engine.families.register_family with a load function)"
         )
     try:
         model = family.load(path)

@@ -149,6 +149,8 @@ class ReplayResults:
     exactness: dict | None = None  # `check_exactness`'s verdict, once judged (`Experiment.run` judges)
 
     def nll(self, name: str) -> float:
+        if name not in self.per_seq_nll:  # e.g. "correct", not asked for (the run scores what it was asked)
+            raise KeyError(f"no condition {name!r} in this run; it scored {list(self.per_seq_nll)}")
         return float(self.per_seq_nll[name].mean())
 
 

@@ -207,6 +207,9 @@ def build_cache(
     specs = site_specs(model)
     if not specs:
         raise ValueError(f"{type(model).__name__}: the model has no controller sites (declare them with attach_sites)")
+    if model.training:  # refused before anything is written (record passes refuse it too, later)
+        raise ValueError(f"{type(model).__name__} is in training mode; call model.eval() before building a cache")
+    _probe_window(model, windows, out)
     config = model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None
     vocab_size = _vocab_size(model)
     # A model without a known embedding (`vocab_rows`, checked by `write_cache`) is held to its logits' width,
@@ -259,6 +262,22 @@ def as_windows(tokens, seq_len: int | None = None) -> np.ndarray:
     if array.ndim != 2 or array.shape[1] < 2:
         raise ValueError(f"token windows must be [N, T + 1] with T >= 1, got shape {array.shape}")
     return np.ascontiguousarray(array, dtype=np.int64)
+
+
+@torch.no_grad()
+def _probe_window(model: nn.Module, windows: np.ndarray, out: str | Path) -> None:
+    """One window through the model before anything is written: a window longer than the model's context
+    (which a module held in memory does not state) otherwise failed deep inside the first record pass."""
+    T = windows.shape[1] - 1
+    ids = torch.from_numpy(windows[:1, :T]).to(next(model.parameters()).device)  # [1, T]
+    try:
+        model(ids)
+    except (IndexError, RuntimeError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(
+            f"{out}: {type(model).__name__} fails on a window of {T} tokens, so nothing was written ({reason}); "
+            "a window longer than the model's context fails this way"
+        ) from None
 
 
 @torch.no_grad()

@@ -166,7 +166,7 @@ def condition_coefficients(
     chosen = set(names) if condition.sites is None else set(condition.sites)
     unknown = sorted(chosen - set(names))
     if unknown:
-        raise KeyError(f"condition {condition.name}: unknown site(s) {unknown}")
+        raise KeyError(f"condition {condition.name}: unknown site(s) {unknown}; the sites: {names}")
     out: dict[str, np.ndarray] = {}
     for site_index, name in enumerate(names):
         c = own[name]  # [b, T, K]
