@@ -534,3 +534,14 @@ def test_a_dense_twin_held_in_memory_must_be_the_model_without_its_controllers(i
     larger.blocks = nn.ModuleList(UngatedBlock(16, 4) for _ in range(3))
     with pytest.raises(ModelLoadError, match=r"has 6,516 parameters, and TinyUserModel without its controllers 5,444"):
         _ = Experiment.open(model, cache, None, dense=larger.eval()).dense
+
+
+def test_expert_paths_that_name_no_called_experts_module_are_refused(ids):
+    """A user's family naming a list of experts (indexed, never called) reported 0 MoE layers without a
+    word, and a module of another call convention failed with a bare KeyError."""
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS["mixtral"]()).eval()
+    model.model.layers[0].mlp.expert_list = nn.ModuleList([nn.Linear(4, 4)])  # never called
+    with pytest.raises(ValueError, match=r"no module matching \['model\.layers\.\*\.mlp\.expert_list'\] was called"):
+        expert_execution(model, ids, ("model.layers.*.mlp.expert_list",))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp: not an experts module of the kind expert_paths"):
+        expert_execution(model, ids, ("model.layers.*.mlp",))

@@ -42,7 +42,9 @@ class Family:
     - `definitions(model)`: extra entries for the audit report's `definitions`.
     - `coefficient_kind`: what the recorded coefficients are, in words.
     - `expert_paths`: module globs of the experts modules when execution is conditional at expert level
-      (the execution audit then counts the experts each token runs); () otherwise.
+      (the execution audit then counts the experts each token runs); () otherwise. Each must be a module
+      the model calls as `experts(hidden, top_k_index, top_k_weights)` with a `num_experts` attribute,
+      as transformers' MoE layers do (a list of experts the model indexes is never called: refused).
     - `execution_note`: a sentence the execution audit carries ("" for none).
     """
 

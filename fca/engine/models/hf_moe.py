@@ -144,7 +144,8 @@ def expert_execution(
     """Expert-level conditional execution of one forward pass, by counting what the experts run.
 
     A pre-hook on every experts module (those matching `expert_paths`: its family's, for the execution
-    audit) reads the `top_k_index [N, k]` it is handed (the dispatch that actually happens, whatever mode
+    audit; the convention of transformers' MoE layers: a module called as `experts(hidden, top_k_index,
+    top_k_weights)` with a `num_experts` attribute) reads the `top_k_index [N, k]` it is handed (the dispatch that actually happens, whatever mode
     the sites are in) and counts the distinct experts each token runs. Returns, per MoE layer and overall,
     `experts_available` (E), `top_k`, `experts_run_per_token_mean` and `expert_fraction` (= run /
     available); plus `experts_hit`, the distinct experts that ran for at least one token of the batch;
@@ -156,8 +157,13 @@ def expert_execution(
     seen: dict[str, dict] = {}
 
     def count(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        index = args[1] if len(args) > 1 else kwargs["top_k_index"]  # [N, k]
-        E = module.num_experts
+        index = args[1] if len(args) > 1 else kwargs.get("top_k_index")  # [N, k]
+        E = getattr(module, "num_experts", None)
+        if not isinstance(index, torch.Tensor) or not isinstance(E, int):
+            raise ValueError(
+                f"{name}: not an experts module of the kind expert_paths must name: one called as experts(hidden, "
+                "top_k_index, top_k_weights), with a num_experts attribute"
+            )
         # Indices >= E are "no expert" slots (expert-parallel padding): not run.
         ran = F.one_hot(index.clamp(max=E), E + 1)[..., :E].amax(dim=1)  # [N, E] 0/1
         seen[name] = {
@@ -177,6 +183,12 @@ def expert_execution(
     finally:
         for handle in handles:
             handle.remove()
+    if not seen:  # e.g. a ModuleList of experts, which the model indexes and never calls
+        raise ValueError(
+            f"{type(model).__name__}: no module matching {list(expert_paths)} was called in the forward pass "
+            f"(matched: {list(modules)[:3]}); expert_paths must name modules the model calls as experts(hidden, "
+            "top_k_index, top_k_weights)"
+        )
     for layer in seen.values():
         layer["expert_fraction"] = layer["experts_run_per_token_mean"] / layer["experts_available"]
     run = sum(v["experts_run_per_token_mean"] for v in seen.values())
