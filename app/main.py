@@ -114,6 +114,8 @@ def sidebar() -> Selection:
             )
         if problem := default_cache_problem(entries, roots):
             st.warning(problem)
+        if missing := [str(r) for r in roots[1:] if not r.is_dir()]:  # (roots[0] is this repository's cache/)
+            st.warning(f"FCA_CACHE_ROOTS names {', '.join(missing)}: no such folder, so no cache is listed from it.")
         by_path = {str(e.path): e for e in entries}
         # Caches inside the repository are named from its root (`cache/demo/eval`), so typing the path
         # one would type in a shell filters to the listed cache instead of offering "Add: ...".

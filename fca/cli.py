@@ -694,7 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_command(
         "dashboard", help="start the dashboard on this machine (streamlit run app/main.py, from any folder)"
     )
-    p.add_argument("--port", type=int, default=8501, help="port to serve on (default 8501)")
+    p.add_argument("--port", type=_positive_int, default=8501, help="port to serve on (default 8501)")
     p.add_argument(
         "--address",
         default="127.0.0.1",

@@ -725,6 +725,9 @@ def test_a_default_cache_that_is_not_listed_is_said_and_another_is_shown(tiny_de
         assert at.sidebar.selectbox(key="cache").value == str(REPO / "cache" / "demo" / "eval")
     at = app_for(monkeypatch, [root], root / "eval").run()
     assert not at.sidebar.warning and at.sidebar.selectbox(key="cache").value == str(root / "eval")
+    at = app_for(monkeypatch, [root, tmp_path / "roots"], root / "eval").run()  # a mistyped root is said too
+    said = f"FCA_CACHE_ROOTS names {tmp_path / 'roots'}: no such folder, so no cache is listed from it."
+    assert [w.value for w in at.sidebar.warning] == [said]
 
 
 # ------------------------------------------------------------------ the Replay lab's state
