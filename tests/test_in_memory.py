@@ -170,34 +170,6 @@ def test_a_run_is_judged_before_its_figures_are_returned(adapted, tmp_path):
         fca.capture(adapted, tokens[:64].reshape(2, 32))
 
 
-def formulaic_text(sentences: int, seed: int = 0) -> np.ndarray:
-    """Character ids of text that repeats formulas, as scripture does ("and it came to pass that")."""
-    rng = np.random.default_rng(seed)
-    words = "the lord said unto moses and aaron speak children israel land water light day night king people".split()
-    formulas = ["and the lord spake unto moses saying ", "and it came to pass that ", "thus saith the lord of hosts "]
-    text = "".join(
-        (formulas[rng.integers(3)] if rng.random() < 0.3 else "")
-        + " ".join(rng.choice(words, rng.integers(3, 9)))
-        + ". "
-        for _ in range(sentences)
-    )
-    alphabet = sorted(set(text))
-    return np.array([alphabet.index(c) for c in text])
-
-
-def test_a_character_level_models_disjoint_splits_are_independent(adapted, tmp_path):
-    """32 characters of formulaic text recur by chance in any two stretches of it: the README's own example
-    with character ids was refused (1.0% of the KJV's 32-character stretches recur between disjoint halves).
-    Chance is measured on the evaluated cache; a copy of its text is still refused."""
-    chars = formulaic_text(6000)  # ~260,000 characters
-    fca.build_cache(adapted, chars[:100_000], tmp_path / "eval", seq_len=64, split="eval")
-    fca.build_cache(adapted, chars[100_000:200_000], tmp_path / "calibration", seq_len=64, split="calibration")
-    fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "calibration")  # 4.1% shared; 4.0% by chance
-    fca.build_cache(adapted, chars[10:50_010], tmp_path / "shifted", seq_len=64, split="calibration")
-    with pytest.raises(CacheError, match=r"shifted: shares text .* or twice the 4\.0% that the evaluated cache's"):
-        fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "shifted")
-
-
 def test_windows_are_checked():
     assert as_windows(np.arange(10), seq_len=3).tolist() == [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7, 8, 9]]
     with pytest.raises(ValueError, match="seq_len"):

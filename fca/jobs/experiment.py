@@ -69,34 +69,19 @@ SHARED_SPAN_TOKENS = 32  # text shared by chance is rarer at this length (none b
 MAX_SHARED_SPAN_SHARE = 0.01  # one duplicated window among hundreds passes; a shifted copy does not
 
 
-def _shared(a: np.ndarray, b: np.ndarray) -> int:
-    return np.intersect1d(a, b, assume_unique=True).size
-
-
 def check_shared_text(evaluated: Cache, calibration: Cache) -> None:
-    """Refuse caches that share more of either one's text than chance does: the distinct 32-token
-    stretches (whole windows, when shorter) found in both, wherever the window boundaries fall. Both shares
-    count: a small calibration cache cut from a large evaluated one is all leak while a tiny share of the
-    evaluated text. Chance is what the evaluated cache's first and second halves share: at most 1% passes,
-    or twice that, for text that repeats itself (32 characters of a character-level model's scripture are
-    a formula, where 32 BPE tokens are a sentence; two disjoint halves of the KJV share 1% of them)."""
+    """Refuse caches that share more than 1% of either one's text: the distinct 32-token stretches (whole
+    windows, when shorter) found in both, wherever the window boundaries fall. Both shares count: a small
+    calibration cache cut from a large evaluated one is all leak while a tiny share of the evaluated text."""
     span = min(SHARED_SPAN_TOKENS, evaluated.seq_len + 1, calibration.seq_len + 1)
-    half = evaluated.num_seqs // 2
-    first, second = (
-        evaluated.span_hashes(span, range(half)),
-        evaluated.span_hashes(span, range(half, evaluated.num_seqs)),
-    )
-    chance = _shared(first, second) / max(min(first.size, second.size), 1)
-    limit = max(MAX_SHARED_SPAN_SHARE, 2 * chance)
-    evaluated_spans, calibration_spans = np.union1d(first, second), calibration.span_hashes(span)
-    shared = _shared(evaluated_spans, calibration_spans)
+    evaluated_spans, calibration_spans = evaluated.span_hashes(span), calibration.span_hashes(span)
+    shared = np.intersect1d(evaluated_spans, calibration_spans, assume_unique=True).size
     shares = shared / max(calibration_spans.size, 1), shared / max(evaluated_spans.size, 1)
-    if max(shares) > limit:
+    if max(shares) > MAX_SHARED_SPAN_SHARE:
         raise CacheError(
             f"{calibration.path}: shares text with the evaluated cache {evaluated.path}: {shares[0]:.1%} of its "
             f"{span}-token stretches are there, and {shares[1]:.1%} of the evaluated cache's are here (at most "
-            f"{limit:.1%} of either: 1%, or twice the {chance:.1%} that the evaluated cache's two halves share); "
-            "static profiles must be estimated on other text"
+            f"{MAX_SHARED_SPAN_SHARE:.0%} of either); static profiles must be estimated on other text"
         )
 
 

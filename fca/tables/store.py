@@ -290,14 +290,13 @@ class Cache:
                     f"{spec.num_channels} in the model"
                 )
 
-    def span_hashes(self, span: int, seqs: range | None = None, chunk: int = 1024) -> np.ndarray:
+    def span_hashes(self, span: int, chunk: int = 1024) -> np.ndarray:
         """The distinct hashes of every `span`-token stretch of every sequence's window (its T tokens and
-        last target), of all sequences or of `seqs`, read `chunk` sequences at a time: what two caches' text
-        shares, wherever the window boundaries fall and whatever their manifests say of where it came from."""
-        seqs = range(self.num_seqs) if seqs is None else seqs
+        last target), read `chunk` sequences at a time: what two caches' text shares, wherever the window
+        boundaries fall and whatever their manifests say of where it came from."""
         hashes = []
-        for lo in range(seqs.start, seqs.stop, chunk):
-            rows = self.read_seqs(range(lo, min(seqs.stop, lo + chunk)), sites=[])
+        for lo in range(0, self.num_seqs, chunk):
+            rows = self.read_seqs(range(lo, min(self.num_seqs, lo + chunk)), sites=[])
             windows = np.concatenate([rows["token"], rows["target"][:, -1:]], axis=1)  # [n, T + 1]
             hashes.append(np.unique(span_hashes(windows, span)))
         return np.unique(np.concatenate(hashes)) if hashes else np.zeros(0, np.uint64)
