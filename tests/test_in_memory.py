@@ -170,6 +170,36 @@ def test_a_run_is_judged_before_its_figures_are_returned(adapted, tmp_path):
         fca.capture(adapted, tokens[:64].reshape(2, 32))
 
 
+def formulaic_text(sentences: int, seed: int = 0) -> np.ndarray:
+    """Character ids of text that repeats formulas, as scripture does ("and it came to pass that")."""
+    rng = np.random.default_rng(seed)
+    words = "the lord said unto moses and aaron speak children israel land water light day night king people".split()
+    formulas = ["and the lord spake unto moses saying ", "and it came to pass that ", "thus saith the lord of hosts "]
+    text = "".join(
+        (formulas[rng.integers(3)] if rng.random() < 0.3 else "")
+        + " ".join(rng.choice(words, rng.integers(3, 9)))
+        + ". "
+        for _ in range(sentences)
+    )
+    alphabet = sorted(set(text))
+    return np.array([alphabet.index(c) for c in text])
+
+
+def test_a_character_level_models_disjoint_splits_are_independent(adapted, tmp_path):
+    """32 characters of formulaic text recur by chance between any two parts of it: the README's own example
+    with character ids was refused (1.03% of the KJV's 32-character stretches recur between disjoint
+    slices). A small vocabulary compares 64-token stretches, and a shifted copy is still refused."""
+    chars = formulaic_text(6000)  # ~260,000 characters, 24 distinct
+    fca.build_cache(adapted, chars[:100_000], tmp_path / "eval", seq_len=256, split="eval")
+    fca.build_cache(adapted, chars[100_000:200_000], tmp_path / "calibration", seq_len=256, split="calibration")
+    fca.Experiment.open(
+        adapted, tmp_path / "eval", tmp_path / "calibration"
+    )  # 4.7% of its 32-character stretches recur
+    fca.build_cache(adapted, chars[10:50_010], tmp_path / "shifted", seq_len=256, split="calibration")
+    with pytest.raises(CacheError, match=r"shifted: shares text .*: 9\d\.\d% of its 64-token stretches"):
+        fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "shifted")
+
+
 def test_windows_are_checked():
     assert as_windows(np.arange(10), seq_len=3).tolist() == [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7, 8, 9]]
     with pytest.raises(ValueError, match="seq_len"):
