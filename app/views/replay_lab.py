@@ -261,8 +261,8 @@ def settings_form() -> None:
             256,
             key="lab_batch",
             disabled=locked,
-            help="sequences per forward pass (1 to 256); progress and Cancel act between batches, and results depend on "
-            "the batch composition (the command below carries it)",
+            help="sequences per forward pass (1 to 256); progress and Cancel act between batches, and results "
+            "depend on the batch composition (the command below carries it)",
         )
         settings = form_settings(kinds, freeze, alpha, independent, sweep)
         if kinds or sweep:

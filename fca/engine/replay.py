@@ -55,10 +55,12 @@ class DeviceCoefficients(Mapping):
 
     Host values are copied as they are; each site casts them on the device to the dtype its controller
     produces (`Site.replayed`): a cast on the CPU would cost host time the device does not need, and a
-    cast here to the model's dtype would round a float32 controller's values in a bfloat16 model. On CUDA a site's copy leaves from pinned memory on a side stream when the forward
-    reaches the site, so the host copies into pinned memory happen while the device runs the layers
-    before it (the CPU launches kernels ahead of the GPU); the compute stream waits only for the copies
-    of the sites it has reached. Copying every site before the forward had left the GPU idle while the
+    cast here to the model's dtype would round a float32 controller's values in a bfloat16 model.
+
+    On CUDA a site's copy leaves from pinned memory on a side stream when the forward reaches the site,
+    so the host copies into pinned memory happen while the device runs the layers before it (the CPU
+    launches kernels ahead of the GPU); the compute stream waits only for the copies of the sites it has
+    reached. Copying every site before the forward had left the GPU idle while the
     host pinned all of them (40 MB per batch of 8 x 1,024 tokens at MUDDPythia-1.4B's shapes).
     Contiguous always: some kernels (sigmoid, softmax) round differently on strided inputs, and a replay
     must not depend on the caller's memory layout.

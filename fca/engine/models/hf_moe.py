@@ -145,11 +145,11 @@ def expert_execution(
 
     A pre-hook on every experts module (those matching `expert_paths`: its family's, for the execution
     audit; the convention of transformers' MoE layers: a module called as `experts(hidden, top_k_index,
-    top_k_weights)` with a `num_experts` attribute) reads the `top_k_index [N, k]` it is handed (the dispatch that actually happens, whatever mode
-    the sites are in) and counts the distinct experts each token runs. Returns, per MoE layer and overall,
-    `experts_available` (E), `top_k`, `experts_run_per_token_mean` and `expert_fraction` (= run /
-    available); plus `experts_hit`, the distinct experts that ran for at least one token of the batch;
-    and `note`.
+    top_k_weights)` with a `num_experts` attribute) reads the `top_k_index [N, k]` it is handed (the
+    dispatch that actually happens, whatever mode the sites are in) and counts the distinct experts each
+    token runs. Returns, per MoE layer and overall, `experts_available` (E), `top_k`,
+    `experts_run_per_token_mean` and `expert_fraction` (= run / available); plus `experts_hit`, the
+    distinct experts that ran for at least one token of the batch; and `note`.
     """
     if not expert_paths:
         raise ValueError(f"{type(model).__name__}: no expert modules given (its family's expert_paths)")
