@@ -803,9 +803,33 @@ def test_saved_runs_list_newest_first_across_time_stamp_precisions(tmp_path):
     for n, created in enumerate(stamps):
         save_run(
             tmp_path / "c",
-            {"spec": {"conditions": ["correct"], "num_seqs": n + 1}, "results": results, "created": created},
+            {"spec": {"conditions": ["correct"], "num_seqs": n + 1, "seed": 0}, "results": results, "created": created},
         )
     assert [r["created"] for r in list_runs(tmp_path / "c")] == [stamps[2], stamps[0], stamps[1], stamps[3]]
+
+
+def test_saved_runs_with_a_damaged_field_are_skipped():
+    """These passed the record check and then failed the Replay lab's table (an exception box)."""
+    from fca.tables.runs import is_run_record
+
+    good = {
+        "spec": {"conditions": ["correct", "static_layer"], "num_seqs": 2, "seed": 3},
+        "results": {
+            "conditions": {"static_layer": {"nll": 1.0, "penalty": 0.1, "penalty_ci95": [0.0, 0.2]}},
+            "per_sequence_nll": {"static_layer": [1.0, 1.0]},
+        },
+    }
+    assert is_run_record(good)
+    for damage in (
+        lambda r: r["spec"].pop("seed"),
+        lambda r: r["spec"].update(seed="x"),
+        lambda r: r["spec"].update(conditions=[5, None]),
+        lambda r: r["results"]["per_sequence_nll"].update(static_layer=None),
+        lambda r: r["results"]["per_sequence_nll"].update(static_layer=["x"]),
+    ):
+        record = json.loads(json.dumps(good))
+        damage(record)
+        assert not is_run_record(record), record
 
 
 def test_lab_sweep_points_and_figure():

@@ -143,6 +143,32 @@ def test_report_of_another_json_is_one_line(tmp_path, capsys, content) -> None:
     assert err.count("\n") == 1 and str(path) in err and "not an FCA audit report" in err
 
 
+@pytest.mark.parametrize(
+    "where, value, said",
+    [
+        (("exactness", "max_abs_logit_diff"), None, "TypeError"),
+        (("variance", "per_site"), "x", "AttributeError"),
+        (("model", "fingerprint"), None, "TypeError"),
+        (("execution", "ratio_min"), "x", "TypeError"),
+        (("cache", "path"), ..., "no 'path'"),
+    ],
+)
+def test_a_report_with_a_damaged_field_is_one_line(tmp_path, capsys, where, value, said) -> None:
+    """Only the top-level sections were checked: a damaged field inside one was a traceback halfway
+    through rendering (and an exception box in the Overview, which reads reports the same way)."""
+    report = json.loads((ROOT / "cache" / "demo" / "audit.json").read_text())
+    section, key = where
+    if value is ...:
+        del report[section][key]
+    else:
+        report[section][key] = value
+    path = tmp_path / "audit.json"
+    path.write_text(json.dumps(report))
+    assert main(["report", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{path}: not an FCA audit report (a field cannot be read: {said}" in err
+
+
 def test_report_of_the_shipped_audit_still_renders(capsys) -> None:
     assert main(["report", str(ROOT / "cache/demo/audit.json")]) == 0
     assert capsys.readouterr().out.startswith("# FCA audit")

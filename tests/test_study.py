@@ -16,6 +16,8 @@ import pytest
 
 from fca.cli import main
 from fca.tables import study
+
+DEMO = Path(__file__).resolve().parent.parent / "cache" / "demo"
 from fca.tables.study import StudyError, build_study, spread, t_quantile_975
 
 # ------------------------------------------------------------------ hand-made audits
@@ -398,3 +400,17 @@ def test_demo_study_command_defaults_are_the_demo_configuration(monkeypatch, tmp
     assert main(["demo-study", "--out", str(tmp_path), *flags]) == 0
     assert seen["args"][2] == [4] and seen["include"] == [] and seen["device"] == "cuda"
     assert seen["config"]["d_model"] == 512
+
+
+def test_audits_with_a_damaged_or_huge_field_are_one_line_or_summarized(tmp_path, capsys):
+    """A string where a study reads a number was a bare 'could not convert' without the file, and a
+    retention of 1e300 an OverflowError traceback (its squared deviation)."""
+    audit = json.loads((DEMO / "audit.json").read_text())
+    other = copy.deepcopy(audit)
+    other["model"]["fingerprint"] = "another model"
+    other["variance"]["layer_identity_share"] = "x"
+    (tmp_path / "damaged.json").write_text(json.dumps(other))
+    assert main(["study", str(DEMO / "audit.json"), str(tmp_path / "damaged.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "damaged.json: not an FCA audit report for a study (a field cannot be read" in err
+    assert study.spread([1e300, 0.5])["sd"] == pytest.approx(7.0710678e299)  # absurd, but figures, not a crash

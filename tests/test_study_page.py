@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tests.test_app import app_for, no_exceptions, render
+from tests.test_app import REPO, app_for, no_exceptions, render
 from tests.test_study import build_tiny_study
 
 PAGE = "views/study.py"
@@ -123,6 +123,13 @@ def test_a_file_that_is_not_a_study_is_an_error_not_a_crash(tmp_path, monkeypatc
     pick_study(at, tmp_path / "odd")
     no_exceptions(at)
     assert any("not an FCA study" in e.value for e in at.error)
+    damaged = json.loads((REPO / "cache" / "demo-study" / "study.json").read_text())
+    del damaged["seeds"][0]["penalty"]  # a field the page reads: an exception box before
+    (tmp_path / "odd" / "study.json").write_text(json.dumps(damaged))
+    at = render(app_for(monkeypatch, [tmp_path]), PAGE)
+    pick_study(at, tmp_path / "odd")
+    no_exceptions(at)
+    assert any("not an FCA study (a field cannot be read: no 'penalty')" in e.value for e in at.error)
 
 
 def test_study_retention_figure_is_pure_and_titled():

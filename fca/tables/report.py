@@ -59,7 +59,22 @@ def check_report(report: object, source: str | Path = "report", required: tuple[
         _has_number(r, "nll") and _has_number(r, "alpha") for r in report.get("interpolation_sweep", [])
     ):
         raise ReportError(f"{source}: not an FCA audit report (its interpolation_sweep is not a list of rows)")
+    if set(REQUIRED_KEYS) <= set(required):  # a whole report: every field rendering reads must be readable
+        try:
+            render_markdown(report)
+        except DAMAGED_FIELD_ERRORS as err:
+            raise ReportError(f"{source}: not an FCA audit report (a field cannot be read: {damage(err)})") from None
     return report
+
+
+# What reading a damaged field of a JSON record raises (a key missing, a string where a number belongs,
+# null where an object does, a number too large to format).
+DAMAGED_FIELD_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError)
+
+
+def damage(err: Exception) -> str:
+    """A damaged field's error in a few words: a missing key is named as such."""
+    return f"no {err.args[0]!r}" if isinstance(err, KeyError) and err.args else f"{type(err).__name__}: {err}"
 
 
 def _has_interval(row: dict, key: str) -> bool:

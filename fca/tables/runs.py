@@ -17,6 +17,7 @@ import numpy as np
 
 from fca.tables.conditions import Condition, parse_condition
 from fca.tables.outputs import atomic_write_text, strict_json
+from fca.tables.report import DAMAGED_FIELD_ERRORS
 from fca.tables.scoring import BOOTSTRAP_RESAMPLES, gap_retention
 from fca.tables.stats import paired_bootstrap_ci
 
@@ -86,7 +87,10 @@ def is_run_record(record: object) -> bool:
     if not isinstance(record, dict) or not isinstance(record.get("spec"), dict):
         return False
     spec, results = record["spec"], record.get("results")
-    if not isinstance(spec.get("conditions"), list) or not number(spec.get("num_seqs")):
+    if not isinstance(spec.get("conditions"), list) or not all(isinstance(c, str) for c in spec["conditions"]):
+        return False
+    seed = spec.get("seed")
+    if not number(spec.get("num_seqs")) or not (isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0):
         return False
     if not isinstance(results, dict) or not isinstance(results.get("conditions"), dict):
         return False
@@ -96,7 +100,16 @@ def is_run_record(record: object) -> bool:
         ci = row.get("penalty_ci95")
         if not (isinstance(ci, list) and len(ci) == 2 and all(number(x, nullable=True) for x in ci)):
             return False
-    return isinstance(results.get("per_sequence_nll", {}), dict) and isinstance(record.get("created", ""), str)
+    per_seq = results.get("per_sequence_nll", {})
+    if not isinstance(per_seq, dict) or not isinstance(record.get("created", ""), str):
+        return False
+    if not all(isinstance(v, list) and all(number(x) for x in v) for v in per_seq.values()):
+        return False
+    try:  # what the run views read of it, read once here
+        saved_run_rows([record])
+    except DAMAGED_FIELD_ERRORS:
+        return False
+    return True
 
 
 # ------------------------------------------------------------------ runs as people read them

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
-from fca.tables.report import ReportError, read_report
+from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, damage, read_report
 
 STUDY_VERSION = 1
 # Keys every audit report has (README, "What is measured, exactly"); anything else is passed through or optional.
@@ -130,10 +130,17 @@ def spread(values: Sequence[float | None]) -> dict:
     n = len(xs)
     if n == 0:
         return {"n": 0, "mean": None, "sd": None, "ci95": None}
-    mean = math.fsum(xs) / n
+    try:
+        mean = math.fsum(xs) / n
+    except OverflowError:  # values near float's limit (a damaged audit, say): averaged without their sum
+        mean = math.fsum(x / n for x in xs)
     if n == 1:
         return {"n": 1, "mean": mean, "sd": None, "ci95": None}
-    sd = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (n - 1))
+    try:
+        sd = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (n - 1))
+    except OverflowError:  # the same, their squared deviations taken in units of the largest
+        scale = max(abs(x - mean) for x in xs)
+        sd = scale * math.sqrt(math.fsum(((x - mean) / scale) ** 2 for x in xs) / (n - 1))
     half = t_quantile_975(n - 1) * sd / math.sqrt(n)
     return {"n": n, "mean": mean, "sd": sd, "ci95": [mean - half, mean + half]}
 
@@ -155,8 +162,14 @@ def load_audit(path: str | Path) -> dict:
         report = read_report(path, REPORT_KEYS)  # as `fca report` reads it, with the sections a study needs
     except ReportError as err:  # (its message names the file)
         raise StudyError(str(err)) from None
-    if not field(report, "model.fingerprint"):
+    if not isinstance(field(report, "model.fingerprint"), str) or not field(report, "model.fingerprint"):
         raise StudyError(f"{path}: not an FCA audit report (no model fingerprint)")
+    try:  # what a study reads of it, read once here: a damaged field is this line, not a traceback later
+        render_markdown(build_study([(str(path), report)]))
+    except DAMAGED_FIELD_ERRORS as err:
+        raise StudyError(
+            f"{path}: not an FCA audit report for a study (a field cannot be read: {damage(err)})"
+        ) from None
     return report
 
 
@@ -482,4 +495,10 @@ def load_study(path: str | Path) -> dict:
         raise StudyError(f"{path}: not a readable study ({err})") from None
     if not isinstance(study, dict) or "fca_study_version" not in study or "seeds" not in study:
         raise StudyError(f"{path}: not an FCA study (no 'fca_study_version' or 'seeds')")
+    if study["fca_study_version"] != STUDY_VERSION:
+        raise StudyError(f"{path}: study version {study['fca_study_version']!r}; this FCA reads {STUDY_VERSION}")
+    try:  # every field the study's views read, read once here: a damaged one is this line, not a traceback
+        render_markdown(study)
+    except DAMAGED_FIELD_ERRORS as err:
+        raise StudyError(f"{path}: not an FCA study (a field cannot be read: {damage(err)})") from None
     return study
