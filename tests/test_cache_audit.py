@@ -197,6 +197,19 @@ def _cli_error(args, capsys):
     return err
 
 
+def test_a_file_where_the_runs_folder_belongs_is_refused_before_the_replay(demo, tmp_path, capsys, monkeypatch):
+    """The replay ran whole and then failed to save (`[Errno 17] File exists`): its figures were lost."""
+    from fca.jobs import experiment
+
+    cache = _copy(demo, tmp_path)
+    (tmp_path / "eval.runs").write_text("notes")
+    monkeypatch.setattr(experiment, "run_conditions", lambda *a, **k: pytest.fail("replayed before the check"))
+    args = ["replay", "--model", str(demo / "featuregate"), "--cache", str(cache), "--num-seqs", "2", "--calibration"]
+    args.append(str(demo / "calibration"))
+    err = _cli_error(args, capsys)
+    assert f"{tmp_path / 'eval.runs'}: a file, where the cache's runs folder belongs" in err
+
+
 def test_corrupt_part_file(demo, tmp_path, capsys):
     bad = _copy(demo, tmp_path)
     part = bad / "part-00000.parquet"

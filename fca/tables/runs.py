@@ -33,14 +33,18 @@ def runs_writable(cache_dir: str | Path) -> bool:
     import os
 
     folder = runs_dir(cache_dir)
-    return os.access(folder if folder.exists() else folder.parent, os.W_OK)
+    if folder.exists():  # (a file of that name is writable, and no folder can be made there)
+        return folder.is_dir() and os.access(folder, os.W_OK)
+    return os.access(folder.parent, os.W_OK)
 
 
 def check_runs_writable(cache_dir: str | Path) -> None:
     """OSError with what to do unless runs of this cache can be saved: checked before a replay, so that
     minutes of it are not lost to a failed save."""
+    folder = runs_dir(cache_dir)
+    if folder.exists() and not folder.is_dir():
+        raise OSError(f"{folder}: a file, where the cache's runs folder belongs; move it, or replay with --no-save")
     if not runs_writable(cache_dir):
-        folder = runs_dir(cache_dir)
         raise OSError(
             f"{folder if folder.exists() else folder.parent}: not writable, so the run could not be saved beside "
             "the cache; replay with --no-save, or copy the cache somewhere writable"
