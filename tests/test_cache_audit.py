@@ -210,6 +210,17 @@ def test_a_file_where_the_runs_folder_belongs_is_refused_before_the_replay(demo,
     assert f"{tmp_path / 'eval.runs'}: a file, where the cache's runs folder belongs" in err
 
 
+def test_a_manifest_that_lists_fewer_sites_than_its_parts_is_refused(demo, tmp_path, capsys):
+    """It passed `inspect --verify`, and the audit then failed on statistics of another width, without a file."""
+    cache = _copy(demo, tmp_path)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    dropped = list(manifest["sites"])[-1]
+    del manifest["sites"][dropped]
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    err = _cli_error(["inspect", str(cache), "--verify"], capsys)
+    assert f"part-00000.parquet: column {dropped!r} is not a site of the manifest" in err
+
+
 def test_corrupt_part_file(demo, tmp_path, capsys):
     bad = _copy(demo, tmp_path)
     part = bad / "part-00000.parquet"

@@ -269,7 +269,13 @@ def moments_file(part_file: str) -> str:
 
 
 def check_part_schema(part: Path, schema: pa.Schema, expected: pa.Schema) -> None:
-    """CacheError naming the part and column when `schema` lacks a column of `expected` or types it otherwise."""
+    """CacheError naming the part and column when `schema` lacks a column of `expected`, types it otherwise,
+    or has one more (a site the manifest no longer lists: its statistics would not fit the manifest's)."""
+    extra = [name for name in schema.names if name not in expected.names]
+    if extra:
+        raise CacheError(
+            f"{part}: column {extra[0]!r} is not a site of the manifest (an edited manifest, or another cache's part)"
+        )
     for column_field in expected:
         if column_field.name not in schema.names:
             raise CacheError(f"{part}: column {column_field.name!r} is missing")
