@@ -20,6 +20,7 @@ from fca.engine.models.featuregate import (
 from fca.engine.sites import Site, find_sites, site_modes
 from fca.jobs.train import TrainSettings, heldout_nll, train
 from fca.tables import data
+from fca.tables.errors import CacheError
 
 from .helpers import TINY, make_model_dir, write_corpus
 
@@ -211,6 +212,26 @@ def test_training_reduces_loss(tmp_path, corpus):
     tok = data.load_tokenizer(tmp_path / "m")
     windows = data.split_windows(corpus, "eval", tok, 16, 0, 16)
     assert heldout_nll(model, windows) == pytest.approx(log["final_eval_nll"], rel=1e-5)
+
+
+def test_a_diverged_training_saves_no_model_and_a_nan_model_writes_no_cache(tmp_path, corpus):
+    """A learning rate of 1e30 saved a model of NaN weights (exit 0), and its cache of NaN coefficients
+    was written and passed `inspect --verify`."""
+    settings = TrainSettings(steps=3, batch_size=4, lr=1e30, warmup=1, eval_every=3, eval_windows=4, vocab_size=300)
+    with pytest.raises(
+        ValueError, match=r"/m: training diverged \(held-out NLL nan.*no model is saved; train with a lower"
+    ):
+        train(corpus, tmp_path / "m", FeatureGateConfig(**TINY), settings, show_progress=False)
+    assert not (tmp_path / "m").exists()
+    model = build_featuregate(FeatureGateConfig(**TINY)).eval()
+    with torch.no_grad():
+        model.blocks[1].gate.controller.net.weight[0, 0] = float("nan")
+    windows = np.random.default_rng(0).integers(0, 300, (4, 17))
+    with pytest.raises(
+        CacheError, match=r"non-finite coefficients \(NaN or inf\) at site 'blocks\.1\.gate' in sequences 0-3"
+    ):
+        fca.build_cache(model, windows, tmp_path / "c", batch_size=4)
+    assert not (tmp_path / "c").exists()
 
 
 def test_splits_are_deterministic_and_disjoint():

@@ -222,5 +222,12 @@ def _train(
     log["tokens_per_second"] = round(log["tokens_seen"] / step_seconds, 1) if step_seconds > 0 else None
     log["final_eval_nll"] = heldout_nll(model, eval_windows[: settings.final_eval_windows])
     log["final_eval_tokens"] = int(min(len(eval_windows), settings.final_eval_windows) * T)
+    finite_weights = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    if not finite_weights or not math.isfinite(log["final_eval_nll"]):
+        weights = "" if finite_weights else ", weights NaN or inf"
+        raise ValueError(
+            f"{out}: training diverged (held-out NLL {log['final_eval_nll']:.4g}{weights}), so no model is saved; "
+            f"train with a lower --lr than {settings.lr:g}"
+        )
     save_model(model.eval().to("cpu"), out, tokenizer, {"training_log.json": json.dumps(log, indent=1)})
     return log

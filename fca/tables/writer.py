@@ -559,6 +559,22 @@ class CacheWriter:
             with self.timings("close_part"):  # footer, moments sidecar, hashes, progress record, merge
                 self._close_part(open_parts.pop(k))
 
+    def _check_finite(self, part: _OpenPart) -> None:
+        """Refuse a part whose coefficients hold NaN or inf, read off its moments (a NaN or inf makes its
+        slot's sum and extremes non-finite, so no value is scanned twice): a model with NaN weights, or a
+        controller that overflows, was cached, passed `inspect --verify`, and was refused only by replay."""
+        m = part.moments
+        bad = ~(np.isfinite(m.sum) & np.isfinite(m.minimum) & np.isfinite(m.maximum))  # [C]
+        if bad.any():
+            lo, hi = self.part_range(part.index)
+            widths = [self.schema.field(name).type.list_size for name in self.sites]
+            site = self.sites[int(np.searchsorted(np.cumsum(widths), int(np.argmax(bad)), side="right"))]
+            raise CacheError(
+                f"{self.partial / part.file}: the model computed non-finite coefficients (NaN or inf) at site "
+                f"{site!r} in sequences {lo}-{hi - 1}; a cache of them could not be replayed (NaN weights, or a "
+                "controller that overflows)"
+            )
+
     def _open_part(self, k: int) -> _OpenPart:
         name = f"part-{k:05d}.parquet"
         writer = pq.ParquetWriter(
@@ -574,6 +590,7 @@ class CacheWriter:
 
     def _close_part(self, part: _OpenPart) -> None:
         part.writer.close()
+        self._check_finite(part)
         tmp, final = self.partial / (part.file + ".tmp"), self.partial / part.file
         moments = moments_file(part.file)
         tokens = None
