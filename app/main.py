@@ -34,7 +34,7 @@ if st.context.ip_address is not None and not st.get_option("server.address"):
     st.stop()
 
 from app import resources  # noqa: E402
-from app.views.common import SELECTION_KEY, Selection, match_typed, typed_path, typed_problem  # noqa: E402
+from app.views.common import SELECTION_KEY, Selection, match_typed, typed_outside, typed_path, typed_problem  # noqa: E402
 from fca.tables import catalog  # noqa: E402
 from fca.tables.errors import CacheError  # noqa: E402
 
@@ -62,7 +62,7 @@ def default_cache(entries: list[catalog.CacheEntry]) -> int:
     """Index of the cache selected first: FCA_DEFAULT_CACHE, else cache/demo/eval, else the first
     evaluated (non-calibration) cache."""
     env = os.environ.get("FCA_DEFAULT_CACHE", "").strip()
-    wanted = [Path(env).expanduser().resolve()] if env else []
+    wanted = [catalog.user_path(env)] if env else []
     wanted.append((REPO / "cache" / "demo" / "eval").resolve())
     paths = [e.path for e in entries]
     for w in wanted:
@@ -75,12 +75,12 @@ def default_cache_problem(entries: list[catalog.CacheEntry], roots: list[Path]) 
     """Why FCA_DEFAULT_CACHE, when set, names none of the listed caches (None: it is listed, or unset), so
     that a mistyped variable is said instead of another cache silently shown in its place."""
     wanted = os.environ.get("FCA_DEFAULT_CACHE", "").strip()
-    path = Path(wanted).expanduser().resolve()
+    path = catalog.user_path(wanted)
     if not wanted or path in [e.path for e in entries]:
         return None
     if not catalog.path_allowed(path, roots):
         why = "it is outside the configured roots (add its folder to FCA_CACHE_ROOTS)"
-    elif not path.is_dir():
+    elif not catalog.is_folder(path):
         why = "there is no such folder"
     elif not (path / "manifest.json").is_file():
         why = "the folder has no manifest.json"
@@ -114,7 +114,7 @@ def sidebar() -> Selection:
             )
         if problem := default_cache_problem(entries, roots):
             st.warning(problem)
-        if missing := [str(r) for r in roots[1:] if not r.is_dir()]:  # (roots[0] is this repository's cache/)
+        if missing := [str(r) for r in roots[1:] if not catalog.is_folder(r)]:  # (roots[0] is this repository's cache/)
             st.warning(f"FCA_CACHE_ROOTS names {', '.join(missing)}: no such folder, so no cache is listed from it.")
         by_path = {str(e.path): e for e in entries}
         # Caches inside the repository are named from its root (`cache/demo/eval`), so typing the path
@@ -156,7 +156,7 @@ def sidebar() -> Selection:
         matched = None if choice in by_path else match_typed(typed, roots, list(by_path), REPO)
         if choice in by_path or matched is not None:
             sel.entry = by_path[choice if choice in by_path else matched]
-        elif typed and not catalog.path_allowed(typed_path(typed, roots, REPO), roots):
+        elif typed and typed_outside(typed, roots, REPO):
             st.error(f"{typed}: outside the configured roots; set FCA_CACHE_ROOTS to allow it")
         elif typed and (problem := typed_problem(typed, roots, REPO)):
             sel.cache_error = problem  # shown by the page as "This cache cannot be used: ..."

@@ -680,7 +680,7 @@ def test_execution_measurement_belongs_to_its_cache(tiny_demo, tmp_path, monkeyp
 
 
 def test_sidebar_matches_typed_paths_and_explains_missing_ones(tiny_demo, tmp_path, monkeypatch):
-    from app.views.common import match_typed, typed_problem
+    from app.views.common import match_typed, typed_outside, typed_problem
 
     root = tmp_path / "root"
     shutil.copytree(tiny_demo / "eval", root / "local" / "eval")
@@ -698,6 +698,12 @@ def test_sidebar_matches_typed_paths_and_explains_missing_ones(tiny_demo, tmp_pa
     assert missing == f"There is no folder {root / 'missing'} (relative paths are read from {REPO})."
     assert "not a cache" in typed_problem("local", [root], REPO)
     assert typed_problem("local/eval/", [root], REPO) is None
+    # Text the system cannot look up was an exception box (RuntimeError, ValueError, OSError).
+    for odd in ("~nosuchuser/x", "a\0b", "x" * 300, "local/" + "y" * 300):
+        assert match_typed(odd, [root], listed, REPO) is None, odd
+        typed_outside(odd, [root], REPO)  # answers (it raised RuntimeError, ValueError or OSError)
+        problem = typed_problem(odd, [root], REPO)
+        assert problem.startswith("There is no folder") or "is not a path: a path cannot hold a NUL" in problem
 
     # AppTest cannot type into the box; what it can do: a cache built while the page is open appears
     # when asked (or on a rerun after the 2 s re-scan).
@@ -728,6 +734,10 @@ def test_a_default_cache_that_is_not_listed_is_said_and_another_is_shown(tiny_de
     at = app_for(monkeypatch, [root, tmp_path / "roots"], root / "eval").run()  # a mistyped root is said too
     said = f"FCA_CACHE_ROOTS names {tmp_path / 'roots'}: no such folder, so no cache is listed from it."
     assert [w.value for w in at.sidebar.warning] == [said]
+    for odd in ("~nosuchuser/x", "/" + "y" * 300):  # no such user, a name too long: no exception box
+        at = app_for(monkeypatch, [root, Path(odd)], Path(odd)).run()
+        no_exceptions(at)
+        assert any("FCA_CACHE_ROOTS names" in w.value for w in at.sidebar.warning)
 
 
 # ------------------------------------------------------------------ the Replay lab's state

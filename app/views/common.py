@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import streamlit as st
 
+from fca.tables import catalog
 from fca.tables.catalog import CacheEntry
 from fca.tables.errors import CacheError, ExactnessError, ModelLoadError
 from fca.tables.store import Cache
@@ -73,28 +74,50 @@ def typed_path(typed: str, roots: list[Path], repo: Path) -> Path:
     spaces dropped, and a relative path read from the repository (where `cache/...` lives), else from
     the first root that holds it (so a listed label such as `demo/eval` names its cache too)."""
     text = typed.strip().rstrip("/\\") or typed.strip()
-    path = Path(text).expanduser()
-    if path.is_absolute():
-        return path.resolve()
+    if "\0" in text:
+        raise ValueError("a path cannot hold a NUL character")
+    path = Path(text)
+    if path.is_absolute() or text.startswith("~"):
+        return catalog.user_path(path)
     for base in (repo, *roots):
-        if (Path(base) / path).exists():
+        if _exists(Path(base) / path):
             return (Path(base) / path).resolve()
     return (repo / path).resolve()
 
 
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):  # a name too long to look up
+        return False
+
+
 def match_typed(typed: str, roots: list[Path], listed: list[str], repo: Path) -> str | None:
     """The listed cache (its path, as in `listed`) that a typed path names, if any."""
-    if not typed.strip():
+    try:
+        path = str(typed_path(typed, roots, repo)) if typed.strip() else None
+    except ValueError:  # not a path at all: `typed_problem` says so
         return None
-    path = str(typed_path(typed, roots, repo))
     return path if path in listed else None
+
+
+def typed_outside(typed: str, roots: list[Path], repo: Path) -> bool:
+    """Whether a typed path lies outside the configured roots (False for text that is no path at all,
+    which `typed_problem` explains)."""
+    try:
+        return not catalog.path_allowed(typed_path(typed, roots, repo), roots)
+    except ValueError:
+        return False
 
 
 def typed_problem(typed: str, roots: list[Path], repo: Path) -> str | None:
     """Why a typed path (inside the configured roots) cannot be opened as a cache, in one plain sentence
     instead of an OSError's "[Errno 2] ..." (None: it can be tried)."""
-    path = typed_path(typed, roots, repo)
-    if not path.is_dir():
+    try:
+        path = typed_path(typed, roots, repo)
+    except ValueError as err:
+        return f"{typed.strip()!r} is not a path: {err}."
+    if not catalog.is_folder(path):
         return f"There is no folder {typed.strip()} (relative paths are read from {repo})."
     if not (path / "manifest.json").is_file():
         return f"{typed.strip()} is a folder but not a cache: it has no manifest.json."

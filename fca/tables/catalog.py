@@ -76,6 +76,25 @@ class CacheEntry:
     error: str | None = None
 
 
+def user_path(text: str | Path) -> Path:
+    """A path as a person typed or configured it: `~` expanded where it names a user (`~nobody/x`, with no
+    such user, stays as typed: a folder that is not there, not a RuntimeError), then resolved."""
+    path = Path(text)
+    try:
+        path = path.expanduser()
+    except RuntimeError:
+        pass
+    return path.resolve()
+
+
+def is_folder(path: Path) -> bool:
+    """`path.is_dir()`, False also for a path the system cannot look up (a name too long, a NUL byte)."""
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 def configured_roots(repo_root: str | Path, environ: dict | None = None) -> list[Path]:
     """`<repo>/cache` plus every directory in `FCA_CACHE_ROOTS` (os.pathsep-separated)."""
     environ = os.environ if environ is None else environ
@@ -83,7 +102,7 @@ def configured_roots(repo_root: str | Path, environ: dict | None = None) -> list
     roots += [Path(p) for p in environ.get(ROOTS_ENV, "").split(os.pathsep) if p.strip()]
     out: list[Path] = []
     for root in roots:
-        resolved = root.expanduser().resolve()
+        resolved = user_path(root)
         if resolved not in out:
             out.append(resolved)
     return out
@@ -119,7 +138,7 @@ def discover_caches(roots: Iterable[str | Path]) -> list[CacheEntry]:
     entries: dict[Path, CacheEntry] = {}
     for root in roots:
         root = Path(root).resolve()
-        if not root.is_dir():
+        if not is_folder(root):
             continue
         for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
             # Prune hidden folders, unfinished builds and saved runs; nothing below them is a cache.
@@ -133,8 +152,8 @@ def discover_caches(roots: Iterable[str | Path]) -> list[CacheEntry]:
 
 def path_allowed(path: str | Path, roots: Iterable[str | Path]) -> bool:
     """True when `path` (after resolving `..` and symbolic links) lies inside one of `roots`."""
-    resolved = Path(path).expanduser().resolve()
-    return any(resolved.is_relative_to(Path(root).expanduser().resolve()) for root in roots)
+    resolved = user_path(path)
+    return any(resolved.is_relative_to(user_path(root)) for root in roots)
 
 
 def _read_json(path: Path) -> dict | None:
