@@ -221,6 +221,33 @@ def test_a_manifest_that_lists_fewer_sites_than_its_parts_is_refused(demo, tmp_p
     assert f"part-00000.parquet: column {dropped!r} is not a site of the manifest" in err
 
 
+@pytest.mark.parametrize("damage", ["truncated", "other arrays", "another file named"])
+def test_stored_moments_consistent_with_their_hash_but_malformed_are_one_line(demo, tmp_path, capsys, damage):
+    """A manifest edited along with its moments file gave BadZipFile and TypeError tracebacks, or bare
+    'count'; and its moments entry could name any file (/etc/passwd was read and hashed)."""
+    import hashlib
+
+    calibration = _copy(demo, tmp_path, "calibration")
+    manifest = json.loads((calibration / "manifest.json").read_text())
+    moments = calibration / "moments.npz"
+    if damage == "truncated":
+        moments.write_bytes(moments.read_bytes()[:500])
+    elif damage == "other arrays":
+        np.savez(moments, x=np.zeros(3))
+    else:
+        manifest["moments"]["file"] = "../eval/moments.npz"
+    manifest["moments"]["sha256"] = hashlib.sha256(moments.read_bytes()).hexdigest()
+    (calibration / "manifest.json").write_text(json.dumps(manifest))
+    args = [*_audit_args(demo / "featuregate", demo / "eval", calibration, tmp_path / "r.json"), "--sweep", "none"]
+    err = _cli_error(args, capsys)
+    said = {
+        "truncated": "moments.npz: malformed stored moments (File is not a zip file)",
+        "other arrays": "moments.npz: malformed stored moments (no 'count')",
+        "another file named": "manifest.json: its moments entry names '../eval/moments.npz', not 'moments.npz'",
+    }
+    assert said[damage] in err
+
+
 def test_corrupt_part_file(demo, tmp_path, capsys):
     bad = _copy(demo, tmp_path)
     part = bad / "part-00000.parquet"

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from fca.tables.errors import CacheError
-from fca.tables.schema import file_sha256, read_arrays
+from fca.tables.schema import MANIFEST, MOMENTS, file_sha256, read_arrays
 from fca.tables.stats import Moments, SlotLayout, family_grand_means, merge_moment_arrays
 from fca.tables.store import Cache
 
@@ -47,13 +48,19 @@ def stored_moments(cache: Cache, layout: SlotLayout, with_tokens: bool = True) -
         return None
     if entry.get("contents") != cache.manifest.contents_fingerprint:
         return None  # parts changed since the moments were merged: scan what is there now
-    path = cache.path / entry["file"]
+    if entry.get("file") != MOMENTS:  # a name the manifest gives is read only if it is the cache's own file
+        raise CacheError(f"{cache.path / MANIFEST}: its moments entry names {entry.get('file')!r}, not {MOMENTS!r}")
+    path = cache.path / MOMENTS
     if not path.is_file():
         raise CacheError(f"{path}: the manifest lists stored moments, but the file is missing")
     if file_sha256(path) != entry.get("sha256"):
         raise CacheError(f"{path}: contents do not match the manifest's sha256 (corrupt or modified)")
     vocab = cache.manifest.vocab_size if with_tokens else None
-    m, _ = merge_moment_arrays(iter([read_arrays(path)]), layout.num_slots, cache.seq_len, vocab)
+    try:
+        m, _ = merge_moment_arrays(iter([read_arrays(path)]), layout.num_slots, cache.seq_len, vocab)
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as err:  # (hash-consistent, yet malformed)
+        reason = f"no {err.args[0]!r}" if isinstance(err, KeyError) and err.args else str(err).splitlines()[0]
+        raise CacheError(f"{path}: malformed stored moments ({reason})") from None
     if m.num_seqs != cache.num_seqs:
         raise CacheError(f"{path}: moments of {m.num_seqs} sequences, the cache has {cache.num_seqs}")
     if not (np.isfinite(m.sum).all() and np.isfinite(m.sumsq).all()):
