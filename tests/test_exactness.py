@@ -234,6 +234,15 @@ def test_a_damaged_live_nll_column_is_refused_in_a_foreign_cache(demo_pair, tmp_
     assert replay_cli(model_dir, beyond, cal) == 2
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.startswith(f"fca: error: {beyond}: sequences") and "outside the model's vocabulary [0, 320)" in err
+    # The same cache's statistics (the Variance page) and execution probe ("Measure now") failed with an
+    # IndexError (an exception box in the dashboard).
+    from fca.jobs.experiment import Experiment
+    from fca.tables.profiles import scan_moments, slot_layout
+
+    with pytest.raises(CacheError, match=r"token ids from \d+ to \d+, outside its vocabulary \[0, 320\)"):
+        scan_moments(open_cache(beyond), slot_layout(open_cache(beyond)))
+    with pytest.raises(CacheError, match=r"outside the model's vocabulary \[0, 320\)"):
+        Experiment.open(model_dir, beyond, None).measure_execution(runs=1)
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,8 @@ from torch import nn
 from fca.engine.environment import model_dtype_name
 from fca.engine.execution import execution_audit
 from fca.engine.loading import fingerprint_state, load_model
-from fca.engine.replay import ReplayResults, check_exactness, check_finite, run_conditions
-from fca.engine.sites import find_sites, site_specs
+from fca.engine.replay import ReplayResults, check_exactness, check_finite, check_token_ids, run_conditions
+from fca.engine.sites import find_sites, site_specs, vocab_rows
 from fca.tables.catalog import DENSE_TWINS, is_dense_twin
 from fca.tables.conditions import Condition, as_conditions
 from fca.tables.errors import CacheError, ModelLoadError
@@ -233,8 +233,10 @@ class Experiment:
 
     def probe_ids(self, num_seqs: int = 8) -> torch.Tensor:
         """Token ids [n, T] of the first evaluated sequences, on the model's device: the execution probe."""
-        ids = self.evaluated.read_seqs(list(range(min(num_seqs, self.evaluated.num_seqs))), sites=[])["token"]
-        return torch.from_numpy(ids.astype("int64")).to(self.device)
+        seqs = list(range(min(num_seqs, self.evaluated.num_seqs)))
+        rows = self.evaluated.read_seqs(seqs, sites=[])
+        check_token_ids(rows, vocab_rows(self.model) or self.evaluated.vocab_size, self.evaluated.path, seqs)
+        return torch.from_numpy(rows["token"].astype("int64")).to(self.device)
 
     def measure_execution(self, runs: int = 7) -> dict:
         """Blocks executed, controller FLOPs and latency against the Dense twin (when there is one)."""

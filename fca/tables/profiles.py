@@ -124,6 +124,11 @@ def scan_moments(
     for values, tokens in batches():
         if not np.isfinite(values).all():
             raise CacheError(f"{cache.path}: non-finite coefficients (NaN or inf) in the cache")
+        if m.vocab_size is not None and tokens.size and not 0 <= tokens.min() <= tokens.max() < m.vocab_size:
+            raise CacheError(
+                f"{cache.path}: token ids from {tokens.min()} to {tokens.max()}, outside its vocabulary [0, "
+                f"{m.vocab_size}): a damaged cache"
+            )
         m.add(values, tokens)
         if progress is not None:
             progress(m.num_seqs, total)
