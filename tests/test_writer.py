@@ -409,6 +409,17 @@ def test_a_small_build_journals_its_parts_and_resumes_from_the_journal(tmp_path)
     writer.abort()
     with open(partial / PROGRESS_JOURNAL, "a") as journal:
         journal.write('{"index": 3, "fi')
+    # Damaged records are parts to write again, not tracebacks (a TypeError, a bare 'file', a decode error).
+    kept = (partial / PROGRESS_JOURNAL).read_bytes()
+    records = [json.loads(line) for line in kept.decode().splitlines()[:3]]
+    damaged = [7, [1], {**records[1], "file": 5}, {k: v for k, v in records[2].items() if k != "index"}]
+    (partial / PROGRESS_JOURNAL).write_bytes(
+        b"\n".join([json.dumps(records[0]).encode(), b"\xff\xfe", *(json.dumps(r).encode() for r in damaged)]) + b"\n"
+    )
+    probe = CacheWriter(tmp_path / "c", plan, schema, 2)
+    assert probe.pending_parts() == [1, 2, 3]
+    probe.abort()
+    (partial / PROGRESS_JOURNAL).write_bytes(kept)
     resumed = CacheWriter(tmp_path / "c", plan, schema, 2)
     assert resumed.pending_parts() == [3]
     whole = _write_pairs(CacheWriter(tmp_path / "whole", plan, schema, 2), 0, 8).finish()

@@ -14,6 +14,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import shutil
 import socket
 import threading
@@ -60,8 +61,9 @@ TOKEN_SUMS_ALLOWANCE = 2**20  # bytes of a part's token-id sums that are always 
 
 def read_progress(partial: str | Path) -> dict | None:
     """What a build's `<out>.partial/` says it has done: its plan, `seqs_per_part` and `parts` (the records
-    in progress.json, then those of its journal; a journal line cut short by a crash, the last, is
-    skipped); None when there is no readable progress.json."""
+    in progress.json, then those of its journal); None when there is no readable progress.json. A record
+    that is not a part's (a journal line cut short by a crash, a damaged entry) is skipped: that part is
+    written again."""
     partial = Path(partial)
     try:
         progress = json.loads((partial / PROGRESS).read_text())
@@ -69,13 +71,35 @@ def read_progress(partial: str | Path) -> dict | None:
         return None
     if not isinstance(progress, dict) or not isinstance(progress.get("parts"), list):
         return None
+    records = list(progress["parts"])
     journal = partial / PROGRESS_JOURNAL
-    for line in journal.read_text().splitlines() if journal.is_file() else []:
+    try:
+        lines = journal.read_bytes().decode("utf-8", errors="replace").splitlines() if journal.is_file() else []
+    except OSError:
+        lines = []
+    for line in lines:
         try:
-            progress["parts"].append(json.loads(line))
+            records.append(json.loads(line))
         except ValueError:
             continue
+    progress["parts"] = [r for r in records if _is_part_record(r)]
     return progress
+
+
+def _is_part_record(record: object) -> bool:
+    """A part's record as `_close_part` writes it: index, part file name, sequence count and hashes."""
+
+    def whole(x: object) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    if not isinstance(record, dict) or not whole(record.get("index")) or not whole(record.get("num_seqs")):
+        return False
+    names = [record.get("file"), *([record["moments"]] if "moments" in record else [])]
+    hashes = [record.get("sha256"), *([record.get("moments_sha256")] if "moments" in record else [])]
+    return all(isinstance(n, str) and PART_FILE.fullmatch(n) for n in names) and all(isinstance(h, str) for h in hashes)
+
+
+PART_FILE = re.compile(r"part-\d+(\.moments\.npz|\.parquet)")  # the files a part's record may name
 
 
 def _write_json_atomic(path: Path, obj: dict, indent: int | None = 1) -> None:
