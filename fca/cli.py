@@ -293,6 +293,10 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     from fca.tables.store import open_cache
 
     cache = open_cache(args.cache, verify=args.verify)
+    if args.verify:  # the stored moments too: hashed and read, as the audit and the dashboard read them
+        from fca.tables.profiles import slot_layout, stored_moments
+
+        stored_moments(cache, slot_layout(cache), with_tokens=False)
     m = cache.manifest
     print(
         f"{cache.path}: {cache.num_seqs} sequences x {cache.seq_len} tokens ({m.num_tokens:,} tokens), "

@@ -240,6 +240,7 @@ def test_stored_moments_consistent_with_their_hash_but_malformed_are_one_line(de
     (calibration / "manifest.json").write_text(json.dumps(manifest))
     args = [*_audit_args(demo / "featuregate", demo / "eval", calibration, tmp_path / "r.json"), "--sweep", "none"]
     err = _cli_error(args, capsys)
+    assert err.split(": ", 1)[1] in _cli_error(["inspect", str(calibration), "--verify"], capsys)  # it passed
     said = {
         "truncated": "moments.npz: malformed stored moments (File is not a zip file)",
         "other arrays": "moments.npz: malformed stored moments (no 'count')",
