@@ -174,8 +174,11 @@ def sidebar() -> Selection:
             except CacheError as err:
                 sel.cache_error = str(err)
         named = catalog.find_model_dir(entry.path)
-        twin = catalog.find_dense_twin(named) if named else None  # it has no controllers: never the cache's model
-        models = [m for m in catalog.model_dirs_beside(entry.path) if m != twin]
+        beside = catalog.model_dirs_beside(entry.path)
+        # A Dense twin has no controllers: never the cache's model (the named model's, or, when that is
+        # not there, any model's beside it, which was offered first when it came first alphabetically).
+        twins = {catalog.find_dense_twin(m) for m in ([named] if named else beside)}
+        models = [m for m in beside if m not in twins]
         if models:
             default = models.index(named) if named in models else 0
             chosen = st.selectbox(

@@ -122,6 +122,18 @@ def test_the_sidebar_never_offers_the_dense_twin_as_the_caches_model(tiny_demo, 
     assert [Path(m).name for m in models.options] == ["featuregate"]
 
 
+def test_without_the_caches_named_model_the_dense_twin_is_still_not_offered(tiny_demo, tmp_path, monkeypatch):
+    """With the named folder moved away, every folder beside the cache was offered, the twin first (as
+    'dense' sorts before the other's new name), and a run failed with "made by a different model"."""
+    root = tmp_path / "moved"
+    for name, to in (("eval", "eval"), ("dense", "dense"), ("featuregate", "gated")):
+        shutil.copytree(tiny_demo / name, root / to)
+    at = app_for(monkeypatch, [root], root / "eval").run()
+    no_exceptions(at)
+    models = at.sidebar.selectbox(key=f"model::{root / 'eval'}")
+    assert models.options == ["gated (not named by the cache)"]
+
+
 def test_dense_twin_needs_same_sizes():
     gated = {"model_type": "featuregate", "gated": True, "d_model": 32, "n_layers": 2, "init_seed": 0}
     assert catalog.is_dense_twin(gated, {**gated, "gated": False, "init_seed": 3})
