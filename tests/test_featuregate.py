@@ -223,6 +223,9 @@ def test_a_diverged_training_saves_no_model_and_a_nan_model_writes_no_cache(tmp_
     ):
         train(corpus, tmp_path / "m", FeatureGateConfig(**TINY), settings, show_progress=False)
     assert not (tmp_path / "m").exists()
+    (tmp_path / "one.txt").write_text("only one document\n")
+    with pytest.raises(data.CorpusError, match=r"one\.txt: need at least 3 documents"):  # named, as build-cache does
+        train(tmp_path / "one.txt", tmp_path / "m", FeatureGateConfig(**TINY), settings, show_progress=False)
     model = build_featuregate(FeatureGateConfig(**TINY)).eval()
     with torch.no_grad():
         model.blocks[1].gate.controller.net.weight[0, 0] = float("nan")

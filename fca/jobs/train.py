@@ -149,7 +149,10 @@ def _train(
 ) -> dict:
     device = precision.device
     torch.manual_seed(settings.seed)
-    splits = data.split_documents(data.load_documents(corpus, text_column), settings.split_seed)
+    try:
+        splits = data.split_documents(data.load_documents(corpus, text_column), settings.split_seed)
+    except data.CorpusError as err:  # named as build-cache names it
+        raise err if str(corpus) in str(err) else data.CorpusError(f"{corpus}: {err}") from None
     if tokenizer is None:
         tokenizer = data.train_tokenizer(splits["train"], settings.vocab_size)
     config = FeatureGateConfig(
