@@ -152,6 +152,9 @@ def check_replaceable(
         raise OutputError(
             f"{str(path) or '(empty)'}: give the {kind} a folder of its own, not the current or parent one"
         )
+    above = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if above is not None:  # (else "[Errno 17] File exists" of that file, when the folder is made)
+        raise OutputError(f"{path}: {above} is a file, so no folder can be made below it")
     if not path.exists() and not path.is_symlink():
         return
     if not overwrite:
