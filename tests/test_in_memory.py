@@ -66,9 +66,13 @@ def test_custom_model_audited_end_to_end(adapted, tmp_path):
     tokens = np.random.default_rng(0).integers(0, 64, 8_000)  # a token stream; any tokenizer's ids will do
     fca.build_cache(adapted, tokens[:4_000], tmp_path / "eval", seq_len=32, split="eval")
     fca.build_cache(adapted, tokens[4_000:], tmp_path / "calibration", seq_len=32, split="calibration")
-    report = fca.audit(adapted, tmp_path / "eval", tmp_path / "calibration", latency_runs=2)
+    report = fca.audit(adapted, tmp_path / "eval", tmp_path / "calibration", latency_runs=2, training={"seed": 7})
 
     assert report["model"]["name"] == "TinyGatedLM" and report["cache"]["sequences"] == 124
+    # The seed given travels in the report, so a study of such audits shows it (it showed "?").
+    from fca.tables.study import build_study
+
+    assert report["training"] == {"seed": 7} and build_study([("a", report)])["seeds"][0]["seed"] == 7
     assert report["exactness"]["max_abs_logit_diff"] == 0.0
     assert report["exactness"]["fidelity"]["verdict"] == "bit-identical"
     # The five paper conditions and, as from the CLI, the interpolation sweep (alpha 0, 0.25, ..., 1).

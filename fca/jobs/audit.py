@@ -41,12 +41,19 @@ def run_audit(
     latency_runs: int = 7,
     progress: Callable[[str, int, int], None] | None = None,
     sweep: Sequence[float] = SWEEP_ALPHAS,
+    training: dict | None = None,
 ) -> dict:
     """The three-property report of `model` (a directory, or a module held in memory: `fca.audit`) on an
     evaluated and a calibration cache (directories or opened caches), with its Dense twin's latency when
     `dense` is given. Cache part hashes are verified first. `sweep`: alphas of an interpolation sweep
-    (`interpolate:alpha` conditions and an `interpolation_sweep` section; () for none)."""
+    (`interpolate:alpha` conditions and an `interpolation_sweep` section; () for none). `training`: how
+    the model was trained, e.g. {"seed": 3, "steps": 800}, for a model held in memory (a directory's is
+    read from its training log); a study of such audits shows their seeds."""
     experiment = Experiment.open(model, cache, calibration, dense, device=device, dtype=dtype, verify=True)
+    if training is not None:
+        if not isinstance(training, dict) or not isinstance(training.get("seed", 0), int):
+            raise ValueError(f"training must be a dict with a whole-number seed, e.g. {{'seed': 3}}; got {training!r}")
+        experiment.training = {**experiment.training, **training}
     return audit_experiment(
         experiment,
         batch_size=batch_size,
