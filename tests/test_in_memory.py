@@ -250,6 +250,8 @@ def test_windows_longer_than_the_models_context_or_a_training_model_leave_nothin
     tokens = np.random.default_rng(0).integers(0, 64, 400)
     with pytest.raises(ValueError, match=r"PositionedLM fails on a window of 32 tokens, so nothing was written \("):
         fca.build_cache(model, tokens, tmp_path / "long", seq_len=32)
+    with pytest.raises(ValueError, match=r"split 'calib': choose one of train, calibration, eval"):
+        fca.build_cache(model, tokens, tmp_path / "typo", seq_len=16, split="calib")
     model.train()
     with pytest.raises(ValueError, match=r"PositionedLM is in training mode; call model\.eval\(\) before building"):
         fca.build_cache(model, tokens, tmp_path / "training", seq_len=16)

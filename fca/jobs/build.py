@@ -203,6 +203,8 @@ def build_cache(
     or a 1-D token stream cut into windows of `seq_len` + 1. `split` and `corpus_name` describe where
     the windows come from: an evaluated and a calibration cache must come from different splits.
     """
+    if split not in data.SPLITS:  # as the CLI: the dashboard pairs an evaluated cache with its "calibration" one
+        raise ValueError(f"split {split!r}: choose one of {', '.join(data.SPLITS)}")
     windows = as_windows(windows, seq_len)  # [N, T + 1]
     specs = site_specs(model)
     if not specs:
