@@ -754,8 +754,10 @@ def test_a_damaged_model_directory_or_corpus_is_named_in_one_line(demo, tmp_path
     build += ["--out", str(tmp_path / "c"), "--num-seqs", "4", "--batch", "4", "--device", "cpu"]
     for broken, said in (
         ([], "a JSON list, not an object"),
-        ({**config, "d_model": "32"}, "cannot build a featuregate model from it"),
-        ({**config, "max_seq_len": -1}, "cannot build a featuregate model from it"),
+        # The reason names the setting (it was "not all arguments converted during string formatting").
+        ({**config, "d_model": "32"}, "cannot build a featuregate model from it (d_model must be a whole number"),
+        ({**config, "max_seq_len": -1}, "cannot build a featuregate model from it (max_seq_len must be a whole"),
+        ({**config, "n_heads": 0}, "cannot build a featuregate model from it (n_heads must be a whole number"),
     ):
         (model / "config.json").write_text(json.dumps(broken))
         err = _cli_error(build, capsys)

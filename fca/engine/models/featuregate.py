@@ -65,6 +65,11 @@ class FeatureGateConfig(PretrainedConfig):
         self.validate_shapes()
 
     def validate_shapes(self) -> None:
+        sizes = ("vocab_size", "d_model", "n_layers", "n_heads", "mlp_groups", "mlp_ratio", "max_seq_len")
+        for name in (*sizes, "controller_hidden"):  # (a size given as "192" failed with a % format error)
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a whole number of at least 1, not {value!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if self.d_model % self.mlp_groups:
