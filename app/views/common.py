@@ -80,16 +80,9 @@ def typed_path(typed: str, roots: list[Path], repo: Path) -> Path:
     if path.is_absolute() or text.startswith("~"):
         return catalog.user_path(path)
     for base in (repo, *roots):
-        if _exists(Path(base) / path):
+        if catalog.is_folder(Path(base) / path):  # (a cache is a folder)
             return (Path(base) / path).resolve()
     return (repo / path).resolve()
-
-
-def _exists(path: Path) -> bool:
-    try:
-        return path.exists()
-    except (OSError, ValueError):  # a name too long to look up
-        return False
 
 
 def match_typed(typed: str, roots: list[Path], listed: list[str], repo: Path) -> str | None:

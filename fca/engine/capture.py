@@ -55,6 +55,17 @@ def num_slots(specs) -> int:
 ROW_KEY_BYTES = 4 * 4 + 4  # four int32 keys and the float32 live NLL
 
 
+def check_embedded_ids(model: nn.Module, windows: np.ndarray, out: str | Path) -> None:
+    """Refuse windows [N, T + 1] holding ids the model's embedding does not have (a model whose embedding
+    is not known is not checked here): they would fail deep inside the model, on a GPU as a device assert."""
+    vocab = vocab_rows(model)
+    if vocab is not None and (windows.min() < 0 or windows.max() >= vocab):
+        raise ValueError(
+            f"{out}: token ids from {windows.min()} to {windows.max()}, but {type(model).__name__} embeds ids in "
+            f"[0, {vocab}): the tokenizer (or the windows) do not belong to this model"
+        )
+
+
 def bytes_per_token(specs, coefficient_bytes: int = 4) -> int:
     """Raw bytes one row occupies: its keys and live NLL (ROW_KEY_BYTES), and every site's channels."""
     return ROW_KEY_BYTES + coefficient_bytes * num_slots(specs)
@@ -393,12 +404,7 @@ def write_cache(
         raise ValueError(
             f"{out}: a build needs at least one window and a batch of at least one (got {N}, {batch_size})"
         )
-    vocab = vocab_rows(model)
-    if vocab is not None and (windows.min() < 0 or windows.max() >= vocab):  # before anything is written
-        raise ValueError(
-            f"{out}: token ids from {windows.min()} to {windows.max()}, but {type(model).__name__} embeds ids in "
-            f"[0, {vocab}): the tokenizer (or the windows) do not belong to this model"
-        )
+    check_embedded_ids(model, windows, out)  # before anything is written
     coefficient_dtype = plan.get("coefficient_dtype", "float32")
     schema = cache_schema(specs, coefficient_arrow_type(coefficient_dtype))
     parameter = next(model.parameters())

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fca.engine.capture import ROW_KEY_BYTES, bytes_per_token, check_part_seqs, write_cache
+from fca.engine.capture import ROW_KEY_BYTES, bytes_per_token, check_embedded_ids, check_part_seqs, write_cache
 from fca.engine.checkpoints import read_config
 from fca.engine.environment import current_environment, model_dtype_name
 from fca.engine.loading import fingerprint_state, load_model
@@ -211,16 +211,17 @@ def build_cache(
         raise ValueError(f"{type(model).__name__}: the model has no controller sites (declare them with attach_sites)")
     if model.training:  # refused before anything is written (record passes refuse it too, later)
         raise ValueError(f"{type(model).__name__} is in training mode; call model.eval() before building a cache")
-    _probe_window(model, windows, out)
     config = model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None
     vocab_size = _vocab_size(model)
-    # A model without a known embedding (`vocab_rows`, checked by `write_cache`) is held to its logits' width,
-    # before anything is written; else an id beyond it fails deep in the model (on a GPU, a device assert).
+    # A model without a known embedding (`vocab_rows`) is held to its logits' width, before anything is
+    # written; else an id beyond it fails deep in the model (on a GPU, a device assert).
+    check_embedded_ids(model, windows, out)
     if vocab_rows(model) is None and (windows.min() < 0 or windows.max() >= vocab_size):
         raise ValueError(
             f"{out}: token ids from {windows.min()} to {windows.max()}, but {type(model).__name__} predicts ids in "
             f"[0, {vocab_size}): the windows do not belong to this model"
         )
+    _probe_window(model, windows, out)  # (after the ids are known to fit: its failure is then the context)
     plan = manifest_draft(
         model,
         windows,

@@ -162,7 +162,8 @@ def load_audit(path: str | Path) -> dict:
         report = read_report(path, REPORT_KEYS)  # as `fca report` reads it, with the sections a study needs
     except ReportError as err:  # (its message names the file)
         raise StudyError(str(err)) from None
-    if not isinstance(field(report, "model.fingerprint"), str) or not field(report, "model.fingerprint"):
+    fingerprint = field(report, "model.fingerprint")
+    if not isinstance(fingerprint, str) or not fingerprint:
         raise StudyError(f"{path}: not an FCA audit report (no model fingerprint)")
     try:  # what a study reads of it, read once here: a damaged field is this line, not a traceback later
         render_markdown(build_study([(str(path), report)]))
