@@ -708,6 +708,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(err: BaseException) -> str:
+    """A user error as one line: an OSError's path first (`out.lock: Permission denied`, not
+    `[Errno 13] Permission denied: 'out.lock'`), a KeyError's message without the quotes str() adds."""
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        target = f" -> {err.filename2}" if err.filename2 is not None else ""
+        return f"{err.filename}{target}: {err.strerror}"
+    return err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -728,7 +737,6 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         if os.environ.get("FCA_DEBUG"):
             raise
-        message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
-        print(f"fca: error: {message}", file=sys.stderr)
+        print(f"fca: error: {_one_line(err)}", file=sys.stderr)
         return 2
     return 0

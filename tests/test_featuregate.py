@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -185,6 +187,16 @@ def test_missing_or_corrupt_checkpoint_errors(tmp_path, model_dir):
     save_file(state, broken / "model.safetensors")
     with pytest.raises(ModelLoadError, match="missing keys.*blocks.1.gate.controller.net.weight"):
         fca.load_model(broken)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root reads files without permission")
+def test_weights_without_read_permission_are_said_so(tmp_path, model_dir):
+    """safetensors describes a file it may not open as "No such file or directory"."""
+    locked = tmp_path / "locked"
+    shutil.copytree(model_dir, locked)
+    (locked / "model.safetensors").chmod(0)
+    with pytest.raises(ModelLoadError, match=r"model.safetensors: unreadable weights \(Permission denied\)"):
+        fca.load_model(locked)
 
 
 def test_training_reduces_loss(tmp_path, corpus):

@@ -794,6 +794,32 @@ def test_a_held_lock_is_refused_before_loading_and_stale_kinds_are_recognised(ar
     assert open_cache(tmp_path / "cache").num_seqs == N_SEQS and not lock.exists()
 
 
+def test_a_lock_that_cannot_be_created_is_one_line_naming_it(artifacts, capsys):
+    """A destination where no file can be made (a virtual folder, where even root cannot) was a raw
+    `[Errno 2] No such file or directory: '/proc/x.lock'`."""
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs Linux's /proc")
+    out = Path("/proc") / f"fca-test-{os.getpid()}"
+    model, corpus = str(artifacts / "model"), str(artifacts / "prose.txt")
+    code = main(["build-cache", "--model", model, "--corpus", corpus, "--split", "eval", "--out", str(out),
+                 "--num-seqs", "2", "--device", "cpu"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err == f"fca: error: {out}: cannot create its build lock {out}.lock (No such file or directory)"
+
+
+def test_an_os_error_is_one_line_with_its_path_first():
+    from fca.cli import _one_line
+
+    assert _one_line(PermissionError(13, "Permission denied", "c/part.parquet")) == "c/part.parquet: Permission denied"
+    assert (
+        _one_line(OSError(18, "Invalid cross-device link", "a.tmp", None, "b"))
+        == "a.tmp -> b: Invalid cross-device link"
+    )
+    assert _one_line(OSError("no path")) == "no path"
+    assert _one_line(KeyError("blocks.9.gate: no such site")) == "blocks.9.gate: no such site"
+
+
 # ---------------------------------------------------------------------------------------------
 # bfloat16 storage.
 

@@ -45,10 +45,12 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     )
     try:
         if single.is_file():
+            _check_readable(single)
             return load_file(single)
         if index.is_file():
             return _read_shards(path, index, json.loads(index.read_text())["weight_map"])
         if pickle.is_file():
+            _check_readable(pickle)
             state = torch.load(pickle, map_location="cpu", weights_only=True)
             state = state.get("model", state) if isinstance(state, dict) else state
             if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -66,6 +68,15 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     raise ModelLoadError(f"{path}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)")
 
 
+def _check_readable(file: Path) -> None:
+    """Refuse a weights file this process may not open, with the system's reason: safetensors reports a
+    file without read permission as "No such file or directory"."""
+    try:
+        file.open("rb").close()
+    except OSError as err:
+        raise ModelLoadError(f"{file}: unreadable weights ({err.strerror or err})") from None
+
+
 def _read_shards(path: Path, index: Path, weight_map: dict[str, str]) -> dict[str, torch.Tensor]:
     """The weights a sharded checkpoint's index maps, each read from the shard the index names: a key
     the index puts in one shard and a shard that lacks it, or a shard holding a key the index does not
@@ -74,6 +85,7 @@ def _read_shards(path: Path, index: Path, weight_map: dict[str, str]) -> dict[st
 
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
+        _check_readable(path / shard)
         tensors = load_file(path / shard)
         wanted = {k for k, s in weight_map.items() if s == shard}
         lacking, stray = sorted(wanted - set(tensors)), sorted(set(tensors) - wanted)

@@ -246,6 +246,10 @@ class BuildLock:
                     self._take_over(holder)
                     continue
                 raise self._refusal(holder) from None
+            except OSError as err:  # (a read-only or virtual folder: the cache could not be written there either)
+                raise CacheError(
+                    f"{self.what}: cannot create its build lock {self.path} ({err.strerror or err})"
+                ) from None
             with os.fdopen(fd, "w") as f:
                 json.dump(record, f)
             self.held = True
