@@ -39,13 +39,16 @@ from fca.tables import catalog  # noqa: E402
 from fca.tables.errors import CacheError  # noqa: E402
 
 PAGES = [
-    st.Page("views/overview.py", title="Overview", icon=":material/fact_check:", url_path="overview", default=True),
+    # (The default page is served at the root URL; its url_path only has to differ from the alias's below.)
+    st.Page("views/overview.py", title="Overview", icon=":material/fact_check:", url_path="home", default=True),
     st.Page("views/variance.py", title="Variance", icon=":material/grid_on:", url_path="variance"),
     st.Page("views/profiles.py", title="Profiles", icon=":material/show_chart:", url_path="profiles"),
     st.Page("views/token_text.py", title="Token text", icon=":material/text_fields:", url_path="token_text"),
     st.Page("views/replay_lab.py", title="Replay lab", icon=":material/science:", url_path="replay_lab"),
     st.Page("views/execution.py", title="Execution", icon=":material/speed:", url_path="execution"),
     st.Page("views/study.py", title="Study", icon=":material/stacked_line_chart:", url_path="study"),
+    # The default page lives at the root URL; this alias keeps a bookmark or link to /overview working.
+    st.Page("views/overview.py", title="Overview", url_path="overview", visibility="hidden"),
 ]
 DEVICES = ("auto", "cuda", "cpu")
 

@@ -20,9 +20,9 @@ from bench.browser import (
     wait_settled,
 )
 
-# url path ("" is the default page, the overview) -> does the page draw a chart before any interaction
-# (the replay lab draws after a run)
-PAGES = {"": True, "variance": True, "profiles": True, "replay_lab": False, "execution": True}
+# url path ("" is the default page, the overview; "overview" its alias, for bookmarks) -> does the page
+# draw a chart before any interaction (the replay lab draws after a run)
+PAGES = {"": True, "overview": True, "variance": True, "profiles": True, "replay_lab": False, "execution": True}
 
 pytestmark = pytest.mark.skipif(
     not Path(CHROMIUM).is_file(), reason=f"{CHROMIUM} is absent (apt-get install chromium; .ci/run does)"
