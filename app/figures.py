@@ -111,7 +111,9 @@ def share_by_site(df: pd.DataFrame | dict, pooled: float | None = None) -> go.Fi
 
 
 def factor_bars(df: pd.DataFrame) -> go.Figure:
-    """df: factor, share (None allowed: shown as 'n/a'). Horizontal bars, one per factor."""
+    """df: factor, share (None allowed: shown as 'n/a'), and optionally chance (the share a factor of that
+    many groups takes with no effect; None where it does not apply). Horizontal bars, one per factor, a
+    tick at each chance level."""
     shares = np.array([np.nan if v is None else float(v) for v in df["share"]])
     fig = go.Figure(
         go.Bar(
@@ -119,12 +121,26 @@ def factor_bars(df: pd.DataFrame) -> go.Figure:
             x=np.nan_to_num(shares),
             orientation="h",
             marker_color="#72b7b2",
+            name="share",
             text=[f"{v:.3f}" if np.isfinite(v) else "n/a" for v in shares],
             textposition="outside",
             cliponaxis=False,  # the value of a bar near the axis end is written past the plot area
             hovertemplate="%{y}: %{x:.3f}<extra></extra>",
         )
     )
+    if "chance" in df and df["chance"].notna().any():
+        chance = [None if v is None or v != v else float(v) for v in df["chance"]]  # (None: no tick)
+        fig.add_trace(
+            go.Scatter(
+                y=df["factor"],
+                x=chance,
+                mode="markers",
+                marker=dict(symbol="line-ns-open", size=18, color="#222", line=dict(width=2.5, color="#222")),
+                name="chance level",
+                hovertemplate="%{y}: %{x:.4f} with no effect (the groups' number alone)<extra></extra>",
+            )
+        )
+        fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.25, x=0, entrywidth=90))
     fig.update_xaxes(title="share of variance (fraction)", range=[0, 1.1])  # beside long factor names: short
     fig.update_yaxes(title="factor", autorange="reversed")
     # right margin: the value written past the longest bar

@@ -632,6 +632,12 @@ def test_flops_bar_states_the_controller_share():
 def test_variance_page_controls_and_colour_scales(tiny_demo, monkeypatch):
     at = render(app_for(monkeypatch, [tiny_demo], tiny_demo / "eval"), "views/variance.py")
     no_exceptions(at)
+    # The factor chart ticks each within-slot factor's chance level (the token id's is the largest: most groups).
+    factors = next(c for c in _charts(at) if "What explains the variance" in json.dumps(c))
+    ticks = next(t for t in factors["data"] if t.get("name") == "chance level")
+    chance = dict(zip(ticks["y"], ticks["x"]))
+    assert chance["site"] is None and chance["residual after slot"] is None
+    assert 0 < chance["position within slot"] < chance["token id within slot"] < 0.5
     # Lazy tabs: only the open section runs (the first by default); opening another runs it instead.
     assert at.selectbox(key="var_quantity") is not None and not [n for n in at.number_input if n.key == "var_seq"]
     at.session_state["var_section"] = VARIANCE_SECTIONS[1]

@@ -151,6 +151,8 @@ def test_report_of_another_json_is_one_line(tmp_path, capsys, content) -> None:
         (("model", "fingerprint"), None, "TypeError"),
         (("execution", "ratio_min"), "x", "TypeError"),
         (("cache", "path"), ..., "no 'path'"),
+        (("variance", "chance_levels"), [0.01, 0.02], "AttributeError"),
+        (("variance", "chance_levels"), {"token_id_within_slot": "x"}, "ValueError"),
     ],
 )
 def test_a_report_with_a_damaged_field_is_one_line(tmp_path, capsys, where, value, said) -> None:

@@ -21,7 +21,9 @@ teach(
     "**layer-identity share** is the fraction of the coefficients' variance explained by the slot alone: if it "
     "is high, a fixed per-layer profile would reproduce most of what the controller outputs. The factor chart "
     "splits that further and shows how much position, token id and sequence explain *within* a slot "
-    "(overlapping shares of the same total, so they need not add up)."
+    "(overlapping shares of the same total, so they need not add up). A grouping explains some variance even "
+    "when it has no effect, more the more groups it has (every token id is a group): each within-slot factor's "
+    "tick marks that chance level."
 )
 
 stats = None
@@ -58,8 +60,13 @@ def overview_charts() -> None:
             col.metric(f"family {f}", "n/a" if v is None else f"{100 * v:.1f}%")
 
     per_site = pd.DataFrame({"site": list(dec["per_site"]), "share": list(dec["per_site"].values())})
+    chance = dec.get("chance_levels", {})
     factors = pd.DataFrame(
-        {"factor": [k.replace("_", " ") for k in dec["factors"]], "share": list(dec["factors"].values())}
+        {
+            "factor": [k.replace("_", " ") for k in dec["factors"]],
+            "share": list(dec["factors"].values()),
+            "chance": [chance.get(k) for k in dec["factors"]],
+        }
     )
     left, right = st.columns(2)
     with left:

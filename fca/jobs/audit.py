@@ -228,6 +228,9 @@ def _definitions(
         "variance_factors": "site, channel within site: parts of the slot effect; position, token id and sequence: "
         "group means within each slot, each as a share of SS_total (they overlap and do not add up); "
         "residual_after_slot = 1 - layer_identity_share",
+        "variance_chance_levels": "per within-slot factor, the share its groups take with no effect: k groups among "
+        "n values of a slot explain (k - 1) / (n - 1) of its within variance in expectation, "
+        "times residual_after_slot",
         "splits": {
             "evaluated": cache.manifest.corpus.split,
             "calibration": calibration.manifest.corpus.split,

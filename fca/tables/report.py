@@ -204,10 +204,17 @@ def render_markdown(report: dict) -> str:
         "Layer identity (the site and channel alone) explains "
         f"**{100 * (var['layer_identity_share'] or 0):.1f}%** of the coefficient variance.",
         "",
-        "| factor | share of variance |",
-        "|---|---|",
     ]
-    lines += [f"| {k.replace('_', ' ')} | {_fmt(v, 3)} |" for k, v in var["factors"].items()]
+    chance = var.get("chance_levels")  # (none in reports made before; `.keys()` below: a damaged list is refused)
+    if chance:
+        lines += ["| factor | share of variance | chance level (no effect) |", "|---|---|---|"]
+        lines += [
+            f"| {k.replace('_', ' ')} | {_fmt(v, 3)} | {_fmt(chance[k], 4) if k in chance.keys() else ''} |"
+            for k, v in var["factors"].items()
+        ]
+    else:
+        lines += ["| factor | share of variance |", "|---|---|"]
+        lines += [f"| {k.replace('_', ' ')} | {_fmt(v, 3)} |" for k, v in var["factors"].items()]
     lines += ["", "| site | layer-identity share |", "|---|---|"]
     lines += [f"| `{k}` | {_fmt(v, 3)} |" for k, v in var["per_site"].items()]
     lines += [

@@ -25,7 +25,7 @@ def summarize_conditions(per_seq_nll: Mapping[str, np.ndarray], seed: int = 0, r
             "nll": float(per_seq.mean()),
             "penalty": float(diff.mean()),
             "penalty_ci95": [lo, hi],
-            "nll_sd_over_sequences": float(per_seq.std(ddof=1)) if len(per_seq) > 1 else 0.0,
+            "nll_sd_over_sequences": float(per_seq.std(ddof=1)) if len(per_seq) > 1 else None,  # (undefined at n=1)
         }
     return table
 

@@ -303,13 +303,22 @@ def variance_decomposition(m: Moments, layout: SlotLayout) -> dict:
     ss_within_slot = ss_total_slot - ss_between_slot
     slot_term = m.sum**2 / m.count  # [C]
 
-    def share(num: float, den: float) -> float | None:
-        return float(num / den) if den > 1e-12 * max(1.0, m.count) else None
+    def share(num: float, den: float, scale: float) -> float | None:
+        # Undefined where the values around their mean are all equal, judged against their own magnitude
+        # (`scale`: their sum of squares), so values of any scale get a share and float rounding none.
+        return float(num / den) if den > 1e-12 * scale else None
 
     total = float(ss_total_slot.sum())
-    per_family = {f: share(ss_between_slot[fam == f].sum(), ss_total_slot[fam == f].sum()) for f in grand}
+    scale = float(m.sumsq.sum())
+    per_family = {
+        f: share(ss_between_slot[fam == f].sum(), ss_total_slot[fam == f].sum(), m.sumsq[fam == f].sum()) for f in grand
+    }
     per_site = {
-        s: share(ss_between_slot[layout.site_slice(s)].sum(), ss_total_slot[layout.site_slice(s)].sum())
+        s: share(
+            ss_between_slot[layout.site_slice(s)].sum(),
+            ss_total_slot[layout.site_slice(s)].sum(),
+            m.sumsq[layout.site_slice(s)].sum(),
+        )
         for s in layout.sites
     }
     # Site alone: every channel of a site shares one mean (within each family present in the site).
@@ -321,24 +330,38 @@ def variance_decomposition(m: Moments, layout: SlotLayout) -> dict:
             site_mean = m.sum[cols].sum() / (m.count * len(cols))
             ss_site += m.count * len(cols) * (site_mean - grand[f]) ** 2
     ss_slot = float(ss_between_slot.sum())
+    residual = share(float(ss_within_slot.sum()), total, scale)
     position = float(((m.pos_sum**2) / np.maximum(m.pos_count, 1)[:, None]).sum() - slot_term.sum())
     sequence = float(m.seq_term.sum() - slot_term.sum())
+    groups = {"position_within_slot": int((m.pos_count > 0).sum()), "sequence_within_slot": m.num_seqs}
     token = None
     if m.tok_sum is not None:
         seen = m.tok_count > 0
         token = float(((m.tok_sum[seen] ** 2) / m.tok_count[seen][:, None]).sum() - slot_term.sum())
+        groups["token_id_within_slot"] = int(seen.sum())
+    # A grouping with no effect still takes a share: k groups among n values of a slot explain, in
+    # expectation, (k - 1) / (n - 1) of the slot's within variance. A share is meaningful only above this.
+    chance = {
+        name: None if residual is None or m.count < 2 else (k - 1) / (m.count - 1) * residual
+        for name, k in groups.items()
+    }
     return {
-        "layer_identity_share": share(ss_slot, total),
+        "layer_identity_share": share(ss_slot, total, scale),
         "per_family": per_family,
         "per_site": per_site,
-        "per_slot_share": [share(b, t) for b, t in zip(ss_between_slot, ss_total_slot)],
+        "per_slot_share": [share(b, t, q) for b, t, q in zip(ss_between_slot, ss_total_slot, m.sumsq)],
         "factors": {
-            "site": share(ss_site, total),
-            "channel_within_site": share(ss_slot - ss_site, total),
-            "position_within_slot": share(position, total),
-            "token_id_within_slot": share(token, total) if token is not None else None,
-            "sequence_within_slot": share(sequence, total),
-            "residual_after_slot": share(float(ss_within_slot.sum()), total),
+            "site": share(ss_site, total, scale),
+            "channel_within_site": share(ss_slot - ss_site, total, scale),
+            "position_within_slot": share(position, total, scale),
+            "token_id_within_slot": share(token, total, scale) if token is not None else None,
+            "sequence_within_slot": share(sequence, total, scale),
+            "residual_after_slot": residual,
+        },
+        "chance_levels": {
+            name: chance[name]
+            for name in ("position_within_slot", "token_id_within_slot", "sequence_within_slot")
+            if name in chance
         },
         "ss_total": total,
         "family_grand_means": grand,
