@@ -125,6 +125,33 @@ def test_a_failed_build_lets_go_of_its_shared_blocks_even_when_its_clean_up_fail
     assert closed == [{"raise_errors": False}]
 
 
+def test_a_failure_letting_go_of_the_host_blocks_after_the_last_batch_still_ends_the_build(
+    artifacts, tmp_path, monkeypatch
+):
+    """The blocks were let go after the build's error handling: a late CUDA error surfacing there left the
+    writer unaborted and its lock held by this live process, so a retry here was refused as another build."""
+    from fca.engine.capture import HostCopies
+
+    model = fca.load_model(artifacts / "model")
+    windows = np.random.default_rng(5).integers(0, 300, (N_SEQS, T + 1))
+    plan = cache_plan(site_specs(model), T, N_SEQS, model={"path": "m", "fingerprint": "m"}, corpus={"split": "x"})
+    real_close = HostCopies.close
+
+    def close(self, raise_errors=True):
+        real_close(self, raise_errors=raise_errors)
+        if raise_errors:
+            raise RuntimeError("CUDA error: a late one")
+
+    build = {"batch_size": 2, "workers": 2, "part_seqs": 4, "writer_processes": True}
+    monkeypatch.setattr(HostCopies, "close", close)
+    with pytest.raises(RuntimeError, match="a late one"):
+        write_cache(model, windows, tmp_path / "c", plan, **build)
+    assert not (tmp_path / "c.lock").exists() and not (tmp_path / "c").exists()
+    monkeypatch.setattr(HostCopies, "close", real_close)
+    write_cache(model, windows, tmp_path / "c", plan, **build)  # the retry, in the same process
+    assert open_cache(tmp_path / "c", verify=True).num_seqs == N_SEQS
+
+
 def _build(artifacts, out, workers, **kw):
     return build_cache_from_corpus(
         artifacts / "model",

@@ -211,8 +211,11 @@ class HostCopies:
         held, self.blocks[slot] = self.blocks[slot], None
         if held is not None and held[3]:
             # A slot handed back after an error was never waited for: its copies may still be landing.
-            torch.cuda.synchronize(self.device)
-            torch.cuda.cudart().cudaHostUnregister(held[2].data_ptr())
+            with torch.cuda.device(self.device):  # (the build's GPU, not cuda:0's context)
+                torch.cuda.synchronize(self.device)
+                status = int(torch.cuda.cudart().cudaHostUnregister(held[2].data_ptr()))
+            if status != 0:  # else a later kernel launch would raise it as its own failure
+                _take_last_cuda_error(self.device)
 
     def start(
         self, tensors: dict[str, torch.Tensor], timings: Timings
@@ -321,15 +324,22 @@ class _BackgroundWriter:
     error is raised in the caller's thread at the next `submit` or at `close`; after it, items are
     passed to `discard(*item)` instead (so that, e.g., their pinned buffers are released)."""
 
-    def __init__(self, write: Callable[..., None], discard: Callable[..., None] | None = None) -> None:
+    def __init__(
+        self, write: Callable[..., None], discard: Callable[..., None] | None = None, device: torch.device | None = None
+    ) -> None:
         self.pending: queue.Queue = queue.Queue(maxsize=2)
         self.failure: list[BaseException] = []
         self.write = write
         self.discard = discard
+        self.device = device
         self.thread = threading.Thread(target=self._loop, name="fca-cache-collector", daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            # A new thread's current device is cuda:0: its first CUDA call (an event's wait) would make a
+            # context there, for a build on cuda:1.
+            torch.cuda.set_device(self.device)
         while (item := self.pending.get()) is not None:
             try:
                 if self.failure:
@@ -478,7 +488,7 @@ def record_pending(
     # while the GPU runs batch n + 1. On CPU the batch is handed over inline: with one writer it is
     # encoded in this thread, since a writer thread would only take a core from the forward pass.
     background = (
-        _BackgroundWriter(write_batch, discard=lambda lo, hi, host, event, slot: copies.release(slot))
+        _BackgroundWriter(write_batch, discard=lambda lo, hi, host, event, slot: copies.release(slot), device=device_)
         if device_.type == "cuda"
         else None
     )
@@ -501,6 +511,7 @@ def record_pending(
                     step(hi - lo)
         if background is not None:
             background.close()
+        copies.close()  # (inside: a late CUDA error surfacing here still aborts the writer and its lock)
     except BaseException:
         try:
             if background is not None:
@@ -509,4 +520,3 @@ def record_pending(
         finally:  # the pinned blocks are let go even when the clean-up itself fails or is interrupted
             copies.close(raise_errors=False)
         raise
-    copies.close()
