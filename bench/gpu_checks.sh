@@ -40,8 +40,11 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log its duratio
   shift 2
   start=$(date +%s)
   echo "== $name"
-  if ! timeout "$limit" "$@"; then echo "!! $name failed or timed out"; failed=$((failed + 1)); fi
+  local status=0
+  timeout "$limit" "$@" || status=$?
+  if ((status != 0)); then echo "!! $name failed or timed out"; failed=$((failed + 1)); fi
   echo "== $name: $(($(date +%s) - start)) s"
+  return $status  # (so that `step ... && record ...` records only what ran)
 }
 record() {  # record NAME JSON_FILE: append {"name": NAME, ...file} to results.jsonl
   [ -f "$2" ] && python -c "import json,sys; print(json.dumps({'name': sys.argv[1], **json.load(open(sys.argv[2]))}))" "$1" "$2" \
@@ -86,12 +89,26 @@ section_exactness() {
     step "a refused page-lock is taken back" 60 python -c "
 import torch
 from fca.engine.capture import _pin_in_place
+import mmap, os
 dev, flat = torch.device('$gpu'), torch.zeros(1 << 20, dtype=torch.uint8)
 assert _pin_in_place(flat, dev), 'the first page-lock was refused'
 assert not _pin_in_place(flat, dev), 'a second page-lock of the same memory was accepted'
 assert float(torch.ones(4, device=dev).sum()) == 4.0
 torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())
-print('the next launch ran')"
+print('the next launch ran')
+# What --writer-processes builds pin: a shared memory block (memfd) of a 1.4B-shaped batch's size. A refusal
+# would not change a cache, only make the build's copies synchronous, so it is checked here.
+fd = os.memfd_create('fca-check', os.MFD_CLOEXEC)
+os.ftruncate(fd, 40 << 20)
+mapping = mmap.mmap(fd, 40 << 20)
+block = torch.frombuffer(mapping, dtype=torch.uint8)
+assert _pin_in_place(block, dev), 'a shared memory block could not be page-locked'
+gpu_values = torch.arange(10 << 20, device=dev, dtype=torch.float32)
+block.view(torch.float32).copy_(gpu_values, non_blocking=True)
+torch.cuda.synchronize(dev)
+assert torch.equal(block.view(torch.float32), gpu_values.cpu())
+assert int(torch.cuda.cudart().cudaHostUnregister(block.data_ptr())) == 0
+print('a 40 MB shared block was page-locked and filled by a non-blocking copy')"
   fi
   step "demo audited on cuda" 240 python -m fca audit --model $demo/featuregate --cache $demo/eval --calibration $demo/calibration \
     --dense $demo/dense --device $gpu --json "$work/demo_cuda.json"
@@ -127,7 +144,7 @@ section_demo_seeds() {
     for arch in featuregate dense; do
       step "train demo seed $seed $arch" 150 python -m fca train --arch $arch --seed $seed --device $gpu --corpus $corpus \
         --out "$work/demo-study/seed$seed/$arch"
-      tar -C "$work/demo-study" -czf "$out/demo-seed$seed-$arch.tar.gz" "seed$seed/$arch"
+      step "archive demo seed $seed $arch" 60 tar -C "$work/demo-study" -czf "$out/demo-seed$seed-$arch.tar.gz" "seed$seed/$arch"
     done
   done
 }
@@ -153,7 +170,8 @@ section_study() {
   local study="$work/kjv-34m-study"
   step "big study" 60 python -m fca study "$study"/seed*/audit.json --json "$study/study.json" --markdown "$study/study.md"
   record "study: larger configuration" "$study/study.json"
-  (cd "$work" && tar -czf "$out/kjv-34m-study.tar.gz" kjv-34m-study/study.* kjv-34m-study/seed*/audit.*)
+  step "archive the study" 60 tar -C "$work" -czf "$out/kjv-34m-study.tar.gz" kjv-34m-study/study.json kjv-34m-study/study.md \
+    kjv-34m-study/seed{0,1,2}/audit.{json,md}
 }
 
 section_speed() {
