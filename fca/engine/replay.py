@@ -104,7 +104,9 @@ def replay(
     """Logits [B, T, V] of the frozen model fed `coefficients` (site -> array broadcastable to [B, T, K_s]).
 
     Every site is replayed unless `only` names a subset (a set of names, or one name; the rest run live).
-    The replayed controllers are never called.
+    The replayed controllers are never called. On CUDA, host coefficients given in pinned memory are copied
+    from that very memory, asynchronously, as any non-blocking copy: refill such a buffer only after the
+    logits are used (or the device synchronized).
     """
     ids = as_input_ids(input_ids, model)
     if not isinstance(coefficients, Mapping):
