@@ -219,6 +219,19 @@ def test_overview_tells_the_story_of_the_shipped_demo(monkeypatch):
     assert not any(m.value.strip() == "**condition_specs**" for m in at.markdown)
     specs = next(m.value for m in at.markdown if "`interpolate:0`" in m.value)
     assert "`interpolate:0`: kind interpolate, alpha 0.0, seed 0" in specs  # zeros are values, not absences
+    assert not at.warning, [w.value for w in at.warning]  # 256 sequences: no caution about few of them
+
+
+def test_a_report_over_few_sequences_says_its_intervals_are_rough(tiny_demo, monkeypatch):
+    """Three sequences give a percentile bootstrap 10 distinct means, yet a gap retention was reported as
+    defined and quoted like any other."""
+    report = json.loads((DEMO / "audit.json").read_text())
+    assert "bootstrap intervals over sequences" not in render_markdown(report)
+    few = {**report, "cache": {**report["cache"], "sequences": 3}}
+    assert "> Only 3 evaluated sequences: the bootstrap intervals over sequences" in render_markdown(few)
+    at = _app(monkeypatch, [tiny_demo], tiny_demo / "eval").run()  # the tiny demo's audit: 8 sequences
+    assert not at.exception, [e.value for e in at.exception]
+    assert [w.value for w in at.warning if w.value.startswith("Only 8 evaluated sequences: the bootstrap")]
 
 
 def test_overview_of_a_calibration_cache_points_to_its_evaluated_cache(monkeypatch, tmp_path):

@@ -20,6 +20,7 @@ from fca.tables import catalog
 from fca.tables.report import (
     conditions_table,
     exactness_sentences,
+    few_sequences_caution,
     render_markdown,
     report_mismatch,
     retention_sentence,
@@ -235,6 +236,8 @@ with c3:
 
 # A Markdown table, not st.dataframe: the first page then needs no data-grid bundle in the browser.
 st.markdown("\n".join(conditions_table(report)))
+if caution := few_sequences_caution(report):
+    st.warning(caution)
 
 m, ex = report["model"], report["exactness"]
 st.subheader("Model and data")

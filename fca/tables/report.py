@@ -117,6 +117,22 @@ def conditions_table(report: dict) -> list[str]:
     return lines
 
 
+# Below this many evaluated sequences a percentile bootstrap over sequences has few distinct resamples
+# (3 sequences: 10 distinct means), so its intervals, and whether a gap retention is defined, are rough.
+FEW_SEQUENCES = 20
+
+
+def few_sequences_caution(report: dict) -> str | None:
+    """A sentence for a report whose CIs rest on fewer than FEW_SEQUENCES evaluated sequences, else None."""
+    n = report["cache"]["sequences"]
+    if n >= FEW_SEQUENCES:
+        return None
+    return (
+        f"Only {n} evaluated sequence{'s' if n != 1 else ''}: the bootstrap intervals over sequences (and so "
+        f"whether a gap retention is defined) are rough; audit at least {FEW_SEQUENCES} for figures to quote."
+    )
+
+
 MAX_REPORT_BYTES = 64 * 2**20  # a report is kilobytes; a file this large is something else
 
 
@@ -223,6 +239,8 @@ def render_markdown(report: dict) -> str:
         "",
         *conditions_table(report),
     ]
+    caution = few_sequences_caution(report)
+    lines += ["", f"> {caution}"] if caution else []
     lines += dependence_story_markdown(report)
     lines += [
         "",
