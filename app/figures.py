@@ -476,7 +476,20 @@ def penalty_bars(df: pd.DataFrame | dict, title: str = "Penalty vs correct (95% 
     fig.add_hline(y=0, line_color="#888")
     fig.update_yaxes(title=PENALTY)
     fig.update_xaxes(title="condition")
-    return _layout(fig, title, barmode="group", showlegend="run" in df)
+    if "run" not in df:
+        return _layout(fig, title, barmode="group", showlegend=False)
+    # Runs are named by what they ran, at length: beside the plot their legend left it 90 px wide on a
+    # 1024 px screen. Below it, one run per row.
+    plot, below_axis, bottom = 228, 90, 100 + LEGEND_ROW * len(fig.data)  # pixels
+    return _layout(
+        fig,
+        title,
+        height=TOOLBAR_HEIGHT + 2 * TITLE_LINE + 12 + plot + bottom,
+        barmode="group",
+        showlegend=True,
+        legend=dict(orientation="v", yanchor="top", y=-below_axis / plot, x=0),
+        margin=dict(l=60, r=20, b=bottom),
+    )
 
 
 def latency_bars(df: pd.DataFrame) -> go.Figure:
@@ -555,6 +568,9 @@ def flops_bar(df: pd.DataFrame) -> go.Figure:
     )
 
 
+SEED_SYMBOLS = ("circle", "diamond", "square", "triangle-up", "x", "star", "cross", "pentagon")
+
+
 def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
     """One point per model (seed) and condition on the gap-retention scale, where 0 is the global mean
     profile and 1 is the correct coefficients; beside them the mean over models with its 95% t interval.
@@ -562,12 +578,14 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
     summary: condition, mean, lo, hi (lo and hi None for a single model)."""
     fig = go.Figure()
     order = list(dict.fromkeys(summary["condition"]))
+    where = {c: i for i, c in enumerate(order)}  # a numeric axis, so each seed can stand beside the others
     has_ci = summary["lo"].notna() & summary["hi"].notna()
     mean = summary["mean"].astype(float)
     fig.add_trace(
         go.Scatter(
-            x=summary["condition"],
+            x=[where[c] for c in summary["condition"]],
             y=mean,
+            customdata=summary["condition"],
             mode="markers",
             name="mean over models (95% t CI)" if has_ci.any() else "mean over models (no interval: one model)",
             marker=dict(symbol="line-ew-open", size=28, color="#333", line=dict(width=3)),
@@ -578,20 +596,25 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
                 arrayminus=np.where(has_ci, mean - summary["lo"].astype(float), 0.0),
                 color="#333",
             ),
-            hovertemplate="mean %{x}: %{y:.1%}<extra></extra>",
-            legendrank=2000,  # drawn first, so that the seeds' points lie on it, but listed last
+            hovertemplate="mean %{customdata}: %{y:.1%}<extra></extra>",
+            legendrank=2000,  # listed last
         )
     )
-    for seed, part in points.groupby("seed", sort=False):
-        part = part[part["retention"].notna()]
+    # Seeds of one configuration land close together: at one x they hid each other (seed 0 under the
+    # rest), so each seed stands at its own offset, with its own symbol as well as colour.
+    seeds = list(dict.fromkeys(points["seed"]))
+    for i, seed in enumerate(seeds):
+        part = points[(points["seed"] == seed) & points["retention"].notna()]
+        offset = 0.3 * (i - (len(seeds) - 1) / 2) / max(len(seeds) - 1, 1)  # within +-0.15 of the condition
         fig.add_trace(
             go.Scatter(
-                x=part["condition"],
+                x=[where[c] + offset for c in part["condition"]],
                 y=part["retention"],
+                customdata=part["condition"],
                 mode="markers",
                 name=f"seed {seed}",
-                marker=dict(size=10, opacity=0.8),
-                hovertemplate=f"seed {seed}, " + "%{x}: %{y:.1%}<extra></extra>",
+                marker=dict(size=10, opacity=0.85, symbol=SEED_SYMBOLS[i % len(SEED_SYMBOLS)]),
+                hovertemplate=f"seed {seed}, " + "%{customdata}: %{y:.1%}<extra></extra>",
             )
         )
     for y, label in ((0.0, "global mean (no layer identity)"), (1.0, "correct (per-token control)")):
@@ -602,7 +625,9 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
     lo = min(-0.05, float(values.min()) - 0.05) if values.size else -0.05
     hi = max(1.05, float(values.max()) + 0.05) if values.size else 1.05
     fig.update_yaxes(title="gap retention (0% = global mean, 100% = correct)", range=[lo, hi], tickformat=".0%")
-    fig.update_xaxes(title="condition", categoryorder="array", categoryarray=order)
+    fig.update_xaxes(
+        title="condition", tickvals=list(range(len(order))), ticktext=order, range=[-0.5, len(order) - 0.5]
+    )
     return _layout(fig, "Gap retention per model across seeds", height=420, legend=dict(orientation="h", y=-0.25))
 
 

@@ -47,9 +47,11 @@ PAGES = [
     st.Page("views/replay_lab.py", title="Replay lab", icon=":material/science:", url_path="replay_lab"),
     st.Page("views/execution.py", title="Execution", icon=":material/speed:", url_path="execution"),
     st.Page("views/study.py", title="Study", icon=":material/stacked_line_chart:", url_path="study"),
-    # The default page lives at the root URL; this alias keeps a bookmark or link to /overview working.
+    # The default page lives at the root URL; this alias keeps a bookmark or link to /overview working
+    # (it hands over to the default page, so that the sidebar marks the Overview as the page shown).
     st.Page("views/overview.py", title="Overview", url_path="overview", visibility="hidden"),
 ]
+OVERVIEW, OVERVIEW_ALIAS = PAGES[0], PAGES[-1]
 DEVICES = ("auto", "cuda", "cpu")
 
 
@@ -220,6 +222,8 @@ def sidebar() -> Selection:
 
 resources.page_ran()
 page = st.navigation(PAGES)
+if page is OVERVIEW_ALIAS:
+    st.switch_page(OVERVIEW)
 selection = sidebar()
 st.session_state[SELECTION_KEY] = selection
 if selection.cache_error:

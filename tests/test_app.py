@@ -673,6 +673,23 @@ def test_profiles_empty_sites_says_all_are_shown(tiny_demo, monkeypatch):
     assert "position 3" in json.dumps(_charts(at))
 
 
+def test_execution_says_when_its_timed_runs_spread_too_widely(tiny_demo, tmp_path, monkeypatch):
+    """Measured beside other work, the runs ranged from 0.96x to 1.28x and the page showed their median
+    as the figure, with nothing to say it was noise (the report's Markdown said so; the page did not)."""
+    for name in ("featuregate", "dense", "eval", "calibration", "audit.json"):
+        (shutil.copytree if (tiny_demo / name).is_dir() else shutil.copy)(tiny_demo / name, tmp_path / name)
+    report = json.loads((tmp_path / "audit.json").read_text())
+    for low, high, noisy in ((0.98, 1.2, False), (0.96, 1.28, True)):  # (the tiny audit's own runs vary)
+        report["execution"].update(ratio_min=low, ratio_max=high)
+        (tmp_path / "audit.json").write_text(json.dumps(report))
+        at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), "views/execution.py")
+        no_exceptions(at)
+        said = [w.value for w in at.warning if "too wide to trust" in w.value]
+        assert said == ([f"The timed runs ranged from {low:.2f}x to {high:.2f}x: too wide to trust. Other work "
+                         "shared the machine while they ran (a replay, a build, a second tab); measure again when "
+                         "it is idle."] if noisy else [])  # fmt: skip
+
+
 def test_execution_measurement_belongs_to_its_cache(tiny_demo, tmp_path, monkeypatch):
     other = tmp_path / "other"
     for name in ("featuregate", "dense", "eval", "calibration", "audit.json"):
@@ -943,6 +960,9 @@ def test_lab_results_show_their_own_settings_and_join_the_comparison(tiny_demo, 
     first = run_lab(seed=3)
     at.number_input(key="lab_seed").set_value(4).run()  # the form moves on; the result shown must not
     assert any("seed **3**" in m.value for m in at.markdown)
+    # 4 of the tiny cache's 8 sequences: said so, and that 4 give rough intervals.
+    assert any("on the first **4** of the cache's 8 sequences" in m.value for m in at.markdown)
+    assert [w.value for w in at.warning if w.value.startswith("Only 4 evaluated sequences: the bootstrap")]
     commands = [c.value for c in at.code]
     assert any("--seed 4" in c for c in commands) and any("--seed 3" in c for c in commands)
     result_command = next(c for c in commands if "--seed 3" in c)

@@ -149,7 +149,7 @@ def test_report_of_another_json_is_one_line(tmp_path, capsys, content) -> None:
         (("exactness", "max_abs_logit_diff"), None, "TypeError"),
         (("variance", "per_site"), "x", "AttributeError"),
         (("model", "fingerprint"), None, "TypeError"),
-        (("execution", "ratio_min"), "x", "TypeError"),
+        (("execution", "ratio_min"), "x", "ValueError"),
         (("cache", "path"), ..., "no 'path'"),
         (("variance", "chance_levels"), [0.01, 0.02], "AttributeError"),
         (("variance", "chance_levels"), {"token_id_within_slot": "x"}, "ValueError"),

@@ -154,3 +154,7 @@ def test_study_retention_figure_is_pure_and_titled():
     assert list(mean.error_y.array) == pytest.approx([0.0, 0.26])
     assert list(mean.error_y.arrayminus) == pytest.approx([0.0, 0.26])
     assert fig.layout.yaxis.range[0] <= 0 and fig.layout.yaxis.range[1] >= 1
+    # Each seed beside the others (at one x, seed 0 lay hidden under the rest), in its own symbol too.
+    assert list(fig.layout.xaxis.ticktext) == ["cross_input", "static_layer"] and list(mean.x) == [0, 1]
+    assert list(seeds[0].x) == [0.85, -0.15] and list(seeds[1].x) == [1.15]
+    assert seeds[0].marker.symbol != seeds[1].marker.symbol

@@ -9,7 +9,7 @@ import streamlit as st
 from app import figures, resources
 from app.views.common import download, guard, require_cache, teach
 from fca.tables import catalog
-from fca.tables.report import report_mismatch
+from fca.tables.report import latency_is_noisy, report_mismatch
 
 MEASURED_KEY = "execution_measured"
 PROBE_SEQS = 8  # sequences of the cache in the timing batch (as in `python -m fca audit`)
@@ -82,6 +82,11 @@ if not measured and report_stale:
 
 c1, c2, c3 = st.columns(3)
 ratio = exe.get("latency_ratio_vs_dense")
+if ratio is not None and latency_is_noisy(exe):
+    st.warning(
+        f"The timed runs ranged from {exe['ratio_min']:.2f}x to {exe['ratio_max']:.2f}x: too wide to trust. Other "
+        "work shared the machine while they ran (a replay, a build, a second tab); measure again when it is idle."
+    )
 c1.metric(
     "Latency vs Dense twin",
     "not measured" if ratio is None else f"{ratio:.3f}x",

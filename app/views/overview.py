@@ -236,7 +236,7 @@ with c3:
 
 # A Markdown table, not st.dataframe: the first page then needs no data-grid bundle in the browser.
 st.markdown("\n".join(conditions_table(report)))
-if caution := few_sequences_caution(report):
+if caution := few_sequences_caution(report["cache"]["sequences"]):
     st.warning(caution)
 
 m, ex = report["model"], report["exactness"]

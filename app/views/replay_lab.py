@@ -20,7 +20,7 @@ from app import figures, resources
 from app.jobs import ReplayJob
 from app.views.common import download, guard, require_cache, teach
 from fca.tables.conditions import Condition
-from fca.tables.report import exactness_sentences
+from fca.tables.report import exactness_sentences, few_sequences_caution
 from fca.tables.runs import (
     SWEEP_ALPHAS,
     condition_rows,
@@ -279,7 +279,7 @@ def settings_form() -> None:
             "**Preview, not yet run**: the command these settings give"
             + (" (locked while a run is in progress)" if locked else "")
         )
-        st.code(replay_command(settings, Path.cwd()), language="bash", wrap_lines=True)
+        st.code(replay_command(settings, Path.cwd(), one_option_per_line=True), language="bash")
         if st.button("Run", type="primary", disabled=locked, key="lab_run"):
             with guard("Replay"):
                 started = ReplayJob(settings, total=settings["num_seqs"])
@@ -344,12 +344,20 @@ if job is not None and not job.running:
         # The result's own settings: from its record (what actually ran), paths from the job.
         ran = {**job.settings, **{k: spec[k] for k in ("conditions", "num_seqs", "seed", "batch_size")}}
         st.subheader(f"Result: {run_label(spec)}")
+        n = spec["num_seqs"]
+        which = (
+            f"all **{n}** sequences"
+            if n >= cache.num_seqs
+            else f"the first **{n}** of the cache's {cache.num_seqs} sequences (NLLs of those, not the audit's)"
+        )
         st.markdown(
-            f"Conditions {', '.join(f'`{c}`' for c in spec['conditions'])} on **{spec['num_seqs']}** sequences, "
+            f"Conditions {', '.join(f'`{c}`' for c in spec['conditions'])} on {which}, "
             f"seed **{spec['seed']}**, batch **{spec['batch_size']}**, on **{record.get('device')}**."
         )
+        if caution := few_sequences_caution(spec["num_seqs"]):
+            st.warning(caution)
         st.caption("The command that reproduces this result:")
-        st.code(replay_command(ran, Path.cwd()), language="bash", wrap_lines=True)
+        st.code(replay_command(ran, Path.cwd(), one_option_per_line=True), language="bash")
         mechanism, fidelity = exactness_sentences(record["results"]["exactness"])
         st.success(f"{mechanism}  \n{fidelity}  \nSaved `{rel(record.get('path', ''))}`.")
         result = pd.DataFrame(condition_rows(record))

@@ -110,7 +110,7 @@ st.caption(
 )
 cell = studies.format_spread  # the cells of the study's Markdown, so the page and its download agree
 st.markdown(
-    "| condition | NLL (nats) | penalty vs correct | gap retention |\n|---|---|---|---|\n"
+    "| condition | NLL (nats/token) | penalty vs correct (nats/token) | gap retention |\n|---|---|---|---|\n"
     + "\n".join(
         f"| {c} | {cell(s['nll'])} | {'' if c == 'correct' else cell(s['penalty'])} | "
         f"{cell(s['gap_retention'], 1, percent=True, of=n_models) if 'gap_retention' in s else ''} |"

@@ -100,6 +100,13 @@ def report_mismatch(report: dict, model_fingerprint: str, cache_fingerprint: str
 LATENCY_NOISY_SPREAD = 1.25  # max / min of the per-run latency ratios beyond which the report says so
 
 
+def latency_is_noisy(exe: dict) -> bool:
+    """Whether an execution record's per-run latency ratios spread too widely to trust their median:
+    timing shares the machine, and a wide spread says other work ran meanwhile."""
+    low, high = exe.get("ratio_min"), exe.get("ratio_max")
+    return low is not None and high is not None and high / low > LATENCY_NOISY_SPREAD
+
+
 def conditions_table(report: dict) -> list[str]:
     """The report's conditions as Markdown table lines (the report's page and the dashboard's Overview):
     NLL, penalty and its 95% CI, and gap retention ("undefined" where its CI does not lie above zero;
@@ -122,14 +129,13 @@ def conditions_table(report: dict) -> list[str]:
 FEW_SEQUENCES = 20
 
 
-def few_sequences_caution(report: dict) -> str | None:
-    """A sentence for a report whose CIs rest on fewer than FEW_SEQUENCES evaluated sequences, else None."""
-    n = report["cache"]["sequences"]
+def few_sequences_caution(n: int) -> str | None:
+    """A sentence for figures whose CIs rest on `n` < FEW_SEQUENCES evaluated sequences, else None."""
     if n >= FEW_SEQUENCES:
         return None
     return (
         f"Only {n} evaluated sequence{'s' if n != 1 else ''}: the bootstrap intervals over sequences (and so "
-        f"whether a gap retention is defined) are rough; audit at least {FEW_SEQUENCES} for figures to quote."
+        f"whether a gap retention is defined) are rough; use at least {FEW_SEQUENCES} for figures to quote."
     )
 
 
@@ -239,7 +245,7 @@ def render_markdown(report: dict) -> str:
         "",
         *conditions_table(report),
     ]
-    caution = few_sequences_caution(report)
+    caution = few_sequences_caution(report["cache"]["sequences"])
     lines += ["", f"> {caution}"] if caution else []
     lines += dependence_story_markdown(report)
     lines += [
@@ -258,11 +264,13 @@ def render_markdown(report: dict) -> str:
         )
         low, high = exe.get("ratio_min"), exe.get("ratio_max")
         if low is not None and high is not None:
-            # Timing shares the machine: a wide spread says other work ran, and the median may mislead.
-            noisy = high / low > LATENCY_NOISY_SPREAD
             lines.append(
                 f"  The runs ranged from {low:.3f}x to {high:.3f}x"
-                + (": too wide to trust; rerun the audit on an otherwise idle machine." if noisy else ".")
+                + (
+                    ": too wide to trust; rerun the audit on an otherwise idle machine."
+                    if latency_is_noisy(exe)
+                    else "."
+                )
             )
     else:
         lines.append("- Latency vs a Dense twin: not measured (no --dense given).")
@@ -326,7 +334,7 @@ def dependence_story_markdown(report: dict) -> list[str]:
             "",
             "### Interpolation sweep: alpha * own coefficients + (1 - alpha) * static profile",
             "",
-            "| alpha | NLL (nats) | penalty vs correct | 95% CI |",
+            "| alpha | NLL (nats/token) | penalty vs correct (nats/token) | 95% CI |",
             "|---|---|---|---|",
         ]
         for row in sweep:

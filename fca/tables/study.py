@@ -401,7 +401,7 @@ def render_markdown(study: dict) -> str:
         "",
         "## Functional dependence",
         "",
-        "| condition | NLL (nats) | penalty vs correct (nats) | gap retention |",
+        "| condition | NLL (nats/token) | penalty vs correct (nats/token) | gap retention |",
         "|---|---|---|---|",
     ]
     for name, s in summary["conditions"].items():
