@@ -589,6 +589,33 @@ def test_calibration_drawn_with_another_split_seed_is_refused(demo, tmp_path, ca
     assert not (tmp_path / "r.json").exists()
 
 
+def test_the_same_text_in_another_corpus_file_is_not_an_independent_calibration(demo, tmp_path, capsys):
+    """Another corpus file counted as independent by its fingerprint alone: the evaluated split's own text,
+    saved as Parquet, was accepted as its calibration cache. Another file's text is compared now; other
+    text still passes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fca.tables import data
+
+    docs = data.load_documents(demo / "prose.txt")
+    pq.write_table(pa.table({"body": docs}), tmp_path / "prose.parquet")
+    write_corpus(tmp_path / "other.txt", seed=7)
+    for corpus, out, column in (("prose.parquet", "same-text", "body"), ("other.txt", "other-text", "text")):
+        build_cache_from_corpus(
+            demo / "featuregate", tmp_path / corpus, "eval", tmp_path / out, num_seqs=8, batch_size=4,
+            device="cpu", text_column=column, show_progress=False,
+        )  # fmt: skip
+    err = _cli_error(
+        _audit_args(demo / "featuregate", demo / "eval", tmp_path / "same-text", tmp_path / "r.json"), capsys
+    )
+    assert "same-text: shares text with the evaluated cache" in err and "static profiles must be estimated" in err
+    assert not (tmp_path / "r.json").exists()
+    args = ["replay", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval"), "--no-save"]
+    args += ["--calibration", str(tmp_path / "other-text"), "--conditions", "static_layer", "--device", "cpu"]
+    assert main(args) == 0, capsys.readouterr().err
+
+
 def test_position_profile_needs_a_calibration_as_long_as_the_evaluated_windows(demo, tmp_path, capsys):
     build_cache_from_corpus(
         demo / "featuregate", demo / "prose.txt", "calibration", tmp_path / "short", num_seqs=4, seq_len=8,

@@ -200,6 +200,21 @@ def test_refuses_audits_with_other_definitions(path, value):
     assert path in message and "a.json" in message and "odd.json" in message and "\n" not in message
 
 
+def test_audits_of_two_corpus_files_of_one_name_are_refused():
+    """Reports named the corpus by its file name only: an all-uppercase copy saved as kjv.txt was averaged
+    with the original. A report now carries the corpus's fingerprint; reports made before it are compared by
+    name, as they were."""
+    a, b = copy.deepcopy(THREE[0][1]), copy.deepcopy(THREE[1][1])
+    for report in (a, b):
+        report["cache"]["corpus_fingerprint"] = report["calibration"]["corpus_fingerprint"] = "1" * 64
+    assert build_study([("a.json", a), ("b.json", b)])["num_models"] == 2
+    b["cache"]["corpus_fingerprint"] = "2" * 64
+    with pytest.raises(StudyError, match=r"cache.corpus_fingerprint differs between a.json .* and b.json"):
+        build_study([("a.json", a), ("b.json", b)])
+    del b["cache"]["corpus_fingerprint"]  # a report made before fingerprints: its name agrees
+    assert build_study([("a.json", a), ("b.json", b)])["num_models"] == 2
+
+
 def test_refuses_other_conditions_and_the_same_model_twice():
     fewer = copy.deepcopy(THREE[1][1])
     del fewer["conditions"]["cross_input"]

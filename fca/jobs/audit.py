@@ -157,6 +157,7 @@ def _cache_entry(cache: Cache, evaluated_seqs: int) -> dict:
         "fingerprint": cache.fingerprint,
         "split": corpus.split,
         "corpus": corpus.name,
+        "corpus_fingerprint": corpus.fingerprint,  # (two files of one name may hold other text)
         "sequences": evaluated_seqs,
         "seq_len": cache.seq_len,
         "tokens": evaluated_seqs * cache.seq_len,

@@ -101,9 +101,9 @@ def check_shared_text(evaluated: Cache, calibration: Cache) -> None:
 
 def check_independent(evaluated: Cache, calibration: Cache) -> None:
     """Static profiles must be estimated on another split than the one they are evaluated on. Splits of
-    one corpus file are disjoint only when drawn with the same split seed (`fca.tables.data.split_documents`);
-    a calibration cache of another corpus counts as independent. Caches without a split seed (windows
-    given in memory) must share almost no text (`check_shared_text`)."""
+    one corpus file are disjoint only when drawn with the same split seed (`fca.tables.data.split_documents`).
+    Caches of another corpus, and caches without a split seed (windows given in memory), must share almost
+    no text (`check_shared_text`): the same text saved in another format is another corpus file."""
     a, b = evaluated.manifest.corpus, calibration.manifest.corpus
     if (a.split, a.fingerprint, a.split_seed) == (b.split, b.fingerprint, b.split_seed):
         raise CacheError(
@@ -116,9 +116,10 @@ def check_independent(evaluated: Cache, calibration: Cache) -> None:
             f"{b.split_seed}, the evaluated cache's {a.split!r} split with {a.split_seed}: splits drawn with "
             f"different seeds share documents; build the calibration cache with --split-seed {a.split_seed}"
         )
-    if a.split_seed is None or b.split_seed is None:
+    if a.split_seed is None or b.split_seed is None or a.fingerprint != b.fingerprint:
         # Windows given in memory (or caches older than split seeds) say nothing of how they were drawn:
-        # their split names are labels only, so the text they hold is compared instead.
+        # their split names are labels only. Another corpus file may hold the same text (the KJV as .txt
+        # and as Parquet). Either way the text they hold is compared instead.
         check_shared_text(evaluated, calibration)
     if set(evaluated.sites) != set(calibration.sites):
         raise CacheError(f"{calibration.path}: its sites differ from {evaluated.path}'s")

@@ -57,7 +57,14 @@ COMPARED_FIELDS = (
     "definitions.coefficient",
 )
 # Compared only when both reports carry them (a training summary is optional in a report).
-OPTIONAL_FIELDS = ("training.split_seed", "training.steps", "training.batch_size", "training.corpus")
+OPTIONAL_FIELDS = (
+    "training.split_seed",
+    "training.steps",
+    "training.batch_size",
+    "training.corpus",
+    "cache.corpus_fingerprint",  # (reports before it name the corpus file only)
+    "calibration.corpus_fingerprint",
+)
 # Scalars of a report aggregated beside the conditions: study key -> dotted path.
 SCALARS = {
     "layer_identity_share": "variance.layer_identity_share",
