@@ -31,8 +31,9 @@ site_names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,6}(\.[A-Za-z0-9_]{1,6}){0,3
 def conditions(draw) -> Condition:
     kind = draw(st.sampled_from(KINDS))
     alpha = draw(st.floats(allow_nan=False, allow_infinity=False)) if kind == "interpolate" else None
-    sites = draw(st.none() | st.lists(site_names, min_size=1, max_size=4).map(tuple))
-    return Condition(kind, alpha, sites, draw(st.booleans()), draw(st.integers(0, 2**31 - 1)))
+    sites = draw(st.none() | st.lists(site_names, min_size=1, max_size=4, unique=True).map(tuple))
+    independent = draw(st.booleans()) if kind == "token_shuffle" else False
+    return Condition(kind, alpha, sites, independent, draw(st.integers(0, 2**31 - 1)))
 
 
 @settings(database=None)  # no example database left in the working tree
@@ -51,7 +52,8 @@ EDGE_ALPHAS = [0.0, 1.0, 1e-9, 0.1 + 0.2, -0.5, -0.0, 5e-324, 1e300, 123456789.0
 @pytest.mark.parametrize("sites", [None, ("blocks.0.gate",), ("dense.3", "dense.10")])
 def test_round_trip_at_the_edges(alpha: float, independent: bool, sites) -> None:
     for kind in KINDS:
-        condition = Condition(kind, alpha if kind == "interpolate" else None, sites, independent, seed=7)
+        ind = independent and kind == "token_shuffle"
+        condition = Condition(kind, alpha if kind == "interpolate" else None, sites, ind, seed=7)
         back = parse_condition(condition.spec, seed=7)
         assert back == condition
         assert back.alpha is None or repr(back.alpha) == repr(condition.alpha)  # bit-exact, sign of zero too
@@ -81,6 +83,21 @@ def test_canonical_text_forms() -> None:
 )
 def test_other_spellings_are_refused(text: str) -> None:
     with pytest.raises(ValueError):
+        parse_condition(text)
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [  # each ran, under a name of its own, as the plain condition (or with a misleading message)
+        ("correct+independent", "correct takes no +independent (only token_shuffle does"),
+        ("static_layer+independent", "static_layer takes no +independent"),
+        ("static_layer@blocks.1.gate,blocks.1.gate", "site(s) blocks.1.gate named twice in one condition"),
+        ("cross_input:0.5", "cross_input takes no alpha (only interpolate does"),
+        ("interpolate", "interpolate needs alpha"),
+    ],
+)
+def test_conditions_that_would_run_as_another_are_refused_by_name(text: str, said: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(said)):
         parse_condition(text)
 
 

@@ -45,8 +45,13 @@ class Condition:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown condition {self.kind!r}; choose one of {', '.join(KINDS)}")
-        if (self.kind == "interpolate") != (self.alpha is not None):
-            raise ValueError("interpolate needs alpha (e.g. interpolate:0.5), and only interpolate takes one")
+        if self.kind == "interpolate" and self.alpha is None:
+            raise ValueError("interpolate needs alpha (e.g. interpolate:0.5)")
+        if self.kind != "interpolate" and self.alpha is not None:
+            raise ValueError(f"{self.kind} takes no alpha (only interpolate does, e.g. interpolate:0.5)")
+        if self.independent and self.kind != "token_shuffle":
+            # It would run as the plain kind under another name: a second row equal to the first.
+            raise ValueError(f"{self.kind} takes no +independent (only token_shuffle does: one permutation per site)")
         if self.alpha is not None:
             if not math.isfinite(self.alpha):
                 raise ValueError(f"interpolate needs a finite alpha, not {self.alpha!r}")
@@ -58,6 +63,9 @@ class Condition:
                 raise ValueError(
                     f"sites must be non-empty names without spaces, ',' or '@' (None: every site), not {self.sites!r}"
                 )
+            twice = sorted({s for s in self.sites if self.sites.count(s) > 1})
+            if twice:
+                raise ValueError(f"site(s) {', '.join(twice)} named twice in one condition")
 
     @property
     def spec(self) -> str:
