@@ -375,9 +375,11 @@ def cmd_study(args: argparse.Namespace) -> None:
         print(render_markdown(study), end="")
     else:
         static = study["summary"]["conditions"].get("static_layer", {}).get("gap_retention") or {}
-        shown = "n/a" if static.get("mean") is None else f"{100 * static['mean']:.1f}%"
-        written = " and ".join(str(p) for p in (args.json, args.markdown) if p)
         n = study["num_models"]
+        shown = "n/a" if static.get("mean") is None else f"{100 * static['mean']:.1f}%"
+        if static.get("n") is not None and static["n"] < n:  # (undefined for some models: their mean is not all)
+            shown += f" (defined for {static['n']} of the {n})"
+        written = " and ".join(str(p) for p in (args.json, args.markdown) if p)
         print(f"{n} model{'s' if n != 1 else ''}, static_layer gap retention mean {shown}; wrote {written}")
 
 

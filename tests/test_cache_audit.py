@@ -817,13 +817,13 @@ def test_reports_and_studies_replace_only_earlier_ones(demo, tmp_path, capsys):
 def test_a_gated_model_is_not_a_dense_twin(demo, tmp_path, capsys):
     args = _audit_args(demo / "featuregate", demo / "eval", demo / "calibration", tmp_path / "r.json")
     err = _cli_error([*args, "--dense", str(demo / "featuregate"), "--num-seqs", "4", "--sweep", "none"], capsys)
-    assert "featuregate: has controller sites, so it is not a Dense twin" in err
+    assert f"error: {demo / 'featuregate'}: has controller sites, so it is not a Dense twin" in err  # the whole path
     assert not (tmp_path / "r.json").exists()
     # A dense model of other sizes would give a latency ratio that says nothing about the controllers.
     corpus = next(demo.glob("*.txt"))
     make_model_dir(tmp_path / "wider", corpus, gated=False, d_model=48)
     err = _cli_error([*args, "--dense", str(tmp_path / "wider"), "--num-seqs", "4", "--sweep", "none"], capsys)
-    assert "wider: not the Dense twin of featuregate (a twin is the same family with the same sizes" in err
+    assert f"{tmp_path / 'wider'}: not the Dense twin of featuregate (a twin is the same family with the same" in err
 
 
 def test_a_damaged_model_directory_or_corpus_is_named_in_one_line(demo, tmp_path, capsys):

@@ -313,3 +313,23 @@ def test_the_dashboard_reads_relative_paths_from_where_it_was_started(tmp_path, 
         "X": "y",
     }
     assert dashboard_environment({"FCA_DEFAULT_CACHE": " "}) == {"FCA_DEFAULT_CACHE": " "}  # unset, as the app reads it
+
+
+def test_inspect_says_what_a_path_is_and_a_device_is_named_as_given(tmp_path, capsys) -> None:
+    """`inspect` of a file, or of a build still under way (its `.partial` beside it), said only 'cache directory
+    not found'; `--device cuda:3` without a GPU was reported as 'cuda'."""
+    (tmp_path / "notes.txt").write_text("not a cache")
+    (tmp_path / "building.partial").mkdir()
+    for path, said in (
+        ("notes.txt", "a file, not a cache directory"),
+        ("building", "cache directory not found (an unfinished build: rerun build-cache to resume)"),
+    ):
+        assert main(["inspect", str(tmp_path / path)]) == 2
+        assert f"{tmp_path / path}: {said}" in capsys.readouterr().err
+    import torch
+
+    from fca.engine.loading import resolve_device
+
+    if not torch.cuda.is_available():
+        with pytest.raises(Exception, match=r"device 'cuda:3' asked for, but no CUDA device is available"):
+            resolve_device("cuda:3")

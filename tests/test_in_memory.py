@@ -210,6 +210,9 @@ def test_windows_are_checked():
         as_windows(np.arange(10))
     with pytest.raises(ValueError, match="integers"):
         as_windows(np.zeros((2, 5)))
+    assert as_windows(np.zeros((2, 5), dtype=int), seq_len=4).shape == (2, 5)
+    with pytest.raises(ValueError, match=r"hold 99 \+ 1 tokens, not seq_len \+ 1 = 129"):  # (was a cache of T=99)
+        as_windows(np.zeros((10, 100), dtype=int), seq_len=128)
 
 
 def test_windows_beyond_the_models_vocabulary_are_refused_before_anything_is_written(tmp_path):

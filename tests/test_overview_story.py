@@ -49,6 +49,18 @@ def test_retention_sentence_in_plain_words():
     undefined = retention_sentence({"conditions": CONDITIONS, "gap_retention": {"static_layer": None}})
     assert "undefined" in undefined and "42%" not in undefined
     assert "lacks" in retention_sentence({"conditions": {"correct": CONDITIONS["correct"]}, "gap_retention": {}})
+    # Beyond the scale's ends ("keeps 126%" of a tiny model read as nonsense): said in words, CI first.
+    for static, retention, said in (
+        (
+            row(2.9, -0.1, -0.2, 0.05),
+            1.26,
+            "does as well as per-token control here (gap retention 126%; its penalty's CI",
+        ),
+        (row(2.9, -0.1, -0.2, -0.05), 1.26, "does better than the model's own per-token coefficients here (gap"),
+        (row(4.1, 1.1, 1.0, 1.2), -0.1, "does worse here than the global-mean profile (gap retention -10%)"),
+    ):
+        report = {"conditions": {**CONDITIONS, "static_layer": static}, "gap_retention": {"static_layer": retention}}
+        assert said in retention_sentence(report)
 
 
 def test_retention_scale_places_every_condition_with_its_ci():

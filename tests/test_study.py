@@ -252,7 +252,14 @@ def test_cli_study_writes_json_and_markdown(tmp_path, capsys):
     assert written["summary"] == json.loads(json.dumps(build_study(THREE)["summary"]))
     assert [r["audit"] for r in written["seeds"]] == ["../a.json", "../b.json", "../c.json"]  # relative to the study
     assert out.with_suffix(".md").read_text().startswith("# FCA study: 3 models")
-    assert "3 models, static_layer gap retention mean 46.7%" in capsys.readouterr().out
+    assert "3 models, static_layer gap retention mean 46.7%;" in capsys.readouterr().out
+    # Undefined for one model: its line says the mean is of the others only (the Markdown's "n=2" said so).
+    undefined = copy.deepcopy(THREE)
+    undefined[2][1]["gap_retention"]["static_layer"] = None
+    (tmp_path / "u").mkdir()
+    paths = _write(tmp_path / "u", undefined)
+    assert main(["study", *paths, "--json", str(tmp_path / "u" / "s.json")]) == 0
+    assert "static_layer gap retention mean " in (out := capsys.readouterr().out) and "(defined for 2 of the 3)" in out
 
 
 def test_cli_study_rejects_a_non_report_in_one_line(tmp_path, capsys):

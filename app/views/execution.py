@@ -110,8 +110,9 @@ if skipped:
 elif experts:  # a router selects experts inside every block: the skipping happens there
     said = (
         f"**Every block ran for every token ({exe['num_blocks']} of {exe['num_blocks']})**; inside them each "
-        f"token ran {experts['experts_run_per_token_mean']:.2f} of {experts['experts_available']:.0f} experts per "
-        f"MoE layer ({100 * experts['expert_fraction']:.1f}%); the others were skipped."
+        f"token ran {experts['experts_run_per_token_mean']:.2f} of {experts['experts_available']:.0f} routed "
+        f"experts per MoE layer ({100 * experts['expert_fraction']:.1f}%); the others were skipped (a shared "
+        "expert, where the model has one, runs for every token besides)."
     )
 else:
     said = (

@@ -434,6 +434,8 @@ def write_cache(
         out, plan, schema, part_seqs, overwrite=overwrite, workers=workers, timings=timings, processes=writer_processes
     )
     done = writer.done_seqs
+    if done and desc:  # a resumed build says so, beside the sequences its earlier run had written
+        desc = f"{desc} (resumed: {done} done before)"
     bar = tqdm(total=N, initial=done, unit="seq", desc=desc, disable=not show_progress)
 
     def step(n: int) -> None:

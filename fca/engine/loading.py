@@ -49,7 +49,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise ModelLoadError("device 'cuda' asked for, but no CUDA device is available")
+        raise ModelLoadError(f"device {str(device)!r} asked for, but no CUDA device is available")
     try:
         return torch.device(device)
     except RuntimeError:

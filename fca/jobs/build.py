@@ -264,6 +264,11 @@ def as_windows(tokens, seq_len: int | None = None) -> np.ndarray:
         array = np.stack([array[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)])
     if array.ndim != 2 or array.shape[1] < 2:
         raise ValueError(f"token windows must be [N, T + 1] with T >= 1, got shape {array.shape}")
+    if seq_len and array.shape[1] != seq_len + 1:  # (windows of 100 tokens and seq_len=128 made a cache of T=99)
+        raise ValueError(
+            f"windows of shape {array.shape} hold {array.shape[1] - 1} + 1 tokens, not seq_len + 1 = {seq_len + 1}; "
+            "give windows [N, seq_len + 1], or leave seq_len out"
+        )
     return np.ascontiguousarray(array, dtype=np.int64)
 
 

@@ -178,25 +178,26 @@ class Experiment:
         """The Dense twin (for the latency ratio), loaded on first use on the model's device and dtype."""
         if self._dense is None and self.dense_source is not None:
             dense = _model(self.dense_source, str(self.device), self.dtype)
+            # Messages name the directory as given: two runs' twins are often both called "dense".
+            where = type(dense).__name__ if isinstance(self.dense_source, nn.Module) else str(self.dense_source)
             if find_sites(dense):  # e.g. the gated model itself, given by mistake
                 raise ModelLoadError(
-                    f"{self.dense_name}: has controller sites, so it is not a Dense twin (the same sizes without "
-                    "controllers)"
+                    f"{where}: has controller sites, so it is not a Dense twin (the same sizes without controllers)"
                 )
             if dense.training:  # dropout would be timed (the gated model is refused the same way)
-                raise ModelLoadError(f"{self.dense_name}: is in training mode; call .eval() on the Dense twin")
+                raise ModelLoadError(f"{where}: is in training mode; call .eval() on the Dense twin")
             config, dense_config = _config_dict(self.model), _config_dict(dense)
             twin = DENSE_TWINS.get(config.get("model_type"))
             if twin is not None and not is_dense_twin(config, dense_config):  # (a family that knows its twin)
                 raise ModelLoadError(
-                    f"{self.dense_name}: not the Dense twin of {self.name} (a twin is the same family with the same "
+                    f"{where}: not the Dense twin of {self.name} (a twin is the same family with the same "
                     f"sizes and {twin.switch} false), so a latency ratio against it would not measure the controllers"
                 )
             if twin is None:  # any other model: a twin is the model without its controllers, weight for weight
                 expected, got = _parameters(self.model) - _controller_parameters(self.model), _parameters(dense)
                 if got != expected:
                     raise ModelLoadError(
-                        f"{self.dense_name}: has {got:,} parameters, and {self.name} without its controllers "
+                        f"{where}: has {got:,} parameters, and {self.name} without its controllers "
                         f"{expected:,}: not its Dense twin (the same model without controllers), so a latency ratio "
                         "against it would not measure the controllers"
                     )

@@ -278,8 +278,8 @@ def render_markdown(report: dict) -> str:
         e = exe["experts"]
         lines.append(
             f"- Experts run per token: {e['experts_run_per_token_mean']:.2f} of {e['experts_available']:g} "
-            f"per MoE layer (top-{e['top_k']}, {100 * e['expert_fraction']:.1f}% of expert compute), "
-            "counted from the dispatched indices."
+            f"routed experts per MoE layer (top-{e['top_k']}: {100 * e['expert_fraction']:.1f}% of them), "
+            "counted from the dispatched indices; a shared expert that runs for every token is not among them."
         )
     if exe.get("note"):
         lines.append(f"- Note: {exe['note']}")
@@ -322,6 +322,20 @@ def retention_sentence(report: dict) -> str:
             "Per-token control is not clearly worth anything here (the global-mean profile's penalty CI does not lie above 0), "
             f"so the static profile's retention is undefined; {paper}."
         )
+    shown = f"gap retention {100 * retention:.0f}%"
+    if retention > 1:  # "keeps 126%" read as nonsense: the static profile scored below the own coefficients
+        lo_ci, hi_ci = conditions["static_layer"]["penalty_ci95"]
+        if hi_ci < 0:
+            return (
+                f"A fixed per-layer profile does better than the model's own per-token coefficients here ({shown}: "
+                f"its penalty's CI lies below 0); {paper}."
+            )
+        return (
+            f"A fixed per-layer profile does as well as per-token control here ({shown}; its penalty's CI reaches "
+            f"0, so within noise of it); {paper}."
+        )
+    if retention < 0:
+        return f"A fixed per-layer profile does worse here than the global-mean profile ({shown}); {paper}."
     return f"A fixed per-layer profile keeps {100 * retention:.0f}% of what per-token control is worth here; {paper}."
 
 

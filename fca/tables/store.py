@@ -365,15 +365,13 @@ def open_cache(path: str | Path, verify: bool = False) -> Cache:
     hash). Raises `CacheError` with a one-line reason."""
     path = Path(path).resolve() if str(path) in ("", ".") else Path(path)  # ("" and "." name no folder)
     manifest_path = path / MANIFEST
+    unfinished = path.with_name(path.name + ".partial").exists() or path.name.endswith(".partial")
+    resume = " (an unfinished build: rerun build-cache to resume)" if unfinished else ""
     if not path.is_dir():
-        raise CacheError(f"{path}: cache directory not found")
+        what = "a file, not a cache directory" if path.exists() else "cache directory not found"
+        raise CacheError(f"{path}: {what}{resume}")
     if not manifest_path.is_file():
-        hint = (
-            " (an unfinished build: rerun build-cache to resume)"
-            if path.with_name(path.name + ".partial").exists() or path.name.endswith(".partial")
-            else ""
-        )
-        raise CacheError(f"{manifest_path}: missing; not a finished cache{hint}")
+        raise CacheError(f"{manifest_path}: missing; not a finished cache{resume}")
     cache = Cache(path, read_manifest(path))
     # Every part must be there with the size the manifest records (a stat each: truncated or overwritten
     # parts are refused here); one part's schema is read now, each other's when a read first needs it
