@@ -81,7 +81,7 @@ def test_family_cache_in_every_page(page, family_root, monkeypatch):
         assert not at.error, [e.value for e in at.error]
         said = " ".join(m.value for m in at.markdown)
         if (family_root / "mixtral").is_dir():  # top-2 of 4 experts: half of them skipped, not "nothing"
-            assert "2.00 of 4 experts" in said and "50.0%" in said and "**: nothing is skipped" not in said
+            assert "2.00 of 4 routed experts" in said and "50.0%" in said and "**: nothing is skipped" not in said
         else:
             assert "**: nothing is skipped" in said
     if page != "views/replay_lab.py":
