@@ -662,6 +662,57 @@ def test_variance_page_controls_and_colour_scales(tiny_demo, monkeypatch):
     assert not at.error
 
 
+def test_settings_survive_other_tabs_and_pages(tiny_demo, monkeypatch):
+    """A widget not drawn in a run (a lazy tab left closed, another page) lost its value: set to standard
+    deviation, the Variance quantity came back as the mean after a look at another tab, and a sequence
+    picked in Token text was 0 again after a visit to the Overview."""
+    at = render(app_for(monkeypatch, [tiny_demo], tiny_demo / "eval"), "views/variance.py")
+    at.selectbox(key="var_quantity").set_value("standard deviation").run()
+    at.session_state["var_section"] = VARIANCE_SECTIONS[2]
+    at.run()
+    at.number_input(key="var_seq").set_value(5).run()
+    at.selectbox(key="var_summary").set_value("RMS deviation from slot mean (SDs)").run()
+    at.session_state["var_section"] = VARIANCE_SECTIONS[0]
+    at.run()
+    no_exceptions(at)
+    assert at.selectbox(key="var_quantity").value == "standard deviation"
+    at.session_state["var_section"] = VARIANCE_SECTIONS[2]
+    at.run()
+    assert at.number_input(key="var_seq").value == 5
+    assert at.selectbox(key="var_summary").value == "RMS deviation from slot mean (SDs)"
+    render(at, "views/token_text.py")
+    at.number_input(key="tt_seq").set_value(3).run()
+    at.radio(key="tt_mode").set_value(at.radio(key="tt_mode").options[-1]).run()
+    chosen = at.radio(key="tt_mode").value
+    render(at, "views/overview.py")
+    render(at, "views/token_text.py")
+    no_exceptions(at)
+    assert at.number_input(key="tt_seq").value == 3 and at.radio(key="tt_mode").value == chosen
+    render(at, "views/profiles.py")
+    at.number_input(key="prof_seq").set_value(2).run()
+    at.number_input(key="prof_token").set_value(7).run()
+    render(at, "views/variance.py")
+    render(at, "views/profiles.py")
+    no_exceptions(at)
+    assert at.number_input(key="prof_seq").value == 2 and at.number_input(key="prof_token").value == 7
+
+
+def test_a_kept_setting_that_does_not_fit_the_next_cache_gives_way(tiny_demo, tmp_path, monkeypatch):
+    """Sequence 7 of an 8-sequence cache, kept while another cache of 4 sequences is opened, is its default."""
+    from fca.jobs.build import build_cache_from_corpus
+
+    build_cache_from_corpus(
+        tiny_demo / "featuregate", next(tiny_demo.glob("*.txt")), "eval", tmp_path / "small", num_seqs=4,
+        batch_size=4, device="cpu", show_progress=False,
+    )  # fmt: skip
+    at = render(app_for(monkeypatch, [tiny_demo, tmp_path], tiny_demo / "eval"), "views/token_text.py")
+    at.number_input(key="tt_seq").set_value(7).run()
+    at.sidebar.selectbox(key="cache").set_value(str(tmp_path / "small")).run()
+    no_exceptions(at)
+    assert not at.error, [e.value for e in at.error]
+    assert at.number_input(key="tt_seq").value == 0
+
+
 def test_profiles_empty_sites_says_all_are_shown(tiny_demo, monkeypatch):
     at = render(app_for(monkeypatch, [tiny_demo], tiny_demo / "eval"), "views/profiles.py")
     at.multiselect(key="prof_sites").set_value([]).run()

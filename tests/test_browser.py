@@ -102,6 +102,15 @@ def test_every_page_in_chromium(server):
             open_drawn(page, f"{server}/profiles", ".js-plotly-plot .scatterlayer .point")
             page.locator(".js-plotly-plot").first.locator(".scatterlayer .point").nth(3).click(force=True)
             page.wait_for_function("() => document.body.innerText.includes('live: position 3 ')", timeout=20_000)
+            # A token typed, then the point clicked before clicked again: it counts (the strip starts over
+            # without a selection once a token is typed; an unchanged selection sends nothing).
+            box = page.get_by_role("spinbutton", name="Token index (or click a point below)")
+            box.fill("5")
+            box.press("Enter")
+            page.wait_for_function("() => document.body.innerText.includes('live: position 5 ')", timeout=20_000)
+            wait_settled(page)
+            page.locator(".js-plotly-plot").first.locator(".scatterlayer .point").nth(3).click(force=True)
+            page.wait_for_function("() => document.body.innerText.includes('live: position 3 ')", timeout=20_000)
             assert not outside, f"requests left loopback: {outside}"
         finally:
             browser.close()

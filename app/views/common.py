@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,6 +138,35 @@ def guard(what: str) -> Iterator[None]:
     except USER_ERRORS as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         st.error(f"{what}: {message}")
+
+
+KEPT_KEY = "fca_kept_widgets"
+
+
+def keep(key: str, default, valid: Callable[[object], bool] = lambda value: True) -> None:
+    """Before the widget `key` is drawn: its value as the user last left it, else `default`. Streamlit
+    forgets the value of a widget that a run does not draw (a lazy tab left closed, another page), so
+    coming back drew it at its default: a teacher who glanced at another tab lost the view set up. A kept
+    value that does not fit this cache (`valid`: a sequence past its end, a site it lacks) gives way to
+    `default`. Draw the widget without a default of its own (its value is set here)."""
+    state = st.session_state
+    kept = state.setdefault(KEPT_KEY, {})
+    value = state[key] if key in state else kept.get(key, default)
+    if not valid(value):
+        value = default
+    if key not in state or state[key] != value:
+        state[key] = value
+    kept[key] = value
+
+
+def in_range(low: int, high: int) -> Callable[[object], bool]:
+    """`valid` for `keep`: a whole number from `low` to `high`."""
+    return lambda value: isinstance(value, int) and low <= value <= high
+
+
+def one_of(options) -> Callable[[object], bool]:
+    """`valid` for `keep`: one of `options` (a selectbox's, a radio's)."""
+    return lambda value: value in list(options)
 
 
 def teach(text: str) -> None:

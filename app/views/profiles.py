@@ -7,7 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from app import figures, resources
-from app.views.common import download, guard, require_cache, teach
+from app.views.common import download, guard, in_range, keep, one_of, require_cache, teach
 from fca.tables.profiles import slot_deviation
 
 WINDOW = 32  # positions shown at once in the heatmap: every label legible on a 1024 px screen
@@ -51,9 +51,11 @@ def sequence_view() -> None:
 
 def _sequence_view() -> None:
     c1, c3 = st.columns([1, 3])
-    seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, 0, key="prof_seq", help=f"0 to {cache.num_seqs - 1}"))
     sites = cache.sites
-    chosen_sites = c3.multiselect("Sites", sites, default=sites[:MAX_SITES], key="prof_sites")
+    keep("prof_seq", 0, in_range(0, cache.num_seqs - 1))
+    keep("prof_sites", sites[:MAX_SITES], lambda chosen: isinstance(chosen, list) and set(chosen) <= set(sites))
+    seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, key="prof_seq", help=f"0 to {cache.num_seqs - 1}"))
+    chosen_sites = c3.multiselect("Sites", sites, key="prof_sites")
     if not chosen_sites:
         c3.caption(f"No site chosen: showing all {len(sites)} sites.")
         chosen_sites = sites
@@ -87,24 +89,43 @@ def _sequence_view() -> None:
     download(dev_df, f"deviation_seq{seq}.csv", "Deviations (CSV)", key="dl-deviation")
 
 
+STRIP_GENERATION = "prof_strip_generation"
+
+
+def token_typed() -> None:
+    """The token box changed: the strip chart starts over without a selection (`token_view`)."""
+    st.session_state[STRIP_GENERATION] = st.session_state.get(STRIP_GENERATION, 0) + 1
+
+
 @st.fragment
 def token_view(seq, chosen_sites, slots, live_m, static_v, deviation, tokens) -> None:
     with guard("Token profile"):
-        # A click on the token strip picks the token: apply it before the index widget is drawn.
-        clicked = (st.session_state.get("prof_strip") or {}).get("selection", {}).get("points", [])
-        if clicked and st.session_state.get("prof_last_click") != (seq, clicked[0].get("x")):
-            st.session_state["prof_last_click"] = (seq, clicked[0].get("x"))
+        # A click on the token strip picks the token: apply it before the index widget is drawn. The
+        # strip is keyed by sequence and by each typed token, so it starts without a selection then: a
+        # click on the point clicked before counts again (a chart whose selection does not change sends
+        # nothing), and another sequence never re-applies an old click over a typed token.
+        strip_key = f"prof_strip::{seq}::{st.session_state.get(STRIP_GENERATION, 0)}"
+        clicked = (st.session_state.get(strip_key) or {}).get("selection", {}).get("points", [])
+        if clicked and st.session_state.get("prof_last_click") != (strip_key, clicked[0].get("x")):
+            st.session_state["prof_last_click"] = (strip_key, clicked[0].get("x"))
             st.session_state["prof_token"] = int(clicked[0]["x"])
-        if st.session_state.get("prof_token", 0) >= T:
-            st.session_state["prof_token"] = 0
+        keep("prof_token", 0, in_range(0, T - 1))
         c1, c2 = st.columns([3, 1])
         token = int(
-            c1.number_input("Token index (or click a point below)", 0, T - 1, key="prof_token", help=f"0 to {T - 1}")
+            c1.number_input(
+                "Token index (or click a point below)",
+                0,
+                T - 1,
+                key="prof_token",
+                on_change=token_typed,
+                help=f"0 to {T - 1}",
+            )
         )
+        keep("prof_band", next(iter(BANDS)), one_of(BANDS))
         band_name = c2.selectbox("Calibration band", list(BANDS), key="prof_band")
 
         strip = pd.DataFrame({"pos": np.arange(T), "token": tokens, "deviation": np.sqrt((deviation**2).mean(1))})
-        st.plotly_chart(figures.token_strip(strip, token), key="prof_strip", on_select="rerun", selection_mode="points")
+        st.plotly_chart(figures.token_strip(strip, token), key=strip_key, on_select="rerun", selection_mode="points")
 
         lo_q, hi_q = BANDS[band_name]
         band = resources.calibration_band(str(reference.path), reference.fingerprint, lo_q, hi_q)
@@ -126,7 +147,8 @@ def heatmap_view(seq, slots, deviation, tokens) -> None:
     with guard("Deviation heatmap"):
         start = 0
         if T > WINDOW:
-            start = st.slider("First position in the heatmap", 0, T - WINDOW, 0, key="prof_window")
+            keep("prof_window", 0, in_range(0, T - WINDOW))
+            start = st.slider("First position in the heatmap", 0, T - WINDOW, key="prof_window")
         span = slice(start, min(T, start + WINDOW))
         st.plotly_chart(
             figures.deviation_heatmap(

@@ -7,7 +7,7 @@ import numpy as np
 import streamlit as st
 
 from app import figures, resources
-from app.views.common import download, guard, require_cache, teach
+from app.views.common import download, guard, in_range, keep, one_of, require_cache, teach
 
 MEAN = "mean of all"  # short: the box is narrow
 COEFFICIENT, DEVIATION = "coefficient", "deviation from the static profile"
@@ -24,12 +24,15 @@ teach(
 )
 
 c1, c2, c3, c4 = st.columns([2, 3, 3, 3])  # narrower, the Sequence label broke and the channel was cut at 1024 px
-seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, 0, key="tt_seq", help=f"0 to {cache.num_seqs - 1}"))
+keep("tt_seq", 0, in_range(0, cache.num_seqs - 1))
+keep("tt_site", cache.sites[0], one_of(cache.sites))
+seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, key="tt_seq", help=f"0 to {cache.num_seqs - 1}"))
 site = c2.selectbox("Site", list(cache.sites), key="tt_site")
 with guard("Sequence"):
     data = resources.sequence(str(cache.path), cache.fingerprint, seq)
     coefficients = np.asarray(data[site], dtype=float)  # [T, K]
     width = coefficients.shape[1]
+    keep("tt_channel", MEAN, one_of([MEAN, *range(width)]))
     channel = c3.selectbox(
         "Channel",
         [MEAN, *range(width)],
@@ -39,6 +42,7 @@ with guard("Sequence"):
     )
     cal = sel.static_profile_cache
     modes = [COEFFICIENT, DEVIATION] if cal is not None else [COEFFICIENT]
+    keep("tt_mode", modes[0], one_of(modes))
     mode = c4.radio("Colour by", modes, key="tt_mode", help="deviation needs a calibration cache of this model")
     if cal is None:
         st.caption("No calibration cache of this model was found: deviations from the static profile are unavailable.")

@@ -7,7 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from app import figures, resources
-from app.views.common import download, guard, require_cache, teach
+from app.views.common import download, guard, in_range, keep, one_of, require_cache, teach
 from fca.tables.profiles import slot_deviation
 
 # Positions shown at once in the token x layer heatmap: every label stays legible on a 1024 px screen.
@@ -87,6 +87,7 @@ def _slot_section() -> None:
     # Site x channel: sites may have different widths (MUDD layer i has C*(i+2) channels, MoE routers
     # one per expert), so the table is long (site, channel) and the figure pads with blanks.
     dec = stats["decomposition"]
+    keep("var_quantity", next(iter(QUANTITIES)), one_of(QUANTITIES))
     quantity = st.selectbox("Show per slot", list(QUANTITIES), key="var_quantity")
     color_title, column = QUANTITIES[quantity]
     values = {
@@ -114,11 +115,9 @@ def _slot_section() -> None:
     view = "flat channels"
     if structured:
         first_axes = next(spec.axes for spec in cache.manifest.sites.values() if len(spec.axes) == 2)
-        view = st.selectbox(
-            "Layout",
-            ["flat channels", f"one panel per {first_axes[0][0]} (x = {first_axes[1][0]})"],
-            key="var_view",
-        )
+        layouts = ["flat channels", f"one panel per {first_axes[0][0]} (x = {first_axes[1][0]})"]
+        keep("var_view", layouts[0], one_of(layouts))
+        view = st.selectbox("Layout", layouts, key="var_view")
     if view == "flat channels":
         st.plotly_chart(
             figures.slot_heatmap(slots, color_title, f"{quantity.capitalize()} of each site's channels"),
@@ -156,13 +155,16 @@ def _sequence_section() -> None:
         "layer at once; horizontal bands mean a layer behaves the same for every token."
     )
     c1, c2, c3 = st.columns([1, 2, 2])
-    seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, 0, key="var_seq", help=f"0 to {cache.num_seqs - 1}"))
+    keep("var_seq", 0, in_range(0, cache.num_seqs - 1))
+    keep("var_summary", next(iter(CELLS)), one_of(CELLS))
+    seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, key="var_seq", help=f"0 to {cache.num_seqs - 1}"))
     summary = c2.selectbox("Cell value", list(CELLS), key="var_summary")
     color_title, diverging = CELLS[summary]
     T = cache.seq_len
     start = 0
     if T > WINDOW:
-        start = c3.slider("First position shown", 0, T - WINDOW, 0, step=max(1, WINDOW // 4), key="var_window")
+        keep("var_window", 0, in_range(0, T - WINDOW))
+        start = c3.slider("First position shown", 0, T - WINDOW, step=max(1, WINDOW // 4), key="var_window")
     data = resources.sequence(str(cache.path), cache.fingerprint, seq)
     span = slice(start, min(T, start + WINDOW))
     tokens = resources.decode_tokens(
