@@ -270,7 +270,8 @@ def test_replay_lab_in_chromium(tiny_demo, tmp_path):
                 spec = record["spec"]
                 wait_text("Result: ")
                 shown = body()
-                assert f"on {spec['num_seqs']} sequences, seed {spec['seed']}, batch {spec['batch_size']}" in shown
+                n, seed, batch = spec["num_seqs"], spec["seed"], spec["batch_size"]
+                assert f"on the first {n} of the cache's " in shown and f"seed {seed}, batch {batch}" in shown
                 command = codes()[1]  # [0] is the form's preview, [1] the result's own command
                 assert f"--num-seqs {spec['num_seqs']}" in command and f"--seed {spec['seed']}" in command
                 assert f"--batch {spec['batch_size']}" in command
