@@ -306,3 +306,13 @@ def test_library_is_ui_free():
         p.name for p in root.rglob("*.py") if re.search(r"^\s*(import|from)\s+(streamlit|plotly)", p.read_text(), re.M)
     ]
     assert offenders == []
+
+
+def test_a_run_not_longer_than_its_warmup_still_warms_up_and_decays():
+    """A 30-step run under the default 50-step warm-up never reached its learning rate, nor decayed."""
+    from fca.jobs.train import lr_at, warmup_steps
+
+    short = TrainSettings(steps=30)
+    assert warmup_steps(short) == 3 and warmup_steps(TrainSettings(steps=800)) == 50  # the demo's: unchanged
+    rates = [lr_at(step, short) for step in range(30)]
+    assert max(rates) == pytest.approx(short.lr) and rates[-1] < 0.05 * short.lr + short.min_lr

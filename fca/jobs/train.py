@@ -40,11 +40,18 @@ class TrainSettings:
     vocab_size: int = 2048
 
 
+def warmup_steps(s: TrainSettings) -> int:
+    """The warm-up's length: `warmup`, or a tenth of the run when the run is not longer than that (a
+    30-step run under the default 50 never reached its learning rate, nor decayed from it)."""
+    return s.warmup if s.warmup < s.steps else max(1, s.steps // 10)
+
+
 def lr_at(step: int, s: TrainSettings) -> float:
     """Linear warm-up, then cosine decay to `min_lr`."""
-    if step < s.warmup:
-        return s.lr * (step + 1) / s.warmup
-    progress = (step - s.warmup) / max(1, s.steps - s.warmup)
+    warmup = warmup_steps(s)
+    if step < warmup:
+        return s.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, s.steps - warmup)
     return s.min_lr + 0.5 * (s.lr - s.min_lr) * (1 + math.cos(math.pi * progress))
 
 
@@ -177,7 +184,7 @@ def _train(
     offsets = torch.arange(T + 1, device=device)
     parameters = sum(p.numel() for p in model.parameters())
     log: dict = {
-        "settings": asdict(settings),
+        "settings": {**asdict(settings), "warmup": warmup_steps(settings)},  # (the warm-up run, not asked)
         "corpus": str(corpus),
         "parameters": parameters,
         "train_tokens": len(train_stream),
