@@ -399,6 +399,21 @@ def test_a_checkpoint_missing_or_adding_weights_is_refused(tmp_path):
         with pytest.raises(ModelLoadError, match=rf"{name}: the checkpoint (lacks|has unexpected) weights \(") as err:
             fca.load_model(tmp_path / name)
         assert "\n" not in str(err.value)
+    # An expert's weight missing, or a weight of another shape, made transformers fail outright, "look at
+    # the above report" (a report nobody saw): the report's rows name the weights instead.
+    for name, change, said in [
+        ("expert", lambda w: w.pop("model.layers.0.block_sparse_moe.experts.1.w1.weight"), ".experts."),
+        ("shape", lambda w: w.__setitem__("model.norm.weight", torch.ones(33)), "model.norm.weight MISMATCH"),
+    ]:
+        broken = dict(weights)
+        change(broken)
+        shutil.copytree(tmp_path / "ok", tmp_path / name)
+        save_file(broken, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(
+            ModelLoadError, match=rf"{name}: transformers could not load it \(the checkpoint's weights"
+        ) as err:
+            fca.load_model(tmp_path / name)
+        assert said in str(err.value) and "above report" not in str(err.value) and "\n" not in str(err.value)
 
 
 class UpcastGate(nn.Module):

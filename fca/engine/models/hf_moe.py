@@ -21,6 +21,9 @@ is a second site (family `shared_expert_gate`, coefficient: its pre-sigmoid logi
 
 from __future__ import annotations
 
+import io
+import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +113,21 @@ def adapt_moe(model: nn.Module) -> nn.Module:
     return model
 
 
+def _load_report_rows(report: str, shown: int = 3) -> str:
+    """The weights a transformers load report flags ("model.layers.0.mlp.experts.gate_up_proj MISSING"),
+    with the reason of a failed conversion, in one line; "" when the report names none."""
+    rows = dict.fromkeys(
+        f"{key} {status}"
+        for key, status in re.findall(r"^(\S+)\s*\|\s*(MISSING|UNEXPECTED|MISMATCH|CONVERSION)\b", report, re.M)
+    )
+    reasons = dict.fromkeys(re.findall(r"^(?:RuntimeError|ValueError): (.+)$", report, re.M))
+    if not rows:
+        return ""
+    listed = list(rows)
+    text = ", ".join(listed[:shown]) + (f" and {len(listed) - shown} more" if len(listed) > shown else "")
+    return text + (f"; {next(iter(reasons))}" if reasons else "")
+
+
 def load_hf_moe(path: Path) -> nn.Module:
     """A local transformers MoE directory, loaded in float32 on CPU without any network access."""
     from transformers import AutoModelForCausalLM
@@ -117,16 +135,29 @@ def load_hf_moe(path: Path) -> nn.Module:
 
     # transformers fills missing weights with a fresh initialisation and drops unexpected ones, saying so
     # only in a multi-line load report: the model audited would not be the checkpoint. Its report is
-    # silenced and the same facts refused in one line instead.
+    # kept from the terminal and the same facts refused in one line instead; where loading fails outright
+    # ("look at the above report"), the report's rows name the weights.
+    report = io.StringIO()
+    handler = logging.StreamHandler(report)
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
+    hf_logging.set_verbosity_warning()
+    hf_logging.disable_default_handler()
+    hf_logging.add_handler(handler)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=torch.float32, output_loading_info=True
         )
     except (OSError, ValueError, KeyError, RuntimeError) as err:
-        raise ModelLoadError(f"{path}: transformers could not load it ({str(err).splitlines()[0]})") from None
+        said = str(err).splitlines()[0]
+        rows = _load_report_rows(report.getvalue())
+        raise ModelLoadError(
+            f"{path}: transformers could not load it ("
+            + (f"the checkpoint's weights do not fit the model: {rows}" if rows else said)
+            + ")"
+        ) from None
     finally:
+        hf_logging.remove_handler(handler)
+        hf_logging.enable_default_handler()
         hf_logging.set_verbosity(verbosity)
     for kind, what in (("missing_keys", "lacks"), ("unexpected_keys", "has unexpected"), ("mismatched_keys", "has")):
         keys = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(kind) or ())
