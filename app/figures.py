@@ -320,9 +320,9 @@ def token_layer_heatmap(
     return _layout(fig, title, height=max(360, 200 + 28 * len(z.index)), margin=dict(l=60, r=20, t=50, b=110))
 
 
-def profile_lines(df: pd.DataFrame, token_label: str) -> go.Figure:
+def profile_lines(df: pd.DataFrame, token_label: str, band: str = "") -> go.Figure:
     """df: slot (label 'site/channel'), live, static, lo, hi. The chosen token's coefficients against the
-    calibration mean and its quantile band, slot by slot."""
+    calibration mean and its quantile band (`band`: its name in the legend, e.g. "5-95%"), slot by slot."""
     x = df["slot"].tolist()
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=x, y=df["hi"], mode="lines", line=dict(width=0), showlegend=False, hoverinfo="skip"))
@@ -334,7 +334,7 @@ def profile_lines(df: pd.DataFrame, token_label: str) -> go.Figure:
             line=dict(width=0),
             fill="tonexty",
             fillcolor="rgba(76,120,168,0.2)",
-            name="calibration band",
+            name=f"calibration band ({band} of tokens)" if band else "calibration band",
         )
     )
     fig.add_trace(

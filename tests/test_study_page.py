@@ -70,6 +70,8 @@ def test_a_seed_without_caches_shows_its_audit_in_place(tiny_study, tmp_path, mo
     shown = "\n".join(m.value for m in at.markdown)
     fingerprint = json.loads((kept / "seed1" / "audit.json").read_text())["model"]["fingerprint"]
     assert "# FCA audit: featuregate" in shown and fingerprint[:16] in shown
+    # Under the page's own headings: the report's two levels down (its title was larger than the page's).
+    assert "\n### FCA audit: featuregate" in "\n" + shown and "\n#### 1. Coefficient variation" in shown
 
 
 def test_a_study_of_one_model_claims_no_spread(tiny_study, tmp_path, monkeypatch):

@@ -138,7 +138,9 @@ def token_view(seq, chosen_sites, slots, live_m, static_v, deviation, tokens) ->
                 "hi": np.concatenate([band[site][1] for site in chosen_sites]),
             }
         )
-        st.plotly_chart(figures.profile_lines(profile, f"position {token} {tokens[token]!r}"), key="prof_lines")
+        st.plotly_chart(
+            figures.profile_lines(profile, f"position {token} {tokens[token]!r}", band_name), key="prof_lines"
+        )
         download(profile, f"profile_seq{seq}_tok{token}.csv", "This token's profile (CSV)", key="dl-profile")
 
 

@@ -11,6 +11,7 @@ and the Overview opens; when only its audit was committed, its audit report is s
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -181,7 +182,9 @@ else:
         "with the study's command (for the demo study: `python -m fca demo-study`)."
     )
     with guard("Audit report"):
-        st.markdown(render_markdown(resources.report(str(audit_path), resources.file_stamp(audit_path))))
+        text = render_markdown(resources.report(str(audit_path), resources.file_stamp(audit_path)))
+        # Inside the page, under its own headings: each of the report's headings two levels down.
+        st.markdown(re.sub(r"^(#+) ", lambda m: "#" * min(len(m[1]) + 2, 6) + " ", text, flags=re.M))
 
 d1, d2 = st.columns(2)
 with d1:

@@ -137,7 +137,8 @@ def distributions() -> None:
     quant = resources.site_quantiles(str(cache.path), cache.fingerprint)
     st.caption(
         f"Quantiles over a sample of {int(quant['sampled_tokens'].iloc[0]):,} tokens per site (the first sequences "
-        "of the cache), so this chart costs the same on caches of any size."
+        "of the cache), so this chart costs the same on caches of any size. Each box spans the 25-75% quantiles "
+        "with the median as its line and the mean dashed; whiskers reach 5% and 95%, ticks 1% and 99%."
     )
     st.plotly_chart(figures.site_distributions(quant), key="var_dist")
     download(quant, "site_distributions.csv")
