@@ -195,7 +195,7 @@ with right:
 with cards:
     c1, c2, c3 = st.columns(3)
 with c1:
-    st.subheader("1. Variation")
+    st.markdown("#### 1. Variation")  # (a subheader wrapped at 1024 px and set its card lower)
     st.metric(
         "Layer-identity share",
         f"{100 * (var['layer_identity_share'] or 0):.1f}%",
@@ -207,7 +207,7 @@ with c1:
         "mostly from token to token."
     )
 with c2:
-    st.subheader("2. Dependence")
+    st.markdown("#### 2. Dependence")  # (a subheader wrapped at 1024 px and set its card lower)
     static = cond.get("static_layer", {})
     static_retention = retention.get("static_layer")
     st.metric(
@@ -222,7 +222,7 @@ with c2:
         "Near 100%: per-token control adds little beyond layer identity."
     )
 with c3:
-    st.subheader("3. Execution")
+    st.markdown("#### 3. Execution")  # (a subheader wrapped at 1024 px and set its card lower)
     ratio = exe.get("latency_ratio_vs_dense")
     st.metric(
         "Latency vs Dense twin",
