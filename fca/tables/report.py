@@ -324,8 +324,7 @@ def retention_sentence(report: dict) -> str:
         )
     shown = f"gap retention {100 * retention:.0f}%"
     if retention > 1:  # "keeps 126%" read as nonsense: the static profile scored below the own coefficients
-        lo_ci, hi_ci = conditions["static_layer"]["penalty_ci95"]
-        if hi_ci < 0:
+        if conditions["static_layer"]["penalty_ci95"][1] < 0:
             return (
                 f"A fixed per-layer profile does better than the model's own per-token coefficients here ({shown}: "
                 f"its penalty's CI lies below 0); {paper}."
