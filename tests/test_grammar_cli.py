@@ -333,3 +333,12 @@ def test_inspect_says_what_a_path_is_and_a_device_is_named_as_given(tmp_path, ca
     if not torch.cuda.is_available():
         with pytest.raises(Exception, match=r"device 'cuda:3' asked for, but no CUDA device is available"):
             resolve_device("cuda:3")
+
+
+def test_a_cache_prints_as_one_line() -> None:
+    """`print(fca.open_cache(...))` printed the whole manifest, every part's record and hash, twice over."""
+    from fca.tables.store import open_cache
+
+    shown = repr(open_cache(ROOT / "cache" / "demo" / "eval"))
+    assert shown.endswith(": 256 x 128 tokens, 6 sites, float32 coefficients of a float32 model, 1 part)")
+    assert "\n" not in shown and len(shown) < 200

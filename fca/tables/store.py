@@ -64,6 +64,14 @@ class Cache:
     _read_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
     _verified: set = field(default_factory=set, init=False, repr=False, compare=False)  # part positions
 
+    def __repr__(self) -> str:
+        # (the dataclass's would print the whole manifest, every part's record and hash included)
+        return (
+            f"Cache({str(self.path)!r}: {self.num_seqs} x {self.seq_len} tokens, {len(self.sites)} sites, "
+            f"{self.coefficient_dtype} coefficients of a {self.model_dtype} model, {len(self.manifest.parts)} "
+            f"part{'s' if len(self.manifest.parts) != 1 else ''})"
+        )
+
     @property
     def site_specs(self) -> dict[str, SiteSpec]:
         return dict(self.manifest.sites)  # a copy: callers may reorder or filter it
