@@ -13,10 +13,10 @@
 #
 # exactness  the shipped CPU-built demo audited on CUDA (accepted, fidelity reported); caches built and
 #            audited on CUDA (bit-identical), and built again with writer processes (the same parts); the drift between this machine's CPU and its GPU, float32
-#            and bfloat16, both ways, and on other batches than the build's (fca.fidelity's tolerances)
+#            and bfloat16, both ways, and on other batches than the build's (fca.tables.fidelity's tolerances)
 # study      a larger configuration trained for three seeds, each with its Dense twin, cached and audited
-# demo-seeds seeds 1 and 2 of the demo configuration trained on CUDA (cached and audited later on a CPU;
-#            the shipped demo study trained them on a CPU, so this is only for regenerating it faster)
+# demo-seeds seeds 1 and 2 of the demo configuration trained on CUDA, as the shipped demo study's were (their
+#            caches and audits are made on a CPU afterwards, like the shipped demo's)
 # speed      the performance ratios on CUDA and MUDDPythia at the 1.4B shapes in bfloat16 (capture,
 #            replay and a streamed cache build vs live); the writer's scaling: bench/writer_scale.py;
 #            a host-bound forward beside a writer thread and process: bench/host_contention.py; what

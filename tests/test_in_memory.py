@@ -1,5 +1,5 @@
 """A model held in memory, audited end to end from Python: sites declared from outside, caches built from
-token windows, the audit and a saved replay run. This is the README's custom-model example."""
+token windows, the audit and a saved replay run. A variant of the README's custom-model example."""
 
 from __future__ import annotations
 
