@@ -195,7 +195,8 @@ def slot_heatmap(df: pd.DataFrame, value_title: str, title: str, diverging: bool
     for _, first, _ in groups[1:]:
         fig.add_vline(x=first - 0.5, line_color="#222", line_width=2)
     fig.update_xaxes(
-        title="channel (" + " | ".join(f"{g} {a}-{b}" for g, a, b in groups) + ")" if len(groups) > 1 else "channel",
+        # Column numbers, which the ticks' labels (attn.0 ... mlp.5) do not show: the CSV's `channel`.
+        title="channel: columns " + " | ".join(f"{g} {a}-{b}" for g, a, b in groups) if len(groups) > 1 else "channel",
         tickmode="array",
         tickvals=list(range(width)),
         ticktext=ticks,

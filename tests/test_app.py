@@ -603,7 +603,7 @@ def test_slot_heatmap_groups_the_channel_axis():
     fig = figures.slot_heatmap(df, "mean coefficient over tokens (unitless)", "t")
     assert list(fig.layout.xaxis.ticktext) == labels and list(fig.layout.xaxis.tickvals) == list(range(12))
     assert [s.x0 for s in fig.layout.shapes] == [5.5]  # the attn | mlp divider
-    assert "attn 0-5 | mlp 6-11" in fig.layout.xaxis.title.text
+    assert fig.layout.xaxis.title.text == "channel: columns attn 0-5 | mlp 6-11"
     assert fig.data[0].colorbar.title.text.replace("<br>", " ") == "mean coefficient over tokens (unitless)"
     assert figures.channel_groups(["q", "q", "k"]) == [("q", 0, 1), ("k", 2, 2)]
 
