@@ -362,7 +362,7 @@ def test_derangement_and_shuffle():
     frozen = condition_coefficients(parse_condition("token_shuffle@b", 1), own, [0, 1])
     assert frozen["a"] is own["a"] and np.array_equal(frozen["b"], shared["b"])
     assert parse_condition("interpolate:0.25@a,b").name == "interpolate:0.25@a,b"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown condition 'wobble'; choose one of correct"):
         parse_condition("wobble")
 
 
@@ -400,6 +400,54 @@ def test_variance_share_hand_cases():
     r = variance_decomposition(_moments(tiny), SlotLayout(["a"], [2], ["g", "g"]))
     assert r["layer_identity_share"] == pytest.approx(16 / 20)
     assert r["factors"]["position_within_slot"] == pytest.approx(4 / 20)
+
+
+def test_every_share_and_factor_against_a_brute_force_computation():
+    """Each figure of the decomposition from its definition (README, "What is measured, exactly"), on raw
+    values of three sites and two families: a per-site share measured around another quantity, the site
+    factor without its channel count, or the sequence factor off by a term all passed the other tests."""
+    rng = np.random.default_rng(4)
+    n, T, vocab = 7, 9, 5
+    families = ["g", "g", "r", "g", "r", "r"]  # sites a (g, g), b (r, g), c (r, r)
+    layout = SlotLayout(["a", "b", "c"], [2, 2, 2], families)
+    tokens = rng.integers(0, vocab, (n, T))
+    values = rng.normal(0, 1, (n, T, 6)) + np.array([0.0, 1.0, 3.0, 0.5, 2.0, 2.5])  # slot offsets
+    values += 0.3 * np.sin(tokens)[:, :, None] + 0.2 * np.arange(T)[None, :, None] / T  # token, position
+    m = Moments(6, T, vocab)
+    m.add(values, tokens)
+    r = variance_decomposition(m, layout)
+
+    fam = np.array(families)
+    flat = values.reshape(-1, 6)  # [n*T, C]
+    grand = {f: flat[:, fam == f].mean() for f in ("g", "r")}
+    around = flat - np.array([grand[f] for f in families])  # each value around its family's grand mean
+    ss_total = (around**2).sum()
+    slot_means = flat.mean(0)
+    ss_between = flat.shape[0] * (slot_means - np.array([grand[f] for f in families])) ** 2  # [C]
+    within = flat - slot_means
+    assert r["layer_identity_share"] == pytest.approx(ss_between.sum() / ss_total, rel=1e-12)
+    for site, cols in (("a", [0, 1]), ("b", [2, 3]), ("c", [4, 5])):
+        share = ss_between[cols].sum() / (around[:, cols] ** 2).sum()  # around the family's grand mean
+        assert r["per_site"][site] == pytest.approx(share, rel=1e-12), site
+    for f in ("g", "r"):
+        assert r["per_family"][f] == pytest.approx(ss_between[fam == f].sum() / (around[:, fam == f] ** 2).sum())
+    ss_site = 0.0  # every channel of a site (and family) at one mean
+    for cols in ([0, 1], [2, 3], [4, 5]):
+        for f in dict.fromkeys(fam[cols]):
+            chosen = [c for c in cols if fam[c] == f]
+            ss_site += flat.shape[0] * len(chosen) * (flat[:, chosen].mean() - grand[f]) ** 2
+    factors = r["factors"]
+    assert factors["site"] == pytest.approx(ss_site / ss_total, rel=1e-12)
+    assert factors["channel_within_site"] == pytest.approx((ss_between.sum() - ss_site) / ss_total, rel=1e-12)
+
+    def within_slot(groups: np.ndarray) -> float:  # group means within each slot, around the slot mean
+        keys = groups.reshape(-1)
+        return sum((keys == g).sum() * ((within[keys == g].mean(0)) ** 2).sum() for g in np.unique(keys)) / ss_total
+
+    assert factors["position_within_slot"] == pytest.approx(within_slot(np.broadcast_to(np.arange(T), (n, T))))
+    assert factors["sequence_within_slot"] == pytest.approx(within_slot(np.repeat(np.arange(n), T)))
+    assert factors["token_id_within_slot"] == pytest.approx(within_slot(tokens))
+    assert factors["residual_after_slot"] == pytest.approx((within**2).sum() / ss_total)
 
 
 def test_within_slot_factors_have_their_chance_level():
@@ -456,6 +504,25 @@ def test_bootstrap_ci():
     d = np.random.default_rng(1).normal(0.2, 0.1, 200)
     lo, hi = paired_bootstrap_ci(d, seed=3)
     assert lo < d.mean() < hi and hi - lo < 0.05 and (lo, hi) == paired_bootstrap_ci(d, seed=3)
+    # The definition, spelled out: 2,000 resamples of the sequences with default_rng(seed), the 2.5 and
+    # 97.5 percentiles of their means (a 90% interval, or 200 resamples, passed the checks above).
+    means = d[np.random.default_rng(3).integers(0, d.size, size=(2000, d.size))].mean(1)
+    assert (lo, hi) == tuple(np.quantile(means, [0.025, 0.975]))
+
+
+def test_the_penalty_interval_is_paired_over_sequences():
+    """Sequences differ far more from each other than a condition moves each one: a paired interval (of the
+    per-sequence differences) is narrow, an unpaired one would be wide. An unpaired scorer (each
+    condition's sequences in another order) passed every other test."""
+    from fca.tables.scoring import BOOTSTRAP_RESAMPLES, summarize_conditions
+
+    rng = np.random.default_rng(0)
+    base = rng.normal(3.5, 0.5, 64)  # per-sequence NLLs, sequences far apart
+    shifted = base + 0.1 + rng.normal(0, 0.01, 64)  # every sequence 0.1 nats worse
+    row = summarize_conditions({"correct": base, "static_layer": shifted}, seed=5)["static_layer"]
+    assert row["penalty_ci95"] == list(paired_bootstrap_ci(shifted - base, BOOTSTRAP_RESAMPLES, 5))
+    lo, hi = row["penalty_ci95"]
+    assert 0.095 < lo < 0.1 < hi < 0.105  # unpaired, the interval would be about +-0.17 wide
 
 
 def test_replay_runner_conditions(demo):

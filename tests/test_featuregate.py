@@ -199,6 +199,23 @@ def test_weights_without_read_permission_are_said_so(tmp_path, model_dir):
         fca.load_model(locked)
 
 
+def test_a_weights_file_that_cannot_be_opened_is_said_so_for_any_user(tmp_path, model_dir, monkeypatch):
+    """The test above needs a user without root's rights; this one refuses the open itself, so the message
+    is checked wherever the suite runs (safetensors alone would say "No such file or directory")."""
+    import pathlib
+
+    real_open = pathlib.Path.open
+
+    def refusing_open(self, *args, **kwargs):
+        if self.name == "model.safetensors":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "open", refusing_open)
+    with pytest.raises(ModelLoadError, match=r"model.safetensors: unreadable weights \(Permission denied\)"):
+        fca.load_model(model_dir)
+
+
 def test_training_reduces_loss(tmp_path, corpus):
     config = FeatureGateConfig(**TINY)
     log = train(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +19,7 @@ from fca.cli import main
 from fca.tables import study
 
 DEMO = Path(__file__).resolve().parent.parent / "cache" / "demo"
-from fca.tables.study import StudyError, build_study, spread, t_quantile_975
+from fca.tables.study import COMPARED_FIELDS, StudyError, build_study, spread, t_quantile_975
 
 # ------------------------------------------------------------------ hand-made audits
 
@@ -198,6 +199,27 @@ def test_refuses_audits_with_other_definitions(path, value):
         build_study([THREE[0], ("odd.json", other)])
     message = str(err.value)
     assert path in message and "a.json" in message and "odd.json" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("path", COMPARED_FIELDS)
+def test_every_compared_field_is_compared(path):
+    """Each field a study must see agree, changed in one audit, is refused by name (removing model.dtype from
+    the compared fields passed the hand-picked cases above)."""
+    other = copy.deepcopy(THREE[1][1])
+    target = other
+    *parents, last = path.split(".")
+    for key in parents:
+        target = target.setdefault(key, {})
+    target[last] = {"changed": path}
+    with pytest.raises(StudyError, match=re.escape(f"{path} differs between a.json")):
+        build_study([THREE[0], ("odd.json", other)])
+
+
+def test_audits_with_and_without_a_dense_twin_are_refused():
+    without = copy.deepcopy(THREE[1][1])
+    without["dense"] = None
+    with pytest.raises(StudyError, match="dense twin differs between a.json and b.json: one was audited with"):
+        build_study([THREE[0], ("b.json", without)])
 
 
 def test_audits_of_two_corpus_files_of_one_name_are_refused():
