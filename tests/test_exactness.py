@@ -8,6 +8,7 @@ its environment record.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -175,6 +176,33 @@ def test_foreign_cache_beyond_drift_is_refused(demo_pair, tmp_path, capsys):
                 fca.load_model(model_dir), open_cache(wrong), [fca.tables.conditions.Condition("correct")], batch_size=4
             )
         )
+
+
+def test_each_bound_of_a_foreign_cache_refuses_it_by_name():
+    """Each tolerance just exceeded on its own, the others met, refuses a foreign cache naming that bound:
+    without the NLL bounds (mean and per sequence), every other test still passed."""
+    from fca.tables.fidelity import FidelityMeasure, judge_fidelity, tolerances
+
+    here = {**FOREIGN, "device_type": "cpu", "device_name": "cpu", "capability": "avx512", "cuda": None}
+    tol = tolerances("float32", "float32")
+    live = np.full(64, 3.0)  # (one sequence off by the per-sequence bound moves the mean by 1/64 of it)
+
+    def judge(rel=0.0, mean_shift=0.0, one_shift=0.0, stored=0.0) -> dict:
+        measure = FidelityMeasure(stored_live_nll_max_diff=stored, same_batches=True)
+        measure.add_site("blocks.0.gate", rel, rel, differing=1, compared=100)
+        cached = live + mean_shift
+        cached[0] += one_shift  # one sequence off, the mean hardly
+        return judge_fidelity("c", measure, live, cached, FOREIGN, here)
+
+    assert judge(rel=0.9 * tol["coefficient_rel"], mean_shift=0.9 * tol["nll_mean"])["verdict"] == "within tolerance"
+    for kwargs, said in (
+        ({"rel": 1.1 * tol["coefficient_rel"]}, "max relative coefficient difference"),
+        ({"mean_shift": 1.1 * tol["nll_mean"]}, "Correct-from-cache NLL difference"),
+        ({"one_shift": 1.1 * tol["nll_seq"]}, "per-sequence NLL difference"),
+        ({"stored": 1.1 * tol["nll_token"]}, "stored live NLL difference per token"),
+    ):
+        with pytest.raises(FidelityError, match=re.escape(f"beyond floating-point drift ({said} ")):
+            judge(**kwargs)
 
 
 def test_same_environment_must_be_bit_identical(demo_pair, tmp_path, capsys):
