@@ -1050,3 +1050,26 @@ def test_an_unknown_device_is_one_line(demo, tmp_path, capsys):
     assert not any(tmp_path.iterdir())
     with pytest.raises(ModelLoadError, match="unknown device 'gpu'"):  # library callers are told too
         resolve_device("gpu")
+
+
+def test_latency_is_the_median_of_model_over_dense_per_interleaved_pair(monkeypatch):
+    """On a clock that each forward advances by a known amount (the model 3 units, its twin 2, one pair
+    slowed by other work), the ratio is model / dense, its median over pairs whoever went first, and the
+    spread is that of the pairs: a ratio inverted to dense / model passed the audit's range checks."""
+    import fca.engine.execution as execution
+
+    clock = [0.0]
+    monkeypatch.setattr(execution.time, "perf_counter", lambda: clock[0])
+    calls = []
+
+    def forward(cost):
+        def run(ids):
+            calls.append(cost)
+            clock[0] += cost * (4.0 if len(calls) in (7, 8) else 1.0)  # the fourth pair, both slowed
+
+        return run
+
+    out = execution.latency_ratio(forward(3.0), forward(2.0), torch.zeros(1, 4, dtype=torch.long), runs=5, warmup=1)
+    assert out["latency_ratio_vs_dense"] == 1.5 and out["ratio_min"] == out["ratio_max"] == 1.5
+    assert out["model_ms_median"] == 3000.0 and out["dense_ms_median"] == 2000.0
+    assert calls[:4] == [3.0, 2.0, 2.0, 3.0]  # interleaved: the model first, then its twin first
