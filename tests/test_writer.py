@@ -911,6 +911,50 @@ def test_a_bfloat16_cache_replays_in_bfloat16_unless_told_otherwise(artifacts, t
     assert "recorded with a bfloat16 model" in capsys.readouterr().err
 
 
+def test_a_float16_cache_of_a_float32_model_halves_it_and_replays(artifacts, tmp_path, capsys):
+    """`--coefficient-dtype float16` (README, "Cache layout"): the coefficients rounded to float16 and stored
+    as Parquet half floats, read back as float32, and judged after the same rounding, so a replay in the
+    build's own environment and batches accepts it."""
+    built = {}
+    for dtype in ("float32", "float16"):
+        for split in ("eval", "calibration"):
+            build_cache_from_corpus(
+                artifacts / "model", artifacts / "prose.txt", split, tmp_path / dtype / split, num_seqs=4,
+                batch_size=2, device="cpu", coefficient_dtype=dtype, show_progress=False,
+            )  # fmt: skip
+        built[dtype] = open_cache(tmp_path / dtype / "eval", verify=True)
+    half, full = built["float16"], built["float32"]
+    assert half.manifest.coefficient_dtype == "float16"
+    assert (
+        str(pq.read_schema(half.part_paths()[0]).field("blocks.0.gate").type)
+        == "fixed_size_list<element: halffloat not null>[4]"
+    )
+    got, reference = half.read_seqs(range(4)), full.read_seqs(range(4))
+    for site in half.sites:
+        assert got[site].dtype == np.float32
+        np.testing.assert_array_equal(got[site], reference[site].astype(np.float16).astype(np.float32))
+    args = [
+        "replay",
+        "--model",
+        str(artifacts / "model"),
+        "--cache",
+        str(tmp_path / "float16" / "eval"),
+        "--batch",
+        "2",
+    ]
+    args += [
+        "--calibration",
+        str(tmp_path / "float16" / "calibration"),
+        "--num-seqs",
+        "4",
+        "--device",
+        "cpu",
+        "--no-save",
+    ]
+    assert main(args) == 0, capsys.readouterr().err
+    assert "static_layer" in capsys.readouterr().out
+
+
 def test_bfloat16_storage_of_a_float32_model_is_refused(artifacts, tmp_path, capsys):
     code = main(
         [
