@@ -741,6 +741,25 @@ def test_execution_says_when_its_timed_runs_spread_too_widely(tiny_demo, tmp_pat
                          "it is idle."] if noisy else [])  # fmt: skip
 
 
+def test_execution_of_a_model_that_skips_blocks_says_so_and_draws_them(tiny_demo, tmp_path, monkeypatch):
+    """The page's branch for skipped blocks (no shipped model skips any) had never been drawn: an audit whose
+    second block ran for half the tokens says so, per block."""
+    for name in ("featuregate", "dense", "eval", "calibration", "audit.json"):
+        (shutil.copytree if (tiny_demo / name).is_dir() else shutil.copy)(tiny_demo / name, tmp_path / name)
+    report = json.loads((tmp_path / "audit.json").read_text())
+    exe = report["execution"]
+    tokens = exe["tokens"]
+    exe["tokens_per_block"] = [tokens, tokens // 2] + [tokens] * (exe["num_blocks"] - 2)
+    exe["blocks_executed_per_token"] = sum(exe["tokens_per_block"]) / tokens
+    (tmp_path / "audit.json").write_text(json.dumps(report))
+    at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), "views/execution.py")
+    no_exceptions(at)
+    said = " ".join(m.value for m in at.markdown)
+    assert f"**Some blocks were skipped**: a token ran {exe['blocks_executed_per_token']:.2f} of" in said
+    blocks = next(c for c in _charts(at) if "Blocks executed per token" in json.dumps(c["layout"]))
+    assert blocks["data"][0]["text"][:2] == ["100%", "50%"]
+
+
 def test_execution_measurement_belongs_to_its_cache(tiny_demo, tmp_path, monkeypatch):
     other = tmp_path / "other"
     for name in ("featuregate", "dense", "eval", "calibration", "audit.json"):
