@@ -4,7 +4,9 @@ Overview's suggested audit command."""
 
 from __future__ import annotations
 
+import html
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -293,6 +295,18 @@ def test_token_text_page_colours_every_token(tiny_demo, monkeypatch):
     legend, text = (h.proto.body for h in at.get("html"))
     assert "equal to the static profile" in legend and "channel 1" in legend
     assert text.count("<span ") == seq_len and "deviation" in text
+    # The values themselves: channel 1 of the first site at position 2 of sequence 0, against the calibration
+    # cache's mean of that channel (a deviation computed as coefficient + profile passed the checks above).
+    from fca.tables.profiles import calibration_profiles
+    from fca.tables.store import open_cache
+
+    site = open_cache(tiny_demo / "eval").sites[0]
+    value = float(open_cache(tiny_demo / "eval").read_seqs([0])[site][0, 2, 1])
+    profile = float(calibration_profiles(open_cache(tiny_demo / "calibration")).static[site][1])
+    title = html.unescape(re.search(r'title="(position 2: [^"]*)"', text)[1])
+    assert title.endswith(
+        f"| coefficient {value:.4f} | static profile {profile:.4f} | deviation {value - profile:+.4f}"
+    )
 
 
 def test_shipped_markdown_reports_are_their_json_rendered():
