@@ -21,7 +21,7 @@ from fca.engine.environment import model_dtype_name
 from fca.engine.execution import execution_audit
 from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.replay import ReplayResults, check_exactness, check_finite, check_token_ids, run_conditions
-from fca.engine.sites import find_sites, site_specs, vocab_rows
+from fca.engine.sites import controller_parameters, find_sites, site_specs, vocab_rows
 from fca.tables.catalog import DENSE_TWINS, is_dense_twin
 from fca.tables.conditions import Condition, as_conditions
 from fca.tables.errors import CacheError, ModelLoadError
@@ -51,13 +51,6 @@ def _config_dict(model: nn.Module) -> dict:
 
 def _parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # (a parameter shared by modules counts once)
-
-
-def _controller_parameters(model: nn.Module) -> int:
-    """Parameters inside the model's controllers, each counted once (a controller may serve several sites)."""
-    controllers = [s.controller for s in find_sites(model).values() if isinstance(s.controller, nn.Module)]
-    unique = {id(p): p for controller in controllers for p in controller.parameters()}
-    return sum(p.numel() for p in unique.values())
 
 
 def model_name(source: ModelSource) -> str:
@@ -194,7 +187,7 @@ class Experiment:
                     f"sizes and {twin.switch} false), so a latency ratio against it would not measure the controllers"
                 )
             if twin is None:  # any other model: a twin is the model without its controllers, weight for weight
-                expected, got = _parameters(self.model) - _controller_parameters(self.model), _parameters(dense)
+                expected, got = _parameters(self.model) - controller_parameters(self.model), _parameters(dense)
                 if got != expected:
                     raise ModelLoadError(
                         f"{where}: has {got:,} parameters, and {self.name} without its controllers "
