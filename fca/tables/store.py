@@ -367,19 +367,24 @@ def _prefetch(
         reader.join()
 
 
+def _resume_hint(path: Path) -> str:
+    """For a path that is no finished cache: say so when it is a build under way or stopped (asked only
+    then: opening a cache is on every dashboard page's path)."""
+    unfinished = path.name.endswith(".partial") or path.with_name(path.name + ".partial").exists()
+    return " (an unfinished build: rerun build-cache to resume)" if unfinished else ""
+
+
 def open_cache(path: str | Path, verify: bool = False) -> Cache:
     """Open a finished cache: checks the manifest, that every part file is there with its recorded
     size, and the first part's schema (the others' when first read; `verify=True` checks every part's
     hash). Raises `CacheError` with a one-line reason."""
     path = Path(path).resolve() if str(path) in ("", ".") else Path(path)  # ("" and "." name no folder)
     manifest_path = path / MANIFEST
-    unfinished = path.with_name(path.name + ".partial").exists() or path.name.endswith(".partial")
-    resume = " (an unfinished build: rerun build-cache to resume)" if unfinished else ""
     if not path.is_dir():
         what = "a file, not a cache directory" if path.exists() else "cache directory not found"
-        raise CacheError(f"{path}: {what}{resume}")
+        raise CacheError(f"{path}: {what}{_resume_hint(path)}")
     if not manifest_path.is_file():
-        raise CacheError(f"{manifest_path}: missing; not a finished cache{resume}")
+        raise CacheError(f"{manifest_path}: missing; not a finished cache{_resume_hint(path)}")
     cache = Cache(path, read_manifest(path))
     # Every part must be there with the size the manifest records (a stat each: truncated or overwritten
     # parts are refused here); one part's schema is read now, each other's when a read first needs it
