@@ -333,12 +333,16 @@ def variance_decomposition(m: Moments, layout: SlotLayout) -> dict:
     residual = share(float(ss_within_slot.sum()), total, scale)
     position = float(((m.pos_sum**2) / np.maximum(m.pos_count, 1)[:, None]).sum() - slot_term.sum())
     sequence = float(m.seq_term.sum() - slot_term.sum())
-    groups = {"position_within_slot": int((m.pos_count > 0).sum()), "sequence_within_slot": m.num_seqs}
-    token = None
+    token, token_ids = None, None
     if m.tok_sum is not None:
         seen = m.tok_count > 0
         token = float(((m.tok_sum[seen] ** 2) / m.tok_count[seen][:, None]).sum() - slot_term.sum())
-        groups["token_id_within_slot"] = int(seen.sum())
+        token_ids = int(seen.sum())
+    groups = {  # the groups of each within-slot factor, in the report's order (no token ids: no token factor)
+        "position_within_slot": int((m.pos_count > 0).sum()),
+        **({"token_id_within_slot": token_ids} if token_ids is not None else {}),
+        "sequence_within_slot": m.num_seqs,
+    }
     # A grouping with no effect still takes a share: k groups among n values of a slot explain, in
     # expectation, (k - 1) / (n - 1) of the slot's within variance. A share is meaningful only above this.
     chance = {
@@ -358,11 +362,7 @@ def variance_decomposition(m: Moments, layout: SlotLayout) -> dict:
             "sequence_within_slot": share(sequence, total, scale),
             "residual_after_slot": residual,
         },
-        "chance_levels": {
-            name: chance[name]
-            for name in ("position_within_slot", "token_id_within_slot", "sequence_within_slot")
-            if name in chance
-        },
+        "chance_levels": chance,
         "ss_total": total,
         "family_grand_means": grand,
         "num_tokens": m.count,
