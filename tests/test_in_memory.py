@@ -10,6 +10,7 @@ from torch import nn
 
 import fca
 from fca.engine.adapters import SiteDeclaration
+from fca.engine.families import Family
 from fca.jobs.build import as_windows
 from fca.jobs.runs import run_replay
 from fca.tables.errors import CacheError, ExactnessError
@@ -286,3 +287,66 @@ def test_documents_end_with_the_tokenizers_own_end_token():
     for unusable in (7, -1, True, "1"):
         with pytest.raises(ModelLoadError, match="and no eos_token_id in the model's config.json"):
             data.end_of_document(deepseek, "model.json", config_eos=unusable)
+
+
+class DepthRoutedLM(nn.Module):
+    """Mixture-of-Depths routing: in each layer a router scores every token and only the `capacity` top-scored
+    tokens of each sequence run that layer's block (the others pass it by on the residual stream), their block
+    output scaled by sigmoid(score). The blocks really run for half of the tokens, and which half is decided by
+    the router: the execution audit must count it, and a shuffled replay must change it."""
+
+    fca_family = Family(
+        "depth_routed", blocks=lambda model: list(model.blocks), coefficient_kind="router scores, one per token"
+    )
+
+    def __init__(self, vocab: int = 64, d: int = 16, n_layers: int = 2, capacity: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.capacity = capacity
+        self.embed = nn.Embedding(vocab, d)
+        self.routers = nn.ModuleList(nn.Linear(d, 1) for _ in range(n_layers))  # the controllers: [B, T, 1]
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(n_layers)
+        )
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)  # [B, T, D]
+        for router, block in zip(self.routers, self.blocks):
+            scores = router(h)[..., 0]  # [B, T]
+            chosen = scores.topk(self.capacity, dim=1).indices.sort(dim=1).values  # [B, C]
+            rows = chosen[..., None].expand(-1, -1, h.shape[-1])  # [B, C, D]
+            update = block(h.gather(1, rows)) * torch.sigmoid(scores.gather(1, chosen))[..., None]  # [B, C, D]
+            h = h.scatter_add(1, rows, update)
+        return self.head(h)  # [B, T, V]
+
+
+def test_a_model_that_skips_blocks_is_counted_as_it_runs(tmp_path):
+    """No shipped model skips a block, so the execution audit's counting had only ever seen every block run.
+    A Mixture-of-Depths model runs each block for 16 of a sequence's 32 tokens: the audit counts exactly that
+    from the calls themselves, and the router's coefficients decide which tokens, so the Correct replay is
+    exact while a shuffled one routes other tokens."""
+    model = DepthRoutedLM().eval()
+    fca.attach_sites(
+        model, [SiteDeclaration(path="routers.*", axes=(("score", 1),), family="router", coefficient="router score")]
+    )
+    tokens = np.random.default_rng(6).integers(0, 64, 4_000)
+    # Windows shorter than the router's capacity: refused in one line by the first probe (the vocabulary's,
+    # which had probed 2 tokens whatever the windows, so this model could not be cached at all).
+    with pytest.raises(ValueError, match=r"short: DepthRoutedLM fails on a window of 8 tokens, so nothing was"):
+        fca.build_cache(model, tokens[:900], tmp_path / "short", seq_len=8, split="eval")
+    assert not (tmp_path / "short").exists()
+    fca.build_cache(model, tokens[:2_000], tmp_path / "eval", seq_len=32, split="eval")
+    fca.build_cache(model, tokens[2_000:], tmp_path / "calibration", seq_len=32, split="calibration")
+    report = fca.audit(model, tmp_path / "eval", tmp_path / "calibration", num_seqs=16, latency_runs=2, sweep=())
+
+    assert report["exactness"]["max_abs_logit_diff"] == 0.0
+    execution = report["execution"]
+    probe_tokens = 8 * 32  # the first 8 evaluated sequences
+    assert execution["tokens"] == probe_tokens and execution["tokens_per_block"] == [8 * 16, 8 * 16]
+    assert execution["blocks_executed_per_token"] == 1.0 and execution["blocks_executed_fraction"] == 0.5
+    assert 0 < execution["controller_flops_share"] < 0.05  # a 16 -> 1 router beside 16 -> 32 -> 16 blocks
+    assert "Blocks executed per token: 1.00 of 2 (50.0%)" in fca.tables.report.render_markdown(report)
+    # Shuffled scores route other tokens through the blocks: the model depends on which tokens its router picks.
+    nll = {name: row["nll"] for name, row in report["conditions"].items()}
+    assert nll["token_shuffle"] > nll["correct"] + 1e-3

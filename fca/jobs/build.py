@@ -212,7 +212,7 @@ def build_cache(
     if model.training:  # refused before anything is written (record passes refuse it too, later)
         raise ValueError(f"{type(model).__name__} is in training mode; call model.eval() before building a cache")
     config = model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None
-    vocab_size = _vocab_size(model)
+    vocab_size = _vocab_size(model, windows, out)
     # A model without a known embedding (`vocab_rows`) is held to its logits' width, before anything is
     # written; else an id beyond it fails deep in the model (on a GPU, a device assert).
     check_embedded_ids(model, windows, out)
@@ -272,28 +272,32 @@ def as_windows(tokens, seq_len: int | None = None) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.int64)
 
 
-@torch.no_grad()
 def _probe_window(model: nn.Module, windows: np.ndarray, out: str | Path) -> None:
     """One window through the model before anything is written: a window longer than the model's context
     (which a module held in memory does not state) otherwise failed deep inside the first record pass."""
     T = windows.shape[1] - 1
-    ids = torch.from_numpy(windows[:1, :T]).to(next(model.parameters()).device)  # [1, T]
-    try:
-        model(ids)
-    except (IndexError, RuntimeError) as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(
-            f"{out}: {type(model).__name__} fails on a window of {T} tokens, so nothing was written ({reason}); "
-            "a window longer than the model's context fails this way"
-        ) from None
+    _probe(model, torch.from_numpy(windows[:1, :T]), out)  # [1, T]
 
 
 @torch.no_grad()
-def _vocab_size(model: nn.Module) -> int:
+def _probe(model: nn.Module, ids: torch.Tensor, out: str | Path):
+    """The model's output on `ids` [1, T], or a one-line error naming the window length it fails on."""
+    try:
+        return model(ids.to(next(model.parameters()).device))
+    except (IndexError, RuntimeError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(
+            f"{out}: {type(model).__name__} fails on a window of {ids.shape[1]} tokens, so nothing was written "
+            f"({reason}); a window longer than the model's context fails this way"
+        ) from None
+
+
+def _vocab_size(model: nn.Module, windows: np.ndarray, out: str | Path) -> int:
     """The model's vocabulary: its config's, else the width of its logits on a window of token 0 (an id
-    every vocabulary has)."""
+    every vocabulary has) as long as the windows' inputs (a model may need that many: a router that picks
+    16 tokens of each sequence fails on 2)."""
     size = getattr(getattr(model, "config", None), "vocab_size", None)
     if size:
         return int(size)
-    device = next(model.parameters()).device
-    return int(model_logits(model(torch.zeros(1, 2, dtype=torch.long, device=device)), model).shape[-1])
+    T = windows.shape[1] - 1
+    return int(model_logits(_probe(model, torch.zeros(1, T, dtype=torch.long), out), model).shape[-1])
