@@ -4,9 +4,11 @@ with requirements.txt."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -327,3 +329,30 @@ def test_a_cache_prints_as_one_line() -> None:
     shown = repr(open_cache(ROOT / "cache" / "demo" / "eval"))
     assert shown.endswith(": 256 x 128 tokens, 6 sites, float32 coefficients of a float32 model, 1 part)")
     assert "\n" not in shown and len(shown) < 200
+
+
+@pytest.mark.skipif(shutil.which("bible") is None, reason="Debian's bible-kjv is not installed (CI installs it)")
+def test_the_corpus_command_extracts_the_demos_text(tmp_path, capsys) -> None:
+    """`fca corpus` writes, byte for byte, the text the shipped demo's caches record (their corpus
+    fingerprint), one chapter per document, and replaces a file only with --overwrite."""
+    out = tmp_path / "kjv.txt"
+    fingerprint = json.loads((ROOT / "cache" / "demo" / "eval" / "manifest.json").read_text())["corpus"]["fingerprint"]
+    assert main(["corpus", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {out}: 1189 documents, 4.")
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == fingerprint
+    chapters = out.read_text().split("\n\n")
+    assert chapters[0].startswith("In the beginning God created the heaven and the earth. And the earth was")
+    assert chapters[-1].rstrip().endswith("The grace of our Lord Jesus Christ be with you all. Amen.")
+    out.write_text("changed")
+    assert main(["corpus", "--out", str(out)]) == 2
+    assert f"{out}: already exists (pass --overwrite to replace it)" in capsys.readouterr().err
+    assert out.read_text() == "changed"
+    assert main(["corpus", "--out", str(out), "--overwrite"]) == 0
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == fingerprint
+
+
+def test_the_corpus_command_says_what_to_install(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no `bible` program anywhere
+    assert main(["corpus", "--out", str(tmp_path / "kjv.txt")]) == 2
+    assert "the `bible` program is missing: apt-get install bible-kjv bible-kjv-text" in capsys.readouterr().err
+    assert not (tmp_path / "kjv.txt").exists()
