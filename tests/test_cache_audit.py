@@ -131,38 +131,50 @@ def test_same_inputs_give_same_cache(demo, tmp_path):
 
 
 def test_interrupted_build_leaves_no_manifest_and_resumes(demo, tmp_path):
+    """Stopped after its fourth batch of two sequences, a build of parts of two sequences keeps the parts it
+    finished: the resumed build starts from them and ends equal to an uninterrupted one, part for part."""
     out = tmp_path / "cache"
-    stop_after = {"n": 0}
+    seen: list[tuple[int, int]] = []
 
-    def interrupt(done, total):
-        stop_after["n"] += 1
-        if stop_after["n"] == 2:
+    def interrupt_at_the_fourth_batch(done, total):
+        seen.append((done, total))
+        if len(seen) == 4:
             raise KeyboardInterrupt
 
-    def build(**kw):
+    def build(path=out, **kw):
         return build_cache_from_corpus(
             demo / "featuregate",
             demo / "prose.txt",
             "eval",
-            out,
+            path,
             num_seqs=N_SEQS,
             batch_size=2,
+            part_seqs=2,
+            workers=1,
             device="cpu",
             show_progress=False,
             **kw,
         )
 
     with pytest.raises(KeyboardInterrupt):
-        build(progress=interrupt)
-    assert not out.exists() and not (out.with_name("cache.partial") / MANIFEST).exists()
+        build(progress=interrupt_at_the_fourth_batch)
+    partial = out.with_name("cache.partial")
+    assert not out.exists() and not (partial / MANIFEST).exists()
     with pytest.raises(CacheError, match="missing; not a finished cache"):
-        open_cache(out.with_name("cache.partial"))
-    build()
-    resumed, clean = open_cache(out, verify=True), open_cache(demo / "eval")
-    for seqs in ([0, 5, 11],):
-        a, b = resumed.read_seqs(seqs), clean.read_seqs(seqs)
-        assert all(np.array_equal(a[k], b[k]) for k in a)
-    assert not out.with_name("cache.partial").exists()
+        open_cache(partial)
+    kept = {p.name: p.stat().st_mtime_ns for p in partial.glob("part-*.parquet")}
+    assert len(kept) == 4  # one writer, in the forward's thread: each batch's part is written before its progress
+    seen.clear()
+    build(progress=lambda done, total: seen.append((done, total)))
+    assert seen[0] == (10, N_SEQS) and seen[-1] == (N_SEQS, N_SEQS)  # the first batch after the kept parts
+    assert all((out / name).stat().st_mtime_ns == mtime for name, mtime in kept.items())
+    assert not partial.exists()
+    resumed, clean = open_cache(out, verify=True), open_cache(build(tmp_path / "clean"), verify=True)
+    assert [p.sha256 for p in resumed.manifest.parts] == [p.sha256 for p in clean.manifest.parts]
+    assert len(resumed.manifest.parts) == N_SEQS // 2
+    demo_cache, every = open_cache(demo / "eval"), list(range(N_SEQS))
+    a, b = resumed.read_seqs(every), demo_cache.read_seqs(every)  # other part boundaries, the same values
+    assert all(np.array_equal(a[k], b[k]) for k in a)
 
 
 def _copy(demo, tmp_path, name="eval"):
