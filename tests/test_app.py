@@ -497,6 +497,50 @@ def test_cancel_stops_a_run(tiny_demo):
     assert job.cancelled and job.record is None and job.error is None
 
 
+def test_two_runs_on_one_model_take_turns(tiny_demo, monkeypatch):
+    """Two tabs running the same selection share one model object, whose sites a replay switches for each
+    forward: the selection's lock makes the runs take turns (never two inside a replay at once), and each
+    gives the figures of a run alone."""
+    import threading
+
+    from app import resources
+    from app.jobs import BATCH_DELAY_ENV, ReplayJob
+    from fca.jobs.runs import run_replay
+    from fca.tables.store import open_cache
+
+    monkeypatch.setenv(BATCH_DELAY_ENV, "0.05")  # 4 batches of 0.05 s each: two runs would overlap
+    selection = (
+        tiny_demo / "featuregate",
+        "cpu",
+        open_cache(tiny_demo / "eval"),
+        open_cache(tiny_demo / "calibration"),
+    )
+    settings = _lab_settings(tiny_demo, conditions=["token_shuffle", "static_layer"], batch_size=1, save=False)
+    inside, most, count = [0], [0], threading.Lock()
+
+    def counted_run(**kwargs) -> dict:
+        with count:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        try:
+            return run_replay(**kwargs)
+        finally:
+            with count:
+                inside[0] -= 1
+
+    jobs = [
+        ReplayJob(settings).start(counted_run, open_experiment=lambda: resources.experiment(*selection, None))
+        for _ in range(2)
+    ]
+    for job in jobs:
+        job.wait(120)
+    assert [job.error for job in jobs] == [None, None] and most[0] == 1
+    assert resources.experiment(*selection, None)[1] is resources.experiment(*selection, None)[1]
+    alone = ReplayJob(settings).start(run_replay)
+    alone.wait(120)
+    assert all(job.record["results"]["conditions"] == alone.record["results"]["conditions"] for job in jobs)
+
+
 # ------------------------------------------------------------------ error paths
 
 
