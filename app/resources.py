@@ -288,9 +288,9 @@ def warm_up(
     tokens and the default calibration band (what those pages draw first), and the model (Replay lab,
     Execution; importing torch and loading it is the slowest step of a first visit). Started once per
     selection and server process, a second after a page has been sent (WARM_UP_DELAY_S), each step when
-    no page has run for WARM_UP_IDLE_S (the model: WARM_UP_MODEL_IDLE_S). The thread shows nothing: a resource that fails here fails
-    again on the page that needs it, which shows the error. Cache keys are shared, so a page asking for a
-    value while it is being filled waits for it instead of computing it twice."""
+    no page has run for WARM_UP_IDLE_S (the model: WARM_UP_MODEL_IDLE_S). The thread shows nothing: a
+    resource that fails here fails again on the page that needs it, which shows the error. Cache keys are
+    shared, so a page asking for a value while it is being filled waits for it instead of computing it twice."""
     if WARM_UP_DELAY_S is None:
         return
     key = (str(cache.path), cache.fingerprint, str(model_dir), device, str(calibration.path) if calibration else "")

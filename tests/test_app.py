@@ -1072,6 +1072,12 @@ def test_lab_results_show_their_own_settings_and_join_the_comparison(tiny_demo, 
         return job.record
 
     first = run_lab(seed=3)
+    # One cell per interval, so a row fits a narrow screen; the values are the record's.
+    shown = next(d for d in at.dataframe if "penalty 95% CI" in d.value.columns).value.set_index("condition")
+    assert shown.columns.tolist() == ["NLL", "NLL 95% CI", "penalty", "penalty 95% CI", "gap retention"]
+    static = first["results"]["conditions"]["static_layer"]
+    assert shown.loc["static_layer", "penalty"] == static["penalty"]
+    assert shown.loc["static_layer", "penalty 95% CI"] == "{:.4f} to {:.4f}".format(*static["penalty_ci95"])
     at.number_input(key="lab_seed").set_value(4).run()  # the form moves on; the result shown must not
     assert any("seed **3**" in m.value for m in at.markdown)
     # 4 of the tiny cache's 8 sequences: said so, and that 4 give rough intervals.

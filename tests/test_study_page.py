@@ -35,9 +35,13 @@ def test_study_page_shows_seeds_and_opens_a_seed_in_the_other_pages(tiny_study, 
     assert not at.error, [e.value for e in at.error]
     assert at.title[0].value == "Study across seeds"
     study = json.loads((tiny_study / "study.json").read_text())
-    table = at.dataframe[0].value
-    assert table["seed"].tolist() == [1, 2]
-    assert table["NLL correct"].tolist() == [r["nll"]["correct"] for r in study["seeds"]]
+    table = at.dataframe[0].value.set_index("figure")  # one column per seed, one row per figure
+    assert table.columns.tolist() == ["seed 1", "seed 2"]
+    assert table.loc["NLL correct"].tolist() == [f"{r['nll']['correct']:.4f}" for r in study["seeds"]]
+    assert table.loc["retention static_layer"].tolist() == ["–", "–"]  # undefined: tiny models, no gap to retain
+    assert table.loc["layer-id share"].tolist() == [f"{100 * r['layer_identity_share']:.1f}%" for r in study["seeds"]]
+    assert table.loc["latency x"].tolist() == [f"{r['latency_ratio_vs_dense']:.3f}x" for r in study["seeds"]]
+    assert table.loc["model"].tolist() == ["featuregate", "featuregate"]
     chart = json.loads(at.get("plotly_chart")[0].proto.spec)
     seeds = [t for t in chart["data"] if t["name"].startswith("seed ")]
     assert [t["name"] for t in seeds] == ["seed 1", "seed 2"]  # one point per seed and condition
@@ -103,9 +107,13 @@ def test_shipped_studies_show_their_seeds(name, seeds, retention, monkeypatch):
     pick_study(at, root / name)
     no_exceptions(at)
     assert not at.error, [e.value for e in at.error]
-    assert at.dataframe[0].value["seed"].tolist() == seeds
+    table = at.dataframe[0].value.set_index("figure")
+    assert table.columns.tolist() == [f"seed {s}" for s in seeds]
     study = json.loads((root / name / "study.json").read_text())
     assert study["summary"]["conditions"]["static_layer"]["gap_retention"]["mean"] == pytest.approx(retention, abs=5e-4)
+    assert table.loc["retention static_layer"].tolist() == [
+        f"{100 * r['gap_retention']['static_layer']:.1f}%" for r in study["seeds"]
+    ]
 
 
 def test_no_study_explains_how_to_make_one(tmp_path, monkeypatch):

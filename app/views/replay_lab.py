@@ -58,11 +58,36 @@ FIGURE_COLUMNS = {
 }
 
 
-# Nats to four decimals, as the audit report gives them; retention in percent.
+# The result as shown: nats to four decimals, as the audit report gives them, each 95% CI in one cell so
+# that a row fits a 1024 px screen (eight columns scrolled sideways); the CSV keeps every bound apart.
 RESULT_COLUMNS = {
-    **{name: st.column_config.NumberColumn(format="%.4f") for name in FIGURE_COLUMNS},
+    "condition": st.column_config.TextColumn(pinned=True),
+    "NLL": st.column_config.NumberColumn(format="%.4f", help="mean NLL over sequences, nats/token"),
+    "NLL 95% CI": st.column_config.TextColumn(help="95% bootstrap CI of the mean over sequences", alignment="right"),
+    "penalty": st.column_config.NumberColumn(format="%.4f", help="NLL minus correct's, nats/token"),
+    "penalty 95% CI": st.column_config.TextColumn(help="95% paired bootstrap CI over sequences", alignment="right"),
     "gap retention": st.column_config.NumberColumn(format="percent"),
 }
+
+
+def result_view(result: pd.DataFrame) -> pd.DataFrame:
+    """`condition_rows` as shown: short headers (units in each header's help), each interval in one cell."""
+
+    def interval(lo: str, hi: str) -> list[str]:
+        return [f"{a:.4f} to {b:.4f}" for a, b in zip(result[lo], result[hi])]
+
+    view = pd.DataFrame(
+        {
+            "condition": result["condition"],
+            "NLL": result["NLL (nats/token)"],
+            "NLL 95% CI": interval("NLL 95% CI low", "NLL 95% CI high"),
+            "penalty": result["penalty (nats/token)"],
+            "penalty 95% CI": interval("penalty 95% CI low", "penalty 95% CI high"),
+        }
+    )
+    if "gap retention" in result:
+        view["gap retention"] = result["gap retention"]
+    return view
 
 
 def rel(path: str | Path) -> str:
@@ -361,7 +386,12 @@ if job is not None and not job.running:
         mechanism, fidelity = exactness_sentences(record["results"]["exactness"])
         st.success(f"{mechanism}  \n{fidelity}  \nSaved `{rel(record.get('path', ''))}`.")
         result = pd.DataFrame(condition_rows(record))
-        st.dataframe(result, hide_index=True, key="lab_result", column_config=RESULT_COLUMNS)
+        st.caption(
+            "NLL and penalty in nats/token, each with its 95% bootstrap CI over sequences (paired for the penalty)."
+        )
+        st.dataframe(
+            result_view(result), hide_index=True, key="lab_result", column_config=RESULT_COLUMNS, placeholder="–"
+        )
         plotted = result.rename(columns=FIGURE_COLUMNS)
         left, right = st.columns(2)
         left.plotly_chart(
@@ -399,7 +429,9 @@ else:
             for i, r in zip(ids, runs)
         ]
     )
-    st.dataframe(table, hide_index=True, key="lab_runs")
+    st.dataframe(
+        table, hide_index=True, key="lab_runs", column_config={"run": st.column_config.TextColumn(pinned=True)}
+    )
     # Per cache, so a choice never leaks to another cache. Runs saved since this page last ran (the one
     # just finished, or one from the CLI) join the choice; a first visit compares the newest two.
     compare_key, seen_key = f"lab_compare::{cache.path}", f"lab_seen_runs::{cache.path}"

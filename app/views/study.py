@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import streamlit as st
 
@@ -143,7 +144,45 @@ table = pd.DataFrame(
         for r in rows
     ]
 )
-st.dataframe(table, hide_index=True, key="study_table")
+
+
+def shown(figure: str, value: object) -> str:
+    """One cell of the turned table, in the units of its figure."""
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return "–"
+    if figure.startswith("retention ") or figure == "layer-id share":
+        return f"{100 * value:.1f}%"
+    if figure == "latency x":
+        return f"{value:.3f}x"
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def by_figure(table: pd.DataFrame, rows: list[dict]) -> pd.DataFrame:
+    """The seeds' table turned: one row per figure, one column per seed, so that a figure's values across the
+    seeds read along a row (a column per figure, fourteen of them, scrolled sideways on a 1024 px screen)."""
+    names = [f"seed {r['seed']}" if r["seed"] is not None else r["name"] for r in rows]
+    names = [n if names.count(n) == 1 else f"{n} (#{i + 1})" for i, n in enumerate(names)]  # two audits of a seed
+    measures = [c for c in table.columns if c != "seed"]
+    return pd.DataFrame(
+        {
+            "figure": measures,
+            **{n: [shown(f, row[f]) for f in measures] for n, (_, row) in zip(names, table.iterrows())},
+        }
+    )
+
+
+turned = by_figure(table, rows)
+st.dataframe(
+    turned,
+    height="content",  # every figure at once (the default shows ten rows)
+    hide_index=True,
+    key="study_table",
+    column_config={
+        "figure": st.column_config.TextColumn(pinned=True),
+        **{name: st.column_config.TextColumn(alignment="right") for name in turned.columns[1:]},
+    },
+)
+st.caption("One column per seed; the CSV below has one row per seed, with the figures unrounded.")
 
 st.subheader("Open one seed")
 by_path = {str(e.path): e for e in sel.entries if e.error is None}
