@@ -795,9 +795,11 @@ def test_execution_of_a_model_that_skips_blocks_says_so_and_draws_them(tiny_demo
     tokens = exe["tokens"]
     exe["tokens_per_block"] = [tokens, tokens // 2] + [tokens] * (exe["num_blocks"] - 2)
     exe["blocks_executed_per_token"] = sum(exe["tokens_per_block"]) / tokens
+    exe["uncounted_ops"] = ["aten._int_mm"]  # and a product the FLOP counter could not count
     (tmp_path / "audit.json").write_text(json.dumps(report))
     at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), "views/execution.py")
     no_exceptions(at)
+    assert [w.value for w in at.warning if w.value.startswith("Not counted: aten._int_mm (this torch's")]
     said = " ".join(m.value for m in at.markdown)
     assert f"**Some blocks were skipped**: a token ran {exe['blocks_executed_per_token']:.2f} of" in said
     blocks = next(c for c in _charts(at) if "Blocks executed per token" in json.dumps(c["layout"]))

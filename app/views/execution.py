@@ -120,6 +120,11 @@ else:
         "skipped, so the controllers save no compute; they only rescale what every block computes."
     )
 st.markdown(said + f" The controllers themselves cost **{share:.2f}%** of the forward's FLOPs.")
+if exe.get("uncounted_ops"):
+    st.warning(
+        f"Not counted: {', '.join(exe['uncounted_ops'])} (this torch's FLOP counter has no formula for them), so "
+        "their work is missing from the controllers' FLOPs and from the forward's."
+    )
 charts = st.columns(2)
 if ratio is not None:
     lat = pd.DataFrame({"model": ["dynamic", "Dense twin"], "ms": [exe["model_ms_median"], exe["dense_ms_median"]]})

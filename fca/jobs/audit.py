@@ -246,7 +246,8 @@ def _definitions(
         f"for reduced-precision caches {STORAGE_ULP}; the conditions are built from the cache and "
         "Correct-from-cache is the reference row",
         "controller_flops": "FLOPs inside controller sites / FLOPs of the whole forward "
-        "(matrix products and attention, via torch FlopCounterMode)",
+        "(matrix products and attention, via torch FlopCounterMode, with formulas for the CPU's fused "
+        "attention and grouped expert products; heavy operators without one are listed in uncounted_ops)",
         "latency": "median over interleaved runs of (model forward time / Dense twin forward time), "
         "same device and batch",
         "coefficient": "; ".join(

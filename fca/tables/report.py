@@ -256,6 +256,11 @@ def render_markdown(report: dict) -> str:
         f"({100 * exe['blocks_executed_fraction']:.1f}%), counted by forward hooks.",
         f"- Controller FLOPs: {100 * exe['controller_flops_share']:.2f}% of the forward's FLOPs.",
     ]
+    if exe.get("uncounted_ops"):  # (reports made before the list was kept have no such key)
+        lines.append(
+            f"- Not counted (no FLOP formula in this torch): {', '.join(exe['uncounted_ops'])}; the share leaves "
+            "their work out of both the controllers' and the forward's FLOPs."
+        )
     if exe.get("latency_ratio_vs_dense") is not None:
         lines.append(
             f"- Latency vs the Dense twin: **{exe['latency_ratio_vs_dense']:.3f}x** "
