@@ -110,6 +110,23 @@ def test_correct_replay_is_exact(moe, moe_dir, ids):
     assert (replayed - live).abs().max().item() <= 1e-6
 
 
+def test_a_bfloat16_load_is_the_model_transformers_loads(moe_dir):
+    """`--dtype bfloat16` is the model `from_pretrained(dtype=torch.bfloat16)` gives its users: parameters in
+    bfloat16, the rotary frequencies (computed, not saved) in float32. Rounded to bfloat16 with the weights,
+    they gave other logits under the same weights fingerprint."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        ours = fca.load_model(moe_dir[0], dtype=torch.bfloat16)
+        theirs = adapt_moe(transformers.AutoModelForCausalLM.from_pretrained(moe_dir[0], dtype=torch.bfloat16).eval())
+    assert {n: b.dtype for n, b in ours.named_buffers()} == {n: b.dtype for n, b in theirs.named_buffers()}
+    assert {b.dtype for b in ours.buffers()} == {torch.float32} and {p.dtype for p in ours.parameters()} == {
+        torch.bfloat16
+    }
+    ids = torch.randint(3, VOCAB, (2, 64), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(model_logits(ours(ids)), model_logits(theirs(ids)))
+    assert fingerprint_state(ours) == fingerprint_state(theirs)
+
+
 def test_router_never_runs_in_replay(moe_dir, ids):
     model = load(moe_dir[0])
     coefficients = fca.capture(model, ids)

@@ -39,9 +39,27 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         # do not divide the width): the file and the reason, not a traceback from deep in the model.
         raise ModelLoadError(f"{path / 'config.json'}: cannot build a {model_type} model from it ({err})") from None
     if dtype is not None:
-        model = model.to(dtype)
+        model = cast_weights(model, dtype)
     model = model.to(resolve_device(device)).eval()
     model.fca_path = str(path)
+    return model
+
+
+def cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Parameters and saved buffers to `dtype`; a floating buffer the checkpoint does not hold (a rotary
+    inverse-frequency table, computed at construction) keeps its dtype, as transformers' own
+    `from_pretrained(dtype=...)` leaves it. `model.to(dtype)` had rounded Mixtral's rotary frequencies to
+    bfloat16: other router logits than the model its users run (4.7 radians off at position 4,095), and
+    the same weights fingerprint, so nothing told the two apart."""
+    derived = {
+        (module, name): buffer
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if name in module._non_persistent_buffers_set and buffer is not None and buffer.is_floating_point()
+    }
+    model = model.to(dtype)
+    for (module, name), buffer in derived.items():
+        module._buffers[name] = buffer
     return model
 
 
