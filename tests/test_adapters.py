@@ -127,6 +127,19 @@ def test_a_bfloat16_load_is_the_model_transformers_loads(moe_dir):
     assert fingerprint_state(ours) == fingerprint_state(theirs)
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_a_checkpoint_saved_with_router_logits_on_replays(model_type, ids, tmp_path):
+    """`output_router_logits: true` (left by training with the load-balancing loss) made the model gather every
+    router's output; in replay no router runs, and the first replay died in transformers with an IndexError."""
+    config = CONFIGS[model_type]()
+    config.output_router_logits = True
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = load(tmp_path)
+    live = model_logits(model(ids))
+    assert torch.equal(fca.replay(model, ids, fca.capture(model, ids)), live)
+
+
 def test_router_never_runs_in_replay(moe_dir, ids):
     model = load(moe_dir[0])
     coefficients = fca.capture(model, ids)

@@ -107,9 +107,16 @@ def moe_declarations(model_type: str) -> list[SiteDeclaration]:
 
 
 def adapt_moe(model: nn.Module) -> nn.Module:
-    """Attach the built-in sites to a transformers MoE causal LM (`...ForCausalLM`); returns it."""
+    """Attach the built-in sites to a transformers MoE causal LM (`...ForCausalLM`); returns it.
+
+    Turns off `config.output_router_logits` (checkpoints saved after training with the load-balancing loss
+    often carry it): the model then collects every router's output for that loss, and in replay no router
+    runs, so its first forward failed inside transformers with an IndexError. The auxiliary loss is a
+    training quantity; the logits do not depend on it."""
     model_type = model.config.model_type
     attach_sites(model, moe_declarations(model_type), blocks=BLOCKS_PATH)
+    if getattr(model.config, "output_router_logits", False):
+        model.config.output_router_logits = False
     return model
 
 
