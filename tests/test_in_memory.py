@@ -84,6 +84,7 @@ def test_custom_model_audited_end_to_end(adapted, tmp_path):
     assert [row["alpha"] for row in report["interpolation_sweep"]] == [0, 0.25, 0.5, 0.75, 1]
     assert set(report["variance"]["per_site"]) == {"blocks.0.gate", "blocks.1.gate"}
     assert report["execution"]["blocks_executed_fraction"] == 1.0
+    assert report["execution"]["uncounted_ops"] == []
 
     experiment = fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "calibration")
     record = run_replay(None, None, None, ["static_layer"], num_seqs=8, experiment=experiment, save=False)
@@ -91,6 +92,25 @@ def test_custom_model_audited_end_to_end(adapted, tmp_path):
     assert record["results"]["conditions"]["correct"]["nll"] == pytest.approx(
         float(np.mean(experiment.run([fca.tables.conditions.Condition("correct")], 8).per_seq_nll["correct"]))
     )
+
+
+def test_the_execution_page_claims_no_more_than_was_counted(adapted, tmp_path, monkeypatch):
+    """Every block of a model of one's own ran: the page says so, but not that nothing was skipped, since work
+    a router skips inside a block is counted only for experts modules its family names (it had said "the
+    controllers save no compute" of a custom model that routed each token to 1 of 3 experts)."""
+    from fca.tables.report import write_report
+    from tests.test_app import app_for, no_exceptions, render
+
+    tokens = np.random.default_rng(7).integers(0, 64, 2_000)
+    fca.build_cache(adapted, tokens[:1_000], tmp_path / "eval", seq_len=32, split="eval")
+    fca.build_cache(adapted, tokens[1_000:], tmp_path / "calibration", seq_len=32, split="calibration")
+    report = fca.audit(adapted, tmp_path / "eval", tmp_path / "calibration", num_seqs=8, latency_runs=2, sweep=())
+    write_report(report, tmp_path / "audit.json")
+    at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), "views/execution.py")
+    no_exceptions(at)
+    said = " ".join(m.value for m in at.markdown)
+    assert "**Every block ran for every token (2 of 2)**, as counted at block level." in said
+    assert "save no compute" not in said and "`Family.expert_paths`); this one names none" in said
 
 
 def test_same_windows_give_the_same_cache(adapted, tmp_path):

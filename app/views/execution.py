@@ -12,6 +12,9 @@ from fca.tables import catalog
 from fca.tables.report import latency_is_noisy, report_mismatch
 
 MEASURED_KEY = "execution_measured"
+# Families whose controllers scale or mix what every block computes (gates, dynamic dense weights): when
+# every block runs, nothing at all is skipped. Other models may skip work inside a block.
+RESCALING_FAMILIES = ("featuregate", "muddpythia")
 PROBE_SEQS = 8  # sequences of the cache in the timing batch (as in `python -m fca audit`)
 
 sel = require_cache()
@@ -114,10 +117,16 @@ elif experts:  # a router selects experts inside every block: the skipping happe
         f"experts per MoE layer ({100 * experts['expert_fraction']:.1f}%); the others were skipped (a shared "
         "expert, where the model has one, runs for every token besides)."
     )
-else:
+elif cache.manifest.model.model_type in RESCALING_FAMILIES:
     said = (
         f"**Every block ran for every token ({exe['num_blocks']} of {exe['num_blocks']})**: nothing is "
         "skipped, so the controllers save no compute; they only rescale what every block computes."
+    )
+else:  # a model of the user's own: what its controllers do inside a block is not known here
+    said = (
+        f"**Every block ran for every token ({exe['num_blocks']} of {exe['num_blocks']})**, as counted at "
+        "block level. Work a router skips inside a block (experts it does not pick) is counted only when the "
+        "model's family names its experts modules (`Family.expert_paths`); this one names none."
     )
 st.markdown(said + f" The controllers themselves cost **{share:.2f}%** of the forward's FLOPs.")
 if exe.get("uncounted_ops"):
