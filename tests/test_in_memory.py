@@ -94,9 +94,10 @@ def test_custom_model_audited_end_to_end(adapted, tmp_path):
     )
 
 
-def test_the_execution_page_claims_no_more_than_was_counted(adapted, tmp_path, monkeypatch):
-    """Every block of a model of one's own ran: the page says so, but not that nothing was skipped, since work
-    a router skips inside a block is counted only for experts modules its family names (it had said "the
+def test_the_dashboard_on_caches_of_a_model_held_in_memory(adapted, tmp_path, monkeypatch):
+    """Before an audit, the Overview tells how to make one from Python (it read "...Make one with the CLI:. No
+    model directory..."). After it, the Execution page says every block ran, but not that nothing was skipped:
+    work a router skips inside a block is counted only for experts modules its family names (it had said "the
     controllers save no compute" of a custom model that routed each token to 1 of 3 experts)."""
     from fca.tables.report import write_report
     from tests.test_app import app_for, no_exceptions, render
@@ -104,6 +105,12 @@ def test_the_execution_page_claims_no_more_than_was_counted(adapted, tmp_path, m
     tokens = np.random.default_rng(7).integers(0, 64, 2_000)
     fca.build_cache(adapted, tokens[:1_000], tmp_path / "eval", seq_len=32, split="eval")
     fca.build_cache(adapted, tokens[1_000:], tmp_path / "calibration", seq_len=32, split="calibration")
+    # Before an audit, the Overview says how to make one for caches of a model that has no directory.
+    at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), "views/overview.py")
+    no_exceptions(at)
+    said = " ".join(m.value for m in [*at.markdown, *at.info, *at.warning])
+    assert "No audit report describes this cache yet. No model directory was found beside the caches" in said
+    assert f'`write_report(report, "{tmp_path / "audit.json"}")` from Python' in said
     report = fca.audit(adapted, tmp_path / "eval", tmp_path / "calibration", num_seqs=8, latency_runs=2, sweep=())
     write_report(report, tmp_path / "audit.json")
     at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), "views/execution.py")

@@ -64,8 +64,9 @@ def suggest_audit(sel: Selection) -> tuple[str, str | None]:
             )
         why = (
             f"This is a calibration cache: it provides the static profile. Its model's evaluated cache is "
-            f"`{evaluated[0].label}`, not audited yet; to audit it:"
+            f"`{evaluated[0].label}`, not audited yet"
         )
+        how = "; to audit it:"
     elif sel.calibration is None:
         return (
             "An audit needs a calibration cache of the same model (an independent split) for the static "
@@ -74,16 +75,22 @@ def suggest_audit(sel: Selection) -> tuple[str, str | None]:
         )
     else:
         target, calibration = cache.path, sel.calibration.path
-        why = "No audit report describes this cache yet. Make one with the CLI:"
-    if model is None:
-        return why.rsplit(";", 1)[0] + ". No model directory was found beside it, so it cannot be audited here.", None
+        why, how = "No audit report describes this cache yet", ". Make one with the CLI:"
+    if model is None:  # (a model held in memory has none: its caches were built from Python)
+        return (
+            f"{why}. No model directory was found beside the caches, so the command cannot be given here: run "
+            f"`python -m fca audit --model DIR` where the model is, or, for a model held in memory, "
+            f'`fca.audit(model, ...)` and `write_report(report, "{shown_path(target.parent / "audit.json")}")` '
+            "from Python (README: Your own model, audited end to end from Python).",
+            None,
+        )
     out = catalog.free_report_path(target.parent, target.name)
     dense = f"--dense {shown_path(sel.dense_dir)} " if sel.dense_dir else ""
     command = (
         f"python -m fca audit --model {model} --cache {shown_path(target)} --calibration {shown_path(calibration)} "
         f"{dense}--json {shown_path(out)} --markdown {shown_path(out.with_suffix('.md'))}"
     )
-    return why, command
+    return why + how, command
 
 
 def definition_lines(value: dict) -> str:
