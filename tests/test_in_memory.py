@@ -311,9 +311,13 @@ def test_documents_end_with_the_tokenizers_own_end_token():
     assert data.end_of_document(deepseek, config_eos=1) == data.end_of_document(deepseek, config_eos=[1, 0]) == 1
     chat = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "<|im_end|>": 1, "[UNK]": 2}, unk_token="[UNK]"))
     assert data.end_of_document(chat, config_eos=1) == 0
-    for unusable in (7, -1, True, "1"):
+    for unusable in (True, "1"):
         with pytest.raises(ModelLoadError, match="and no eos_token_id in the model's config.json"):
             data.end_of_document(deepseek, "model.json", config_eos=unusable)
+    for outside in (7, -1):  # (OLMoE's default 50279 beside a small tokenizer had been "no eos_token_id")
+        said = rf"and the eos_token_id {outside} of the model's config.json is not among its 3 ids\)"
+        with pytest.raises(ModelLoadError, match=said):
+            data.end_of_document(deepseek, "model.json", config_eos=outside)
 
 
 class DepthRoutedLM(nn.Module):

@@ -132,14 +132,17 @@ def end_of_document(tokenizer, where: str = "the model's tokenizer.json", config
     eos = next((i for i in map(tokenizer.token_to_id, EOS_CANDIDATES) if i is not None), None)
     if eos is None and isinstance(config_eos, list) and config_eos:
         config_eos = config_eos[0]
-    if eos is None and isinstance(config_eos, int) and not isinstance(config_eos, bool):
-        if 0 <= config_eos < tokenizer.get_vocab_size(with_added_tokens=True):
-            eos = config_eos
+    configured = isinstance(config_eos, int) and not isinstance(config_eos, bool)
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if eos is None and configured and 0 <= config_eos < size:
+        eos = config_eos
     if eos is None:
-        raise ModelLoadError(
-            f"{where}: no end-of-document token (none of {', '.join(EOS_CANDIDATES)}, and no eos_token_id in "
-            "the model's config.json)"
+        config = (
+            f"the eos_token_id {config_eos} of the model's config.json is not among its {size} ids"
+            if configured
+            else "no eos_token_id in the model's config.json"
         )
+        raise ModelLoadError(f"{where}: no end-of-document token (none of {', '.join(EOS_CANDIDATES)}, and {config})")
     return eos
 
 
