@@ -6,6 +6,7 @@ directory and loaded back through `fca.load_model` (local files only, hub offlin
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -444,6 +445,12 @@ def test_a_checkpoint_missing_or_adding_weights_is_refused(tmp_path):
         ) as err:
             fca.load_model(tmp_path / name)
         assert said in str(err.value) and "above report" not in str(err.value) and "\n" not in str(err.value)
+    # More experts per token than there are: refused from the config (the first forward died in the router).
+    config = json.loads((tmp_path / "ok" / "config.json").read_text())
+    shutil.copytree(tmp_path / "ok", tmp_path / "topk")
+    (tmp_path / "topk" / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": E + 1}))
+    with pytest.raises(ModelLoadError, match=rf"topk/config.json: num_experts_per_tok {E + 1} does not fit the {E} "):
+        fca.load_model(tmp_path / "topk")
 
 
 class UpcastGate(nn.Module):

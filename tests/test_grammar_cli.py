@@ -356,3 +356,22 @@ def test_the_corpus_command_says_what_to_install(tmp_path, capsys, monkeypatch) 
     assert main(["corpus", "--out", str(tmp_path / "kjv.txt")]) == 2
     assert "the `bible` program is missing: apt-get install bible-kjv bible-kjv-text" in capsys.readouterr().err
     assert not (tmp_path / "kjv.txt").exists()
+
+
+def test_a_site_the_cache_lacks_is_refused_before_the_model_loads(capsys, monkeypatch) -> None:
+    """`--conditions static_layer@<typo>` (or an audit's `--extra-conditions`) was refused only once the model had loaded and the replay's progress
+    bar had started (minutes, for a large model); the cache's manifest alone says which sites there are."""
+    import fca.jobs.experiment
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the conditions were checked")
+
+    monkeypatch.setattr(fca.jobs.experiment, "load_model", no_loading)
+    demo = ROOT / "cache" / "demo"
+    caches = ["--model", str(demo / "featuregate"), "--cache", str(demo / "eval")]
+    caches += ["--calibration", str(demo / "calibration")]
+    said = "condition static_layer@blocks.9.gate: unknown site(s) ['blocks.9.gate']; the sites: ['blocks.0.gate',"
+    for command in (["replay", *caches, "--no-save", "--conditions"], ["audit", *caches, "--extra-conditions"]):
+        assert main([*command, "static_layer@blocks.9.gate"]) == 2
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, err

@@ -955,7 +955,15 @@ def test_a_float16_cache_of_a_float32_model_halves_it_and_replays(artifacts, tmp
     assert "static_layer" in capsys.readouterr().out
 
 
-def test_bfloat16_storage_of_a_float32_model_is_refused(artifacts, tmp_path, capsys):
+def test_bfloat16_storage_of_a_float32_model_is_refused(artifacts, tmp_path, capsys, monkeypatch):
+    """Refused from the arguments, before the weights load (minutes for a large model); so is a model folder
+    without its tokenizer."""
+    import fca.jobs.build
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the build was refused")
+
+    monkeypatch.setattr(fca.jobs.build, "load_model", no_loading)
     code = main(
         [
             "build-cache",
@@ -977,7 +985,13 @@ def test_bfloat16_storage_of_a_float32_model_is_refused(artifacts, tmp_path, cap
     )
     err = capsys.readouterr().err.strip()
     assert code != 0 and "\n" not in err and "bfloat16 coefficient storage is for bfloat16 models" in err
+    assert "this build loads the model in float32 (load it with --dtype bfloat16" in err
     assert not any(tmp_path.iterdir())  # nothing left behind: no partial directory, no lock
+    shutil.copytree(artifacts / "model", tmp_path / "untokenized")
+    (tmp_path / "untokenized" / "tokenizer.json").unlink()
+    args = ["--corpus", str(artifacts / "prose.txt"), "--split", "eval", "--out", str(tmp_path / "c")]
+    assert main(["build-cache", "--model", str(tmp_path / "untokenized"), *args, "--device", "cpu"]) != 0
+    assert "untokenized/tokenizer.json: tokenizer not found" in capsys.readouterr().err
 
 
 def test_bfloat16_bits_only_for_exact_values():

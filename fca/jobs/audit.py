@@ -16,7 +16,7 @@ from fca.engine.environment import model_dtype_name
 from fca.engine.families import family_of
 from fca.engine.loading import fingerprint_state
 from fca.engine.sites import controller_parameters
-from fca.jobs.experiment import CacheSource, Experiment, ModelSource
+from fca.jobs.experiment import CacheSource, Experiment, ModelSource, check_condition_sites
 from fca.tables.conditions import PAPER_CONDITIONS, Condition, as_conditions
 from fca.tables.fidelity import FOREIGN_TOLERANCES, MECHANISM_NLL_TOLERANCE, MECHANISM_TOLERANCE, STORAGE_ULP
 from fca.tables.profiles import cache_moments
@@ -49,6 +49,7 @@ def run_audit(
     (`interpolate:alpha` conditions and an `interpolation_sweep` section; () for none). `training`: how
     the model was trained, e.g. {"seed": 3, "steps": 800}, for a model held in memory (a directory's is
     read from its training log); a study of such audits shows their seeds."""
+    check_condition_sites(as_conditions(extra_conditions, seed), cache)
     experiment = Experiment.open(model, cache, calibration, dense, device=device, dtype=dtype, verify=True)
     if training is not None:
         if not isinstance(training, dict) or not isinstance(training.get("seed", 0), int):

@@ -17,6 +17,7 @@ from fca.engine.environment import current_environment, model_dtype_name
 from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.sites import model_logits, site_specs, vocab_rows
 from fca.tables import data
+from fca.tables.errors import CacheError
 from fca.tables.remote import RemoteParts, is_uri
 from fca.tables.schema import COEFFICIENT_BYTES, cache_plan, file_sha256
 from fca.tables.writer import build_lock, check_cache_destination
@@ -121,13 +122,17 @@ def prepare_corpus_build(
     """The loaded model, the split's token windows [N, T + 1] and the manifest draft of a corpus build
     (shared by the single-process build and each worker of a distributed one)."""
     model_dir = Path(model_dir)
-    model = load_model(model_dir, device=device, dtype=dtype)
-    specs = site_specs(model)
-    if not specs:
-        raise ValueError(f"{model_dir}: the model has no controller sites (a Dense twin cannot be cached)")
+    # What the files say is checked before the weights load (minutes, for a large model).
     if num_seqs is not None and num_seqs < 1 or batch_size < 1:
         raise ValueError(
             f"a build needs at least one sequence and a batch of at least one (got {num_seqs}, {batch_size})"
+        )
+    if coefficient_dtype == "bfloat16" and dtype != torch.bfloat16:  # (families load float32 unless asked)
+        loaded = str(dtype or torch.float32).replace("torch.", "")
+        raise CacheError(
+            f"{model_dir}: bfloat16 coefficient storage is for bfloat16 models (lossless), and this build loads "
+            f"the model in {loaded} (load it with --dtype bfloat16, or store float32, or float16 if rounding is "
+            "acceptable)"
         )
     config = read_config(model_dir)
     context = config.get("max_seq_len", config.get("block_size", config.get("max_position_embeddings")))
@@ -137,6 +142,10 @@ def prepare_corpus_build(
     tokenizer = data.load_tokenizer(model_dir)
     # Found (or refused, naming the tokenizer) before the corpus is read.
     eos = data.end_of_document(tokenizer, str(model_dir / "tokenizer.json"), config.get("eos_token_id"))
+    model = load_model(model_dir, device=device, dtype=dtype)
+    specs = site_specs(model)
+    if not specs:
+        raise ValueError(f"{model_dir}: the model has no controller sites (a Dense twin cannot be cached)")
     windows = data.split_windows(corpus, split, tokenizer, T, split_seed, num_seqs, text_column, eos)  # [N, T + 1]
     plan = manifest_draft(
         model,

@@ -23,7 +23,7 @@ from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.replay import ReplayResults, check_exactness, check_finite, check_token_ids, run_conditions
 from fca.engine.sites import controller_parameters, find_sites, site_specs, vocab_rows
 from fca.tables.catalog import DENSE_TWINS, is_dense_twin
-from fca.tables.conditions import Condition, as_conditions
+from fca.tables.conditions import Condition, as_conditions, check_sites_named
 from fca.tables.errors import CacheError, ModelLoadError
 from fca.tables.profiles import Profiles, calibration_profiles
 from fca.tables.store import Cache, open_cache
@@ -41,6 +41,12 @@ def _model(source: ModelSource | None, device: str, dtype: torch.dtype | None) -
 
 def _cache(source: CacheSource, verify: bool) -> Cache:
     return source if isinstance(source, Cache) else open_cache(source, verify=verify)
+
+
+def check_condition_sites(conditions: Sequence[Condition], cache: CacheSource) -> None:
+    """Refuse a condition that names a site the evaluated cache lacks, from its manifest alone: before a
+    model loads (minutes, for a large one) and before any part is hashed."""
+    check_sites_named(conditions, _cache(cache, verify=False).sites)
 
 
 def _config_dict(model: nn.Module) -> dict:
@@ -241,7 +247,8 @@ class Experiment:
         """Refuse a run these caches cannot serve, before any replay starts, with the reason: a condition
         they lack what for, or a part of the first `num_seqs` evaluated sequences whose bytes are not those
         its hash records (a value changed in place would otherwise be read, and judged as another
-        machine's rounding). Parts are hashed once per opened cache."""
+        machine's rounding), or a site it does not hold. Parts are hashed once per opened cache."""
+        check_sites_named(conditions, self.evaluated.sites)
         self.evaluated.verify(range(num_seqs))
         positions = [c for c in conditions if c.kind == "position_profile"]
         if positions and self.calibration is not None and self.calibration.seq_len < self.evaluated.seq_len:

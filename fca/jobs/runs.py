@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from fca.jobs.experiment import CacheSource, Experiment, ModelSource
+from fca.jobs.experiment import CacheSource, Experiment, ModelSource, check_condition_sites
 from fca.tables.conditions import Condition, as_conditions
 from fca.tables.runs import check_runs_writable, save_run
 from fca.tables.scoring import summarize_conditions
@@ -39,6 +39,7 @@ def run_replay(
     parsed = as_conditions(conditions, seed)
     parsed = list(dict.fromkeys([Condition("correct", seed=seed), *parsed]))
     if experiment is None:
+        check_condition_sites(parsed, cache)
         experiment = Experiment.open(model, cache, calibration, device=device, dtype=dtype)
     n = min(num_seqs, experiment.evaluated.num_seqs)
     experiment.check_run(parsed, n)  # before the progress bar: a refusal is one line

@@ -155,6 +155,14 @@ def position_permutation(n: int, T: int, seed: int, site_index: int | None = Non
     return np.random.default_rng(key).permutation(T)
 
 
+def check_sites_named(conditions: Sequence[Condition], sites: Sequence[str]) -> None:
+    """Refuse a condition that names a site not among `sites` (a cache's), with the sites there are."""
+    for condition in conditions:
+        unknown = sorted(set(condition.sites or ()) - set(sites))
+        if unknown:
+            raise KeyError(f"condition {condition.name}: unknown site(s) {unknown}; the sites: {list(sites)}")
+
+
 def condition_coefficients(
     condition: Condition,
     own: Mapping[str, np.ndarray],
@@ -171,10 +179,8 @@ def condition_coefficients(
     if condition.needs_profiles and profiles is None:
         raise ValueError(f"{condition.name} needs calibration profiles")
     names = list(own)
+    check_sites_named([condition], names)
     chosen = set(names) if condition.sites is None else set(condition.sites)
-    unknown = sorted(chosen - set(names))
-    if unknown:
-        raise KeyError(f"condition {condition.name}: unknown site(s) {unknown}; the sites: {names}")
     out: dict[str, np.ndarray] = {}
     for site_index, name in enumerate(names):
         c = own[name]  # [b, T, K]

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fca.engine.adapters import SiteDeclaration, attach_sites, match_modules
+from fca.engine.checkpoints import read_config
 from fca.engine.family import Family
 from fca.engine.sites import as_input_ids
 from fca.tables.errors import ModelLoadError
@@ -144,6 +145,14 @@ def load_hf_moe(path: Path) -> nn.Module:
     # only in a multi-line load report: the model audited would not be the checkpoint. Its report is
     # kept from the terminal and the same facts refused in one line instead; where loading fails outright
     # ("look at the above report"), the report's rows name the weights.
+    config = read_config(path)
+    top_k, experts = config.get("num_experts_per_tok"), config.get("num_local_experts", config.get("num_experts"))
+    if isinstance(top_k, int) and isinstance(experts, int) and not 1 <= top_k <= experts:
+        # (else the first forward fails deep in the router: "selected index k out of range")
+        raise ModelLoadError(
+            f"{path / 'config.json'}: num_experts_per_tok {top_k} does not fit the {experts} experts "
+            "(each token's router picks 1 to that many)"
+        )
     report = io.StringIO()
     handler = logging.StreamHandler(report)
     verbosity = hf_logging.get_verbosity()
