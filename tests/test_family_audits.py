@@ -124,3 +124,9 @@ def test_mixtral_audit(corpus_and_tokenizer, monkeypatch):
     )
     assert "router" in report["definitions"]["global_mean_families"]
     assert report["conditions"]["static_layer"]["penalty"] != 0.0
+    assert experts["shared_experts"] is False and report["execution"]["uncounted_ops"] == []
+    from fca.tables.report import render_markdown
+
+    markdown = render_markdown(report)
+    assert "- Experts run per token: 2.00 of 4 routed experts per MoE layer (top-2: 50.0% of them), counted from the " \
+        "dispatched indices.\n" in markdown  # fmt: skip

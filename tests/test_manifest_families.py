@@ -426,3 +426,28 @@ def test_a_product_without_a_formula_is_listed_not_counted_as_zero():
     report = json.loads((Path(__file__).parents[1] / "cache" / "demo" / "audit.json").read_text())
     report["execution"]["uncounted_ops"] = counted["uncounted_ops"]
     assert "- Not counted (no FLOP formula in this torch): aten._int_mm; the share leaves" in render_markdown(report)
+
+
+def test_an_moe_report_says_which_blocks_have_experts_and_whether_a_shared_one_runs():
+    """Qwen2-MoE with a dense MLP in its first block and a shared expert in the others: the report had said
+    "per MoE layer" without how many there are, and of Mixtral that "a shared expert ... is not among them"."""
+    from fca.engine.models.hf_moe import expert_execution
+    from fca.tables.report import render_markdown
+
+    config = transformers.Qwen2MoeConfig(
+        **{k: v for k, v in MIXTRAL.items() if k != "num_local_experts"},
+        num_experts=4,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        mlp_only_layers=[0],
+    )
+    torch.manual_seed(0)
+    model = adapt_moe(transformers.AutoModelForCausalLM.from_config(config).eval())
+    report = json.loads((Path(__file__).parents[1] / "cache" / "demo" / "audit.json").read_text())
+    report["execution"] = execution_audit(model, torch.randint(0, 50, (2, 6)))
+    experts = report["execution"]["experts"]
+    assert experts["moe_layers"] == 1 and experts["shared_experts"] is True
+    assert "counted from the dispatched indices; 1 of the 2 blocks have an MoE layer; a shared expert runs for " \
+        "every token besides them." in render_markdown(report)  # fmt: skip
+    assert expert_execution(adapt_moe(transformers.AutoModelForCausalLM.from_config(
+        transformers.MixtralConfig(**MIXTRAL)).eval()), torch.randint(0, 50, (2, 6)))["shared_experts"] is False  # fmt: skip

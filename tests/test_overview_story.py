@@ -50,6 +50,12 @@ def test_retention_sentence_in_plain_words():
     assert "98.7-99.4%" in text  # the paper's range, PAPER_STATIC_RETENTION
     undefined = retention_sentence({"conditions": CONDITIONS, "gap_retention": {"static_layer": None}})
     assert "undefined" in undefined and "42%" not in undefined
+    assert undefined.startswith("Per-token control is not clearly worth anything here")
+    # A global mean significantly better than the own coefficients had read "not clearly worth anything" too.
+    better = {**CONDITIONS, "global_mean": row(2.99, -0.0065, -0.0081, -0.005)}
+    assert retention_sentence({"conditions": better, "gap_retention": {"static_layer": None}}).startswith(
+        "Removing per-token control lowers the NLL here: the global-mean profile scores better than the model's"
+    )
     assert "lacks" in retention_sentence({"conditions": {"correct": CONDITIONS["correct"]}, "gap_retention": {}})
     # Beyond the scale's ends ("keeps 126%" of a tiny model read as nonsense): said in words, CI first.
     for static, retention, said in (
@@ -63,6 +69,15 @@ def test_retention_sentence_in_plain_words():
     ):
         report = {"conditions": {**CONDITIONS, "static_layer": static}, "gap_retention": {"static_layer": retention}}
         assert said in retention_sentence(report)
+
+
+def test_a_cache_stored_below_float32_is_said_to_be_so_in_words_that_fit():
+    """Lossless bfloat16 storage (of a bfloat16 model) had been called "reduced precision" like float16's."""
+    from fca.tables.report import storage_sentence
+
+    assert storage_sentence("float32") == ""
+    assert "the model's own precision: the values it used, bit for bit" in storage_sentence("bfloat16")
+    assert storage_sentence("float16") == " **Coefficients were stored in reduced precision (float16).**"
 
 
 def test_retention_scale_places_every_condition_with_its_ci():

@@ -114,8 +114,12 @@ elif experts:  # a router selects experts inside every block: the skipping happe
     said = (
         f"**Every block ran for every token ({exe['num_blocks']} of {exe['num_blocks']})**; inside them each "
         f"token ran {experts['experts_run_per_token_mean']:.2f} of {experts['experts_available']:.0f} routed "
-        f"experts per MoE layer ({100 * experts['expert_fraction']:.1f}%); the others were skipped (a shared "
-        "expert, where the model has one, runs for every token besides)."
+        f"experts per MoE layer ({100 * experts['expert_fraction']:.1f}%); the others were skipped"
+        + {  # (reports made before this was recorded do not say whether the model has a shared expert)
+            True: "; a shared expert runs for every token besides.",
+            False: ".",
+            None: " (a shared expert, where the model has one, runs for every token besides).",
+        }[experts.get("shared_experts")]
     )
 elif cache.manifest.model.model_type in RESCALING_FAMILIES:
     said = (

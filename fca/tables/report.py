@@ -197,6 +197,15 @@ def exactness_sentences(ex: dict) -> list[str]:
     return sentences
 
 
+def storage_sentence(coefficient_dtype: str) -> str:
+    """How the cache stored its coefficients, when not in float32 (the default), in a sentence."""
+    if coefficient_dtype == "float32":
+        return ""
+    if coefficient_dtype == "bfloat16":  # allowed for bfloat16 models only: their values, bit for bit
+        return " Coefficients were stored in bfloat16, the model's own precision: the values it used, bit for bit."
+    return f" **Coefficients were stored in reduced precision ({coefficient_dtype}).**"
+
+
 def render_markdown(report: dict) -> str:
     m, ex, var, exe = report["model"], report["exactness"], report["variance"], report["execution"]
     lines = [
@@ -214,11 +223,7 @@ def render_markdown(report: dict) -> str:
             else ""
         )
         + ")."
-        + (
-            ""
-            if report["cache"].get("coefficient_dtype", "float32") == "float32"
-            else f" **Coefficients were stored in reduced precision ({report['cache']['coefficient_dtype']}).**"
-        ),
+        + storage_sentence(report["cache"].get("coefficient_dtype", "float32")),
         "",
         "**Exactness.** " + " ".join(exactness_sentences(ex)),
         "",
@@ -281,10 +286,13 @@ def render_markdown(report: dict) -> str:
         lines.append("- Latency vs a Dense twin: not measured (no --dense given).")
     if exe.get("experts"):
         e = exe["experts"]
+        some = e["moe_layers"] < exe["num_blocks"]  # (a model may keep dense MLPs in some blocks)
         lines.append(
             f"- Experts run per token: {e['experts_run_per_token_mean']:.2f} of {e['experts_available']:g} "
             f"routed experts per MoE layer (top-{e['top_k']}: {100 * e['expert_fraction']:.1f}% of them), "
-            "counted from the dispatched indices; a shared expert that runs for every token is not among them."
+            "counted from the dispatched indices"
+            + (f"; {e['moe_layers']} of the {exe['num_blocks']} blocks have an MoE layer" if some else "")
+            + ("; a shared expert runs for every token besides them." if e.get("shared_experts") else ".")
         )
     if exe.get("note"):
         lines.append(f"- Note: {exe['note']}")
@@ -322,6 +330,12 @@ def retention_sentence(report: dict) -> str:
     if not all(k in conditions for k in ("correct", "global_mean", "static_layer")):
         return "This report lacks the correct, static_layer or global_mean condition, so retention is not defined."
     retention = (report.get("gap_retention") or {}).get("static_layer")
+    if retention is None and conditions["global_mean"]["penalty_ci95"][1] < 0:
+        return (
+            "Removing per-token control lowers the NLL here: the global-mean profile scores better than the model's "
+            "own coefficients (its penalty's CI lies below 0), so the static profile's retention is undefined; "
+            f"{paper}."
+        )
     if retention is None:
         return (
             "Per-token control is not clearly worth anything here (the global-mean profile's penalty CI does not lie above 0), "

@@ -243,6 +243,8 @@ def expert_execution(
     return {
         "layers": seen,
         "moe_layers": len(seen),
+        # Qwen2-MoE's shared expert runs for every token beside the routed ones (not counted above).
+        "shared_experts": any(name.rsplit(".", 1)[-1] == "shared_expert" for name, _ in model.named_modules()),
         "experts_available": available / max(len(seen), 1),  # per MoE layer
         "top_k": max((v["top_k"] for v in seen.values()), default=0),
         "experts_run_per_token_mean": run / max(len(seen), 1),  # per MoE layer
