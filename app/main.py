@@ -197,7 +197,16 @@ def sidebar() -> Selection:
             )
             sel.model_dir = Path(chosen)
         else:
-            st.caption("No model directory beside this cache: replay and execution are unavailable.")
+            recorded = sel.cache.manifest.model.path if sel.cache is not None else None
+            st.caption(
+                "No model directory beside this cache: replay and execution are unavailable."
+                + (
+                    f" Its manifest names `{Path(recorded).name}`: a model folder of that name (or a link to one) "
+                    f"in `{entry.path.parent.name}/` would be used."
+                    if recorded
+                    else ""
+                )
+            )
         sel.device = st.selectbox(
             "Device",
             offered_devices(),

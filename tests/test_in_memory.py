@@ -111,6 +111,10 @@ def test_the_dashboard_on_caches_of_a_model_held_in_memory(adapted, tmp_path, mo
     said = " ".join(m.value for m in [*at.markdown, *at.info, *at.warning])
     assert "No audit report describes this cache yet. No model directory was found beside the caches" in said
     assert f'`write_report(report, "{tmp_path / "audit.json"}")` from Python' in said
+    assert [c.value for c in at.sidebar.caption if c.value.startswith("No model directory beside this cache")] == [
+        "No model directory beside this cache: replay and execution are unavailable. Its manifest names "
+        f"`TinyGatedLM`: a model folder of that name (or a link to one) in `{tmp_path.name}/` would be used."
+    ]
     report = fca.audit(adapted, tmp_path / "eval", tmp_path / "calibration", num_seqs=8, latency_runs=2, sweep=())
     write_report(report, tmp_path / "audit.json")
     at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), "views/execution.py")
