@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -813,12 +814,72 @@ def test_a_held_lock_is_refused_before_loading_and_stale_kinds_are_recognised(ar
     lock.write_text(json.dumps(here))  # the same pid, another process's
     build_lock(tmp_path / "cache").check_free()
     lock.write_text("")  # fresh and empty: maybe being written now, so held
-    with pytest.raises(CacheError, match="lock unreadable"):
+    with pytest.raises(CacheError, match="its lock is still empty; delete it if no build is running, or wait 10 s"):
         build_lock(tmp_path / "cache").check_free()
     old = time.time() - 2 * UNREADABLE_LOCK_STALE_S
     os.utime(lock, (old, old))
     _build(artifacts, tmp_path / "cache", workers=1)  # taken over
     assert open_cache(tmp_path / "cache").num_seqs == N_SEQS and not lock.exists()
+
+
+def test_a_file_of_another_tool_where_the_lock_goes_is_left_alone(artifacts, tmp_path):
+    """`--out Cargo` beside a `Cargo.lock`: an old file that is not a build lock had been taken for a crashed
+    build's and deleted (a folder `X.lock` was moved aside; a JSON lock of another tool read as "pid None")."""
+    from fca.tables.writer import UNREADABLE_LOCK_STALE_S
+
+    old = time.time() - 2 * UNREADABLE_LOCK_STALE_S
+    for name, make in (
+        ("Cargo", lambda p: p.write_text("version = 3\n")),
+        ("flake", lambda p: p.write_text(json.dumps({"nodes": {}, "version": 7}))),
+        ("folder", lambda p: p.mkdir()),
+    ):
+        lock = tmp_path / f"{name}.lock"
+        make(lock)
+        os.utime(lock, (old, old))
+        said = rf"{name}: {re.escape(str(lock))} is in the way of its build lock, and it is not one \(another tool"
+        with pytest.raises(CacheError, match=said):
+            _build(artifacts, tmp_path / name, workers=1)
+        assert lock.exists() and not (tmp_path / name).exists() and not (tmp_path / f"{name}.partial").exists()
+    assert (tmp_path / "Cargo.lock").read_text() == "version = 3\n"
+
+
+def test_a_lock_whose_pid_now_belongs_to_a_later_process_is_stale(tmp_path):
+    """After a container restart pids start over: a killed build's pid may name a live process started since
+    (here: this test's own child). That lock is stale; the same pid in a lock taken after the process
+    started is held."""
+    if not Path("/proc/self/stat").is_file():
+        pytest.skip("needs Linux's /proc")
+    from fca.tables.writer import build_lock
+
+    later = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = tmp_path / "cache.lock"
+        for started, stale in (("2020-01-01T00:00:00Z", True), (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 5)), False)):  # fmt: skip
+            lock.write_text(json.dumps({"pid": later.pid, "host": socket.gethostname(), "started": started}))
+            if stale:
+                build_lock(tmp_path / "cache").check_free()
+            else:
+                with pytest.raises(CacheError, match=f"another build is writing this cache \\(pid {later.pid} on"):
+                    build_lock(tmp_path / "cache").check_free()
+    finally:
+        later.kill()
+        later.wait()
+
+
+def test_a_lock_that_cannot_be_written_is_removed(tmp_path, monkeypatch):
+    """A full disk between creating the lock and writing its record left an empty lock that refused the retry
+    as "another build"."""
+    import fca.tables.writer as writer
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer.json, "dump", full_disk)
+    with pytest.raises(
+        CacheError, match=r"cache: cannot write its build lock .*cache\.lock \(No space left on device\)"
+    ):
+        writer.build_lock(tmp_path / "cache").acquire()
+    assert not (tmp_path / "cache.lock").exists()
 
 
 def test_a_lock_that_cannot_be_created_is_one_line_naming_it(artifacts, capsys):

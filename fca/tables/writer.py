@@ -10,6 +10,7 @@ writer threads can fill different parts at once and the files do not depend on h
 
 from __future__ import annotations
 
+import calendar
 import hashlib
 import json
 import mmap
@@ -160,19 +161,44 @@ def _pid_alive(pid: int) -> bool:
 # This process's mark in the locks it takes: a lock naming our pid without it was taken by an earlier process
 # that had the same pid (pids start over when a container restarts, and the host name stays).
 PROCESS_TOKEN = os.urandom(8).hex()
-UNREADABLE_LOCK_STALE_S = 10.0  # a lock is written the moment it is created; one still unreadable is a crash's
+UNREADABLE_LOCK_STALE_S = 10.0  # a lock is written the moment it is created; one still empty is a crash's
+LOCK_CLOCK_SLACK_S = 2.0  # a lock's time has whole seconds, and /proc's start times follow the boot clock
+LOCK_KEYS = {"pid", "host", "started", "token"}
+
+
+def _process_started(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch), from Linux's /proc; None where unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # (the name may hold spaces)
+        boot = next(
+            float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+        )
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _lock_time(started: object) -> float | None:
+    try:
+        return calendar.timegm(time.strptime(str(started), "%Y-%m-%dT%H:%M:%SZ"))
+    except ValueError:
+        return None
 
 
 def holder_is_dead(holder: dict) -> bool:
-    """A lock's holder (its `host` and `pid`) that is known dead: on this host, no such process, or this
-    process's pid taken by another process before it. A holder on another host cannot be checked and counts
-    as alive."""
+    """A lock's holder (its `host` and `pid`) that is known dead: on this host, no such process, this
+    process's pid taken by another process before it, or a process with its pid that started after the lock
+    was taken (pids start over when a container restarts, and the host name stays). A holder on another
+    host cannot be checked and counts as alive."""
     pid = holder.get("pid")
     if holder.get("host") != socket.gethostname() or not isinstance(pid, int):
         return False
     if pid == os.getpid():
         return holder.get("token") != PROCESS_TOKEN
-    return not _pid_alive(pid)
+    if not _pid_alive(pid):
+        return True
+    started, taken = _process_started(pid), _lock_time(holder.get("started"))
+    return started is not None and taken is not None and started > taken + LOCK_CLOCK_SLACK_S
 
 
 class BuildLock:
@@ -187,14 +213,27 @@ class BuildLock:
         self.held = False
 
     def _read(self) -> dict | None:
+        """The holder's record; {} for an empty lock (a build that crashed between creating and writing it).
+        Anything else at the lock's path is not FCA's (`Cargo.lock` beside `--out Cargo`, a folder): it
+        must never be taken over, which would delete it."""
         try:
+            if self.path.is_file() and self.path.stat().st_size == 0:
+                return {}
             holder = json.loads(self.path.read_text())
         except (OSError, ValueError):
-            return None
-        return holder if isinstance(holder, dict) else None
+            raise self._not_ours() from None
+        if not isinstance(holder, dict) or not {"pid", "host", "started"} <= set(holder) <= LOCK_KEYS:
+            raise self._not_ours()
+        return holder
 
-    def _stale(self, holder: dict | None) -> bool:
-        if holder is None:  # empty or damaged: a build that crashed between creating and writing it
+    def _not_ours(self) -> CacheError:
+        return CacheError(
+            f"{self.what}: {self.path} is in the way of its build lock, and it is not one (another tool's "
+            "file?); it was left alone: build to another --out, or move it"
+        )
+
+    def _stale(self, holder: dict) -> bool:
+        if not holder:  # empty: a build that crashed between creating and writing it (or one writing it now)
             try:
                 return time.time() - self.path.stat().st_mtime > UNREADABLE_LOCK_STALE_S
             except OSError:
@@ -204,14 +243,16 @@ class BuildLock:
     def check_free(self) -> None:
         """Refuse now if another build holds the lock (`acquire` takes it later, when the writer starts; a
         build checks first, before minutes of loading a model and reading a corpus)."""
-        if self.path.exists() and not self._stale(self._read()):
-            raise self._refusal(self._read())
+        if self.path.exists() or self.path.is_symlink():
+            holder = self._read()
+            if not self._stale(holder):
+                raise self._refusal(holder)
 
-    def _refusal(self, holder: dict | None) -> CacheError:
+    def _refusal(self, holder: dict) -> CacheError:
         who = (
             f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}"
             if holder
-            else "lock unreadable: delete it if no build is running"
+            else f"its lock is still empty; delete it if no build is running, or wait {UNREADABLE_LOCK_STALE_S:g} s"
         )
         return CacheError(f"{self.what}: another build is writing this cache ({who}); lock {self.path}")
 
@@ -250,8 +291,14 @@ class BuildLock:
                 raise CacheError(
                     f"{self.what}: cannot create its build lock {self.path} ({err.strerror or err})"
                 ) from None
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(record, f)
+            except OSError as err:  # (a full disk: an empty lock left behind would refuse the retry)
+                self.path.unlink(missing_ok=True)
+                raise CacheError(
+                    f"{self.what}: cannot write its build lock {self.path} ({err.strerror or err})"
+                ) from None
             self.held = True
             return
         raise CacheError(f"{self.what}: could not take the build lock {self.path}")
