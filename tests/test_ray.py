@@ -105,8 +105,15 @@ def test_build_to_a_filesystem_uri_commits_parts_and_resumes(tiny_demo, single, 
     assert len(list((root / "eval.partial").glob("part-*.record.json"))) == 2  # one committed per worker
     kept = {p.name: p.stat().st_mtime_ns for p in (root / "eval.partial").glob("part-*.parquet")}
     assert len(kept) == 2 and not (root / "eval").exists() and not (root / "eval.lock").exists()
+    # One committed part changed in place, its size kept: redone, not published (a size check had taken it).
+    damaged = sorted(kept)[1]
+    data = bytearray((root / "eval.partial" / damaged).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (root / "eval.partial" / damaged).write_bytes(bytes(data))
+    kept[damaged] = (root / "eval.partial" / damaged).stat().st_mtime_ns
     assert _distributed(tiny_demo, uri) == uri
-    assert {name: (root / "eval" / name).stat().st_mtime_ns for name in kept} == kept  # moved, not redone
+    moved = {name: (root / "eval" / name).stat().st_mtime_ns for name in kept}
+    assert moved[sorted(kept)[0]] == kept[sorted(kept)[0]] and moved[damaged] != kept[damaged]  # moved / redone
     assert not (root / "eval.partial").exists() and not (root / "eval.lock").exists()
     _same_cache(root / "eval", single)
     with pytest.raises(CacheError, match="already exists"):
@@ -145,6 +152,22 @@ def test_single_process_build_to_a_uri_and_refusals(tiny_demo, single, tmp_path)
     assert not (tmp_path / "eval.lock").exists()
     with pytest.raises(CacheError, match="not a filesystem pyarrow can open"):
         RemoteParts("nosuchscheme://bucket/cache")
+    # A folder of other files is neither written among nor (with --overwrite) deleted, as a local --out.
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "notes.txt").write_text("keep")
+    (tmp_path / "project" / "manifest.json").write_text('{"manifest_version": 3}')  # (a browser extension's)
+    for overwrite in (False, True):
+        with pytest.raises(CacheError, match=r"project: holds notes.txt, which no cache holds; a build would"):
+            build_cache_from_corpus(
+                tiny_demo / "featuregate",
+                tiny_demo / "corpus.txt",
+                "eval",
+                (tmp_path / "project").as_uri(),
+                overwrite=overwrite,
+                show_progress=False,
+                **SIZES,
+            )
+    assert sorted(p.name for p in (tmp_path / "project").iterdir()) == ["manifest.json", "notes.txt"]
 
 
 def test_shard_bounds_fall_on_batches():

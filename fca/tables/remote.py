@@ -7,10 +7,12 @@ protocol (`<out>.partial/` renamed into place, an O_EXCL lock file). Instead:
 - each part is written in a local staging directory (the ordinary `CacheWriter`, so the files are
   byte for byte those of a local build), then committed under `<uri>.partial/`: the part file, its
   moments sidecar, and last `part-XXXXX.record.json` (its part record). A record is the commit: a part
-  without one, or whose files are missing or of another size, is redone;
+  without one, or whose files are missing or differ from the sha256 it records, is redone;
 - `<uri>.partial/plan.json` holds the manifest draft and part size; a rerun with another plan starts over;
 - `publish` moves the committed parts to `<uri>/`, uploads the merged moments and writes `manifest.json`
   last, so nothing at `<uri>` looks finished before it is; an interrupted publish is resumed by a rerun;
+- the destination follows a local one's rules: a folder holding files no cache holds is refused, with or
+  without --overwrite (it would be written among, or deleted);
 - one build per URI: `<uri>.lock` names the holder. It is checked and then created, which object stores
   cannot make atomic: two builds started in the same instant may both proceed (their parts are equal, as
   parts are deterministic, but run one build per URI).
@@ -21,6 +23,7 @@ Reading a cache from a URI is not supported: copy it to a local or mounted path 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -34,6 +37,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from fca.tables.errors import CacheError
+from fca.tables.schema import is_cache_file
 from fca.tables.writer import PROCESS_TOKEN, holder_is_dead
 
 PLAN = "plan.json"
@@ -86,6 +90,14 @@ def download(fs: pafs.FileSystem, path: str, local: Path) -> None:
         while chunk := source.read(COPY_CHUNK):
             target.write(chunk)
     os.replace(tmp, local)
+
+
+def sha256_of(fs: pafs.FileSystem, path: str) -> str:
+    digest = hashlib.sha256()
+    with fs.open_input_stream(path) as stream:
+        while chunk := stream.read(COPY_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def remote_manifest(uri: str) -> dict:
@@ -162,14 +174,33 @@ class RemoteParts:
     def staged(self, overwrite: bool) -> Iterator[Path]:
         """A build of this URI: refused when a cache is there (unless `overwrite`), else the URI's lock
         held and a local staging directory to build in, both let go afterwards."""
-        if self.finished() and not overwrite:
-            raise CacheError(f"{self.uri}: already exists (pass --overwrite to replace it)")
+        self.check_destination(overwrite)
         lock = self.lock().acquire()
         try:
             with staging() as stage:
                 yield stage
         finally:
             lock.release()
+
+    def check_destination(self, overwrite: bool) -> None:
+        """The rules of a local destination (`fca.tables.outputs.check_replaceable`): nothing there, a cache
+        replaced only with `overwrite`, and never a folder holding anything a cache does not (the publish
+        replaces what is there: files of another kind had been deleted, or written among)."""
+        info = _info(self.fs, self.root)
+        if info.type == pafs.FileType.NotFound:
+            return
+        if info.type != pafs.FileType.Directory:
+            raise CacheError(f"{self.uri}: is a file, not a cache folder; not replaced")
+        names = sorted(i.base_name for i in self.fs.get_file_info(pafs.FileSelector(self.root)))
+        foreign = [name for name in names if not is_cache_file(name)]
+        if foreign:
+            raise CacheError(
+                f"{self.uri}: holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, which no cache "
+                "holds; a build would replace or write among them, so it is refused (choose another --out)"
+            )
+        if "manifest.json" in names and not overwrite:
+            raise CacheError(f"{self.uri}: already exists (pass --overwrite to replace it)")
+        # (cache files without a manifest: the parts an interrupted publish moved, taken up by the rerun)
 
     def start(self, plan: dict, seqs_per_part: int) -> list[dict]:
         """Begin or resume: -> the records of the parts already committed under this plan (others are
@@ -189,7 +220,8 @@ class RemoteParts:
         return []
 
     def committed(self) -> list[dict]:
-        """Records whose part and sidecar are there with the recorded size (the part's, at least)."""
+        """Records whose part and sidecar are there with the recorded bytes (their sha256; a part changed
+        after its commit had been taken up by size alone, and published as finished)."""
         selector = pafs.FileSelector(self.partial, allow_not_found=True)
         records = []
         for info in self.fs.get_file_info(selector):
@@ -199,11 +231,13 @@ class RemoteParts:
                 record = read_json(self.fs, info.path)
             except (OSError, ValueError):
                 continue
-            part = _info(self.fs, f"{self.partial}/{record['file']}")
-            sidecar = record.get("moments")
-            if part.size == record["bytes"] and (sidecar is None or exists(self.fs, f"{self.partial}/{sidecar}")):
+            if all(self._holds(name, digest) for name, digest in _files_of(record)):
                 records.append(record)
         return sorted(records, key=lambda r: r["index"])
+
+    def _holds(self, name: str | None, digest: str | None) -> bool:
+        path = f"{self.partial}/{name}"
+        return isinstance(name, str) and exists(self.fs, path) and sha256_of(self.fs, path) == digest
 
     def commit(self, local_partial: Path, record: dict) -> None:
         """Upload a part written in `local_partial` and its sidecar, then its record (the commit)."""
@@ -245,6 +279,12 @@ class RemoteParts:
         if exists(self.fs, self.partial):
             self.fs.delete_dir(self.partial)
         return self.uri
+
+
+def _files_of(record: dict) -> list[tuple[object, object]]:
+    """(file, sha256) of a committed part and of its moments sidecar, when it has one."""
+    files = [(record.get("file"), record.get("sha256"))]
+    return files + ([(record.get("moments"), record.get("moments_sha256"))] if "moments" in record else [])
 
 
 @contextmanager
