@@ -375,3 +375,29 @@ def test_a_site_the_cache_lacks_is_refused_before_the_model_loads(capsys, monkey
         assert main([*command, "static_layer@blocks.9.gate"]) == 2
         err = capsys.readouterr().err
         assert said in err and err.count("\n") == 1, err
+
+
+def test_a_result_pair_is_written_whole_or_not_at_all(tmp_path, capsys, monkeypatch) -> None:
+    """A full disk while the Markdown was written left the new JSON in place beside no Markdown (or an old
+    one), with `[Errno 28] No space left on device` naming no file. (Audits and studies write pairs alike.)"""
+    audit = str(ROOT / "cache" / "demo" / "audit.json")
+    real_write = Path.write_text
+
+    def full_disk_for_markdown(self, text, *args, **kwargs):
+        if self.name.endswith(f".md.{os.getpid()}.tmp"):
+            raise OSError(28, "No space left on device")
+        return real_write(self, text, *args, **kwargs)
+
+    old = json.dumps({"fca_study_version": 0})
+    (tmp_path / "old.json").write_text(old)
+    monkeypatch.setattr(Path, "write_text", full_disk_for_markdown)
+    for json_out in ("new.json", "old.json"):
+        assert main(["study", audit, "--json", str(tmp_path / json_out), "--markdown", str(tmp_path / "s.md")]) == 2
+        assert capsys.readouterr().err == f"fca: error: {tmp_path / 's.md'}: No space left on device\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]  # no temporary file left either
+    assert (tmp_path / "old.json").read_text() == old
+    monkeypatch.undo()
+    assert main(["study", audit, "--json", str(tmp_path / "new.json"), "--markdown", str(tmp_path / "s.md")]) == 0
+    assert (tmp_path / "s.md").read_text().startswith("# FCA study") and "fca_study_version" in (
+        tmp_path / "new.json"
+    ).read_text()

@@ -45,14 +45,28 @@ def strict_json(obj: object, indent: int | None = 1) -> str:
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write `text` to a temporary file beside `path` (named for this process) and rename it into place:
     readers see the old file or the new one, never half of one, and a failure leaves nothing behind."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    return write_together([(Path(path), text)])[0]
+
+
+def write_together(outputs: list[tuple[Path, str]]) -> list[Path]:
+    """Several files written as one: each to a temporary file beside it, and only when every one is written
+    are they renamed into place, so a full disk leaves the earlier files, never a new one beside an old or
+    half-written one (an audit's new JSON beside no Markdown). An OSError names the file it could not write."""
+    staged: list[tuple[Path, Path]] = []
     try:
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+        for path, text in outputs:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            staged.append((tmp, path))
+            try:
+                tmp.write_text(text, encoding="utf-8")
+            except OSError as err:  # (ENOSPC from a write names no file: "[Errno 28] No space left on device")
+                raise OSError(err.errno, err.strerror or str(err), str(path)) from None
+        for tmp, path in staged:
+            tmp.replace(path)
     finally:
-        tmp.unlink(missing_ok=True)  # (gone already when the rename succeeded)
-    return path
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)  # (gone already when the rename succeeded)
+    return [path for path, _ in outputs]
 
 
 # An earlier output is read to recognise it; anything larger is not one of ours.
@@ -116,10 +130,11 @@ class RenderedPair:
         markdown_text: Callable[[], str],
     ) -> None:
         self.check(json_path, markdown_path)
-        if json_path is not None:
-            write_output(json_path, json_text(), f"{self.kind} (JSON)", self.json_earlier)
-        if markdown_path is not None:
-            write_output(markdown_path, markdown_text(), f"{self.kind} (Markdown)", self.markdown_earlier)
+        pairs = ((json_path, json_text), (markdown_path, markdown_text))
+        outputs = [(Path(p), text()) for p, text in pairs if p is not None]
+        for path, _ in outputs:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        write_together(outputs)  # both or neither: never a new JSON beside an old (or no) Markdown
 
 
 def json_with(key: str) -> Callable[[str], bool]:
