@@ -1137,3 +1137,28 @@ def test_moment_sidecars_are_the_bytes_numpy_writes(tmp_path):
     back = read_arrays(tmp_path / "written.npz")
     for name, array in arrays.items():
         assert back[name].shape == np.shape(array) and np.array_equal(back[name], array), name
+
+
+def test_a_writer_process_leaves_ctrl_c_to_the_build():
+    """Ctrl-C in a terminal reaches the whole process group: each writer process printed a KeyboardInterrupt
+    traceback from the middle of a read, interleaved with the build's own one-line "interrupted". A writer
+    ignores it, and still ends when the build closes its end."""
+    import signal
+
+    ours, theirs = socket.socketpair()
+    with theirs:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "fca.tables.writer_child", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+    try:
+        time.sleep(2)  # (its handler is set once the interpreter has imported the module)
+        child.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert child.poll() is None, "the writer died of Ctrl-C"
+    finally:
+        ours.close()  # the build's end: the writer ends
+    assert child.wait(30) == 0 and "Traceback" not in child.stderr.read()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import queue
+import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -147,6 +148,9 @@ def _one_line(err: BaseException | None) -> str:
 
 
 def _child_main(fd: int) -> None:
+    # Ctrl-C in a terminal reaches the whole process group: the build (the parent) handles it and ends this
+    # writer; here it only printed a traceback from the middle of a read, interleaved with the others'.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     with Connection(fd) as conn:  # this writer's end of the socket pair its parent made
         serve(conn)
 
