@@ -401,3 +401,25 @@ def test_a_result_pair_is_written_whole_or_not_at_all(tmp_path, capsys, monkeypa
     assert (tmp_path / "s.md").read_text().startswith("# FCA study") and "fca_study_version" in (
         tmp_path / "new.json"
     ).read_text()
+
+
+def test_outputs_inside_a_cache_folder_are_refused(tmp_path, capsys) -> None:
+    """A report named part-00099.parquet inside a cache broke every Parquet reader of the folder (DuckDB: "No
+    magic bytes"), and a cache built inside another made pandas fail on its manifest; the outer cache's
+    `--overwrite` would delete what it counts as its own."""
+    import shutil
+
+    cache = tmp_path / "eval"
+    shutil.copytree(ROOT / "cache" / "demo" / "eval", cache)
+    audit = str(ROOT / "cache" / "demo" / "audit.json")
+    demo = ROOT / "cache" / "demo"
+    for argv, inside in (
+        (["study", audit, "--json", str(cache / "part-00099.parquet")], cache / "part-00099.parquet"),
+        (["report", audit, "--markdown", str(cache / "notes" / "audit.md")], cache / "notes" / "audit.md"),
+        (["build-cache", "--model", str(demo / "featuregate"), "--corpus", audit, "--split", "eval", "--out",
+          str(cache / "inside")], cache / "inside"),
+    ):  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"fca: error: {inside}: inside the cache {cache}; write the ") and err.count("\n") == 1
+    assert sorted(p.name for p in cache.iterdir()) == sorted(p.name for p in (demo / "eval").iterdir())

@@ -73,9 +73,31 @@ def write_together(outputs: list[tuple[Path, str]]) -> list[Path]:
 EARLIER_MAX_BYTES = 64 * 2**20
 
 
+def enclosing_cache(path: str | Path) -> Path | None:
+    """The cache folder `path` lies inside (the nearest folder above it holding a cache's manifest.json), or None."""
+    for folder in Path(path).absolute().parents:
+        manifest = folder / "manifest.json"
+        try:
+            raw = json.loads(manifest.read_text(encoding="utf-8")) if manifest.is_file() else None
+        except (OSError, ValueError):
+            continue
+        if isinstance(raw, dict) and {"schema_version", "sites", "parts"} <= raw.keys():
+            return folder
+    return None
+
+
+def check_not_in_cache(path: str | Path, kind: str) -> None:
+    """Refuse an output inside a cache folder: Parquet readers of the folder then fail on it (a report named
+    part-00099.parquet), and a rebuild with --overwrite deletes what it counts as the cache's."""
+    cache = enclosing_cache(path)
+    if cache is not None:
+        raise OutputError(f"{path}: inside the cache {cache}; write the {kind} beside the cache, not in it")
+
+
 def check_output(path: str | Path, kind: str, is_earlier: Callable[[str], bool]) -> Path:
     """`write_output`'s refusals alone, for a command to make before its work rather than after."""
     path = Path(path)
+    check_not_in_cache(path, kind)
     if path.is_dir():
         raise OutputError(f"{path}: is a directory; give a file path for the {kind}")
     if path.exists() and not path.is_file():  # a device or a pipe: never read to the end, never replaced
@@ -167,6 +189,7 @@ def check_replaceable(
         raise OutputError(
             f"{str(path) or '(empty)'}: give the {kind} a folder of its own, not the current or parent one"
         )
+    check_not_in_cache(path, kind)
     above = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
     if above is not None:  # (else "[Errno 17] File exists" of that file, when the folder is made)
         raise OutputError(f"{path}: {above} is a file, so no folder can be made below it")
