@@ -106,10 +106,15 @@ def test_the_report_path_suggested_for_a_cache_is_where_its_report_is_found(tmp_
     assert catalog.find_report(tmp_path / "eval-b") is None  # audit-eval-2.json would be eval's, not eval-b's
     (tmp_path / "audit-eval-b-2.json").write_text(json.dumps({"cache": {"path": "x/eval-b"}}))
     assert catalog.find_report(tmp_path / "eval-b") == tmp_path / "audit-eval-b-2.json"
-    # Damaged files: not an object is no report; an object that names no cache path is this cache's, refused
-    # (one line) when the page reads it.
+    # Damaged files: one that is no JSON object is found when no readable report is (the page then says why
+    # it cannot be read; a truncated report had read "Audit report: none"), never before a readable one; an
+    # object that names no cache path is this cache's, refused (one line) when the page reads it.
     (tmp_path / "audit-eval-b-2.json").write_text("[]")
-    assert catalog.find_report(tmp_path / "eval-b") is None
+    assert catalog.find_report(tmp_path / "eval-b") == tmp_path / "audit-eval-b-2.json"
+    (tmp_path / "audit-eval-b.json").write_text(json.dumps({"cache": {"path": "x/eval-b"}}))
+    (tmp_path / "audit.json").write_text('{"cache": {"pa')
+    assert catalog.find_report(tmp_path / "eval-b") == tmp_path / "audit-eval-b.json"
+    (tmp_path / "audit-eval-b.json").unlink()
     (tmp_path / "audit-eval-b-2.json").write_text(json.dumps({"cache": "x"}))
     assert catalog.find_report(tmp_path / "eval-b") == tmp_path / "audit-eval-b-2.json"
 
@@ -581,6 +586,12 @@ def test_a_damaged_report_is_one_error_and_the_page_goes_on(page, tiny_demo, tmp
     at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), page)
     no_exceptions(at)
     assert any("audit.json: not an FCA audit report" in e.value for e in at.error), [e.value for e in at.error]
+    # Cut short (a disk filled while it was copied): said so, where it had been shown as "Audit report: none".
+    shipped = (tiny_demo / "audit.json").read_text()
+    (tmp_path / "audit.json").write_text(shipped[: len(shipped) // 2])
+    at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), page)
+    no_exceptions(at)
+    assert any("audit.json: not a readable audit report (" in e.value for e in at.error), [e.value for e in at.error]
 
 
 def test_mismatched_model_fingerprint_shows_error(tiny_demo, tmp_path, monkeypatch):

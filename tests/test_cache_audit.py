@@ -877,7 +877,7 @@ def test_reports_and_studies_replace_only_earlier_ones(demo, tmp_path, capsys):
     manifest = (cache / MANIFEST).read_bytes()
     args = _audit_args(demo / "featuregate", cache, demo / "calibration", cache / MANIFEST)
     err = _cli_error([*args, "--num-seqs", "4", "--sweep", "none", "--device", "cpu"], capsys)
-    assert "manifest.json: exists and is not an earlier audit report (JSON)" in err
+    assert f"manifest.json: inside the cache {cache}; write the audit report (JSON) beside the cache" in err
     assert (cache / MANIFEST).read_bytes() == manifest and not list(tmp_path.rglob("*.tmp"))
     report = tmp_path / "audit.json"
     assert main([*args[:-1], str(report), "--num-seqs", "4", "--sweep", "none", "--device", "cpu"]) == 0
@@ -960,6 +960,8 @@ def test_overwrite_never_deletes_what_a_cache_or_model_does_not_hold(demo, tmp_p
     assert "src" in _cli_error(train, capsys)
     assert "--lr" in _cli_error_argparse([*train[:-2], "--lr", "inf", "--out", str(tmp_path / "m")], capsys)
     corpus = ["corpus", "--overwrite", "--out", str(notes / "manifest.json")]
+    assert f"manifest.json: inside the cache {notes}; write the text corpus" in _cli_error(corpus, capsys)
+    corpus[-1] = str(project / "config.json")  # not in a cache: refused as no earlier corpus
     assert "not an earlier text corpus" in _cli_error(corpus, capsys)
     assert {p: _tree(p) for p in (site, notes, project, partial)} == before
 

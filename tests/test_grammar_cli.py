@@ -423,3 +423,19 @@ def test_outputs_inside_a_cache_folder_are_refused(tmp_path, capsys) -> None:
         err = capsys.readouterr().err
         assert err.startswith(f"fca: error: {inside}: inside the cache {cache}; write the ") and err.count("\n") == 1
     assert sorted(p.name for p in cache.iterdir()) == sorted(p.name for p in (demo / "eval").iterdir())
+
+
+def test_a_cache_in_a_folder_that_cannot_be_written_is_refused_first(tmp_path, capsys, monkeypatch) -> None:
+    """A read-only destination was found only when the build lock was made, after the model and the corpus
+    had been read. (Root writes anywhere but a read-only mount, so the check is driven by its own question.)"""
+    import fca.jobs.build
+    import fca.tables.outputs
+
+    monkeypatch.setattr(fca.tables.outputs.os, "access", lambda path, mode: Path(path) != tmp_path)
+    monkeypatch.setattr(fca.jobs.build, "load_model", lambda *a, **k: pytest.fail("loaded before refusing"))
+    demo = ROOT / "cache" / "demo"
+    argv = ["build-cache", "--model", str(demo / "featuregate"), "--corpus", "unused.txt", "--split", "eval"]
+    assert main([*argv, "--out", str(tmp_path / "cache")]) == 2
+    assert capsys.readouterr().err == (
+        f"fca: error: {tmp_path / 'cache'}: its folder {tmp_path} is not writable; choose another path for the cache\n"
+    )

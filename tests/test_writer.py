@@ -1162,3 +1162,27 @@ def test_a_writer_process_leaves_ctrl_c_to_the_build():
     finally:
         ours.close()  # the build's end: the writer ends
     assert child.wait(30) == 0 and "Traceback" not in child.stderr.read()
+
+
+def test_a_full_disk_names_the_part_it_was_writing(tmp_path, monkeypatch):
+    """Arrow's own message for a full disk, "Error writing bytes to file. Detail: [errno 28] No space left on
+    device", names no file; the build said only that."""
+    plan, schema = _plan_and_schema()
+    real_write_batch = pq.ParquetWriter.write_batch
+
+    def full_disk(self, batch, *args, **kwargs):
+        if int(batch.column("seq")[0].as_py()) >= 2:
+            raise OSError("Error writing bytes to file. Detail: [errno 28] No space left on device")
+        return real_write_batch(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_batch", full_disk)
+    for workers in (1, 2):
+        writer = CacheWriter(tmp_path / f"c{workers}", plan, schema, 2, workers=workers)
+        with pytest.raises(OSError) as err:
+            _write_pairs(writer, 0, 4)
+            writer.finish()
+        writer.abort()
+        assert (err.value.filename, err.value.strerror) == (
+            str(tmp_path / f"c{workers}.partial" / "part-00001.parquet"),
+            "No space left on device",
+        )

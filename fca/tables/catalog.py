@@ -257,15 +257,20 @@ def find_report(cache_path: str | Path) -> Path | None:
     folder, name = cache_path.parent, cache_path.name
     candidates = [folder / REPORT, folder / f"audit-{name}.json"]
     candidates += sorted(folder.glob(f"audit-{glob.escape(name)}-*.json"), key=_report_number)
+    damaged = None
     for path in candidates:
         report = _read_json(path)
         if report is None:
+            if damaged is None and path.is_file():
+                damaged = path
             continue
         section = report.get("cache")
         described = section.get("path") if isinstance(section, dict) else None
         if not isinstance(described, str) or Path(described).name == name:  # (a damaged one: said when read)
             return path
-    return None
+    # A report-named file that cannot be read (cut short, say) is shown when no other is found, so the page
+    # says why it cannot be read; it had been passed over, as if there were no report.
+    return damaged
 
 
 def _report_number(path: Path) -> int:

@@ -71,6 +71,8 @@ def load_documents(path: str | Path, text_column: str = "text") -> list[str]:
     elif path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
         docs = [t for t in (_read_text(f).strip() for f in files) if t]
+    elif not path.is_file():  # a device (/dev/zero) or a pipe would be read without end, into memory
+        raise CorpusError(f"{path}: not a regular file; give a text file, a folder of them, or a Parquet table")
     else:
         text = _read_text(path)
         docs = [d.strip() for d in text.replace("\r\n", "\n").split("\n\n") if d.strip()]

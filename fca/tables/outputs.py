@@ -112,10 +112,15 @@ def check_output(path: str | Path, kind: str, is_earlier: Callable[[str], bool])
             raise OutputError(
                 f"{path}: exists and is not an earlier {kind}; not replaced (remove it or choose another path)"
             )
-    folder = next((p for p in path.absolute().parents if p.exists()), None)  # (written there, or made there)
+    check_writable_folder(path, kind)
+    return path
+
+
+def check_writable_folder(path: Path, kind: str) -> None:
+    """Refuse `path` when the folder it would be written (or made) in is not writable."""
+    folder = next((p for p in path.absolute().parents if p.exists()), None)
     if folder is not None and not os.access(folder, os.W_OK):
         raise OutputError(f"{path}: its folder {folder} is not writable; choose another path for the {kind}")
-    return path
 
 
 def same_path(json_path: str | Path | None, markdown_path: str | Path | None) -> None:
@@ -194,6 +199,7 @@ def check_replaceable(
     if above is not None:  # (else "[Errno 17] File exists" of that file, when the folder is made)
         raise OutputError(f"{path}: {above} is a file, so no folder can be made below it")
     if not path.exists() and not path.is_symlink():
+        check_writable_folder(path, kind)  # (a read-only mount was found only when the lock was made)
         return
     if not overwrite:
         raise OutputError(f"{path}: already exists (pass {flag} to replace it)")

@@ -145,6 +145,8 @@ MAX_REPORT_BYTES = 64 * 2**20  # a report is kilobytes; a file this large is som
 def read_report(path: str | Path, required: tuple[str, ...] = REQUIRED_KEYS) -> dict:
     """An audit report from its JSON file, checked up front (`check_report`, with the `required` sections)
     so that rendering never fails halfway."""
+    if not Path(path).exists():
+        raise ReportError(f"{path}: no such file")
     if not Path(path).is_file():  # a device (/dev/zero) or a pipe would be read without end
         raise ReportError(f"{path}: not a readable audit report (not a regular file)")
     if Path(path).stat().st_size > MAX_REPORT_BYTES:

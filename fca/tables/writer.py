@@ -11,6 +11,7 @@ writer threads can fill different parts at once and the files do not depend on h
 from __future__ import annotations
 
 import calendar
+import errno
 import hashlib
 import json
 import mmap
@@ -617,6 +618,18 @@ class CacheWriter:
         self._threads.put_shared(k, n, lo, windows, block, nll_at, sites_at, free)
 
     def _write_piece(self, open_parts: dict[int, _OpenPart], k: int, piece: pa.RecordBatch, n: int) -> None:
+        """Write a piece of part k (closing the part when complete). An OSError that names no file (a full
+        disk: Arrow's "Error writing bytes to file. Detail: [errno 28] ...") is given the part's name."""
+        try:
+            self._write_piece_of(open_parts, k, piece, n)
+        except OSError as err:
+            if err.filename is not None:
+                raise
+            detail = str(err).rsplit("Detail: ", 1)[-1]
+            reason = re.sub(r"^\[errno \d+\] ", "", detail, flags=re.I) or type(err).__name__
+            raise OSError(err.errno or errno.EIO, reason, str(self.partial / f"part-{k:05d}.parquet")) from None
+
+    def _write_piece_of(self, open_parts: dict[int, _OpenPart], k: int, piece: pa.RecordBatch, n: int) -> None:
         part = open_parts.get(k)
         if part is None:
             part = open_parts[k] = self._open_part(k)
