@@ -128,6 +128,15 @@ def test_a_bfloat16_load_is_the_model_transformers_loads(moe_dir):
     assert fingerprint_state(ours) == fingerprint_state(theirs)
 
 
+def test_loading_prints_nothing_of_transformers(moe_dir, capfd):
+    """transformers' "Loading weights" bars had come among the command's own progress lines."""
+    from transformers.utils import logging as hf_logging
+
+    capfd.readouterr()
+    load(moe_dir[0])
+    assert capfd.readouterr().err == "" and hf_logging.is_progress_bar_enabled()  # (put back as found)
+
+
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
 def test_a_checkpoint_saved_with_router_logits_on_replays(model_type, ids, tmp_path):
     """`output_router_logits: true` (left by training with the load-balancing loss) made the model gather every

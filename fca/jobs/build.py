@@ -85,8 +85,8 @@ def build_cache_from_corpus(
             # and zstd-compressed, next to nothing.
             parquet = PARQUET_SHARE * (row_bytes - ROW_KEY_BYTES) * N * T
             tqdm.write(
-                f"{out}: {N} sequences x {T} tokens x {row_bytes} B = {row_bytes * N * T / 1e6:.1f} MB raw "
-                f"(about {parquet / 1e6:.1f} MB as Parquet)"
+                f"{out}: {N} sequences x {T} tokens x {row_bytes} B = {megabytes(row_bytes * N * T)} raw "
+                f"(about {megabytes(parquet)} as Parquet)"
                 + ("" if stage is None else f"; built in {stage}, published when complete")
             )
         local = write_cache(
@@ -104,6 +104,11 @@ def build_cache_from_corpus(
             writer_processes=writer_processes,
         )
         return local if remote is None else remote.publish(local)
+
+
+def megabytes(size: float) -> str:
+    """A size in MB with the decimals it needs ("0.0 MB as Parquet" was said of a small cache)."""
+    return f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e6:.3f} MB"
 
 
 def prepare_corpus_build(

@@ -156,9 +156,11 @@ def load_hf_moe(path: Path) -> nn.Module:
     report = io.StringIO()
     handler = logging.StreamHandler(report)
     verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_warning()
     hf_logging.disable_default_handler()
     hf_logging.add_handler(handler)
+    hf_logging.disable_progress_bar()  # ("Loading weights" bars among the command's own progress)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=torch.float32, output_loading_info=True
@@ -175,6 +177,8 @@ def load_hf_moe(path: Path) -> nn.Module:
         hf_logging.remove_handler(handler)
         hf_logging.enable_default_handler()
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     for kind, what in (("missing_keys", "lacks"), ("unexpected_keys", "has unexpected"), ("mismatched_keys", "has")):
         keys = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(kind) or ())
         if keys:
