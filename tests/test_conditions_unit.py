@@ -1,0 +1,70 @@
+"""Behaviours a second mutation review found untested: the run's seed reaching every random draw, the
+position profile's values, the grammar's refusals when a Condition is made directly, the vocabulary bound
+of cached token ids, and a cache whose site has another channel count than the model's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fca.engine.sites import SiteSpec
+from fca.tables.conditions import Condition, condition_coefficients, derangement, position_permutation
+from fca.tables.errors import CacheError
+from fca.tables.profiles import Profiles
+from fca.tables.store import open_cache
+
+DEMO = Path(__file__).resolve().parents[1] / "cache" / "demo"
+
+
+def test_the_seed_reaches_the_derangement_and_the_permutations():
+    """With the seed ignored (a fixed generator), every run's cross_input and token_shuffle would be the same
+    draw, and a study over seeds would repeat one sample."""
+    assert len({tuple(derangement(16, seed)) for seed in range(5)}) == 5
+    assert len({tuple(position_permutation(3, 32, seed)) for seed in range(5)}) == 5
+    assert len({tuple(position_permutation(3, 32, 7, site)) for site in range(1, 5)}) == 4  # per site
+    own = {"a": np.arange(2 * 32 * 1, dtype=np.float32).reshape(2, 32, 1)}
+    shuffled = [condition_coefficients(Condition("token_shuffle", seed=s), own, [0, 1])["a"] for s in (1, 2)]
+    assert not np.array_equal(*shuffled)
+
+
+def test_the_position_profile_is_the_calibration_mean_at_each_position():
+    T, K = 4, 2
+    position = {"a": np.arange(8 * K, dtype=np.float64).reshape(8, K)}  # a calibration cache of 8 positions
+    profiles = Profiles({"a": np.full(K, 100.0)}, {"a": np.full(K, -1.0)}, position, {}, None, None)
+    own = {"a": np.zeros((3, T, K), np.float32)}
+    out = condition_coefficients(Condition("position_profile"), own, [0, 1, 2], profiles)
+    np.testing.assert_array_equal(np.broadcast_to(out["a"], (3, T, K))[1], position["a"][:T])
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (lambda: Condition("interpolate", float("nan")), "interpolate needs a finite alpha, not nan"),
+        (lambda: Condition("interpolate", float("inf")), "interpolate needs a finite alpha, not inf"),
+        (lambda: Condition("static_layer", independent=True), "static_layer takes no \\+independent"),
+    ],
+)
+def test_a_condition_made_directly_is_held_to_the_grammar(make, said):
+    with pytest.raises(ValueError, match=said):
+        make()
+
+
+def test_cached_token_ids_must_lie_below_the_vocabulary():
+    from fca.engine.replay import check_token_ids
+
+    rows = {"token": np.array([[0, 5, 9]]), "target": np.array([[5, 9, 10]])}
+    check_token_ids(rows, 11, Path("c"), [0])
+    with pytest.raises(CacheError, match=r"c: sequences 0-0 hold token ids from 0 to 10, outside .*\[0, 10\)"):
+        check_token_ids(rows, 10, Path("c"), [0])  # id 10 of a 10-id vocabulary: one past the end
+
+
+def test_a_site_with_another_channel_count_than_the_models_is_refused():
+    cache = open_cache(DEMO / "eval")
+    specs = dict(cache.site_specs)
+    cache.check_sites(specs)
+    first = next(iter(specs))
+    specs[first] = SiteSpec(axes=(("gate", specs[first].num_channels + 1),), family=specs[first].family)
+    with pytest.raises(CacheError, match=rf"site '{first}' has 12 channels here and 13 in the model"):
+        cache.check_sites(specs)
