@@ -385,3 +385,27 @@ def test_a_model_that_skips_blocks_is_counted_as_it_runs(tmp_path):
     # Shuffled scores route other tokens through the blocks: the model depends on which tokens its router picks.
     nll = {name: row["nll"] for name, row in report["conditions"].items()}
     assert nll["token_shuffle"] > nll["correct"] + 1e-3
+
+
+def test_a_runs_seed_and_every_batchs_exactness_reach_its_results(adapted, tmp_path):
+    """The run's seed draws cross_input's derangement (another seed, other partners); and the mechanism check
+    reports the largest difference over all batches, not the last batch's (a first batch off by 1e-3 and
+    exact ones after had read as exact)."""
+    tokens = np.random.default_rng(8).integers(0, 64, 2_000)
+    fca.build_cache(adapted, tokens[:1_000], tmp_path / "eval", seq_len=32, split="eval")
+    fca.build_cache(adapted, tokens[1_000:], tmp_path / "calibration", seq_len=32, split="calibration")
+    experiment = fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "calibration")
+    nll = [experiment.run(["cross_input"], num_seqs=8, seed=seed).per_seq_nll["cross_input"] for seed in (1, 2)]
+    assert not np.array_equal(*nll)
+    calls = {"n": 0}
+
+    def first_call_off(module, args, output):
+        calls["n"] += 1
+        return output + 1e-3 if calls["n"] == 1 else output  # the first batch's live pass only
+
+    handle = adapted.blocks[1].register_forward_hook(first_call_off)
+    try:
+        results = experiment.run(["static_layer"], num_seqs=6, batch_size=2, judge=False)
+    finally:
+        handle.remove()
+    assert results.max_abs_logit_diff > 1e-4
