@@ -68,3 +68,51 @@ def test_a_site_with_another_channel_count_than_the_models_is_refused():
     specs[first] = SiteSpec(axes=(("gate", specs[first].num_channels + 1),), family=specs[first].family)
     with pytest.raises(CacheError, match=rf"site '{first}' has 12 channels here and 13 in the model"):
         cache.check_sites(specs)
+
+
+def _rewrite_moments(cache_dir: Path, change) -> None:
+    """The cache's stored moments changed by `change(arrays)`, the manifest's hash of them updated to match
+    (a hash-consistent file that is still wrong)."""
+    import json
+
+    from fca.tables.schema import file_sha256, read_arrays, write_arrays
+
+    arrays = dict(read_arrays(cache_dir / "moments.npz"))
+    change(arrays)
+    write_arrays(cache_dir / "moments.npz", arrays)
+    manifest = json.loads((cache_dir / "manifest.json").read_text())
+    manifest["moments"]["sha256"] = file_sha256(cache_dir / "moments.npz")
+    (cache_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_stored_moments_are_checked_before_they_are_used(tmp_path):
+    """The statistics read the moments a build stored, not the coefficients: a changed file, moments of
+    another number of sequences, or non-finite sums must be refused, never reported; and a scan of part of
+    a cache checks the parts it reads."""
+    import shutil
+
+    from fca.tables.profiles import cache_moments
+
+    def copy(name: str) -> Path:
+        return Path(shutil.copytree(DEMO / "eval", tmp_path / name))
+
+    changed = copy("changed")
+    data = bytearray((changed / "moments.npz").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (changed / "moments.npz").write_bytes(bytes(data))
+    for name, change, said in (
+        ("seqs", lambda a: a.__setitem__("num_seqs", np.int64(255)), "moments of 255 sequences, the cache has 256"),
+        ("nan", lambda a: a["sum"].__setitem__(3, np.nan), "non-finite coefficients \\(NaN or inf\\) in the cache"),
+    ):
+        _rewrite_moments(copy(name), change)
+        with pytest.raises(CacheError, match=said):
+            cache_moments(open_cache(tmp_path / name))
+    with pytest.raises(CacheError, match="moments.npz: contents do not match the manifest's sha256"):
+        cache_moments(open_cache(changed))
+    part_changed = copy("part")
+    part = next(part_changed.glob("part-*.parquet"))
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    with pytest.raises(CacheError, match="contents do not match the manifest's sha256"):
+        cache_moments(open_cache(part_changed), num_seqs=4)  # scanned, since the stored moments are all 256's
