@@ -116,3 +116,14 @@ def test_stored_moments_are_checked_before_they_are_used(tmp_path):
     part.write_bytes(bytes(data))
     with pytest.raises(CacheError, match="contents do not match the manifest's sha256"):
         cache_moments(open_cache(part_changed), num_seqs=4)  # scanned, since the stored moments are all 256's
+
+
+def test_the_engine_refuses_a_condition_twice():
+    """Two conditions of one name would share one row of results, the second overwriting the first."""
+    import fca
+    from fca.engine.replay import run_conditions
+
+    model = fca.load_model(DEMO / "featuregate")
+    twice = [Condition("correct"), Condition("static_layer"), Condition("static_layer")]
+    with pytest.raises(ValueError, match=r"conditions repeat: \['correct', 'static_layer', 'static_layer'\]"):
+        run_conditions(model, open_cache(DEMO / "eval"), twice, seqs=[0, 1])
