@@ -449,7 +449,8 @@ def nll_bars(df: pd.DataFrame, title: str = "NLL per condition") -> go.Figure:
     )
     # Bars start at 0: a bar's length is read as its value, and an axis from ~3 nats made small gaps
     # look large. The exact values are in the hover and the tables.
-    hi = float(np.nanmax(df["ci_hi"])) if len(df) else 1.0
+    # the bars' tops too: one sequence gives no CI (NaN), and its bars must still show
+    hi = float(np.nanmax(np.concatenate([df["nll"], df["ci_hi"]]).astype(float))) if len(df) else 1.0
     fig.update_yaxes(title=NLL, range=[0, 1.08 * hi if np.isfinite(hi) and hi > 0 else 1.0])
     fig.update_xaxes(title="condition")
     return _layout(fig, title)

@@ -732,13 +732,23 @@ def test_gap_retention_undefined_without_gap():
         "static_layer": {"nll": 2.0005, "penalty_ci95": [0, 0]},
     }
     assert gap_retention(table) == {"static_layer": None}
+    # no gap at all, every sequence alike: a zero-width CI at zero is not a positive gap (no 0/0)
+    table["global_mean"] = {"nll": 2.0, "penalty_ci95": [0.0, 0.0]}
+    assert gap_retention(table) == {"static_layer": None}
+    # one sequence: no CI, NaN live and null once saved
+    for undefined in ([float("nan")] * 2, [None, None]):
+        table["global_mean"] = {"nll": 2.001, "penalty_ci95": undefined}
+        assert gap_retention(table) == {"static_layer": None}
     table["global_mean"]["penalty_ci95"] = [0.0005, 0.0015]
     assert gap_retention(table)["static_layer"] == pytest.approx(0.5)
 
 
 def test_replay_cli_saves_runs(demo, capsys):
+    from app.figures import nll_bars
     from fca.jobs.runs import run_replay
-    from fca.tables.runs import list_runs
+    from fca.tables.runs import condition_rows, list_runs
+
+    FIGURE_COLUMNS = {"NLL (nats/token)": "nll", "NLL 95% CI low": "ci_lo", "NLL 95% CI high": "ci_hi"}
 
     assert (
         main(
@@ -778,10 +788,22 @@ def test_replay_cli_saves_runs(demo, capsys):
     # One sequence has no CI: said so, and saved as null (strict JSON readers refuse NaN).
     base = ["replay", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval")]
     capsys.readouterr()
-    assert main([*base, "--calibration", str(demo / "calibration"), "--num-seqs", "1"]) == 0
+    one = ["--calibration", str(demo / "calibration"), "--conditions", "static_layer", "global_mean"]
+    assert main([*base, *one, "--num-seqs", "1"]) == 0
     assert "(no CI from one sequence)" in capsys.readouterr().out
+    # It is listed (its null CI bounds once broke the gap retention, and the run vanished from the list),
+    # with no interval where one sequence gives none, and no retention: the gap is not shown positive.
     newest = list_runs(demo / "eval")[0]  # the run just made, though both may fall in one second
     assert newest["spec"]["num_seqs"] == 1 and newest["created"] > runs[0]["created"]
+    rows = {r["condition"]: r for r in condition_rows(newest)}
+    assert set(rows) == {"correct", "static_layer", "global_mean"}
+    for name in ("static_layer", "global_mean"):
+        bounds = [rows[name][k] for k in ("NLL 95% CI low", "NLL 95% CI high", "penalty 95% CI low")]
+        assert np.isnan(bounds).all() and np.isfinite(rows[name]["NLL (nats/token)"])
+    assert [r["gap retention"] for r in rows.values()] == [None] * 3
+    # its bars keep their height though no CI reaches above them
+    figure = nll_bars(pd.DataFrame(condition_rows(newest)).rename(columns=FIGURE_COLUMNS))
+    assert figure.layout.yaxis.range[1] >= max(r["NLL (nats/token)"] for r in rows.values())
     saved = Path(newest["path"]).read_text()
 
     def refuse(constant: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import streamlit as st
 
@@ -74,7 +75,11 @@ def result_view(result: pd.DataFrame) -> pd.DataFrame:
     """`condition_rows` as shown: short headers (units in each header's help), each interval in one cell."""
 
     def interval(lo: str, hi: str) -> list[str]:
-        return [f"{a:.4f} to {b:.4f}" for a, b in zip(result[lo], result[hi])]
+        # NaN bounds: one sequence gives no interval, said so rather than drawn as "nan to nan"
+        return [
+            f"{a:.4f} to {b:.4f}" if np.isfinite(a) and np.isfinite(b) else "none (one sequence)"
+            for a, b in zip(result[lo], result[hi])
+        ]
 
     view = pd.DataFrame(
         {

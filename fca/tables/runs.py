@@ -164,17 +164,23 @@ def run_labels(records: Sequence[dict]) -> list[str]:
     return labels
 
 
+def _bound(value: float | None) -> float:
+    """A saved CI bound as a number: null (one sequence has no interval) is NaN, so columns stay numeric."""
+    return float("nan") if value is None else float(value)
+
+
 def condition_rows(record: dict) -> list[dict]:
     """One row per condition of a run, in plain words: mean NLL with the 95% bootstrap CI of the mean over
     sequences, the penalty vs correct with its 95% paired bootstrap CI (the same resampling as the
-    audit's, `fca.tables.scoring`), and, when global_mean ran, each condition's gap retention."""
+    audit's, `fca.tables.scoring`), and, when global_mean ran, each condition's gap retention. A bound
+    that one sequence cannot give is NaN, never a zero-width interval."""
     per_seq = record["results"].get("per_sequence_nll", {})
     seed = int(record.get("spec", {}).get("seed", 0))
     retention = gap_retention(record["results"]["conditions"])  # {} unless global_mean ran
     rows = []
     for name, row in record["results"]["conditions"].items():
         values = np.asarray(per_seq.get(name, []), dtype=np.float64)
-        lo, hi = paired_bootstrap_ci(values, BOOTSTRAP_RESAMPLES, seed) if len(values) > 1 else (row["nll"], row["nll"])
+        lo, hi = paired_bootstrap_ci(values, BOOTSTRAP_RESAMPLES, seed)  # NaN from one sequence: no interval
         rows.append(
             {
                 "condition": name,
@@ -182,8 +188,8 @@ def condition_rows(record: dict) -> list[dict]:
                 "NLL 95% CI low": lo,
                 "NLL 95% CI high": hi,
                 "penalty (nats/token)": row["penalty"],
-                "penalty 95% CI low": row["penalty_ci95"][0],
-                "penalty 95% CI high": row["penalty_ci95"][1],
+                "penalty 95% CI low": _bound(row["penalty_ci95"][0]),
+                "penalty 95% CI high": _bound(row["penalty_ci95"][1]),
                 **({"gap retention": retention.get(name)} if retention else {}),
             }
         )

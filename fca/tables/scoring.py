@@ -32,11 +32,13 @@ def summarize_conditions(per_seq_nll: Mapping[str, np.ndarray], seed: int = 0, r
 
 def gap_retention(table: dict) -> dict:
     """(NLL_global - NLL_X) / (NLL_global - NLL_correct) for every condition; None when the gap is not
-    clearly positive (its bootstrap CI does not lie above zero)."""
+    clearly positive: its bootstrap CI does not lie above zero, or is undefined (one sequence: NaN live,
+    null once saved as JSON)."""
     if "global_mean" not in table or "correct" not in table:
         return {}
     gap = table["global_mean"]["nll"] - table["correct"]["nll"]
-    clearly_positive = table["global_mean"]["penalty_ci95"][0] > 0
+    lower = table["global_mean"]["penalty_ci95"][0]
+    clearly_positive = lower is not None and lower > 0  # NaN > 0 is False
     out = {}
     for name, row in table.items():
         if name in ("correct", "global_mean"):
