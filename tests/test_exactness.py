@@ -465,3 +465,31 @@ def test_the_newer_precision_api_is_recorded_not_a_crash():
     gated = {"model_type": "featuregate", "gated": True, "d_model": 32, "mlp_groups": 6}
     assert is_dense_twin(gated, {**gated, "gated": False, "mlp_groups": 4})  # gate granularity is no size
     assert not is_dense_twin(gated, {**gated, "gated": False, "d_model": 48})
+
+
+# ------------------------------------------------------------------ which replay is Correct-from-cache
+
+
+def test_correct_is_scored_from_the_cache_whenever_the_cache_is_not_the_recorded_pass(demo_pair, tmp_path):
+    """Correct's NLL (and the fidelity check's Correct-from-cache) is the replay of the cached coefficients.
+    Only when they equal the pass just recorded, value for value in float32, is that pass's replay reused:
+    not for a cache rounded to float16 on storage, nor for a foreign cache that drifted."""
+    model_dir, ev, _ = demo_pair
+    model = fca.load_model(model_dir)
+    windows = open_cache(ev).read_seqs(list(range(8)), sites=[])
+    windows = np.concatenate([windows["token"], windows["target"][:, -1:]], axis=1)  # [8, T + 1]
+    rounded = fca.build_cache(model, windows, tmp_path / "f16", batch_size=4, coefficient_dtype="float16")
+    drifted = rewrite_cache(ev, tmp_path / "drifted", 1e-3, FOREIGN)
+    conditions = [fca.tables.conditions.Condition("correct"), fca.tables.conditions.Condition("static_layer")]
+    profiles = calibration_profiles(open_cache(demo_pair[2]))
+    for cache in (rounded, drifted):
+        results = run_conditions(
+            model, open_cache(cache), conditions, seqs=list(range(8)), batch_size=4, profiles=profiles
+        )
+        assert results.max_abs_logit_diff == 0.0  # the recorded pass replays exactly, as always
+        assert not np.array_equal(results.cache_correct_per_seq, results.replayed_per_seq), cache
+        np.testing.assert_array_equal(results.per_seq_nll["correct"], results.cache_correct_per_seq)
+    # the cache that is the recorded pass: one replay serves both
+    same = run_conditions(model, open_cache(ev), conditions, seqs=list(range(8)), batch_size=4, profiles=profiles)
+    np.testing.assert_array_equal(same.cache_correct_per_seq, same.replayed_per_seq)
+    np.testing.assert_array_equal(same.per_seq_nll["correct"], same.replayed_per_seq)
