@@ -14,6 +14,7 @@ from fca.engine.capture import as_input_ids, token_nll
 from fca.engine.environment import current_environment
 from fca.engine.sites import (
     capture_tensors,
+    find_sites,
     model_logits,
     site_modes,
     tensor_provider,
@@ -118,11 +119,12 @@ def replay(
         missing = sorted(set(chosen) - set(coefficients))
         if missing:
             raise KeyError(f"no coefficients given for site(s) {missing}")
-        # A cache's rows may be given whole (their key columns are not sites); a misspelt site would
-        # otherwise be left out without a word.
-        unknown = sorted(set(coefficients) - set(chosen) - set(KEY_COLUMNS)) if only is None else []
+        # A cache's rows may be given whole (their key columns are not sites), and with `only` the other
+        # sites' coefficients too; a misspelt site would otherwise be left out without a word.
+        sites = list(find_sites(model))
+        unknown = sorted(set(coefficients) - set(sites) - set(KEY_COLUMNS))
         if unknown:
-            raise KeyError(f"coefficients given for site(s) {unknown} that the model lacks; its sites: {list(chosen)}")
+            raise KeyError(f"coefficients given for site(s) {unknown} that the model lacks; its sites: {sites}")
         return model_logits(model(ids), model)
 
 
