@@ -4,6 +4,7 @@ of cached token ids, and a cache whose site has another channel count than the m
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -127,3 +128,48 @@ def test_the_engine_refuses_a_condition_twice():
     twice = [Condition("correct"), Condition("static_layer"), Condition("static_layer")]
     with pytest.raises(ValueError, match=r"conditions repeat: \['correct', 'static_layer', 'static_layer'\]"):
         run_conditions(model, open_cache(DEMO / "eval"), twice, seqs=[0, 1])
+
+
+def test_a_shard_must_be_whole_batches_of_the_whole_run():
+    """A shard starting inside a batch would score batches the single-process run never forms, and the
+    exactness check (which compares within a batch) would judge other batches than the merged run says."""
+    from fca.engine.replay import _shard_bounds
+
+    assert _shard_bounds(None, 4, 10) == (0, 10)
+    assert _shard_bounds((4, 8), 4, 10) == (4, 8) and _shard_bounds((8, 10), 4, 10) == (8, 10)  # last: short
+    for shard in ((2, 8), (4, 6), (8, 12), (8, 4), (-4, 4)):
+        with pytest.raises(ValueError, match=re.escape(f"shard {shard} is not whole batches of 4 within 10")):
+            _shard_bounds(shard, 4, 10)
+
+
+def test_replaying_some_sites_frees_every_site_and_still_refuses_unknown_names():
+    """`replay(..., only=...)` takes every site for its pass: each must be free again after it (a site left
+    taken refuses every later pass), and a misspelt site among the coefficients is named, not ignored."""
+    import fca
+    from fca.engine.sites import find_sites
+
+    model = fca.load_model(DEMO / "featuregate")
+    ids = open_cache(DEMO / "eval").read_seqs([0, 1], sites=[])["token"]
+    own = fca.capture(model, ids)  # site -> [B, T, K]
+    first = next(iter(own))
+    once = fca.replay(model, ids, own, only={first})
+    assert all(site.mode == "live" and not site._in_pass for site in find_sites(model).values())
+    assert np.array_equal(fca.replay(model, ids, own, only=first), once)  # a second pass is not refused
+    with pytest.raises(KeyError, match=r"site\(s\) \['gatee'\] that the model lacks"):
+        fca.replay(model, ids, {**own, "gatee": own[first]}, only={first})
+
+
+def test_an_experiments_profiles_come_from_its_calibration_cache():
+    """StaticLayer's claim rests on profiles from an independent split: taken from the evaluated cache, the
+    static profile would be fit on the very sequences it is scored on."""
+    from fca.jobs.experiment import Experiment
+    from fca.tables.profiles import calibration_profiles
+
+    experiment = Experiment.open(DEMO / "featuregate", DEMO / "eval", DEMO / "calibration", device="cpu")
+    profiles = experiment.profiles()
+    own = calibration_profiles(open_cache(DEMO / "calibration"))
+    evaluated = calibration_profiles(open_cache(DEMO / "eval"))
+    for site, static in profiles.static.items():
+        np.testing.assert_array_equal(static, own.static[site])
+        assert not np.array_equal(static, evaluated.static[site])
+    assert profiles.family_means == own.family_means != evaluated.family_means
