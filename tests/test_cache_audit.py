@@ -1033,14 +1033,17 @@ def test_damaged_reports_devices_and_one_path_for_two_outputs_are_refused(demo, 
     assert json.loads((tmp_path / "r.json").read_text()) == report
 
 
-def test_bench_measures_every_figure_it_documents(demo):
+def test_bench_measures_every_figure_it_documents(demo, tmp_path, monkeypatch):
     """`fca bench` run small: every README figure is a finite number, the cache it timed replays exactly,
     and its scratch caches are gone (no timing is asserted)."""
     import tempfile
 
     from fca.jobs.bench import run_bench
 
-    scratch = set(Path(tempfile.gettempdir()).glob("fca-bench-*"))
+    # its own temporary folder: another bench running beside this test leaves none of its scratch here
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     result = run_bench(
         demo / "featuregate",
         None,  # no corpus: the windows stored in the eval cache beside the model
@@ -1065,7 +1068,7 @@ def test_bench_measures_every_figure_it_documents(demo):
     assert set(result["capture_stages_s"]) >= {"record", "encode"}
     assert result["stats_big_cache_mb"] > result["stats_demo_cache_mb"]
     assert "capture_ratio_writer_processes" not in result  # measured on CUDA only
-    assert set(Path(tempfile.gettempdir()).glob("fca-bench-*")) == scratch
+    assert list(scratch.iterdir()) == []
 
 
 def test_an_unknown_device_is_one_line(demo, tmp_path, capsys):
