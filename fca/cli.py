@@ -341,10 +341,16 @@ def cmd_replay(args: argparse.Namespace) -> None:
     print(f"{args.cache}: {n} sequences replayed" + (f" (all it has; {asked} asked for)" if n < asked else ""))
     for sentence in exactness_sentences(record["results"]["exactness"]):
         print(sentence)
+    routing = record["results"].get("routing", {}).get("conditions", {})  # (models with top-k routers)
     for name, row in record["results"]["conditions"].items():
         lo, hi = row["penalty_ci95"]
         ci = f"[{lo:+.4f}, {hi:+.4f}]" if math.isfinite(lo) else "(no CI from one sequence)"
-        print(f"{name:40s} NLL {row['nll']:.4f}  penalty {row['penalty']:+.4f} {ci}")
+        same = ""
+        if name in routing:
+            agreement = routing[name]
+            same = f"  same experts {100 * agreement['same_experts']:.1f}%"
+            same += " (ties decided)" if agreement["tied"] >= 0.5 else ""
+        print(f"{name:40s} NLL {row['nll']:.4f}  penalty {row['penalty']:+.4f} {ci}{same}")
     if record.get("path"):
         print(f"saved {record['path']}")
 

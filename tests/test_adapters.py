@@ -606,3 +606,58 @@ def test_expert_paths_that_name_no_called_experts_module_are_refused(ids):
         expert_execution(model, ids, ("model.layers.*.mlp.expert_list",))
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp: not an experts module of the kind expert_paths"):
         expert_execution(model, ids, ("model.layers.*.mlp",))
+
+
+def test_a_replay_run_reports_how_much_routing_each_condition_keeps(moe, tmp_path):
+    """A saved run of an MoE model carries each condition's routing agreement: Correct keeps every token's
+    experts, a condition on one router leaves the other's routing alone, and a profile equal for every
+    expert is said to be decided by ties."""
+    from fca.jobs.runs import run_replay
+    from fca.tables.runs import condition_rows, list_runs
+
+    rng = np.random.default_rng(0)
+    windows = rng.integers(3, VOCAB, size=(8, T + 1))  # [N, T + 1]
+    evaluated = fca.build_cache(moe, windows[:4], tmp_path / "eval", split="eval", batch_size=2)
+    calibration = fca.build_cache(moe, windows[4:], tmp_path / "cal", split="calibration", batch_size=2)
+    first, second = (f"model.layers.{i}.mlp.gate" for i in range(2))
+    record = run_replay(
+        moe, evaluated, calibration, ["global_mean", f"token_shuffle@{first}"], num_seqs=4, batch_size=2, device="cpu"
+    )
+    routing = record["results"]["routing"]
+    assert routing["routers"] == {first: TOP_K, second: TOP_K}  # (not Qwen2-MoE's shared-expert gate)
+    conditions = routing["conditions"]
+    assert conditions["correct"]["same_experts"] == 1.0 == conditions["correct"]["expert_overlap"]
+    shuffled = conditions[f"token_shuffle@{first}"]["same_experts_per_router"]
+    assert shuffled[0] < 1.0 and shuffled[1] == 1.0
+    assert conditions["global_mean"]["tied"] == 1.0 and conditions["correct"]["tied"] == 0.0
+    rows = {r["condition"]: r for r in condition_rows(list_runs(evaluated)[0])}
+    assert rows["global_mean"]["same experts"] == conditions["global_mean"]["same_experts"]
+    assert rows["global_mean"]["tied choices"] == 1.0
+
+
+def test_routing_agreement_selects_experts_as_the_router_does():
+    from fca.engine.models.hf_moe import TopKRouting
+    from fca.engine.routing import routing_agreement, top_k_selection
+
+    own = np.array([[[3.0, 2.0, 1.0, 0.0]]], np.float32)  # [b=1, T=1, E=4]: experts 0 and 1
+    for assigned, same, kept, tied in (
+        ([0.0, 1.0, 2.0, 3.0], 0.0, 0.0, 0.0),  # experts 2 and 3
+        ([3.0, 1.0, 2.0, 0.0], 0.0, 0.5, 0.0),  # experts 0 and 2: one of two kept
+        ([2.0, 3.0, 0.0, 1.0], 1.0, 1.0, 0.0),  # the same set in another order
+        ([1.0, 1.0, 1.0, 1.0], None, None, 1.0),  # all equal: torch.topk's order decides
+    ):
+        scores = routing_agreement(own, np.array(assigned, np.float32), 2, torch.float32)
+        assert scores["tied"].tolist() == [tied]
+        if same is not None:
+            assert (scores["same_experts"].tolist(), scores["expert_overlap"].tolist()) == ([same], [kept])
+    # A bfloat16 model's router is fed its values rounded: 1.0 and 1.001 are one value there, a tie.
+    close = np.array([[[1.001, 1.0, 0.0, 0.0]]], np.float32)
+    assert routing_agreement(own, close, 1, torch.float32)["tied"].tolist() == [0.0]
+    assert routing_agreement(own, close, 1, torch.bfloat16)["tied"].tolist() == [1.0]
+    # The experts chosen are the router's own choice (TopKRouting rebuilds it in replay).
+    logits = torch.randn(5, 7, E, generator=torch.Generator().manual_seed(0))
+    router = nn.Module()
+    router.top_k = TOP_K
+    _, _, index = TopKRouting(weights_in_logit_dtype=False)(logits.reshape(-1, E), router)  # [N, k]
+    selected, _ = top_k_selection(logits, TOP_K)  # [5, 7, E]
+    assert torch.equal(selected.reshape(-1, E), torch.zeros(35, E, dtype=torch.bool).scatter_(-1, index, True))

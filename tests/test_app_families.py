@@ -104,3 +104,37 @@ def test_family_replay_from_the_lab(family_root, monkeypatch):
     assert results["conditions"]["cross_input"]["penalty"] != 0.0
     at.run()
     no_exceptions(at)
+    # The result says how much routing each condition kept, for a model with routers only.
+    result = next(d.value for d in at.dataframe if "penalty 95% CI" in d.value.columns).set_index("condition")
+    routed = (family_root / "mixtral").is_dir()
+    assert ("same experts" in result.columns) == routed == ("tied choices" in result.columns)
+    if routed:
+        assert result.loc["correct", "same experts"] == 1.0 and 0 <= result.loc["cross_input", "same experts"] < 1
+
+
+def test_the_overview_shows_how_much_routing_each_condition_kept(family_root, monkeypatch, tmp_path):
+    """An audit of a model with top-k routers: the Overview gives the report's routing table under the
+    conditions; a model without routers has none."""
+    import shutil
+
+    from fca.jobs.audit import run_audit
+    from fca.tables.report import write_report
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model_dir = next(p for p in family_root.iterdir() if p.name in ("mixtral", "mudd"))
+    for name in (model_dir.name, "eval", "calibration"):  # a folder of its own: the other tests find no report
+        shutil.copytree(family_root / name, tmp_path / name)
+    report = run_audit(
+        tmp_path / model_dir.name, tmp_path / "eval", tmp_path / "calibration", device="cpu", batch_size=3,
+        latency_runs=1, sweep=(),
+    )  # fmt: skip
+    write_report(report, tmp_path / "audit.json")
+    at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), "views/overview.py")
+    no_exceptions(at)
+    said = [m.value for m in at.markdown if m.value.startswith("**Routing.**")]
+    if model_dir.name == "mixtral":
+        cross = 100 * report["routing"]["conditions"]["cross_input"]["same_experts"]
+        assert len(said) == 1 and f"| cross_input | {cross:.1f}% |" in said[0]
+        assert "would be the same set for 16.7% of tokens and keep 50.0% of them" in said[0]
+    else:
+        assert said == [] and "routing" not in report

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -14,6 +15,8 @@ from fca.engine.models.muddpythia import (
     dense_twin_config,
 )
 from fca.tables import data
+from fca.tables.conditions import derangement
+from fca.tables.store import open_cache
 from fca.testing import write_random_checkpoint
 
 from .helpers import write_corpus
@@ -98,7 +101,7 @@ def test_muddpythia_audit(corpus_and_tokenizer):
     assert report["conditions"]["cross_input"]["penalty"] != 0.0
 
 
-def test_mixtral_audit(corpus_and_tokenizer, monkeypatch):
+def test_mixtral_audit(corpus_and_tokenizer, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     root, corpus, tokenizer = corpus_and_tokenizer
     torch.manual_seed(0)
@@ -130,3 +133,38 @@ def test_mixtral_audit(corpus_and_tokenizer, monkeypatch):
     markdown = render_markdown(report)
     assert "- Experts run per token: 2.00 of 4 routed experts per MoE layer (top-2: 50.0% of them), counted from the " \
         "dispatched indices.\n" in markdown  # fmt: skip
+    # Routing agreement, against an oracle of its own: the top-2 experts of another sequence's cached logits.
+    routing = report["routing"]
+    routers = [f"model.layers.{i}.mlp.gate" for i in range(2)]
+    assert routing["routers"] == dict.fromkeys(routers, 2)
+    cache = open_cache(root / "mixtral-eval")
+    rows = cache.read_seqs(list(range(6)))
+    partner = derangement(6, 0)
+
+    def top2(logits):  # [.., E] -> sets (random logits: no ties)
+        return np.sort(np.argsort(-logits, axis=-1)[..., :2], axis=-1)
+
+    same = [(top2(rows[s]) == top2(rows[s][partner])).all(-1).mean() for s in routers]
+    cross = routing["conditions"]["cross_input"]
+    assert cross["same_experts_per_router"] == pytest.approx(same, abs=1e-12)
+    assert cross["same_experts"] == pytest.approx(np.mean(same), abs=1e-12) and cross["tied"] == 0.0
+    assert 0 < cross["same_experts"] < cross["expert_overlap"] < 1
+    assert routing["conditions"]["correct"] == {
+        "same_experts": 1.0, "expert_overlap": 1.0, "tied": 0.0, "same_experts_per_router": [1.0, 1.0]
+    }  # fmt: skip
+    assert routing["conditions"]["global_mean"]["tied"] == 1.0  # one value for every expert: ties decide
+    assert routing["conditions"]["static_layer"]["tied"] == 0.0
+    assert set(routing["conditions"]) == set(report["conditions"]) and "routing" in report["definitions"]
+    assert "| cross_input | " + f"{100 * cross['same_experts']:.1f}% |" in markdown
+    assert "read those rows' agreement as chance" in markdown
+    # top-2 of 4 experts drawn at random: the same pair 1 time in C(4, 2) = 6, half of them kept
+    assert routing["chance"] == {"same_experts": pytest.approx(1 / 6), "expert_overlap": 0.5}
+    assert routing["experts"] == dict.fromkeys(routers, 4)
+    assert "would be the same set for 16.7% of tokens and keep 50.0% of them." in markdown
+    replay = ["replay", "--model", str(model_dir), "--cache", str(root / "mixtral-eval"), "--calibration",
+              str(root / "mixtral-calibration"), "--conditions", "global_mean", "--no-save", "--device", "cpu"]  # fmt: skip
+    capsys.readouterr()
+    assert main(replay) == 0
+    said = capsys.readouterr().out
+    assert "same experts 100.0%\n" in said and "same experts" in said.split("global_mean")[-1]
+    assert said.rstrip().endswith("(ties decided)")

@@ -261,3 +261,32 @@ def test_token_sums_too_large_to_store_are_scanned_or_left_out(tmp_path, monkeyp
     scanned, _ = cache_moments(cache, scan_for_tokens=True)  # a full scan, token-id factor included
     assert scanned.tok_sum is not None
     np.testing.assert_allclose(without.sumsq, scanned.sumsq, rtol=1e-12, atol=1e-12)
+
+
+def test_merged_shards_keep_each_shards_rows_of_routing_agreement():
+    """A sharded replay of an MoE model: each shard fills its positions of the [n, S] routing figures, and
+    the merged run has every shard's rows (zeros elsewhere would halve the agreement of a two-shard run)."""
+    from fca.engine.replay import ReplayResults
+    from fca.engine.routing import ROUTING_FIGURES
+    from fca.jobs.distributed import merge_results
+    from fca.tables.fidelity import FidelityMeasure
+
+    n, bounds = 4, [(0, 2), (2, 4)]
+    rng = np.random.default_rng(0)
+    whole = {figure: rng.uniform(size=(n, 2)) for figure in ROUTING_FIGURES}  # [n, S] of the whole run
+
+    def shard(lo: int, hi: int) -> ReplayResults:
+        routing = {figure: np.zeros((n, 2)) for figure in ROUTING_FIGURES}  # filled on the shard's rows only
+        for figure, values in routing.items():
+            values[lo:hi] = whole[figure][lo:hi]
+        zeros = np.zeros(n)
+        return ReplayResults(
+            seqs=list(range(n)), per_seq_nll={"cross_input": zeros}, conditions={}, fidelity=FidelityMeasure(),
+            live_per_seq=zeros, cache_correct_per_seq=zeros, replayed_per_seq=zeros,
+            routers={"a": 2, "b": 2}, routing={"cross_input": routing},
+        )  # fmt: skip
+
+    merged = merge_results([shard(*b) for b in bounds], bounds)
+    assert merged.routers == {"a": 2, "b": 2}
+    for figure in ROUTING_FIGURES:
+        np.testing.assert_array_equal(merged.routing["cross_input"][figure], whole[figure])

@@ -24,6 +24,7 @@ from fca.tables.report import (
     render_markdown,
     report_mismatch,
     retention_sentence,
+    routing_table,
 )
 
 CHART_CONFIG = {"displaylogo": False}
@@ -243,6 +244,8 @@ with c3:
 
 # A Markdown table, not st.dataframe: the first page then needs no data-grid bundle in the browser.
 st.markdown("\n".join(conditions_table(report)))
+if routing := routing_table(report):  # (a model with top-k routers: how much routing each condition kept)
+    st.markdown("\n".join(routing))
 if caution := few_sequences_caution(report["cache"]["sequences"]):
     st.warning(caution)
 

@@ -68,6 +68,12 @@ RESULT_COLUMNS = {
     "penalty": st.column_config.NumberColumn(format="%.4f", help="NLL minus correct's, nats/token"),
     "penalty 95% CI": st.column_config.TextColumn(help="95% paired bootstrap CI over sequences", alignment="right"),
     "gap retention": st.column_config.NumberColumn(format="percent"),
+    "same experts": st.column_config.NumberColumn(
+        format="percent", help="tokens routed to the same top-k experts as by their own coefficients"
+    ),
+    "tied choices": st.column_config.NumberColumn(
+        format="percent", help="tokens whose experts were chosen by a tie (e.g. one value for every expert)"
+    ),
 }
 
 
@@ -90,8 +96,9 @@ def result_view(result: pd.DataFrame) -> pd.DataFrame:
             "penalty 95% CI": interval("penalty 95% CI low", "penalty 95% CI high"),
         }
     )
-    if "gap retention" in result:
-        view["gap retention"] = result["gap retention"]
+    for column in ("gap retention", "same experts", "tied choices"):  # (when global_mean ran; when routed)
+        if column in result:
+            view[column] = result[column]
     return view
 
 

@@ -32,6 +32,10 @@ def no_definitions(model: nn.Module) -> dict:
     return {}
 
 
+def no_routers(model: nn.Module) -> dict[str, int]:
+    return {}
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family. Only `model_type` is required; every other field has a neutral default.
@@ -46,6 +50,9 @@ class Family:
       the model calls as `experts(hidden, top_k_index, top_k_weights)` with a `num_experts` attribute,
       as transformers' MoE layers do (a list of experts the model indexes is never called: refused).
     - `execution_note`: a sentence the execution audit carries ("" for none).
+    - `routers(model)`: the sites whose coefficients choose the experts each token runs, by top-k of a
+      softmax (as transformers' MoE routers): site name -> k. Replays then report each condition's
+      routing agreement (`fca.engine.routing`). {} (the default): no such sites.
     """
 
     model_type: str
@@ -56,3 +63,4 @@ class Family:
     coefficient_kind: str = ""
     expert_paths: tuple[str, ...] = ()
     execution_note: str = ""
+    routers: Callable[[nn.Module], dict[str, int]] = no_routers

@@ -12,6 +12,8 @@ from torch import nn
 
 from fca.engine.capture import as_input_ids, token_nll
 from fca.engine.environment import current_environment
+from fca.engine.families import family_of
+from fca.engine.routing import RoutingTally
 from fca.engine.sites import (
     capture_tensors,
     find_sites,
@@ -150,7 +152,10 @@ class ReplayResults:
     computed_on: dict | None = None  # the cache's environment
     replayed_on: dict | None = None  # this run's environment
     coefficient_dtype: str = "float32"
-    extras: dict = field(default_factory=dict)
+    # Routing agreement (`fca.engine.routing`), for models with top-k routers: router site -> k, and
+    # condition -> figure -> [n, S] per sequence and router, in `routers`' order. Empty otherwise.
+    routers: dict[str, int] = field(default_factory=dict)
+    routing: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     replayed_per_seq: np.ndarray | None = None  # [n] Correct replay of the recorded coefficients (check 1)
     exactness: dict | None = None  # `check_exactness`'s verdict, once judged (`Experiment.run` judges)
 
@@ -324,6 +329,7 @@ def run_conditions(
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     shard: tuple[int, int] | None = None,
+    routers: Mapping[str, int] | None = None,
 ) -> ReplayResults:
     """Per-sequence NLL of every condition on `seqs` (default: all) of `cache`.
 
@@ -336,6 +342,9 @@ def run_conditions(
     stored live NLL are compared with the recorded ones (check 2). Conditions are built from the cache's
     coefficients; several are stacked into one forward while the logits fit in `max_logit_bytes`.
     The controllers never run during replay. Judge the result with `check_exactness(results)`.
+
+    `routers`: site -> k of the top-k routers whose routing agreement to report (`fca.engine.routing`);
+    None: those the model's family names (`Family.routers`).
     """
     seqs = list(range(cache.num_seqs)) if seqs is None else [int(s) for s in seqs]
     names = [c.name for c in conditions]
@@ -356,6 +365,11 @@ def run_conditions(
     max_diff, batches = 0.0, 0
     lo_seq, hi_seq = _shard_bounds(shard, batch_size, len(seqs))
     starts = range(lo_seq, hi_seq, batch_size)
+    sites = find_sites(model)
+    routers = {
+        s: k for s, k in (family_of(model).routers(model) if routers is None else routers).items() if s in cache.sites
+    }
+    tally = RoutingTally(routers, names, len(seqs))
     # The next batch is read and decoded on a background thread while this one runs.
     reads = cache.prefetch([seqs[lo : lo + batch_size] for lo in starts])
     try:
@@ -384,9 +398,17 @@ def run_conditions(
             if check_exactness and not cache_is_recorded and not any(map(_is_plain_correct, conditions)):
                 to_run.append(Condition("correct"))  # the fidelity check needs Correct-from-cache even unasked
             scored: dict[Condition, np.ndarray] = {}  # condition -> [b] NLL
+            # (the dtype each router is fed: what its controller produced, else the model's)
+            dtypes = {s: sites[s]._produced_dtype or next(model.parameters()).dtype for s in routers}
+            for c in conditions if routers else ():
+                if c not in to_run:  # Correct, not replayed again: its coefficients are the tokens' own
+                    tally.add(c.name, index, coefficients, coefficients, dtypes)
             for start in range(0, len(to_run), per_pass):
                 group = to_run[start : start + per_pass]
                 parts = [condition_coefficients(c, coefficients, index, profiles, other) for c in group]
+                for c, part in zip(group, parts):
+                    if routers and c.name in tally.figures:
+                        tally.add(c.name, index, coefficients, part, dtypes)
                 stacked = stack_conditions(parts, b, T)
                 scored.update(zip(group, _replay_nll(model, ids, targets, stacked, len(group))))
             for c in conditions:
@@ -413,4 +435,6 @@ def run_conditions(
         replayed_on=replayed_on,
         coefficient_dtype=cache.coefficient_dtype,
         replayed_per_seq=replayed_nll,
+        routers=routers,
+        routing=tally.figures if routers else {},
     )

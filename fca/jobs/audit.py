@@ -22,7 +22,13 @@ from fca.tables.fidelity import FOREIGN_TOLERANCES, MECHANISM_NLL_TOLERANCE, MEC
 from fca.tables.profiles import cache_moments
 from fca.tables.report import REPORT_VERSION
 from fca.tables.runs import SWEEP_ALPHAS  # an audit's interpolation sweep, as the Replay lab's; `sweep=()` skips it
-from fca.tables.scoring import BOOTSTRAP_RESAMPLES, gap_retention, summarize_conditions
+from fca.tables.scoring import (
+    BOOTSTRAP_RESAMPLES,
+    ROUTING_DEFINITION,
+    gap_retention,
+    summarize_conditions,
+    summarize_routing,
+)
 from fca.tables.stats import variance_decomposition
 from fca.tables.store import Cache
 
@@ -124,11 +130,17 @@ def audit_experiment(
         "conditions": table,
         "gap_retention": gap_retention(table),
         **({"interpolation_sweep": _sweep_section(table, swept)} if swept else {}),
+        **(
+            {"routing": summarize_routing(results.routers, evaluated.site_specs, results.routing)}
+            if results.routers
+            else {}
+        ),
         "variance": variance,
         "execution": execution,
         "definitions": {
             **_definitions(evaluated, calibration, layout, seed, conditions, swept),
             **family_of(model).definitions(model),
+            **({"routing": ROUTING_DEFINITION} if results.routers else {}),
         },
         # The seed and training run travel inside the report: a study of committed audits needs no models.
         **({"training": experiment.training} if experiment.training else {}),

@@ -350,12 +350,11 @@ def shard_bounds(n: int, batch_size: int, shards: int) -> list[tuple[int, int]]:
 def merge_results(shards: Sequence[ReplayResults], bounds: Sequence[tuple[int, int]]) -> ReplayResults:
     """Shard results (each full-length, filled on its bounds) -> the results of one run over all positions."""
     first = shards[0]
-    n = len(first.seqs)
     if any(r.replayed_on != first.replayed_on for r in shards):
         raise CacheError("replay workers ran in different environments; run them on identical devices")
 
-    def joined(get) -> np.ndarray:
-        out = np.zeros(n)
+    def joined(get) -> np.ndarray:  # [n, ...] rows of each shard's positions
+        out = np.zeros_like(get(first), dtype=np.float64)
         for r, (lo, hi) in zip(shards, bounds):
             out[lo:hi] = get(r)[lo:hi]
         return out
@@ -380,6 +379,11 @@ def merge_results(shards: Sequence[ReplayResults], bounds: Sequence[tuple[int, i
         replayed_on=first.replayed_on,
         coefficient_dtype=first.coefficient_dtype,
         replayed_per_seq=replayed,
+        routers=first.routers,
+        routing={
+            name: {figure: joined(lambda r: r.routing[name][figure]) for figure in figures}
+            for name, figures in first.routing.items()
+        },
     )
 
 

@@ -13,7 +13,7 @@ import torch
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource, check_condition_sites
 from fca.tables.conditions import Condition, as_conditions
 from fca.tables.runs import check_runs_writable, save_run
-from fca.tables.scoring import summarize_conditions
+from fca.tables.scoring import summarize_conditions, summarize_routing
 
 
 def run_replay(
@@ -74,6 +74,11 @@ def run_replay(
             "exactness": results.exactness,
             "conditions": summarize_conditions(results.per_seq_nll, seed),
             "per_sequence_nll": {k: v.tolist() for k, v in results.per_seq_nll.items()},
+            **(
+                {"routing": summarize_routing(results.routers, experiment.evaluated.site_specs, results.routing)}
+                if results.routers
+                else {}
+            ),
         },
         # Milliseconds, because runs are listed newest first by this stamp and a run can take under a second.
         "created": datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),

@@ -124,6 +124,43 @@ def conditions_table(report: dict) -> list[str]:
     return lines
 
 
+def routing_table(report: dict) -> list[str]:
+    """Markdown lines for a report's (or saved run's results') `routing` section: the experts each condition
+    routes tokens to, against their own; [] when the model has no top-k routers."""
+    routing = report.get("routing")
+    if not routing:
+        return []
+    ks = sorted(set(routing["routers"].values()))
+    chance = routing.get("chance")
+    lines = [
+        "",
+        f"**Routing.** Which experts run under each condition: the top-{'/'.join(map(str, ks))} experts of the "
+        f"coefficients fed to each of the {len(routing['routers'])} routers, against those of the token's own "
+        "coefficients. A penalty says what a condition costs; this says how much routing it changed."
+        + (
+            f" Experts drawn at random would be the same set for {100 * chance['same_experts']:.1f}% of tokens and "
+            f"keep {100 * chance['expert_overlap']:.1f}% of them."
+            if chance
+            else ""
+        ),
+        "",
+        "| condition | same experts (share of tokens) | experts kept (mean share) | choice decided by a tie |",
+        "|---|---|---|---|",
+    ]
+    for name, row in routing["conditions"].items():
+        lines.append(
+            f"| {name} | {100 * row['same_experts']:.1f}% | {100 * row['expert_overlap']:.1f}% | "
+            f"{100 * row['tied']:.1f}% |"
+        )
+    if any(row["tied"] >= 0.5 for row in routing["conditions"].values()):
+        lines += [
+            "",
+            "Where most choices were ties (a profile equal for every expert), which experts ran was decided by "
+            "the order torch.topk breaks ties in, not by the coefficients: read those rows' agreement as chance.",
+        ]
+    return lines
+
+
 # Below this many evaluated sequences a percentile bootstrap over sequences has few distinct resamples
 # (3 sequences: 10 distinct means), so its intervals, and whether a gap retention is defined, are rough.
 FEW_SEQUENCES = 20
@@ -254,6 +291,7 @@ def render_markdown(report: dict) -> str:
     ]
     caution = few_sequences_caution(report["cache"]["sequences"])
     lines += ["", f"> {caution}"] if caution else []
+    lines += routing_table(report)
     lines += dependence_story_markdown(report)
     lines += [
         "",

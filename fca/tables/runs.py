@@ -172,11 +172,13 @@ def _bound(value: float | None) -> float:
 def condition_rows(record: dict) -> list[dict]:
     """One row per condition of a run, in plain words: mean NLL with the 95% bootstrap CI of the mean over
     sequences, the penalty vs correct with its 95% paired bootstrap CI (the same resampling as the
-    audit's, `fca.tables.scoring`), and, when global_mean ran, each condition's gap retention. A bound
+    audit's, `fca.tables.scoring`), when global_mean ran each condition's gap retention, and for a model
+    with top-k routers its routing agreement (`fca.tables.scoring.summarize_routing`). A bound
     that one sequence cannot give is NaN, never a zero-width interval."""
     per_seq = record["results"].get("per_sequence_nll", {})
     seed = int(record.get("spec", {}).get("seed", 0))
     retention = gap_retention(record["results"]["conditions"])  # {} unless global_mean ran
+    routing = (record["results"].get("routing") or {}).get("conditions", {})  # {} unless the model routes
     rows = []
     for name, row in record["results"]["conditions"].items():
         values = np.asarray(per_seq.get(name, []), dtype=np.float64)
@@ -191,6 +193,15 @@ def condition_rows(record: dict) -> list[dict]:
                 "penalty 95% CI low": _bound(row["penalty_ci95"][0]),
                 "penalty 95% CI high": _bound(row["penalty_ci95"][1]),
                 **({"gap retention": retention.get(name)} if retention else {}),
+                **(
+                    {
+                        "same experts": routing[name]["same_experts"],
+                        "experts kept": routing[name]["expert_overlap"],
+                        "tied choices": routing[name]["tied"],
+                    }
+                    if name in routing
+                    else {}
+                ),
             }
         )
     return rows

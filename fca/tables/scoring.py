@@ -3,10 +3,12 @@ Pure functions over arrays and dicts, shared by the audit, saved replay runs and
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
 
+from fca.tables.spec import SiteSpec
 from fca.tables.stats import paired_bootstrap_ci
 
 BOOTSTRAP_RESAMPLES = 2000
@@ -45,3 +47,36 @@ def gap_retention(table: dict) -> dict:
             continue
         out[name] = (table["global_mean"]["nll"] - row["nll"]) / gap if clearly_positive else None
     return out
+
+
+# What the routing figures are, for the report's definitions.
+ROUTING_DEFINITION = (
+    "per MoE layer, the top-k experts of the router coefficients a condition feeds it (float32 softmax, "
+    "top-k, as the router), compared with those of the token's own cached coefficients: same_experts, the "
+    "share of tokens (over tokens and routers) whose k experts are the same set; expert_overlap, the mean "
+    "share of the k experts kept; tied, the share whose choice was decided by a tie (e.g. a profile equal "
+    "for every expert), broken as torch.topk breaks ties on the CPU"
+)
+
+
+def summarize_routing(
+    routers: Mapping[str, int], specs: Mapping[str, SiteSpec], per_seq: Mapping[str, Mapping[str, np.ndarray]]
+) -> dict:
+    """The report's `routing` section from a run's routing agreement (`fca.engine.routing`): the routers'
+    experts per token, per condition each figure's mean over sequences and routers with `same_experts`
+    per router (in the routers' order, for a by-layer view), and the `chance` levels of k experts drawn
+    at random: the same set with probability 1 / C(E, k), k/E of them kept on average.
+
+    routers: site -> k; specs: the cache's sites (a router's channels are its E experts); per_seq: condition -> figure -> [n, S] per sequence and router
+    (every sequence has T tokens, so the mean over sequences is the mean over tokens)."""
+    conditions = {}
+    for name, figures in per_seq.items():
+        row = {figure: float(values.mean()) for figure, values in figures.items()}
+        row["same_experts_per_router"] = figures["same_experts"].mean(0).tolist()
+        conditions[name] = row
+    experts = {s: specs[s].num_channels for s in routers}
+    chance = {
+        "same_experts": float(np.mean([1 / math.comb(experts[s], k) for s, k in routers.items()])),
+        "expert_overlap": float(np.mean([k / experts[s] for s, k in routers.items()])),
+    }
+    return {"routers": dict(routers), "experts": experts, "chance": chance, "conditions": conditions}

@@ -34,7 +34,7 @@ from torch import nn
 from fca.engine.adapters import SiteDeclaration, attach_sites, match_modules
 from fca.engine.checkpoints import read_config
 from fca.engine.family import Family
-from fca.engine.sites import as_input_ids
+from fca.engine.sites import as_input_ids, find_sites
 from fca.tables.errors import ModelLoadError
 
 ROUTER_FAMILY = "router"
@@ -257,6 +257,15 @@ def expert_execution(
     }
 
 
+def moe_routers(model: nn.Module) -> dict[str, int]:
+    """The router sites of an adapted MoE model -> the experts each token runs (the router's top_k)."""
+    return {
+        name: int(site.controller.top_k)
+        for name, site in find_sites(model).items()
+        if site.spec.family == ROUTER_FAMILY
+    }
+
+
 FAMILIES = tuple(  # no Dense twin: a dense model of the same sizes is another model
     Family(
         model_type,
@@ -265,6 +274,7 @@ FAMILIES = tuple(  # no Dense twin: a dense model of the same sizes is another m
         coefficient_kind="router logits",
         expert_paths=(EXPERTS_PATH,),
         execution_note=EXECUTION_NOTE,
+        routers=moe_routers,
     )
     for model_type in MOE_MODEL_TYPES
 )
