@@ -255,9 +255,10 @@ def test_windows_beyond_the_models_vocabulary_are_refused_before_anything_is_wri
     windows[1, 3] = 5000
     with pytest.raises(ValueError, match=r"token ids from 5 to 5000, but FeatureGateModel embeds ids in \[0, 2048\)"):
         fca.build_cache(model, windows, tmp_path / "c", split="eval")
-    windows[1, 3] = 2048  # the first id past the embedding's last row
+    one_past = windows.copy()
+    one_past[1, 3] = 2048  # the first id past the embedding's last row
     with pytest.raises(ValueError, match=r"token ids from 5 to 2048, but FeatureGateModel embeds ids in \[0, 2048\)"):
-        fca.build_cache(model, windows, tmp_path / "c", split="eval")
+        fca.build_cache(model, one_past, tmp_path / "c", split="eval")
     # A model that names no embedding nor vocabulary is held to the width of its logits.
     adapted = TinyGatedLM().eval()
     fca.attach_sites(adapted, [SiteDeclaration("blocks.*.gate", (("group", 4),), "gate")], blocks="blocks", output=0)
