@@ -366,6 +366,9 @@ def retention_sentence(report: dict) -> str:
     paper's, from a report's `conditions` and `gap_retention`; says why when it is undefined."""
     lo, hi = (f"{100 * x:.1f}" for x in PAPER_STATIC_RETENTION)
     paper = f"the paper's gated models kept {lo}-{hi}%"
+    model_type = (report.get("model") or {}).get("model_type")
+    if model_type is not None and model_type != "featuregate":  # (a mixture of experts read it as its own yardstick)
+        paper += " (gated Transformers: a point of reference, not a result for this architecture)"
     conditions = report.get("conditions") or {}
     if not all(k in conditions for k in ("correct", "global_mean", "static_layer")):
         return "This report lacks the correct, static_layer or global_mean condition, so retention is not defined."
