@@ -10,6 +10,7 @@ charts before pandas is imported (see app/views/overview.py).
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -749,6 +750,51 @@ def sweep_curve(sweep: list[dict], conditions: dict | None = None) -> go.Figure:
     return _story_layout(
         fig, "Interpolation sweep: from the static profile to each token's own coefficients", height=380
     )
+
+
+def routing_by_router(routing: dict, leave_out: Sequence[str] = ()) -> go.Figure:
+    """Share of tokens kept on their own top-k experts, per router in execution order, one line per
+    condition (Correct, always 100%, and `leave_out` left out), with a dashed line at chance. routing: a
+    report's or saved run's `routing` section (`fca.tables.scoring.summarize_routing`)."""
+    routers = list(routing["routers"])
+    short = [_router_label(name) for name in routers]
+    fig = go.Figure()
+    for name, row in routing["conditions"].items():
+        if name == "correct" or name in leave_out:
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=short,
+                y=row["same_experts_per_router"],
+                mode="lines+markers",
+                name=name + (" (ties decided)" if row["tied"] >= 0.5 else ""),
+                line=dict(dash="dot") if row["tied"] >= 0.5 else None,
+                customdata=routers,
+                hovertemplate=f"{name}<br>%{{customdata}}: %{{y:.1%}} of tokens on the same experts<extra></extra>",
+            )
+        )
+    chance = (routing.get("chance") or {}).get("same_experts")
+    if chance is not None:
+        fig.add_hline(
+            y=chance,
+            line_dash="dash",
+            line_color="#888",
+            annotation_text="experts drawn at random",
+            annotation_position="bottom left",
+        )
+    fig.update_xaxes(title="router (execution order)")
+    fig.update_yaxes(title="tokens on the same experts (share)", range=[0, 1.05], tickformat=".0%")
+    # The legend below the plot: a row above it (legend_row) held two or three conditions and wrapped onto
+    # the title.
+    legend = dict(orientation="h", x=0, xanchor="left", y=-0.3, yanchor="top")
+    return _layout(fig, "Routing kept, router by router", height=460, legend=legend, margin=dict(l=60, r=20, b=140))
+
+
+def _router_label(site: str) -> str:
+    """A router's name as an axis label: its layer number where the name has one ("model.layers.3.mlp.gate"
+    -> "layer 3"), else the name itself."""
+    numbers = [part for part in site.split(".") if part.isdigit()]
+    return f"layer {numbers[0]}" if len(numbers) == 1 else site
 
 
 # Token text: HTML, not a plotly chart, so that the text reads as text (every token legible, in order).

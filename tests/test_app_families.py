@@ -3,6 +3,7 @@ a replay from the lab runs on them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -136,5 +137,12 @@ def test_the_overview_shows_how_much_routing_each_condition_kept(family_root, mo
         cross = 100 * report["routing"]["conditions"]["cross_input"]["same_experts"]
         assert len(said) == 1 and f"| cross_input | {cross:.1f}% |" in said[0]
         assert "would be the same set for 16.7% of tokens and keep 50.0% of them" in said[0]
+        figure = next(c for c in at.get("plotly_chart") if "Routing kept" in c.proto.spec)
+        spec = json.loads(figure.proto.spec)
+        lines = {t["name"]: t for t in spec["data"]}
+        assert lines["cross_input"]["x"] == ["layer 0", "layer 1"] and "correct" not in lines
+        cross = report["routing"]["conditions"]["cross_input"]["same_experts_per_router"]
+        assert lines["cross_input"]["y"] == pytest.approx(cross)
+        assert "global_mean (ties decided)" in lines
     else:
         assert said == [] and "routing" not in report

@@ -246,6 +246,8 @@ with c3:
 st.markdown("\n".join(conditions_table(report)))
 if routing := routing_table(report):  # (a model with top-k routers: how much routing each condition kept)
     st.markdown("\n".join(routing))
+    swept = [row["condition"] for row in report.get("interpolation_sweep") or [] if "condition" in row]
+    chart(figures.routing_by_router(report["routing"], leave_out=swept), "overview_routing")  # (sweep: its table)
 if caution := few_sequences_caution(report["cache"]["sequences"]):
     st.warning(caution)
 

@@ -414,6 +414,8 @@ if job is not None and not job.running:
             right.plotly_chart(figures.penalty_bars(others), key="lab_penalty")
         else:
             right.info("Only correct ran: there is no penalty to draw. Choose a condition above to compare with it.")
+        if record["results"].get("routing"):  # (a model with top-k routers)
+            st.plotly_chart(figures.routing_by_router(record["results"]["routing"]), key="lab_routing")
         sweep = sweep_points(record["results"]["conditions"])
         if len(sweep) >= 2:  # a curve, drawn like the report's, with the run's reference lines
             st.plotly_chart(figures.sweep_curve(sweep, record["results"]["conditions"]), key="lab_sweep_chart")
