@@ -633,6 +633,33 @@ def test_a_replay_run_reports_how_much_routing_each_condition_keeps(moe, tmp_pat
     rows = {r["condition"]: r for r in condition_rows(list_runs(evaluated)[0])}
     assert rows["global_mean"]["same experts"] == conditions["global_mean"]["same_experts"]
     assert rows["global_mean"]["tied choices"] == 1.0
+    # Even where ties decide, the figures are those of the experts the replay really dispatched to: read
+    # from the experts modules' inputs, live and under global_mean, batch by batch as the run replayed.
+    from fca.tables.conditions import Condition, condition_coefficients
+    from fca.tables.profiles import calibration_profiles
+    from fca.tables.store import open_cache
+
+    cache, profiles = open_cache(evaluated), calibration_profiles(open_cache(calibration))
+    dispatched: dict[int, torch.Tensor] = {}
+
+    def record(layer, module, args, kwargs):
+        dispatched[layer] = (args[1] if len(args) > 1 else kwargs["top_k_index"]).sort(-1).values  # [N, k]
+
+    experts = [moe.get_submodule(f"model.layers.{i}.mlp.experts") for i in range(2)]
+    hooks = [m.register_forward_pre_hook(lambda m, a, kw, i=i: record(i, m, a, kw), with_kwargs=True) for i, m in enumerate(experts)]  # fmt: skip
+    same = np.zeros(2)
+    try:
+        for batch in ([0, 1], [2, 3]):
+            own = cache.read_seqs(batch)
+            moe(torch.from_numpy(own["token"]).long())
+            live = dict(dispatched)
+            fed = condition_coefficients(Condition("global_mean"), {s: own[s] for s in cache.sites}, batch, profiles)
+            fca.replay(moe, own["token"], fed)
+            same += [(live[i] == dispatched[i]).all(-1).sum().item() for i in range(2)]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert conditions["global_mean"]["same_experts_per_router"] == pytest.approx(same / (4 * T), abs=1e-12)
 
 
 def test_routing_agreement_selects_experts_as_the_router_does():

@@ -111,6 +111,14 @@ def replay(
     from that very memory, asynchronously, as any non-blocking copy: refill such a buffer only after the
     logits are used (or the device synchronized).
     """
+    return _replay_staged(model, input_ids, coefficients, only)[0]
+
+
+def _replay_staged(
+    model: nn.Module, input_ids, coefficients: Mapping[str, object], only: set[str] | None = None
+) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
+    """`replay`, also returning the coefficients as the replayed sites were fed them: site -> the tensor
+    on the model's device (before each site's cast to its dtype)."""
     ids = as_input_ids(input_ids, model)
     if not isinstance(coefficients, Mapping):
         raise ValueError(f"coefficients must map site names to arrays, not {type(coefficients).__name__}")
@@ -127,7 +135,7 @@ def replay(
         unknown = sorted(set(coefficients) - set(sites) - set(KEY_COLUMNS))
         if unknown:
             raise KeyError(f"coefficients given for site(s) {unknown} that the model lacks; its sites: {sites}")
-        return model_logits(model(ids), model)
+        return model_logits(model(ids), model), staged.moved
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,11 +316,14 @@ def _shard_bounds(shard: tuple[int, int] | None, batch_size: int, n: int) -> tup
     return lo, hi
 
 
-def _replay_nll(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, stacked: dict, g: int) -> np.ndarray:
+def _replay_nll(
+    model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, stacked: dict, g: int
+) -> tuple[np.ndarray, Mapping[str, torch.Tensor]]:
     """Per-sequence NLL of one replay of `g` conditions stacked along the batch: ids and targets [b, T],
-    each site's coefficients [g * b, T, K] condition-major; returns [g, b]."""
-    logits = replay(model, ids.repeat(g, 1), stacked)  # [g * b, T, V]
-    return _nll_per_seq(logits, targets.repeat(g, 1)).cpu().numpy().reshape(g, ids.shape[0])
+    each site's coefficients [g * b, T, K] condition-major; returns [g, b], and what the sites were fed
+    (site -> [g * b, T, K] on the model's device)."""
+    logits, fed = _replay_staged(model, ids.repeat(g, 1), stacked)  # [g * b, T, V]
+    return _nll_per_seq(logits, targets.repeat(g, 1)).cpu().numpy().reshape(g, ids.shape[0]), fed
 
 
 @torch.no_grad()
@@ -366,6 +377,7 @@ def run_conditions(
     lo_seq, hi_seq = _shard_bounds(shard, batch_size, len(seqs))
     starts = range(lo_seq, hi_seq, batch_size)
     sites = find_sites(model)
+    model_dtype = next(model.parameters()).dtype
     routers = {
         s: k for s, k in (family_of(model).routers(model) if routers is None else routers).items() if s in cache.sites
     }
@@ -398,19 +410,20 @@ def run_conditions(
             if check_exactness and not cache_is_recorded and not any(map(_is_plain_correct, conditions)):
                 to_run.append(Condition("correct"))  # the fidelity check needs Correct-from-cache even unasked
             scored: dict[Condition, np.ndarray] = {}  # condition -> [b] NLL
-            # (the dtype each router is fed: what its controller produced, else the model's)
-            dtypes = {s: sites[s]._produced_dtype or next(model.parameters()).dtype for s in routers}
-            for c in conditions if routers else ():
-                if c not in to_run:  # Correct, not replayed again: its coefficients are the tokens' own
-                    tally.add(c.name, index, coefficients, coefficients, dtypes)
+            if routers:  # routing agreement: against the experts of the tokens' own coefficients
+                dtypes = {s: sites[s]._produced_dtype or model_dtype for s in routers}  # (as `Site.replayed`)
+                tally.start_batch(index, {s: _host_tensor(coefficients[s]).to(device) for s in routers}, dtypes)
+                for c in conditions:
+                    if c not in to_run:  # Correct, not replayed again: fed the tokens' own coefficients
+                        tally.add_own(c.name)
             for start in range(0, len(to_run), per_pass):
                 group = to_run[start : start + per_pass]
                 parts = [condition_coefficients(c, coefficients, index, profiles, other) for c in group]
-                for c, part in zip(group, parts):
-                    if routers and c.name in tally.figures:
-                        tally.add(c.name, index, coefficients, part, dtypes)
                 stacked = stack_conditions(parts, b, T)
-                scored.update(zip(group, _replay_nll(model, ids, targets, stacked, len(group))))
+                nll, fed = _replay_nll(model, ids, targets, stacked, len(group))
+                scored.update(zip(group, nll))
+                if routers:  # (the check's own Correct, when not asked for, is not reported)
+                    tally.add_fed([c.name if c in conditions else None for c in group], fed)
             for c in conditions:
                 per_seq[c.name][index] = replayed_nll[index] if c not in scored else scored[c]
             if check_exactness and not cache_is_recorded:
@@ -436,5 +449,5 @@ def run_conditions(
         coefficient_dtype=cache.coefficient_dtype,
         replayed_per_seq=replayed_nll,
         routers=routers,
-        routing=tally.figures if routers else {},
+        routing=tally.figures() if routers else {},
     )

@@ -5,16 +5,16 @@ does not say how much routing changed. Under replay the router is removed, and e
 top-k experts of the coefficients it is fed, so which experts run under a condition follows from its
 coefficients alone: compared with the experts the token's own (cached) coefficients select.
 
-Selection mirrors the routers' (`fca.engine.models.hf_moe.TopKRouting`): the coefficients cast to the
-dtype the site is fed in, a float32 softmax, `torch.topk`. A condition that gives every expert the same
-value (a global mean) leaves the choice to `torch.topk`'s tie-breaking; such tokens are counted as tied,
-so an agreement decided by ties is not read as the router's. Ties are broken as on the CPU; another
-device may break them otherwise (untied choices are the same everywhere).
+Selection repeats the routers' (`fca.engine.models.hf_moe.TopKRouting`) on the very tensors the replay
+fed them, on the replay's device: the coefficients cast to the dtype the site is fed in, a float32
+softmax over the tokens flattened to [N, E], `torch.topk`. A condition that gives every expert the same
+value (a global mean) leaves the choice to `torch.topk`'s tie-breaking; such tokens are counted as
+tied, so an agreement decided by ties is not read as the router's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -24,14 +24,27 @@ ROUTING_FIGURES = ("same_experts", "expert_overlap", "tied")
 
 
 def top_k_selection(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router coefficients [b, T, E] -> the experts selected, as a mask [b, T, E], and whether the k-th
-    choice was tied with the next one [b, T] (then `torch.topk`'s order, not the values, decided)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [b, T, E]
-    E = probs.shape[-1]
-    values, index = torch.topk(probs, min(k + 1, E), dim=-1)  # [b, T, k + 1]
-    selected = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, index[..., :k], True)
-    tied = values[..., k - 1] == values[..., k] if k < E else torch.zeros(probs.shape[:-1], dtype=torch.bool)
-    return selected, tied
+    """Router coefficients [..., E] -> the experts selected, as a mask [..., E], and whether the k-th choice
+    was tied with the next one [...] (then `torch.topk`'s order, not the values, decided). Computed on
+    the tokens flattened to [N, E], as the routers see them."""
+    E = logits.shape[-1]
+    probs = torch.softmax(logits.reshape(-1, E), dim=-1, dtype=torch.float32)  # [N, E]
+    values, index = torch.topk(probs, k, dim=-1)  # [N, k]: the router's own call, so its own tie-breaking
+    selected = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, index, True)
+    best_left_out = probs.masked_fill(selected, float("-inf")).amax(-1)  # [N] (-inf when k = E: no tie)
+    tied = best_left_out == values[:, -1]
+    return selected.reshape(logits.shape), tied.reshape(logits.shape[:-1])
+
+
+def _agreement(live: torch.Tensor, chosen: torch.Tensor, tied: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """Masks of the experts selected [b, T, E] live and under a condition, and the condition's ties [b, T]
+    -> the per-sequence figures [b] (float64)."""
+    kept = (live & chosen).sum(-1)  # [b, T] experts in both selections
+    return {
+        "same_experts": (kept == k).double().mean(1),
+        "expert_overlap": (kept.double() / k).mean(1),
+        "tied": tied.double().mean(1),
+    }
 
 
 def routing_agreement(own: np.ndarray, assigned: np.ndarray, k: int, dtype: torch.dtype) -> dict[str, np.ndarray]:
@@ -46,37 +59,56 @@ def routing_agreement(own: np.ndarray, assigned: np.ndarray, k: int, dtype: torc
     given = torch.from_numpy(np.array(assigned, dtype=np.float32)).to(dtype).expand(own_t.shape)
     live, _ = top_k_selection(own_t, k)
     chosen, tied = top_k_selection(given, k)
-    kept = (live & chosen).sum(-1)  # [b, T] experts in both selections
-    return {
-        "same_experts": (kept == k).double().mean(1).numpy(),
-        "expert_overlap": (kept.double() / k).mean(1).numpy(),
-        "tied": tied.double().mean(1).numpy(),
-    }
+    return {figure: values.numpy() for figure, values in _agreement(live, chosen, tied, k).items()}
 
 
 class RoutingTally:
-    """Routing agreement of each condition of a run, per sequence and router site, filled batch by batch.
+    """Routing agreement of each condition of a run, per sequence and router, batch by batch, computed on
+    the device the replay ran on from the very tensors fed to the routers (so ties fall as they fell there).
 
     routers: site -> experts chosen per token (the family's `routers`); names: the run's conditions; n: its
-    sequences. `figures[condition][figure]` is [n, S], S the routers in `routers`' order."""
+    sequences. `figures()`: condition -> figure -> [n, S], S the routers in `routers`' order."""
 
-    def __init__(self, routers: Mapping[str, int], names, n: int) -> None:
-        self.routers = dict(routers)
-        self.figures = {
-            name: {figure: np.zeros((n, len(self.routers))) for figure in ROUTING_FIGURES} for name in names
+    def __init__(self, routers: Mapping[str, int], names: Sequence[str], n: int) -> None:
+        self.routers, self.names, self.n = dict(routers), list(names), n
+        self._pending: list[tuple[str, list[int], dict[str, torch.Tensor]]] = []  # (condition, rows, figures)
+        self._own: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._index: list[int] = []
+        self._dtypes: Mapping[str, torch.dtype] = {}
+
+    def start_batch(self, index: list[int], own: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype]):
+        """The batch at positions `index`: own, site -> its cached coefficients [b, T, E] on the replay's
+        device; dtypes, site -> the dtype replay feeds it."""
+        self._index, self._dtypes = index, dtypes
+        self._own = {site: top_k_selection(own[site].to(dtypes[site]), k) for site, k in self.routers.items()}
+
+    def add_own(self, name: str) -> None:
+        """Condition `name` fed the tokens' own coefficients (Correct, not replayed again)."""
+        self._add(name, {site: (live, live, tied) for site, (live, tied) in self._own.items()})
+
+    def add_fed(self, names: Sequence[str | None], fed: Mapping[str, torch.Tensor]) -> None:
+        """Conditions replayed in one forward: fed, site -> [g * b, T, E] the coefficients the routers were
+        fed, condition-major; names: the g conditions (None for one not reported)."""
+        b = len(self._index)
+        chosen = {
+            site: top_k_selection(fed[site].to(self._dtypes[site]).unflatten(0, (len(names), b)), k)
+            for site, k in self.routers.items()
+        }  # site -> ([g, b, T, E], [g, b, T])
+        for i, name in enumerate(names):
+            if name is not None:
+                self._add(name, {s: (self._own[s][0], sel[i], ties[i]) for s, (sel, ties) in chosen.items()})
+
+    def _add(self, name: str, selections: Mapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        per_router = [_agreement(*selections[site], k) for site, k in self.routers.items()]
+        figures = {figure: torch.stack([r[figure] for r in per_router], dim=1) for figure in ROUTING_FIGURES}
+        self._pending.append((name, self._index, figures))  # [b, S] each, still on the device
+
+    def figures(self) -> dict[str, dict[str, np.ndarray]]:
+        """condition -> figure -> [n, S] (zero at positions not scored: another shard's)."""
+        out = {
+            name: {figure: np.zeros((self.n, len(self.routers))) for figure in ROUTING_FIGURES} for name in self.names
         }
-
-    def add(
-        self,
-        name: str,
-        index: list[int],
-        own: Mapping[str, np.ndarray],
-        assigned: Mapping[str, np.ndarray],
-        dtypes: Mapping[str, torch.dtype],
-    ) -> None:
-        """Score condition `name` on the sequences at positions `index`. own, assigned: site -> [b, T, E];
-        dtypes: site -> the dtype replay feeds it."""
-        for column, (site, k) in enumerate(self.routers.items()):
-            scores = routing_agreement(own[site], assigned[site], k, dtypes[site])
-            for figure, values in scores.items():
-                self.figures[name][figure][index, column] = values
+        for name, index, figures in self._pending:  # (one copy to the host per entry, after the run)
+            for figure, values in figures.items():
+                out[name][figure][index] = values.cpu().numpy()
+        return out

@@ -55,7 +55,7 @@ ROUTING_DEFINITION = (
     "top-k, as the router), compared with those of the token's own cached coefficients: same_experts, the "
     "share of tokens (over tokens and routers) whose k experts are the same set; expert_overlap, the mean "
     "share of the k experts kept; tied, the share whose choice was decided by a tie (e.g. a profile equal "
-    "for every expert), broken as torch.topk breaks ties on the CPU"
+    "for every expert); selection is recomputed on the replay's device from the tensors the routers were fed"
 )
 
 
