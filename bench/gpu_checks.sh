@@ -13,7 +13,8 @@
 #
 # exactness  the shipped CPU-built demo audited on CUDA (accepted, fidelity reported); caches built and
 #            audited on CUDA (bit-identical), and built again with writer processes (the same parts); the drift between this machine's CPU and its GPU, float32
-#            and bfloat16, both ways, and on other batches than the build's (fca.tables.fidelity's tolerances)
+#            and bfloat16, both ways, and on other batches than the build's (fca.tables.fidelity's tolerances);
+#            a small Mixtral's routing agreement against a NumPy count (bench/moe_routing_check.py)
 # study      a larger configuration trained for three seeds, each with its Dense twin, cached and audited
 # demo-seeds seeds 1 and 2 of the demo configuration trained on CUDA, as the shipped demo study's were (their
 #            caches and audits are made on a CPU afterwards, like the shipped demo's)
@@ -134,6 +135,11 @@ print('a 40 MB shared block was page-locked and filled by a non-blocking copy')"
   drift cuda-other-batches-fp32 --model $m --cache "$work/cuda/eval" --device $gpu --batch 6
   drift cuda-other-batches-bf16 --model $m --cache "$work/cuda-bf16/eval" --device $gpu --dtype bfloat16 --batch 6
   drift demo-on-cuda-other-batches --model $m --cache $demo/eval --device $gpu --batch 6
+  # A mixture of experts replayed here: its routing agreement against a NumPy count of the experts chosen.
+  for dtype in float32 bfloat16; do
+    step "moe routing on $gpu, $dtype" 180 python -m bench.moe_routing_check --device $gpu --dtype $dtype \
+      --json "$work/moe-$dtype.json" && record "moe routing agreement, $dtype" "$work/moe-$dtype.json"
+  done
 }
 
 section_demo_seeds() {

@@ -688,3 +688,15 @@ def test_routing_agreement_selects_experts_as_the_router_does():
     _, _, index = TopKRouting(weights_in_logit_dtype=False)(logits.reshape(-1, E), router)  # [N, k]
     selected, _ = top_k_selection(logits, TOP_K)  # [5, 7, E]
     assert torch.equal(selected.reshape(-1, E), torch.zeros(35, E, dtype=torch.bool).scatter_(-1, index, True))
+
+
+def test_the_gpu_checks_routing_step_holds_on_the_cpu(monkeypatch):
+    """bench.moe_routing_check, which bench/gpu_checks.sh runs on CUDA, passes here in both dtypes: the
+    figures equal its NumPy count (within the tied share in bfloat16, where NumPy breaks ties otherwise)."""
+    from bench.moe_routing_check import check
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for dtype in ("float32", "bfloat16"):
+        result = check("cpu", dtype)
+        assert result["failures"] == [] and result["max_abs_logit_diff"] == 0.0, dtype
+        assert result["conditions"]["global_mean"]["tied"] == 1.0

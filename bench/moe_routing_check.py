@@ -1,0 +1,133 @@
+"""Routing agreement of a mixture of experts on a device: the figures replay reports there, against the
+experts each condition's logits select, computed apart from the library in NumPy.
+
+    python -m bench.moe_routing_check --device cuda [--dtype bfloat16] [--json PATH]
+
+A small random Mixtral (8 experts, top-2) is cached and replayed on the device: Correct must be exact,
+and for conditions of distinct logits (cross_input, token_shuffle, interpolate:0.5) `same_experts` and
+`expert_overlap` must equal the NumPy count (router by router where no choice was tied; in bfloat16 a
+few are, and NumPy breaks ties otherwise than torch.topk: the counts may differ by the tied share);
+global_mean must be reported as decided by ties. Exits 1 when a figure differs; prints the figures either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import fca
+from bench.output import emit
+from fca.jobs.runs import run_replay
+from fca.tables.conditions import condition_coefficients, derangement, parse_condition
+from fca.tables.profiles import calibration_profiles
+from fca.tables.store import open_cache
+
+UNTIED = ("cross_input", "token_shuffle", "interpolate:0.5")
+EXPERTS, TOP_K, SEQS, SEQ_LEN, BATCH = 8, 2, 16, 64, 4
+
+
+def tiny_mixtral(device: str, dtype: torch.dtype) -> torch.nn.Module:
+    import transformers
+
+    from fca.engine.models.hf_moe import adapt_moe
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, max_position_embeddings=128,
+    )  # fmt: skip
+    return adapt_moe(transformers.AutoModelForCausalLM.from_config(config).eval()).to(device=device, dtype=dtype)
+
+
+def numpy_agreement(own: np.ndarray, fed: np.ndarray, k: int) -> tuple[float, float]:
+    """own, fed: [n, T, E] logits -> (share of tokens with the same top-k set, mean share of the k kept)."""
+    top = lambda x: np.sort(np.argsort(-x, axis=-1, kind="stable")[..., :k], axis=-1)  # noqa: E731
+    a, b = top(own), top(np.broadcast_to(fed, own.shape))
+    kept = (a[..., :, None] == b[..., None, :]).any(-1).sum(-1)  # [n, T]
+    return float((kept == k).mean()), float((kept / k).mean())
+
+
+def as_fed(values: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """Coefficients as a router of that dtype is fed them, as float32."""
+    return torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype).float().numpy()
+
+
+def check(device: str, dtype: str) -> dict:
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    model = tiny_mixtral(device, torch_dtype)
+    rng = np.random.default_rng(0)
+    windows = rng.integers(3, 300, size=(2 * SEQS, SEQ_LEN + 1))  # [N, T + 1]
+    with tempfile.TemporaryDirectory(prefix="fca-moe-check-") as work:
+        storage = "bfloat16" if dtype == "bfloat16" else "float32"  # (a bfloat16 model's values, bit for bit)
+        kw = dict(batch_size=BATCH, coefficient_dtype=storage)
+        evaluated = fca.build_cache(model, windows[:SEQS], Path(work) / "eval", split="eval", **kw)
+        calibration = fca.build_cache(model, windows[SEQS:], Path(work) / "cal", split="calibration", **kw)
+        conditions = [*UNTIED, "global_mean"]
+        record = run_replay(model, evaluated, calibration, conditions, num_seqs=SEQS, batch_size=BATCH, save=False)
+        cache, profiles = open_cache(evaluated), calibration_profiles(open_cache(calibration))
+        rows = cache.read_seqs(list(range(SEQS)))
+        own = {site: rows[site] for site in cache.sites}
+        partner = cache.coefficients([int(p) for p in derangement(SEQS, 0)])
+    routing = record["results"]["routing"]
+    routers = list(routing["routers"])
+    out = {
+        "device": record["device"],
+        "dtype": dtype,
+        "max_abs_logit_diff": record["results"]["exactness"]["max_abs_logit_diff"],
+        "fidelity": record["results"]["exactness"]["fidelity"]["verdict"],
+        "routers": len(routers),
+        "conditions": {},
+    }
+    failures = []
+    own_tied = routing["conditions"]["correct"]["tied"]  # the tokens' own choices decided by ties
+    for name in UNTIED:
+        fed = condition_coefficients(parse_condition(name), own, list(range(SEQS)), profiles, partner)
+        fed = {s: as_fed(fed[s], torch_dtype) for s in routers}  # (rounded as the routers are fed them)
+        expected = [numpy_agreement(as_fed(own[s], torch_dtype), fed[s], TOP_K) for s in routers]
+        row = routing["conditions"][name]
+        reported_overlap = row["expert_overlap"]
+        out["conditions"][name] = {
+            "same_experts": row["same_experts"],
+            "numpy_same_experts": float(np.mean([e[0] for e in expected])),
+            "expert_overlap": reported_overlap,
+            "numpy_expert_overlap": float(np.mean([e[1] for e in expected])),
+            "tied": row["tied"],
+        }
+        # NumPy breaks ties otherwise than torch.topk: only tied tokens (bfloat16 rounding makes a few) may
+        # count otherwise, each by one token's share at most.
+        slack = row["tied"] + own_tied + 1e-12
+        for figure in ("same_experts", "expert_overlap"):
+            if abs(row[figure] - out["conditions"][name][f"numpy_{figure}"]) > slack:
+                failures.append(
+                    f"{name}: {figure} {row[figure]} vs {out['conditions'][name][f'numpy_{figure}']} (ties {slack:.3g})"
+                )
+        if slack <= 1e-12 and not np.allclose(row["same_experts_per_router"], [e[0] for e in expected], atol=1e-12):
+            failures.append(f"{name}: same_experts per router {row['same_experts_per_router']} != {expected}")
+    out["conditions"]["global_mean"] = {"tied": routing["conditions"]["global_mean"]["tied"]}
+    if routing["conditions"]["global_mean"]["tied"] != 1.0:
+        failures.append("global_mean: not every choice reported as a tie")
+    if out["max_abs_logit_diff"] != 0.0:
+        failures.append(f"Correct replay not exact: {out['max_abs_logit_diff']}")
+    out["failures"] = failures
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    result = check(device, args.dtype)
+    emit(result, args.json)
+    sys.exit(1 if result["failures"] else 0)
+
+
+if __name__ == "__main__":
+    main()
