@@ -168,3 +168,17 @@ def test_mixtral_audit(corpus_and_tokenizer, monkeypatch, capsys):
     said = capsys.readouterr().out
     assert "same experts 100.0%\n" in said and "same experts" in said.split("global_mean")[-1]
     assert said.rstrip().endswith("(ties decided)")
+    # A study of such audits averages the routing kept, beside the penalties.
+    from fca.tables.study import build_study
+    from fca.tables.study import render_markdown as render_study_markdown
+
+    other = json.loads(json.dumps(report))
+    other["routing"]["conditions"]["cross_input"]["same_experts"] = cross["same_experts"] + 0.1
+    other["model"]["fingerprint"] = "another seed's"  # (a study refuses one model twice)
+    study = build_study([("a.json", report), ("b.json", other)])
+    kept = study["summary"]["conditions"]["cross_input"]["same_experts"]
+    assert kept["n"] == 2 and kept["mean"] == pytest.approx(cross["same_experts"] + 0.05)
+    assert "interpolate:0.5" not in study["summary"]["conditions"]  # (the sweep is not averaged)
+    assert "| condition | NLL (nats/token) | penalty vs correct (nats/token) | gap retention | same experts |" in (
+        render_study_markdown(study)
+    )

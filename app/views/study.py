@@ -111,14 +111,7 @@ st.caption(
     else "one model: its own figures; a spread and an interval need at least two independently trained models"
 )
 cell = studies.format_spread  # the cells of the study's Markdown, so the page and its download agree
-st.markdown(
-    "| condition | NLL (nats/token) | penalty vs correct (nats/token) | gap retention |\n|---|---|---|---|\n"
-    + "\n".join(
-        f"| {c} | {cell(s['nll'])} | {'' if c == 'correct' else cell(s['penalty'])} | "
-        f"{cell(s['gap_retention'], 1, percent=True, of=n_models) if 'gap_retention' in s else ''} |"
-        for c, s in conditions.items()
-    )
-)
+st.markdown("\n".join(studies.conditions_table(study)))
 st.markdown(
     f"- **Layer-identity share** of coefficient variance: {cell(summary['layer_identity_share'], 3)}\n"
     f"- **Latency vs Dense twin**: {cell(summary['latency_ratio_vs_dense'], 3, of=n_models)}x\n"

@@ -305,6 +305,10 @@ def seed_row(report: dict, audit: str, training: dict) -> dict:
         "penalty": {c: row["penalty"] for c, row in conditions.items()},
         "penalty_ci95": {c: row.get("penalty_ci95") for c, row in conditions.items()},
         "gap_retention": dict(report.get("gap_retention") or {}),
+        # (models with top-k routers: the share of tokens each condition keeps on their own experts)
+        "same_experts": {
+            c: row["same_experts"] for c, row in ((report.get("routing") or {}).get("conditions") or {}).items()
+        },
         **{key: field(report, path) for key, path in SCALARS.items()},
         "training": training,
         "exactness": report.get("exactness"),  # passed through as the audit wrote it
@@ -320,12 +324,14 @@ def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | 
     rows = [seed_row(report, name, training) for (name, report), training in zip(audits, trainings, strict=True)]
     names = list(audits[0][1]["conditions"])
     retained = [c for c in names if any(c in r["gap_retention"] for r in rows)]
+    routed = [c for c in names if all(c in r["same_experts"] for r in rows)]
     summary = {
         "conditions": {
             c: {
                 "nll": spread([r["nll"][c] for r in rows]),
                 "penalty": spread([r["penalty"][c] for r in rows]),
                 **({"gap_retention": spread([r["gap_retention"].get(c) for r in rows])} if c in retained else {}),
+                **({"same_experts": spread([r["same_experts"][c] for r in rows])} if c in routed else {}),
             }
             for c in names
         },
@@ -346,6 +352,8 @@ def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | 
             "null for one model. It reflects seed-to-seed variation only; each audit's own bootstrap CI over "
             "sequences is in its per-model row",
             "gap_retention": "averaged over the models where it is defined; n says how many",
+            "same_experts": "models with top-k routers: the share of tokens a condition keeps on the experts their "
+            "own coefficients select (each audit's routing section), averaged over models",
             "compared_fields": "audits are refused unless these agree: "
             + ", ".join(COMPARED_FIELDS)
             + "; and, where both reports have them, "
@@ -370,6 +378,22 @@ def study_from_files(paths: Sequence[str | Path], relative_to: str | Path | None
         if relative_to is None:
             raise
         raise StudyError(f"{err} (paths relative to {relative_to})") from None
+
+
+def conditions_table(study: dict) -> list[str]:
+    """The study's conditions as Markdown table lines (its page and the dashboard's Study page): NLL,
+    penalty and gap retention across models, and for models with top-k routers the share of tokens kept
+    on their own experts."""
+    conditions, n = study["summary"]["conditions"], study["num_models"]
+    routed = any("same_experts" in s for s in conditions.values())
+    header = "| condition | NLL (nats/token) | penalty vs correct (nats/token) | gap retention |"
+    lines = [header + (" same experts |" if routed else ""), "|---|---|---|---|" + ("---|" if routed else "")]
+    for name, s in conditions.items():
+        retention = format_spread(s["gap_retention"], 1, percent=True, of=n) if "gap_retention" in s else ""
+        penalty = format_spread(s["penalty"]) if name != "correct" else ""
+        same = f" {format_spread(s['same_experts'], 1, percent=True)} |" if "same_experts" in s else " |"
+        lines.append(f"| {name} | {format_spread(s['nll'])} | {penalty} | {retention} |" + (same if routed else ""))
+    return lines
 
 
 def format_spread(s: dict | None, digits: int = 4, percent: bool = False, of: int | None = None) -> str:
@@ -408,13 +432,8 @@ def render_markdown(study: dict) -> str:
         "",
         "## Functional dependence",
         "",
-        "| condition | NLL (nats/token) | penalty vs correct (nats/token) | gap retention |",
-        "|---|---|---|---|",
+        *conditions_table(study),
     ]
-    for name, s in summary["conditions"].items():
-        retention = format_spread(s["gap_retention"], 1, percent=True, of=n) if "gap_retention" in s else ""
-        penalty = format_spread(s["penalty"]) if name != "correct" else ""
-        lines.append(f"| {name} | {format_spread(s['nll'])} | {penalty} | {retention} |")
     lines += [
         "",
         "## Variation and execution",
