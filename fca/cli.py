@@ -348,9 +348,18 @@ def cmd_replay(args: argparse.Namespace) -> None:
         same = ""
         if name in routing:
             agreement = routing[name]
-            same = f"  same experts {100 * agreement['same_experts']:.1f}%"
+            same = (
+                f"  same experts {100 * agreement['same_experts']:.1f}%, kept {100 * agreement['expert_overlap']:.1f}%"
+            )
             same += " (ties decided)" if agreement["tied"] >= 0.5 else ""
         print(f"{name:40s} NLL {row['nll']:.4f}  penalty {row['penalty']:+.4f} {ci}{same}")
+    if routing:
+        chance = record["results"]["routing"]["chance"]
+        print(
+            f"same experts: tokens routed to the same top-k experts as by their own coefficients; kept: the share "
+            f"of those experts kept. Experts drawn at random: {100 * chance['same_experts']:.1f}% and "
+            f"{100 * chance['expert_overlap']:.1f}%."
+        )
     if record.get("path"):
         print(f"saved {record['path']}")
 

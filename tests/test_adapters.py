@@ -627,8 +627,11 @@ def test_a_replay_run_reports_how_much_routing_each_condition_keeps(moe, tmp_pat
     assert routing["routers"] == {first: TOP_K, second: TOP_K}  # (not Qwen2-MoE's shared-expert gate)
     conditions = routing["conditions"]
     assert conditions["correct"]["same_experts"] == 1.0 == conditions["correct"]["expert_overlap"]
-    shuffled = conditions[f"token_shuffle@{first}"]["same_experts_per_router"]
-    assert shuffled[0] < 1.0 and shuffled[1] == 1.0
+    shuffled = conditions[f"token_shuffle@{first}"]
+    assert shuffled["same_experts_per_router"][0] < 1.0 and shuffled["same_experts_per_router"][1] == 1.0
+    # its figures are the shuffled router's: the untouched one keeps every token's experts by construction
+    assert shuffled["routers_changed"] == [first] and conditions["global_mean"]["routers_changed"] == [first, second]
+    assert shuffled["same_experts"] == shuffled["same_experts_per_router"][0]
     assert conditions["global_mean"]["tied"] == 1.0 and conditions["correct"]["tied"] == 0.0
     rows = {r["condition"]: r for r in condition_rows(list_runs(evaluated)[0])}
     assert rows["global_mean"]["same experts"] == conditions["global_mean"]["same_experts"]
@@ -677,6 +680,9 @@ def test_routing_agreement_selects_experts_as_the_router_does():
         assert scores["tied"].tolist() == [tied]
         if same is not None:
             assert (scores["same_experts"].tolist(), scores["expert_overlap"].tolist()) == ([same], [kept])
+    # A tie in the token's own choice counts too: which of its tied experts it ran was tie order.
+    own_tie = np.array([[[1.0, 1.0, 0.0, 0.0]]], np.float32)
+    assert routing_agreement(own_tie, np.array([0.0, 1.0, 2.0, 3.0], np.float32), 1, torch.float32)["tied"] == [1.0]
     # A bfloat16 model's router is fed its values rounded: 1.0 and 1.001 are one value there, a tie.
     close = np.array([[[1.001, 1.0, 0.0, 0.0]]], np.float32)
     assert routing_agreement(own, close, 1, torch.float32)["tied"].tolist() == [0.0]

@@ -149,14 +149,14 @@ def test_mixtral_audit(corpus_and_tokenizer, monkeypatch, capsys):
     assert cross["same_experts_per_router"] == pytest.approx(same, abs=1e-12)
     assert cross["same_experts"] == pytest.approx(np.mean(same), abs=1e-12) and cross["tied"] == 0.0
     assert 0 < cross["same_experts"] < cross["expert_overlap"] < 1
-    assert routing["conditions"]["correct"] == {
-        "same_experts": 1.0, "expert_overlap": 1.0, "tied": 0.0, "same_experts_per_router": [1.0, 1.0]
-    }  # fmt: skip
+    correct = routing["conditions"]["correct"]
+    assert (correct["same_experts"], correct["expert_overlap"], correct["tied"]) == (1.0, 1.0, 0.0)
+    assert correct["same_experts_per_router"] == [1.0, 1.0] and correct["routers_changed"] == routers
     assert routing["conditions"]["global_mean"]["tied"] == 1.0  # one value for every expert: ties decide
     assert routing["conditions"]["static_layer"]["tied"] == 0.0
     assert set(routing["conditions"]) == set(report["conditions"]) and "routing" in report["definitions"]
     assert "| cross_input | " + f"{100 * cross['same_experts']:.1f}% |" in markdown
-    assert "read those rows' agreement as chance" in markdown
+    assert "every such token ran the same experts" in markdown and "not a measure of the coefficients" in markdown
     # top-2 of 4 experts drawn at random: the same pair 1 time in C(4, 2) = 6, half of them kept
     assert routing["chance"] == {"same_experts": pytest.approx(1 / 6), "expert_overlap": 0.5}
     assert routing["experts"] == dict.fromkeys(routers, 4)
@@ -166,8 +166,10 @@ def test_mixtral_audit(corpus_and_tokenizer, monkeypatch, capsys):
     capsys.readouterr()
     assert main(replay) == 0
     said = capsys.readouterr().out
-    assert "same experts 100.0%\n" in said and "same experts" in said.split("global_mean")[-1]
-    assert said.rstrip().endswith("(ties decided)")
+    lines = {line.split()[0]: line for line in said.splitlines() if "same experts" in line}
+    assert lines["correct"].endswith("same experts 100.0%, kept 100.0%")
+    assert lines["global_mean"].endswith("(ties decided)")
+    assert said.rstrip().endswith("Experts drawn at random: 16.7% and 50.0%.")
     # A study of such audits averages the routing kept, beside the penalties.
     from fca.tables.study import build_study
     from fca.tables.study import render_markdown as render_study_markdown

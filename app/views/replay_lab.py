@@ -71,6 +71,7 @@ RESULT_COLUMNS = {
     "same experts": st.column_config.NumberColumn(
         format="percent", help="tokens routed to the same top-k experts as by their own coefficients"
     ),
+    "experts kept": st.column_config.NumberColumn(format="percent", help="mean share of each token's k experts kept"),
     "tied choices": st.column_config.NumberColumn(
         format="percent", help="tokens whose experts were chosen by a tie (e.g. one value for every expert)"
     ),
@@ -96,7 +97,7 @@ def result_view(result: pd.DataFrame) -> pd.DataFrame:
             "penalty 95% CI": interval("penalty 95% CI low", "penalty 95% CI high"),
         }
     )
-    for column in ("gap retention", "same experts", "tied choices"):  # (when global_mean ran; when routed)
+    for column in ("gap retention", "same experts", "experts kept", "tied choices"):  # (global_mean ran; routed)
         if column in result:
             view[column] = result[column]
     return view
@@ -414,8 +415,16 @@ if job is not None and not job.running:
             right.plotly_chart(figures.penalty_bars(others), key="lab_penalty")
         else:
             right.info("Only correct ran: there is no penalty to draw. Choose a condition above to compare with it.")
-        if record["results"].get("routing"):  # (a model with top-k routers)
-            st.plotly_chart(figures.routing_by_router(record["results"]["routing"]), key="lab_routing")
+        if routing := record["results"].get("routing"):  # (a model with top-k routers)
+            chance = routing["chance"]
+            st.caption(
+                "Routing: *same experts* is the share of tokens a condition sends to the top-k experts their own "
+                "coefficients select, over the routers it changes; *experts kept*, the mean share of those "
+                f"experts kept. Experts drawn at random: {chance['same_experts']:.1%} and "
+                f"{chance['expert_overlap']:.1%}. A condition whose choices are mostly ties (one value for "
+                "every expert) runs the same experts for every token: its agreement is not the coefficients'."
+            )
+            st.plotly_chart(figures.routing_by_router(routing), key="lab_routing")
         sweep = sweep_points(record["results"]["conditions"])
         if len(sweep) >= 2:  # a curve, drawn like the report's, with the run's reference lines
             st.plotly_chart(figures.sweep_curve(sweep, record["results"]["conditions"]), key="lab_sweep_chart")

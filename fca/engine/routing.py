@@ -8,8 +8,9 @@ coefficients alone: compared with the experts the token's own (cached) coefficie
 Selection repeats the routers' (`fca.engine.models.hf_moe.TopKRouting`) on the very tensors the replay
 fed them, on the replay's device: the coefficients cast to the dtype the site is fed in, a float32
 softmax over the tokens flattened to [N, E], `torch.topk`. A condition that gives every expert the same
-value (a global mean) leaves the choice to `torch.topk`'s tie-breaking; such tokens are counted as
-tied, so an agreement decided by ties is not read as the router's.
+value (a global mean) leaves the choice to `torch.topk`'s tie-breaking (every such token then runs the
+same k experts, whichever come first); a token whose choice, its own or the condition's, was a tie is
+counted as tied, so an agreement decided by tie order is not read as the coefficients'.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def top_k_selection(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
 
 
 def _agreement(live: torch.Tensor, chosen: torch.Tensor, tied: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
-    """Masks of the experts selected [b, T, E] live and under a condition, and the condition's ties [b, T]
-    -> the per-sequence figures [b] (float64)."""
+    """Masks of the experts selected [b, T, E] by the token's own coefficients and under a condition, and
+    where either choice was a tie [b, T] -> the per-sequence figures [b] (float64)."""
     kept = (live & chosen).sum(-1)  # [b, T] experts in both selections
     return {
         "same_experts": (kept == k).double().mean(1),
@@ -50,16 +51,16 @@ def _agreement(live: torch.Tensor, chosen: torch.Tensor, tied: torch.Tensor, k: 
 def routing_agreement(own: np.ndarray, assigned: np.ndarray, k: int, dtype: torch.dtype) -> dict[str, np.ndarray]:
     """Per sequence [b]: `same_experts`, the share of tokens whose k experts under `assigned` are the set
     their own coefficients select; `expert_overlap`, the mean share of those k experts kept; `tied`, the
-    share of tokens whose choice under `assigned` was decided by a tie.
+    share of tokens whose choice, their own or under `assigned`, was decided by a tie.
 
     own: [b, T, E] the tokens' cached coefficients; assigned: a condition's, broadcastable to [b, T, E];
     dtype: the dtype the site is fed in replay (a bfloat16 model's router sees its values rounded)."""
     # (copies: cached arrays may be read-only, and torch wants writable memory)
     own_t = torch.from_numpy(np.array(own, dtype=np.float32)).to(dtype)
     given = torch.from_numpy(np.array(assigned, dtype=np.float32)).to(dtype).expand(own_t.shape)
-    live, _ = top_k_selection(own_t, k)
+    live, own_tied = top_k_selection(own_t, k)
     chosen, tied = top_k_selection(given, k)
-    return {figure: values.numpy() for figure, values in _agreement(live, chosen, tied, k).items()}
+    return {figure: values.numpy() for figure, values in _agreement(live, chosen, own_tied | tied, k).items()}
 
 
 class RoutingTally:
@@ -84,7 +85,7 @@ class RoutingTally:
 
     def add_own(self, name: str) -> None:
         """Condition `name` fed the tokens' own coefficients (Correct, not replayed again)."""
-        self._add(name, {site: (live, live, tied) for site, (live, tied) in self._own.items()})
+        self._add(name, {site: (live, live, own_tied) for site, (live, own_tied) in self._own.items()})
 
     def add_fed(self, names: Sequence[str | None], fed: Mapping[str, torch.Tensor]) -> None:
         """Conditions replayed in one forward: fed, site -> [g * b, T, E] the coefficients the routers were
@@ -95,8 +96,13 @@ class RoutingTally:
             for site, k in self.routers.items()
         }  # site -> ([g, b, T, E], [g, b, T])
         for i, name in enumerate(names):
-            if name is not None:
-                self._add(name, {s: (self._own[s][0], sel[i], ties[i]) for s, (sel, ties) in chosen.items()})
+            if name is None:
+                continue
+            selections = {}
+            for site, (own_selected, own_tied) in self._own.items():
+                selected, tied = chosen[site]
+                selections[site] = (own_selected, selected[i], own_tied | tied[i])  # (a tie on either side)
+            self._add(name, selections)
 
     def _add(self, name: str, selections: Mapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         per_router = [_agreement(*selections[site], k) for site, k in self.routers.items()]

@@ -130,13 +130,15 @@ def routing_table(report: dict) -> list[str]:
     routing = report.get("routing")
     if not routing:
         return []
-    ks = sorted(set(routing["routers"].values()))
+    routers = list(routing["routers"])
+    k = "/".join(map(str, sorted(set(routing["routers"].values()))))
     chance = routing.get("chance")
     lines = [
         "",
-        f"**Routing.** Which experts run under each condition: the top-{'/'.join(map(str, ks))} experts of the "
-        f"coefficients fed to each of the {len(routing['routers'])} routers, against those of the token's own "
-        "coefficients. A penalty says what a condition costs; this says how much routing it changed."
+        f"**Routing.** Which experts run under each condition (each router's top-{k} of the coefficients fed to "
+        f"it, {len(routers)} routers), against those the token's own coefficients select; shares of tokens, over "
+        "the routers the condition changes. A penalty says what a condition costs; this says how much routing "
+        "it changed."
         + (
             f" Experts drawn at random would be the same set for {100 * chance['same_experts']:.1f}% of tokens and "
             f"keep {100 * chance['expert_overlap']:.1f}% of them."
@@ -144,19 +146,23 @@ def routing_table(report: dict) -> list[str]:
             else ""
         ),
         "",
-        "| condition | same experts (share of tokens) | experts kept (mean share) | choice decided by a tie |",
+        "| condition | same experts | experts kept (mean share) | choice decided by a tie |",
         "|---|---|---|---|",
     ]
     for name, row in routing["conditions"].items():
+        changed = row.get("routers_changed", routers)  # (reports made before it was kept: every router)
+        scope = "" if len(changed) == len(routers) else f" ({len(changed)} of {len(routers)} routers)"
         lines.append(
-            f"| {name} | {100 * row['same_experts']:.1f}% | {100 * row['expert_overlap']:.1f}% | "
+            f"| {name}{scope} | {100 * row['same_experts']:.1f}% | {100 * row['expert_overlap']:.1f}% | "
             f"{100 * row['tied']:.1f}% |"
         )
     if any(row["tied"] >= 0.5 for row in routing["conditions"].values()):
         lines += [
             "",
-            "Where most choices were ties (a profile equal for every expert), which experts ran was decided by "
-            "the order torch.topk breaks ties in, not by the coefficients: read those rows' agreement as chance.",
+            "Where most choices were ties (a profile equal for every expert), every such token ran the same "
+            "experts, the first in the order torch.topk breaks ties in (which may differ between devices): "
+            "those rows' agreement is the share of tokens whose own experts happen to be that set, not a "
+            "measure of the coefficients, and the penalty of such a condition rests on that choice too.",
         ]
     return lines
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from fca.tables.conditions import parse_condition
 from fca.tables.spec import SiteSpec
 from fca.tables.stats import paired_bootstrap_ci
 
@@ -52,10 +53,11 @@ def gap_retention(table: dict) -> dict:
 # What the routing figures are, for the report's definitions.
 ROUTING_DEFINITION = (
     "per MoE layer, the top-k experts of the router coefficients a condition feeds it (float32 softmax, "
-    "top-k, as the router), compared with those of the token's own cached coefficients: same_experts, the "
-    "share of tokens (over tokens and routers) whose k experts are the same set; expert_overlap, the mean "
-    "share of the k experts kept; tied, the share whose choice was decided by a tie (e.g. a profile equal "
-    "for every expert); selection is recomputed on the replay's device from the tensors the routers were fed"
+    "top-k, as the router, redone on the replay's device from the tensors the routers were fed), compared "
+    "with those of the token's own cached coefficients: same_experts, the share of tokens whose k experts "
+    "are the same set; expert_overlap, the mean share of the k experts kept; tied, the share whose choice, "
+    "their own or the condition's, was decided by a tie (e.g. a profile equal for every expert); each over "
+    "the routers the condition changes (routers_changed), and per router"
 )
 
 
@@ -63,16 +65,23 @@ def summarize_routing(
     routers: Mapping[str, int], specs: Mapping[str, SiteSpec], per_seq: Mapping[str, Mapping[str, np.ndarray]]
 ) -> dict:
     """The report's `routing` section from a run's routing agreement (`fca.engine.routing`): the routers'
-    experts per token, per condition each figure's mean over sequences and routers with `same_experts`
-    per router (in the routers' order, for a by-layer view), and the `chance` levels of k experts drawn
-    at random: the same set with probability 1 / C(E, k), k/E of them kept on average.
+    experts per token; per condition, each figure per router (in the routers' order, for a by-layer view)
+    and its mean over sequences and the routers the condition reassigns (`routers_changed`: all of them,
+    unless the condition names sites; an untouched router keeps every token's experts and would only
+    dilute the mean); and the `chance` levels of k experts drawn at random: the same set with probability
+    1 / C(E, k), k/E of them kept on average.
 
-    routers: site -> k; specs: the cache's sites (a router's channels are its E experts); per_seq: condition -> figure -> [n, S] per sequence and router
-    (every sequence has T tokens, so the mean over sequences is the mean over tokens)."""
+    routers: site -> k; specs: the cache's sites (a router's channels are its E experts); per_seq:
+    condition -> figure -> [n, S] per sequence and router (every sequence has T tokens, so the mean over
+    sequences is the mean over tokens)."""
+    order = list(routers)
     conditions = {}
     for name, figures in per_seq.items():
-        row = {figure: float(values.mean()) for figure, values in figures.items()}
-        row["same_experts_per_router"] = figures["same_experts"].mean(0).tolist()
+        changed = _routers_changed(name, order)
+        columns = [order.index(r) for r in changed] or list(range(len(order)))  # (none changed: every router)
+        row: dict = {figure: float(values[:, columns].mean()) for figure, values in figures.items()}
+        row["routers_changed"] = changed
+        row.update({f"{figure}_per_router": values.mean(0).tolist() for figure, values in figures.items()})
         conditions[name] = row
     experts = {s: specs[s].num_channels for s in routers}
     chance = {
@@ -80,3 +89,12 @@ def summarize_routing(
         "expert_overlap": float(np.mean([k / experts[s] for s, k in routers.items()])),
     }
     return {"routers": dict(routers), "experts": experts, "chance": chance, "conditions": conditions}
+
+
+def _routers_changed(condition: str, routers: list[str]) -> list[str]:
+    """The routers a condition reassigns: those among the sites it names, or all for a whole-model one."""
+    try:
+        sites = parse_condition(condition).sites
+    except ValueError:  # (a name this version does not parse: counted over every router)
+        sites = None
+    return list(routers) if sites is None else [r for r in routers if r in sites]
