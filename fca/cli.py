@@ -349,7 +349,8 @@ def cmd_replay(args: argparse.Namespace) -> None:
         if name in routing:
             agreement = routing[name]
             same = (
-                f"  same experts {100 * agreement['same_experts']:.1f}%, kept {100 * agreement['expert_overlap']:.1f}%"
+                f"  same experts {100 * agreement['same_experts']:.1f}%, kept {100 * agreement['expert_overlap']:.1f}%,"
+                f" weight kept {100 * agreement['weight_kept']:.1f}%"
             )
             same += " (ties decided)" if agreement["tied"] >= 0.5 else ""
         print(f"{name:40s} NLL {row['nll']:.4f}  penalty {row['penalty']:+.4f} {ci}{same}")
@@ -357,7 +358,8 @@ def cmd_replay(args: argparse.Namespace) -> None:
         chance = record["results"]["routing"]["chance"]
         print(
             f"same experts: tokens routed to the same top-k experts as by their own coefficients; kept: the share "
-            f"of those experts kept. Experts drawn at random: {100 * chance['same_experts']:.1f}% and "
+            f"of those experts kept; weight kept: the share of each token's mixing weight left on them. Experts "
+            f"drawn at random: {100 * chance['same_experts']:.1f}% and "
             f"{100 * chance['expert_overlap']:.1f}%."
         )
     if record.get("path"):

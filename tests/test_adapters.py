@@ -627,6 +627,7 @@ def test_a_replay_run_reports_how_much_routing_each_condition_keeps(moe, tmp_pat
     assert routing["routers"] == {first: TOP_K, second: TOP_K}  # (not Qwen2-MoE's shared-expert gate)
     conditions = routing["conditions"]
     assert conditions["correct"]["same_experts"] == 1.0 == conditions["correct"]["expert_overlap"]
+    assert conditions["correct"]["weight_kept"] == 1.0 and 0 < conditions["global_mean"]["weight_kept"] < 1
     shuffled = conditions[f"token_shuffle@{first}"]
     assert shuffled["same_experts_per_router"][0] < 1.0 and shuffled["same_experts_per_router"][1] == 1.0
     # its figures are the shuffled router's: the untouched one keeps every token's experts by construction
@@ -680,6 +681,26 @@ def test_routing_agreement_selects_experts_as_the_router_does():
         assert scores["tied"].tolist() == [tied]
         if same is not None:
             assert (scores["same_experts"].tolist(), scores["expert_overlap"].tolist()) == ([same], [kept])
+    # Routed weight kept: expert by expert, the smaller of the token's own weight and the condition's.
+    from fca.engine.routing import TopKRouter
+
+    def weights(logits, renormalize):  # top-2 of a softmax, as the routers weigh their experts
+        p = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+        top = np.argsort(-p)[:2]
+        w = np.zeros_like(p)
+        w[top] = p[top] / (p[top].sum() if renormalize else 1.0)
+        return w
+
+    other = np.array([3.0, 1.0, 2.0, 0.0], np.float32)  # experts 0 and 2: one of two kept
+    for renormalize in (True, False):  # (Qwen2-MoE without norm_topk_prob keeps the raw probabilities)
+        mine, theirs = (
+            weights(own[0, 0].astype(np.float64), renormalize),
+            weights(other.astype(np.float64), renormalize),
+        )
+        expected = np.minimum(mine, theirs).sum() / mine.sum()
+        got = routing_agreement(own, other, TopKRouter(2, renormalize), torch.float32)["weight_kept"]
+        assert got.tolist() == [pytest.approx(expected, rel=1e-6)] and 0 < expected < 1
+    assert routing_agreement(own, own, 2, torch.float32)["weight_kept"].tolist() == [1.0]
     # A tie in the token's own choice counts too: which of its tied experts it ran was tie order.
     own_tie = np.array([[[1.0, 1.0, 0.0, 0.0]]], np.float32)
     assert routing_agreement(own_tie, np.array([0.0, 1.0, 2.0, 3.0], np.float32), 1, torch.float32)["tied"] == [1.0]

@@ -167,7 +167,7 @@ def test_mixtral_audit(corpus_and_tokenizer, monkeypatch, capsys):
     assert main(replay) == 0
     said = capsys.readouterr().out
     lines = {line.split()[0]: line for line in said.splitlines() if "same experts" in line}
-    assert lines["correct"].endswith("same experts 100.0%, kept 100.0%")
+    assert lines["correct"].endswith("same experts 100.0%, kept 100.0%, weight kept 100.0%")
     assert lines["global_mean"].endswith("(ties decided)")
     assert said.rstrip().endswith("Experts drawn at random: 16.7% and 50.0%.")
     # A study of such audits averages the routing kept, beside the penalties.

@@ -72,6 +72,9 @@ RESULT_COLUMNS = {
         format="percent", help="tokens routed to the same top-k experts as by their own coefficients"
     ),
     "experts kept": st.column_config.NumberColumn(format="percent", help="mean share of each token's k experts kept"),
+    "weight kept": st.column_config.NumberColumn(
+        format="percent", help="mean share of each token's own mixing weight left on the same experts"
+    ),
     "tied choices": st.column_config.NumberColumn(
         format="percent", help="tokens whose experts were chosen by a tie (e.g. one value for every expert)"
     ),
@@ -97,7 +100,7 @@ def result_view(result: pd.DataFrame) -> pd.DataFrame:
             "penalty 95% CI": interval("penalty 95% CI low", "penalty 95% CI high"),
         }
     )
-    for column in ("gap retention", "same experts", "experts kept", "tied choices"):  # (global_mean ran; routed)
+    for column in ("gap retention", "same experts", "experts kept", "weight kept", "tied choices"):
         if column in result:
             view[column] = result[column]
     return view
@@ -420,7 +423,8 @@ if job is not None and not job.running:
             st.caption(
                 "Routing: *same experts* is the share of tokens a condition sends to the top-k experts their own "
                 "coefficients select, over the routers it changes; *experts kept*, the mean share of those "
-                f"experts kept. Experts drawn at random: {chance['same_experts']:.1%} and "
+                "experts kept; *weight kept*, the share of each token's mixing weight left on the same experts. "
+                f"Experts drawn at random: {chance['same_experts']:.1%} and "
                 f"{chance['expert_overlap']:.1%}. A condition whose choices are mostly ties (one value for "
                 "every expert) runs the same experts for every token: its agreement is not the coefficients'."
             )

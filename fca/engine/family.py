@@ -51,7 +51,8 @@ class Family:
       as transformers' MoE layers do (a list of experts the model indexes is never called: refused).
     - `execution_note`: a sentence the execution audit carries ("" for none).
     - `routers(model)`: the sites whose coefficients choose the experts each token runs, by top-k of a
-      softmax (as transformers' MoE routers): site name -> k. Replays then report each condition's
+      softmax (as transformers' MoE routers): site name -> k, or `fca.engine.routing.TopKRouter(k,
+      renormalize)` where the top-k weights are not renormalised. Replays then report each condition's
       routing agreement (`fca.engine.routing`). {} (the default): no such sites.
     """
 
@@ -63,4 +64,4 @@ class Family:
     coefficient_kind: str = ""
     expert_paths: tuple[str, ...] = ()
     execution_note: str = ""
-    routers: Callable[[nn.Module], dict[str, int]] = no_routers
+    routers: Callable[[nn.Module], dict] = no_routers

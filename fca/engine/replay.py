@@ -13,7 +13,7 @@ from torch import nn
 from fca.engine.capture import as_input_ids, token_nll
 from fca.engine.environment import current_environment
 from fca.engine.families import family_of
-from fca.engine.routing import RoutingTally
+from fca.engine.routing import RoutingTally, TopKRouter
 from fca.engine.sites import (
     capture_tensors,
     find_sites,
@@ -340,7 +340,7 @@ def run_conditions(
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     shard: tuple[int, int] | None = None,
-    routers: Mapping[str, int] | None = None,
+    routers: Mapping[str, int | TopKRouter] | None = None,
 ) -> ReplayResults:
     """Per-sequence NLL of every condition on `seqs` (default: all) of `cache`.
 
@@ -354,8 +354,8 @@ def run_conditions(
     coefficients; several are stacked into one forward while the logits fit in `max_logit_bytes`.
     The controllers never run during replay. Judge the result with `check_exactness(results)`.
 
-    `routers`: site -> k of the top-k routers whose routing agreement to report (`fca.engine.routing`);
-    None: those the model's family names (`Family.routers`).
+    `routers`: site -> k or `TopKRouter`, the top-k routers whose routing agreement to report
+    (`fca.engine.routing`); None: those the model's family names (`Family.routers`).
     """
     seqs = list(range(cache.num_seqs)) if seqs is None else [int(s) for s in seqs]
     names = [c.name for c in conditions]
@@ -448,6 +448,6 @@ def run_conditions(
         replayed_on=replayed_on,
         coefficient_dtype=cache.coefficient_dtype,
         replayed_per_seq=replayed_nll,
-        routers=routers,
+        routers={site: router.k for site, router in tally.routers.items()},
         routing=tally.figures() if routers else {},
     )

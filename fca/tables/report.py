@@ -137,8 +137,9 @@ def routing_table(report: dict) -> list[str]:
         "",
         f"**Routing.** Which experts run under each condition (each router's top-{k} of the coefficients fed to "
         f"it, {len(routers)} routers), against those the token's own coefficients select; shares of tokens, over "
-        "the routers the condition changes. A penalty says what a condition costs; this says how much routing "
-        "it changed."
+        "the routers the condition changes. Routed weight kept: the share of each token's own mixing weight "
+        "still on the same experts (the smaller of the two weights, expert by expert). A penalty says what a "
+        "condition costs; this says how much routing it changed."
         + (
             f" Experts drawn at random would be the same set for {100 * chance['same_experts']:.1f}% of tokens and "
             f"keep {100 * chance['expert_overlap']:.1f}% of them."
@@ -146,14 +147,15 @@ def routing_table(report: dict) -> list[str]:
             else ""
         ),
         "",
-        "| condition | same experts | experts kept (mean share) | choice decided by a tie |",
-        "|---|---|---|---|",
+        "| condition | same experts | experts kept (mean share) | routed weight kept | choice decided by a tie |",
+        "|---|---|---|---|---|",
     ]
     for name, row in routing["conditions"].items():
         changed = row.get("routers_changed", routers)  # (reports made before it was kept: every router)
         scope = "" if len(changed) == len(routers) else f" ({len(changed)} of {len(routers)} routers)"
+        weight = f"{100 * row['weight_kept']:.1f}%" if "weight_kept" in row else ""  # (older reports: none)
         lines.append(
-            f"| {name}{scope} | {100 * row['same_experts']:.1f}% | {100 * row['expert_overlap']:.1f}% | "
+            f"| {name}{scope} | {100 * row['same_experts']:.1f}% | {100 * row['expert_overlap']:.1f}% | {weight} | "
             f"{100 * row['tied']:.1f}% |"
         )
     if any(row["tied"] >= 0.5 for row in routing["conditions"].values()):

@@ -197,6 +197,7 @@ def condition_rows(record: dict) -> list[dict]:
                     {
                         "same experts": routing[name]["same_experts"],
                         "experts kept": routing[name]["expert_overlap"],
+                        "weight kept": routing[name].get("weight_kept"),  # (runs saved before it: none)
                         "tied choices": routing[name]["tied"],
                     }
                     if name in routing

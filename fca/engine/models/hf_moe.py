@@ -34,6 +34,7 @@ from torch import nn
 from fca.engine.adapters import SiteDeclaration, attach_sites, match_modules
 from fca.engine.checkpoints import read_config
 from fca.engine.family import Family
+from fca.engine.routing import TopKRouter
 from fca.engine.sites import as_input_ids, find_sites
 from fca.tables.errors import ModelLoadError
 
@@ -257,10 +258,12 @@ def expert_execution(
     }
 
 
-def moe_routers(model: nn.Module) -> dict[str, int]:
-    """The router sites of an adapted MoE model -> the experts each token runs (the router's top_k)."""
+def moe_routers(model: nn.Module) -> dict[str, TopKRouter]:
+    """The router sites of an adapted MoE model -> how each chooses: its top_k, and whether the top-k
+    weights are renormalised (as `TopKRouter` above: Mixtral's router has no `norm_topk_prob`, and always
+    does)."""
     return {
-        name: int(site.controller.top_k)
+        name: TopKRouter(int(site.controller.top_k), bool(getattr(site.controller, "norm_topk_prob", True)))
         for name, site in find_sites(model).items()
         if site.spec.family == ROUTER_FAMILY
     }
