@@ -156,6 +156,11 @@ def test_mixtral_audit(corpus_and_tokenizer, monkeypatch, capsys):
     assert routing["conditions"]["static_layer"]["tied"] == 0.0
     assert set(routing["conditions"]) == set(report["conditions"]) and "routing" in report["definitions"]
     assert "| cross_input | " + f"{100 * cross['same_experts']:.1f}% |" in markdown
+    # a condition naming a site is code in the tables (else Markdown renders "x@a.b.c" as an e-mail link)
+    from fca.tables.report import condition_cell
+
+    assert condition_cell("token_shuffle@model.layers.0.mlp.gate") == "`token_shuffle@model.layers.0.mlp.gate`"
+    assert condition_cell("cross_input") == "cross_input"
     assert "every such token ran the same experts" in markdown and "not a measure of the coefficients" in markdown
     # top-2 of 4 experts drawn at random: the same pair 1 time in C(4, 2) = 6, half of them kept
     assert routing["chance"] == {"same_experts": pytest.approx(1 / 6), "expert_overlap": 0.5}

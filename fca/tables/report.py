@@ -107,6 +107,12 @@ def latency_is_noisy(exe: dict) -> bool:
     return low is not None and high is not None and high / low > LATENCY_NOISY_SPREAD
 
 
+def condition_cell(name: str) -> str:
+    """A condition's name in a Markdown table: one naming sites as code, or "cross_input@model.layers.0.gate"
+    is rendered as a link to an e-mail address."""
+    return f"`{name}`" if "@" in name else name
+
+
 def conditions_table(report: dict) -> list[str]:
     """The report's conditions as Markdown table lines (the report's page and the dashboard's Overview):
     NLL, penalty and its 95% CI, and gap retention ("undefined" where its CI does not lie above zero;
@@ -120,7 +126,9 @@ def conditions_table(report: dict) -> list[str]:
         retention = report["gap_retention"].get(name)
         shown = f"{100 * retention:.2f}%" if retention is not None else "undefined"
         shown = "" if name in ("correct", "global_mean") else shown
-        lines.append(f"| {name} | {row['nll']:.4f} | {row['penalty']:+.4f} | [{lo:+.4f}, {hi:+.4f}] | {shown} |")
+        lines.append(
+            f"| {condition_cell(name)} | {row['nll']:.4f} | {row['penalty']:+.4f} | [{lo:+.4f}, {hi:+.4f}] | {shown} |"
+        )
     return lines
 
 
@@ -155,7 +163,7 @@ def routing_table(report: dict) -> list[str]:
         scope = "" if len(changed) == len(routers) else f" ({len(changed)} of {len(routers)} routers)"
         weight = f"{100 * row['weight_kept']:.1f}%" if "weight_kept" in row else ""  # (older reports: none)
         lines.append(
-            f"| {name}{scope} | {100 * row['same_experts']:.1f}% | {100 * row['expert_overlap']:.1f}% | {weight} | "
+            f"| {condition_cell(name)}{scope} | {100 * row['same_experts']:.1f}% | {100 * row['expert_overlap']:.1f}% | {weight} | "
             f"{100 * row['tied']:.1f}% |"
         )
     if any(row["tied"] >= 0.5 for row in routing["conditions"].values()):

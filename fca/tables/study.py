@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
-from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, damage, read_report
+from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, condition_cell, damage, read_report
 
 STUDY_VERSION = 1
 # Keys every audit report has (README, "What is measured, exactly"); anything else is passed through or optional.
@@ -392,7 +392,10 @@ def conditions_table(study: dict) -> list[str]:
         retention = format_spread(s["gap_retention"], 1, percent=True, of=n) if "gap_retention" in s else ""
         penalty = format_spread(s["penalty"]) if name != "correct" else ""
         same = f" {format_spread(s['same_experts'], 1, percent=True)} |" if "same_experts" in s else " |"
-        lines.append(f"| {name} | {format_spread(s['nll'])} | {penalty} | {retention} |" + (same if routed else ""))
+        lines.append(
+            f"| {condition_cell(name)} | {format_spread(s['nll'])} | {penalty} | {retention} |"
+            + (same if routed else "")
+        )
     return lines
 
 
