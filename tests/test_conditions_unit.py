@@ -137,6 +137,7 @@ def test_a_shard_must_be_whole_batches_of_the_whole_run():
 
     assert _shard_bounds(None, 4, 10) == (0, 10)
     assert _shard_bounds((4, 8), 4, 10) == (4, 8) and _shard_bounds((8, 10), 4, 10) == (8, 10)  # last: short
+    assert _shard_bounds((8, 8), 4, 10) == (8, 8)  # an empty shard scores nothing, and is not an error
     for shard in ((2, 8), (4, 6), (8, 12), (8, 4), (-4, 4)):
         with pytest.raises(ValueError, match=re.escape(f"shard {shard} is not whole batches of 4 within 10")):
             _shard_bounds(shard, 4, 10)
@@ -157,6 +158,9 @@ def test_replaying_some_sites_frees_every_site_and_still_refuses_unknown_names()
     assert np.array_equal(fca.replay(model, ids, own, only=first), once)  # a second pass is not refused
     with pytest.raises(KeyError, match=r"site\(s\) \['gatee'\] that the model lacks"):
         fca.replay(model, ids, {**own, "gatee": own[first]}, only={first})
+    # A cache's rows may be given whole: their key columns (token, target, live NLL...) are not sites.
+    rows = open_cache(DEMO / "eval").read_seqs([0, 1])
+    assert np.array_equal(fca.replay(model, ids, rows), fca.replay(model, ids, {s: rows[s] for s in own}))
 
 
 def test_an_experiments_profiles_come_from_its_calibration_cache():

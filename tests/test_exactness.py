@@ -480,7 +480,8 @@ def test_correct_is_scored_from_the_cache_whenever_the_cache_is_not_the_recorded
     windows = np.concatenate([windows["token"], windows["target"][:, -1:]], axis=1)  # [8, T + 1]
     rounded = fca.build_cache(model, windows, tmp_path / "f16", batch_size=4, coefficient_dtype="float16")
     drifted = rewrite_cache(ev, tmp_path / "drifted", 1e-3, FOREIGN)
-    conditions = [fca.tables.conditions.Condition("correct"), fca.tables.conditions.Condition("static_layer")]
+    # (Correct not first: its row is found by what it is, not by where it stands)
+    conditions = [fca.tables.conditions.Condition("static_layer"), fca.tables.conditions.Condition("correct")]
     profiles = calibration_profiles(open_cache(demo_pair[2]))
     for cache in (rounded, drifted):
         results = run_conditions(

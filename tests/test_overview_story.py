@@ -75,6 +75,51 @@ def test_retention_sentence_in_plain_words():
         assert said in retention_sentence(report)
 
 
+def test_retention_sentence_at_the_scales_edges():
+    """A global-mean CI that reaches 0 from below is "not clearly worth anything", not "lowers the NLL"; a
+    retention of exactly 100% or 0% is said as a share, not as beating either end."""
+    reaches = {**CONDITIONS, "global_mean": row(2.995, -0.005, -0.01, 0.002)}
+    undefined = {"conditions": reaches, "gap_retention": {"static_layer": None}}
+    assert retention_sentence(undefined).startswith("Per-token control is not clearly worth anything here")
+    for retention, said in ((1.0, "keeps 100% of what"), (0.0, "keeps 0% of what")):
+        report = {"conditions": CONDITIONS, "gap_retention": {"static_layer": retention}}
+        assert retention_sentence(report).startswith(f"A fixed per-layer profile {said}"), retention
+
+
+def test_the_conditions_and_routing_tables_cell_by_cell():
+    """Each column holds its own figure (a swapped bound, another condition's retention, or the overlap in
+    the same-experts column would read as plausible numbers)."""
+    from fca.tables.report import conditions_table, routing_table
+
+    report = {"conditions": CONDITIONS, "gap_retention": {**RETENTION, "global_mean": 0.0}}
+    lines = conditions_table(report)
+    assert lines[2:] == [
+        "| correct | 3.0000 | +0.0000 | [+0.0000, +0.0000] |  |",
+        "| cross_input | 3.9000 | +0.9000 | [+0.8500, +0.9500] | 10.00% |",
+        "| static_layer | 3.5800 | +0.5800 | [+0.5000, +0.6000] | 42.00% |",
+        "| global_mean | 4.0000 | +1.0000 | [+0.9000, +1.1000] |  |",  # (the scale's ends: no retention)
+        "| interpolate:0.5 | 3.2000 | +0.2000 | [+0.1500, +0.2500] | 80.00% |",
+    ]
+    figures = dict(same_experts=0.25, expert_overlap=0.5, weight_kept=0.45, tied=0.125)
+    routing = {
+        "routers": {"a.0": 2, "a.1": 2},
+        "chance": {"same_experts": 1 / 6, "expert_overlap": 0.5},
+        "conditions": {
+            "cross_input": {**figures, "routers_changed": ["a.0", "a.1"]},
+            "cross_input@a.0": {**figures, "tied": 0.75, "routers_changed": ["a.0"]},
+        },
+    }
+    table = routing_table({"routing": routing})
+    assert table[-4:-1] == [
+        "| cross_input | 25.0% | 50.0% | 45.0% | 12.5% |",
+        "| `cross_input@a.0` (1 of 2 routers) | 25.0% | 50.0% | 45.0% | 75.0% |",
+        "",
+    ]
+    assert "top-2" in table[1] and "16.7% of tokens and keep 50.0% of them" in table[1]
+    assert "every such token ran the same experts" in table[-1]  # (a row with most choices tied)
+    assert routing_table({"conditions": CONDITIONS}) == []
+
+
 def test_a_cache_stored_below_float32_is_said_to_be_so_in_words_that_fit():
     """Lossless bfloat16 storage (of a bfloat16 model) had been called "reduced precision" like float16's."""
     from fca.tables.report import storage_sentence

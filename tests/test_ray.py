@@ -265,7 +265,8 @@ def test_token_sums_too_large_to_store_are_scanned_or_left_out(tmp_path, monkeyp
 
 def test_merged_shards_keep_each_shards_rows_of_routing_agreement():
     """A sharded replay of an MoE model: each shard fills its positions of the [n, S] routing figures, and
-    the merged run has every shard's rows (zeros elsewhere would halve the agreement of a two-shard run)."""
+    the merged run has every shard's rows (zeros elsewhere would halve the agreement of a two-shard run);
+    its mechanism check is the worst shard's."""
     from fca.engine.replay import ReplayResults
     from fca.engine.routing import ROUTING_FIGURES
     from fca.jobs.distributed import merge_results
@@ -275,18 +276,20 @@ def test_merged_shards_keep_each_shards_rows_of_routing_agreement():
     rng = np.random.default_rng(0)
     whole = {figure: rng.uniform(size=(n, 2)) for figure in ROUTING_FIGURES}  # [n, S] of the whole run
 
-    def shard(lo: int, hi: int) -> ReplayResults:
+    def shard(lo: int, hi: int, max_diff: float = 0.0) -> ReplayResults:
         routing = {figure: np.zeros((n, 2)) for figure in ROUTING_FIGURES}  # filled on the shard's rows only
         for figure, values in routing.items():
             values[lo:hi] = whole[figure][lo:hi]
         zeros = np.zeros(n)
         return ReplayResults(
             seqs=list(range(n)), per_seq_nll={"cross_input": zeros}, conditions={}, fidelity=FidelityMeasure(),
+            max_abs_logit_diff=max_diff, batches=1,
             live_per_seq=zeros, cache_correct_per_seq=zeros, replayed_per_seq=zeros,
             routers={"a": 2, "b": 2}, routing={"cross_input": routing},
         )  # fmt: skip
 
-    merged = merge_results([shard(*b) for b in bounds], bounds)
+    merged = merge_results([shard(0, 2), shard(2, 4, max_diff=3e-7)], bounds)
     assert merged.routers == {"a": 2, "b": 2}
+    assert (merged.max_abs_logit_diff, merged.batches) == (3e-7, 2)  # the worst shard's, every shard's batches
     for figure in ROUTING_FIGURES:
         np.testing.assert_array_equal(merged.routing["cross_input"][figure], whole[figure])
