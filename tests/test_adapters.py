@@ -636,6 +636,8 @@ def test_a_replay_run_reports_how_much_routing_each_condition_keeps(moe, tmp_pat
     assert conditions["global_mean"]["tied"] == 1.0 and conditions["correct"]["tied"] == 0.0
     rows = {r["condition"]: r for r in condition_rows(list_runs(evaluated)[0])}
     assert rows["global_mean"]["same experts"] == conditions["global_mean"]["same_experts"]
+    assert rows["global_mean"]["experts kept"] == conditions["global_mean"]["expert_overlap"]
+    assert rows["global_mean"]["weight kept"] == conditions["global_mean"]["weight_kept"]
     assert rows["global_mean"]["tied choices"] == 1.0
     # Even where ties decide, the figures are those of the experts the replay really dispatched to: read
     # from the experts modules' inputs, live and under global_mean, batch by batch as the run replayed.
@@ -701,6 +703,16 @@ def test_routing_agreement_selects_experts_as_the_router_does():
         got = routing_agreement(own, other, TopKRouter(2, renormalize), torch.float32)["weight_kept"]
         assert got.tolist() == [pytest.approx(expected, rel=1e-6)] and 0 < expected < 1
     assert routing_agreement(own, own, 2, torch.float32)["weight_kept"].tolist() == [1.0]
+    # A tie is one at the k-th choice: among the chosen it changes nothing; with k = E there is none.
+    for logits, k, tied in (([2.0, 1.0, 1.0, 0.0], 2, 1.0), ([2.0, 2.0, 1.0, 0.0], 2, 0.0), ([1.0] * 4, 4, 0.0)):
+        ties = routing_agreement(np.array([[logits]], np.float32), np.array(logits, np.float32), k, torch.float32)
+        assert ties["tied"].tolist() == [tied], (logits, k)
+    # per sequence, the share of its tokens: one tied token of two
+    two = np.array([[[1.0, 1.0, 0.0, 0.0], [3.0, 2.0, 1.0, 0.0]]], np.float32)  # [b=1, T=2, E]
+    assert routing_agreement(two, two, 1, torch.float32)["tied"].tolist() == [0.5]
+    # The softmax is float32's, as the router's: in bfloat16 logits 2^-10 apart would round to one value.
+    apart = np.array([[[0.0, 2**-10, -8.0, -8.0]]], np.float32)
+    assert routing_agreement(apart, apart, 1, torch.bfloat16)["tied"].tolist() == [0.0]
     # A tie in the token's own choice counts too: which of its tied experts it ran was tie order.
     own_tie = np.array([[[1.0, 1.0, 0.0, 0.0]]], np.float32)
     assert routing_agreement(own_tie, np.array([0.0, 1.0, 2.0, 3.0], np.float32), 1, torch.float32)["tied"] == [1.0]
@@ -708,6 +720,7 @@ def test_routing_agreement_selects_experts_as_the_router_does():
     close = np.array([[[1.001, 1.0, 0.0, 0.0]]], np.float32)
     assert routing_agreement(own, close, 1, torch.float32)["tied"].tolist() == [0.0]
     assert routing_agreement(own, close, 1, torch.bfloat16)["tied"].tolist() == [1.0]
+    assert routing_agreement(close, own, 1, torch.bfloat16)["tied"].tolist() == [1.0]  # (its own, rounded too)
     # The experts chosen are the router's own choice (TopKRouting rebuilds it in replay).
     logits = torch.randn(5, 7, E, generator=torch.Generator().manual_seed(0))
     router = nn.Module()

@@ -998,10 +998,31 @@ def test_saved_runs_with_a_damaged_field_are_skipped():
         lambda r: r["spec"].update(conditions=[5, None]),
         lambda r: r["results"]["per_sequence_nll"].update(static_layer=None),
         lambda r: r["results"]["per_sequence_nll"].update(static_layer=["x"]),
+        lambda r: r["results"]["conditions"]["static_layer"].update(nll=True),  # (a bool is no number)
+        lambda r: r["results"]["per_sequence_nll"].update(static_layer=[1.0, False]),
+        lambda r: r["results"].update(routing={"conditions": {"static_layer": {"tied": 0.5}}}),
     ):
         record = json.loads(json.dumps(good))
         damage(record)
         assert not is_run_record(record), record
+
+
+def test_a_runs_nll_interval_is_the_runs_own_bootstrap():
+    """The NLL CI of a saved run resamples its sequences with the run's seed, as the audit's penalty CIs."""
+    from fca.tables.runs import condition_rows
+    from fca.tables.stats import paired_bootstrap_ci
+
+    values = [3.0, 3.5, 2.5, 4.0, 3.2, 2.9, 3.8, 3.1]
+    record = {
+        "spec": {"conditions": ["correct"], "num_seqs": 8, "seed": 3},
+        "results": {
+            "conditions": {"correct": {"nll": float(np.mean(values)), "penalty": 0.0, "penalty_ci95": [0.0, 0.0]}},
+            "per_sequence_nll": {"correct": values},
+        },
+    }
+    row = condition_rows(record)[0]
+    ours = (row["NLL 95% CI low"], row["NLL 95% CI high"])
+    assert ours == paired_bootstrap_ci(np.array(values), 2000, 3) != paired_bootstrap_ci(np.array(values), 2000, 4)
 
 
 def test_lab_sweep_points_and_figure():

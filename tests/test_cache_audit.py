@@ -741,6 +741,9 @@ def test_gap_retention_undefined_without_gap():
         assert gap_retention(table) == {"static_layer": None}
     table["global_mean"]["penalty_ci95"] = [0.0005, 0.0015]
     assert gap_retention(table)["static_layer"] == pytest.approx(0.5)
+    table["static_layer"]["nll"] = 2.0002  # near correct: most of the gap kept
+    assert gap_retention(table)["static_layer"] == pytest.approx(0.8)
+    assert gap_retention({"global_mean": table["global_mean"], "static_layer": table["static_layer"]}) == {}
 
 
 def test_replay_cli_saves_runs(demo, capsys):

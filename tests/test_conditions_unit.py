@@ -177,3 +177,18 @@ def test_an_experiments_profiles_come_from_its_calibration_cache():
         np.testing.assert_array_equal(static, own.static[site])
         assert not np.array_equal(static, evaluated.static[site])
     assert profiles.family_means == own.family_means != evaluated.family_means
+
+
+def test_a_run_without_the_checks_scores_what_it_was_asked():
+    """check_exactness=False (a bench of the replays themselves): no check pass, no Correct added, and
+    nothing read from a Correct that did not run."""
+    import fca
+    from fca.engine.replay import run_conditions
+    from fca.tables.profiles import calibration_profiles
+
+    model = fca.load_model(DEMO / "featuregate")
+    profiles = calibration_profiles(open_cache(DEMO / "calibration"))
+    cache = open_cache(DEMO / "eval")
+    results = run_conditions(model, cache, [Condition("static_layer")], profiles, seqs=[0, 1], check_exactness=False)
+    assert list(results.per_seq_nll) == ["static_layer"] and np.isfinite(results.per_seq_nll["static_layer"]).all()
+    assert results.fidelity is None and results.batches == 0

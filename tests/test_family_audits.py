@@ -173,7 +173,11 @@ def test_mixtral_audit(corpus_and_tokenizer, monkeypatch, capsys):
     said = capsys.readouterr().out
     lines = {line.split()[0]: line for line in said.splitlines() if "same experts" in line}
     assert lines["correct"].endswith("same experts 100.0%, kept 100.0%, weight kept 100.0%")
-    assert lines["global_mean"].endswith("(ties decided)")
+    gm = routing["conditions"]["global_mean"]  # (the audit's: the same sequences, profiles and seed)
+    assert lines["global_mean"].endswith(
+        f"same experts {100 * gm['same_experts']:.1f}%, kept {100 * gm['expert_overlap']:.1f}%, weight kept "
+        f"{100 * gm['weight_kept']:.1f}% (ties decided)"
+    )
     assert said.rstrip().endswith("Experts drawn at random: 16.7% and 50.0%.")
     # A study of such audits averages the routing kept, beside the penalties.
     from fca.tables.study import build_study

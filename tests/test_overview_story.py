@@ -120,6 +120,44 @@ def test_the_conditions_and_routing_tables_cell_by_cell():
     assert routing_table({"conditions": CONDITIONS}) == []
 
 
+def test_routing_summary_over_the_routers_a_condition_changes_and_chance_over_all():
+    from fca.engine.routing import ROUTING_FIGURES
+    from fca.engine.sites import SiteSpec
+    from fca.tables.scoring import summarize_routing
+
+    specs = {
+        "a": SiteSpec(axes=(("expert", 4),), family="router"),
+        "b": SiteSpec(axes=(("expert", 8),), family="router"),
+    }
+    shuffled = np.array([[0.2, 1.0], [0.4, 1.0], [0.6, 1.0]])  # [n = 3, S = 2]: router b untouched
+    per_seq = {
+        "correct": {f: np.ones((3, 2)) for f in ROUTING_FIGURES},
+        "cross_input@a": dict.fromkeys(ROUTING_FIGURES, shuffled),
+    }
+    out = summarize_routing({"a": 2, "b": 2}, specs, per_seq)
+    assert out["experts"] == {"a": 4, "b": 8}
+    assert out["chance"] == {
+        "same_experts": pytest.approx((1 / 6 + 1 / 28) / 2),
+        "expert_overlap": pytest.approx(0.375),
+    }
+    row = out["conditions"]["cross_input@a"]
+    assert row["routers_changed"] == ["a"] and row["same_experts"] == pytest.approx(0.4)
+    assert row["same_experts_per_router"] == pytest.approx([0.4, 1.0]) and row["tied_per_router"] == pytest.approx(
+        [0.4, 1.0]
+    )
+    assert out["conditions"]["correct"]["routers_changed"] == ["a", "b"]
+
+
+def test_nll_bars_draw_each_bound_where_it_is():
+    """An asymmetric interval: the upper whisker reaches ci_hi, the lower ci_lo, and the axis clears the top."""
+    import pandas as pd
+
+    fig = figures.nll_bars(pd.DataFrame({"condition": ["a"], "nll": [3.0], "ci_lo": [2.5], "ci_hi": [3.2]}))
+    error = fig.data[0].error_y
+    assert list(error.array) == pytest.approx([0.2]) and list(error.arrayminus) == pytest.approx([0.5])
+    assert fig.layout.yaxis.range[1] > 3.2
+
+
 def test_a_cache_stored_below_float32_is_said_to_be_so_in_words_that_fit():
     """Lossless bfloat16 storage (of a bfloat16 model) had been called "reduced precision" like float16's."""
     from fca.tables.report import storage_sentence

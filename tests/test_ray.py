@@ -291,5 +291,9 @@ def test_merged_shards_keep_each_shards_rows_of_routing_agreement():
     merged = merge_results([shard(0, 2), shard(2, 4, max_diff=3e-7)], bounds)
     assert merged.routers == {"a": 2, "b": 2}
     assert (merged.max_abs_logit_diff, merged.batches) == (3e-7, 2)  # the worst shard's, every shard's batches
+    elsewhere = shard(2, 4)
+    elsewhere.replayed_on = {"device_type": "cuda"}
+    with pytest.raises(CacheError, match="replay workers ran in different environments"):
+        merge_results([shard(0, 2), elsewhere], bounds)
     for figure in ROUTING_FIGURES:
         np.testing.assert_array_equal(merged.routing["cross_input"][figure], whole[figure])
