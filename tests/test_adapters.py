@@ -613,7 +613,9 @@ def test_a_replay_run_reports_how_much_routing_each_condition_keeps(moe, tmp_pat
     experts, a condition on one router leaves the other's routing alone, and a profile equal for every
     expert is said to be decided by ties."""
     from fca.jobs.runs import run_replay
+    from fca.tables.profiles import calibration_profiles
     from fca.tables.runs import condition_rows, list_runs
+    from fca.tables.store import open_cache
 
     rng = np.random.default_rng(0)
     windows = rng.integers(3, VOCAB, size=(8, T + 1))  # [N, T + 1]
@@ -639,11 +641,20 @@ def test_a_replay_run_reports_how_much_routing_each_condition_keeps(moe, tmp_pat
     assert rows["global_mean"]["experts kept"] == conditions["global_mean"]["expert_overlap"]
     assert rows["global_mean"]["weight kept"] == conditions["global_mean"]["weight_kept"]
     assert rows["global_mean"]["tied choices"] == 1.0
+    # Run alone (a cache rounded to float16 is not the recorded pass, so the checks replay a Correct of
+    # their own): only what was asked is reported, and only the routers the cache holds.
+    from fca.engine.replay import run_conditions
+    from fca.tables.conditions import Condition
+
+    rounded = fca.build_cache(
+        moe, windows[:4], tmp_path / "f16", split="eval", batch_size=2, coefficient_dtype="float16"
+    )
+    alone = run_conditions(moe, open_cache(rounded), [Condition("static_layer")], calibration_profiles(open_cache(calibration)),
+                           batch_size=2, routers={first: TOP_K, "model.layers.9.mlp.gate": TOP_K})  # fmt: skip
+    assert list(alone.routing) == ["static_layer"] and alone.routers == {first: TOP_K}
     # Even where ties decide, the figures are those of the experts the replay really dispatched to: read
     # from the experts modules' inputs, live and under global_mean, batch by batch as the run replayed.
-    from fca.tables.conditions import Condition, condition_coefficients
-    from fca.tables.profiles import calibration_profiles
-    from fca.tables.store import open_cache
+    from fca.tables.conditions import condition_coefficients
 
     cache, profiles = open_cache(evaluated), calibration_profiles(open_cache(calibration))
     dispatched: dict[int, torch.Tensor] = {}

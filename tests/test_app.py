@@ -957,6 +957,10 @@ def test_lab_run_labels_and_csv_rows_are_plain():
     # bootstrap means of two sequences (2 and 4) are 2, 3 or 4, each end with probability 1/4: the 95%
     # percentile interval is [2, 4], the library's resampling (as the audit's penalty CIs)
     assert (correct["NLL 95% CI low"], correct["NLL 95% CI high"]) == (2.0, 4.0) and correct["sequences"] == 16
+    assert (correct["seed"], correct["batch size"]) == (
+        records[0]["spec"]["seed"],
+        records[0]["spec"].get("batch_size"),
+    )
     assert "gap retention" not in columns  # no global_mean, no gap
     from fca.tables.runs import condition_rows
 

@@ -115,7 +115,9 @@ def test_the_conditions_and_routing_tables_cell_by_cell():
         "| `cross_input@a.0` (1 of 2 routers) | 25.0% | 50.0% | 45.0% | 75.0% |",
         "",
     ]
-    assert "top-2" in table[1] and "16.7% of tokens and keep 50.0% of them" in table[1]
+    assert "top-2" in table[1] and "2 routers" in table[1] and "16.7% of tokens and keep 50.0% of them" in table[1]
+    half = {**routing, "conditions": {"cross_input": {**figures, "tied": 0.5}}}  # (half tied: said too)
+    assert "every such token ran the same experts" in routing_table({"routing": half})[-1]
     assert "every such token ran the same experts" in table[-1]  # (a row with most choices tied)
     assert routing_table({"conditions": CONDITIONS}) == []
 
