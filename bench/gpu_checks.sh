@@ -21,7 +21,8 @@
 # speed      the performance ratios on CUDA and MUDDPythia at the 1.4B shapes in bfloat16 (capture,
 #            replay and a streamed cache build vs live); the writer's scaling: bench/writer_scale.py;
 #            a host-bound forward beside a writer thread and process: bench/host_contention.py; what
-#            handing a 1.4B-shaped batch to the writers costs the build's process: bench/handover.py
+#            handing a 1.4B-shaped batch to the writers costs the build's process: bench/handover.py; what
+#            the routing tally adds to a replay of a 64-expert model: bench/moe_routing_check.py --cost
 set -uo pipefail
 out="${1:-gpu-checks}"
 shift || true
@@ -192,6 +193,8 @@ section_speed() {
   record "host-bound forward beside a writer thread / process (this host's CPU)" "$work/contention.json"
   step "hand-over" 90 python -m bench.handover --workers 4 --json "$work/handover.json"
   record "handing a 1.4B-shaped batch to the writers (this host's CPU)" "$work/handover.json"
+  step "routing tally cost" 180 python -m bench.moe_routing_check --cost --device $gpu --json "$work/moe-cost.json" &&
+    record "replay with the routing tally / without (64 experts, top-8)" "$work/moe-cost.json"
 }
 
 for section in $sections; do

@@ -2,6 +2,7 @@
 experts each condition's logits select, computed apart from the library in NumPy.
 
     python -m bench.moe_routing_check --device cuda [--dtype bfloat16] [--json PATH]
+    python -m bench.moe_routing_check --cost [--device cuda]   (the tally's cost: replay with it / without)
 
 A small random Mixtral (8 experts, top-2) is cached and replayed on the device: Correct must be exact,
 and for conditions of distinct logits (cross_input, token_shuffle, interpolate:0.5) `same_experts` and
@@ -117,13 +118,72 @@ def check(device: str, dtype: str) -> dict:
     return out
 
 
+def tally_cost(device: str, dtype: str, rounds: int = 3) -> dict:
+    """What the routing tally costs a replay: the same run (four conditions, checks on) timed with the
+    tally and without it (`routers={}`), interleaved, on a model of 64 experts, top-8 (OLMoE's routing),
+    at 16 x 256 tokens; the median of the per-round ratios."""
+    import time
+
+    import transformers
+
+    from fca.engine.models.hf_moe import adapt_moe
+    from fca.engine.replay import run_conditions
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=300, hidden_size=256, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=64, num_experts_per_tok=8, max_position_embeddings=512,
+    )  # fmt: skip
+    model = adapt_moe(transformers.AutoModelForCausalLM.from_config(config).eval()).to(device=device, dtype=torch_dtype)
+    windows = np.random.default_rng(0).integers(3, 300, size=(32, 257))
+    storage = "bfloat16" if dtype == "bfloat16" else "float32"
+    with tempfile.TemporaryDirectory(prefix="fca-moe-cost-") as work:
+        kw = dict(batch_size=8, coefficient_dtype=storage)
+        evaluated = open_cache(fca.build_cache(model, windows[:16], Path(work) / "eval", split="eval", **kw))
+        profiles = calibration_profiles(
+            open_cache(fca.build_cache(model, windows[16:], Path(work) / "cal", split="calibration", **kw))
+        )
+        conditions = [
+            parse_condition(c) for c in ("correct", "cross_input", "token_shuffle", "static_layer", "global_mean")
+        ]
+
+        def seconds(routers) -> float:
+            if device.startswith("cuda"):
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            run_conditions(model, evaluated, conditions, profiles, batch_size=8, routers=routers)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize(device)
+            return time.perf_counter() - start
+
+        seconds(None)  # (warm-up)
+        ratios, plain = [], []
+        for _ in range(rounds):
+            without = seconds({})
+            ratios.append(seconds(None) / without)
+            plain.append(without)
+    return {
+        "device": device,
+        "dtype": dtype,
+        "shape": "4 layers, 64 experts top-8, 16 x 256 tokens, 5 conditions",
+        "replay_with_routing_over_without": float(np.median(ratios)),
+        "ratios": ratios,
+        "replay_without_routing_s": float(np.median(plain)),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--cost", action="store_true", help="time a replay with the routing tally and without it")
     parser.add_argument("--json")
     args = parser.parse_args()
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if args.cost:
+        emit(tally_cost(device, args.dtype), args.json)
+        return
     result = check(device, args.dtype)
     emit(result, args.json)
     sys.exit(1 if result["failures"] else 0)
