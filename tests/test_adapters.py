@@ -649,21 +649,27 @@ def test_a_replay_run_reports_how_much_routing_each_condition_keeps(moe, tmp_pat
     rounded = fca.build_cache(
         moe, windows[:4], tmp_path / "f16", split="eval", batch_size=2, coefficient_dtype="float16"
     )
-    alone = run_conditions(moe, open_cache(rounded), [Condition("static_layer")], calibration_profiles(open_cache(calibration)),
-                           batch_size=2, routers={first: TOP_K, "model.layers.9.mlp.gate": TOP_K})  # fmt: skip
+    profiles = calibration_profiles(open_cache(calibration))
+    routers = {first: TOP_K, "model.layers.9.mlp.gate": TOP_K}
+    alone = run_conditions(
+        moe, open_cache(rounded), [Condition("static_layer")], profiles, batch_size=2, routers=routers
+    )
     assert list(alone.routing) == ["static_layer"] and alone.routers == {first: TOP_K}
     # Even where ties decide, the figures are those of the experts the replay really dispatched to: read
     # from the experts modules' inputs, live and under global_mean, batch by batch as the run replayed.
     from fca.tables.conditions import condition_coefficients
 
-    cache, profiles = open_cache(evaluated), calibration_profiles(open_cache(calibration))
+    cache = open_cache(evaluated)
     dispatched: dict[int, torch.Tensor] = {}
 
     def record(layer, module, args, kwargs):
         dispatched[layer] = (args[1] if len(args) > 1 else kwargs["top_k_index"]).sort(-1).values  # [N, k]
 
     experts = [moe.get_submodule(f"model.layers.{i}.mlp.experts") for i in range(2)]
-    hooks = [m.register_forward_pre_hook(lambda m, a, kw, i=i: record(i, m, a, kw), with_kwargs=True) for i, m in enumerate(experts)]  # fmt: skip
+    hooks = [
+        m.register_forward_pre_hook(lambda m, a, kw, i=i: record(i, m, a, kw), with_kwargs=True)
+        for i, m in enumerate(experts)
+    ]
     same = np.zeros(2)
     try:
         for batch in ([0, 1], [2, 3]):

@@ -75,8 +75,8 @@ def _agreement(own: Choice, chosen: Choice, k: int) -> dict[str, torch.Tensor]:
     """The token's own choice and a condition's, [b, T, ...] each -> the per-sequence figures [b] (float64).
     A tie on either side counts as tied: which of the tied experts ran was tie order."""
     kept = (own.selected & chosen.selected).sum(-1)  # [b, T] experts in both selections
-    # own routed weight still given to the same experts, at most as much as before: 1 - half the L1 distance
-    # of two renormalised weightings, the share of the token's mixture left in place
+    # the token's own routed weight still given to the same experts, at most as much as before: the share of
+    # its mixture left in place (for weightings that sum to 1, one minus half their L1 distance)
     weight = torch.minimum(own.weights, chosen.weights).sum(-1) / own.weights.sum(-1)  # [b, T]
     return {
         "same_experts": (kept == k).double().mean(1),

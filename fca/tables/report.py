@@ -163,8 +163,8 @@ def routing_table(report: dict) -> list[str]:
         scope = "" if len(changed) == len(routers) else f" ({len(changed)} of {len(routers)} routers)"
         weight = f"{100 * row['weight_kept']:.1f}%" if "weight_kept" in row else ""  # (older reports: none)
         lines.append(
-            f"| {condition_cell(name)}{scope} | {100 * row['same_experts']:.1f}% | {100 * row['expert_overlap']:.1f}% | {weight} | "
-            f"{100 * row['tied']:.1f}% |"
+            f"| {condition_cell(name)}{scope} | {100 * row['same_experts']:.1f}% | "
+            f"{100 * row['expert_overlap']:.1f}% | {weight} | {100 * row['tied']:.1f}% |"
         )
     if any(row["tied"] >= 0.5 for row in routing["conditions"].values()):
         lines += [

@@ -57,9 +57,9 @@ ROUTING_DEFINITION = (
     "with those of the token's own cached coefficients: same_experts, the share of tokens whose k experts "
     "are the same set; expert_overlap, the mean share of the k experts kept; weight_kept, the mean share of "
     "the token's own mixing weight left on the same experts (sum over experts of the smaller of the two "
-    "weights, over the token's own total); tied, the share whose choice, "
-    "their own or the condition's, was decided by a tie (e.g. a profile equal for every expert); each over "
-    "the routers the condition changes (routers_changed), and per router"
+    "weights, over the token's own total); tied, the share whose choice, their own or the condition's, was "
+    "decided by a tie (e.g. a profile equal for every expert); each over the routers the condition changes "
+    "(routers_changed), and per router"
 )
 
 
