@@ -760,7 +760,7 @@ def routing_by_router(routing: dict, leave_out: Sequence[str] = ()) -> go.Figure
     short = [_router_label(name) for name in routers]
     fig = go.Figure()
     for name, row in routing["conditions"].items():
-        if name == "correct" or name in leave_out:
+        if name == "correct" or name in leave_out or row["same_experts"] is None:  # (None: it changes no router)
             continue
         fig.add_trace(
             go.Scatter(

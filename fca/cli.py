@@ -345,25 +345,34 @@ def cmd_replay(args: argparse.Namespace) -> None:
     for name, row in record["results"]["conditions"].items():
         lo, hi = row["penalty_ci95"]
         ci = f"[{lo:+.4f}, {hi:+.4f}]" if math.isfinite(lo) else "(no CI from one sequence)"
-        same = ""
-        if name in routing:
-            agreement = routing[name]
-            same = (
-                f"  same experts {100 * agreement['same_experts']:.1f}%, kept {100 * agreement['expert_overlap']:.1f}%,"
-                f" weight kept {100 * agreement['weight_kept']:.1f}%"
-            )
-            same += " (ties decided)" if agreement["tied"] >= 0.5 else ""
-        print(f"{name:40s} NLL {row['nll']:.4f}  penalty {row['penalty']:+.4f} {ci}{same}")
+        print(f"{name:40s} NLL {row['nll']:.4f}  penalty {row['penalty']:+.4f} {ci}{_routing_figures(record, name)}")
     if routing:
         chance = record["results"]["routing"]["chance"]
         print(
             f"same experts: tokens routed to the same top-k experts as by their own coefficients; kept: the share "
-            f"of those experts kept; weight kept: the share of each token's mixing weight left on them. Experts "
-            f"drawn at random: {100 * chance['same_experts']:.1f}% and "
-            f"{100 * chance['expert_overlap']:.1f}%."
+            f"of those experts kept; weight kept: the share of each token's mixing weight left on them; ties "
+            f"decided: most choices, the token's own or the condition's, were ties. Experts drawn at random: "
+            f"{100 * chance['same_experts']:.1f}% and {100 * chance['expert_overlap']:.1f}%."
         )
     if record.get("path"):
         print(f"saved {record['path']}")
+
+
+def _routing_figures(record: dict, name: str) -> str:
+    """A replay line's routing figures (models with top-k routers), with what they are taken over."""
+    from fca.tables.report import routing_scope
+
+    routing = record["results"].get("routing")
+    if not routing or name not in routing["conditions"]:
+        return ""
+    row = routing["conditions"][name]
+    scope = routing_scope(row, list(routing["routers"]))
+    if row["same_experts"] is None:
+        return f" {scope}"
+    return (
+        f"  same experts {100 * row['same_experts']:.1f}%, kept {100 * row['expert_overlap']:.1f}%, weight kept "
+        f"{100 * row['weight_kept']:.1f}%{scope}" + (" (ties decided)" if row["tied"] >= 0.5 else "")
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

@@ -635,6 +635,11 @@ def test_a_replay_run_reports_how_much_routing_each_condition_keeps(moe, tmp_pat
     # its figures are the shuffled router's: the untouched one keeps every token's experts by construction
     assert shuffled["routers_changed"] == [first] and conditions["global_mean"]["routers_changed"] == [first, second]
     assert shuffled["same_experts"] == shuffled["same_experts_per_router"][0]
+    # the weights each router hands its experts, as the family's config says (Qwen2-MoE: not renormalised)
+    renormalised = bool(getattr(moe.config, "norm_topk_prob", True))
+    assert set(routing["weights"].values()) == {
+        "renormalised top-k probabilities" if renormalised else "top-k probabilities as they are"
+    }
     assert conditions["global_mean"]["tied"] == 1.0 and conditions["correct"]["tied"] == 0.0
     rows = {r["condition"]: r for r in condition_rows(list_runs(evaluated)[0])}
     assert rows["global_mean"]["same experts"] == conditions["global_mean"]["same_experts"]
@@ -687,7 +692,7 @@ def test_a_replay_run_reports_how_much_routing_each_condition_keeps(moe, tmp_pat
 
 def test_routing_agreement_selects_experts_as_the_router_does():
     from fca.engine.models.hf_moe import TopKRouting
-    from fca.engine.routing import routing_agreement, top_k_selection
+    from fca.engine.routing import routing_agreement, top_k_choice, top_k_selection
 
     own = np.array([[[3.0, 2.0, 1.0, 0.0]]], np.float32)  # [b=1, T=1, E=4]: experts 0 and 1
     for assigned, same, kept, tied in (
@@ -720,6 +725,15 @@ def test_routing_agreement_selects_experts_as_the_router_does():
         got = routing_agreement(own, other, TopKRouter(2, renormalize), torch.float32)["weight_kept"]
         assert got.tolist() == [pytest.approx(expected, rel=1e-6)] and 0 < expected < 1
     assert routing_agreement(own, own, 2, torch.float32)["weight_kept"].tolist() == [1.0]
+    # Weights handed over in the logits' dtype (OLMoE, Qwen) are rounded there first: as the experts get them.
+    rounded = TopKRouter(2, True, weights_in_logit_dtype=True)
+    logits = torch.tensor([[0.3, 0.1, -1.0, -2.0]], dtype=torch.bfloat16)
+    weights = top_k_choice(logits, rounded).weights
+    router = nn.Module()
+    router.top_k, router.norm_topk_prob = 2, True
+    _, dispatched, index = TopKRouting(weights_in_logit_dtype=True)(logits, router)
+    assert torch.equal(weights.gather(-1, index), dispatched.float())
+    assert not torch.equal(top_k_choice(logits, TopKRouter(2)).weights, weights)  # (float32's differ)
     # A tie is one at the k-th choice: among the chosen it changes nothing; with k = E there is none.
     for logits, k, tied in (([2.0, 1.0, 1.0, 0.0], 2, 1.0), ([2.0, 2.0, 1.0, 0.0], 2, 0.0), ([1.0] * 4, 4, 0.0)):
         ties = routing_agreement(np.array([[logits]], np.float32), np.array(logits, np.float32), k, torch.float32)

@@ -161,13 +161,17 @@ def test_mixtral_audit(corpus_and_tokenizer, monkeypatch, capsys):
 
     assert condition_cell("token_shuffle@model.layers.0.mlp.gate") == "`token_shuffle@model.layers.0.mlp.gate`"
     assert condition_cell("cross_input") == "cross_input"
-    assert "every such token ran the same experts" in markdown and "not a measure of the coefficients" in markdown
+    assert (
+        "every such token ran the same experts" in markdown and "decided the experts, not the coefficients" in markdown
+    )
+    assert routing["weights"] == dict.fromkeys(routers, "renormalised top-k probabilities")  # (Mixtral's)
+    assert "the weights are the renormalised top-k probabilities" in markdown
     # top-2 of 4 experts drawn at random: the same pair 1 time in C(4, 2) = 6, half of them kept
     assert routing["chance"] == {"same_experts": pytest.approx(1 / 6), "expert_overlap": 0.5}
     assert routing["experts"] == dict.fromkeys(routers, 4)
     assert "would be the same set for 16.7% of tokens and keep 50.0% of them." in markdown
     replay = ["replay", "--model", str(model_dir), "--cache", str(root / "mixtral-eval"), "--calibration",
-              str(root / "mixtral-calibration"), "--conditions", "global_mean", "--no-save", "--device", "cpu"]  # fmt: skip
+              str(root / "mixtral-calibration"), "--conditions", "global_mean", "token_shuffle@model.layers.0.mlp.gate", "--no-save", "--device", "cpu"]  # fmt: skip
     capsys.readouterr()
     assert main(replay) == 0
     said = capsys.readouterr().out
@@ -179,8 +183,9 @@ def test_mixtral_audit(corpus_and_tokenizer, monkeypatch, capsys):
         f"{100 * gm['weight_kept']:.1f}% (ties decided)"
     )
     assert said.rstrip().endswith("Experts drawn at random: 16.7% and 50.0%.")
+    assert lines["token_shuffle@model.layers.0.mlp.gate"].endswith("(1 of 2 routers)")  # (what it is taken over)
     # A study of such audits averages the routing kept, beside the penalties.
-    from fca.tables.study import build_study
+    from fca.tables.study import build_study, format_spread
     from fca.tables.study import render_markdown as render_study_markdown
 
     other = json.loads(json.dumps(report))
@@ -190,6 +195,9 @@ def test_mixtral_audit(corpus_and_tokenizer, monkeypatch, capsys):
     kept = study["summary"]["conditions"]["cross_input"]["same_experts"]
     assert kept["n"] == 2 and kept["mean"] == pytest.approx(cross["same_experts"] + 0.05)
     assert "interpolate:0.5" not in study["summary"]["conditions"]  # (the sweep is not averaged)
-    assert "| condition | NLL (nats/token) | penalty vs correct (nats/token) | gap retention | same experts |" in (
-        render_study_markdown(study)
+    studied = render_study_markdown(study)
+    assert (
+        "| condition | NLL (nats/token) | penalty vs correct (nats/token) | gap retention | same experts |" in studied
     )
+    same = format_spread(study["summary"]["conditions"]["global_mean"]["same_experts"], 1, percent=True)
+    assert f"| {same} (ties decided) |" in studied  # (tie order decided it in every model: said, as in each audit)

@@ -119,6 +119,10 @@ def test_the_conditions_and_routing_tables_cell_by_cell():
     half = {**routing, "conditions": {"cross_input": {**figures, "tied": 0.5}}}  # (half tied: said too)
     assert "every such token ran the same experts" in routing_table({"routing": half})[-1]
     assert "every such token ran the same experts" in table[-1]  # (a row with most choices tied)
+    # A condition on sites that are no router changes no routing: said, with no figures
+    nothing = {key: None for key in figures} | {"routers_changed": []}
+    quiet = routing_table({"routing": {**routing, "conditions": {"cross_input@gate.x": nothing}}})
+    assert quiet[-1] == "| `cross_input@gate.x` (no router changed) | – | – | – | – |"
     assert routing_table({"conditions": CONDITIONS}) == []
 
 
@@ -148,6 +152,13 @@ def test_routing_summary_over_the_routers_a_condition_changes_and_chance_over_al
         [0.4, 1.0]
     )
     assert out["conditions"]["correct"]["routers_changed"] == ["a", "b"]
+    assert out["weights"] == dict.fromkeys(["a", "b"], "renormalised top-k probabilities")
+    untouched = summarize_routing(
+        {"a": 2, "b": 2}, specs, {"cross_input@c": dict.fromkeys(ROUTING_FIGURES, shuffled)}, {"a": False}
+    )
+    row = untouched["conditions"]["cross_input@c"]
+    assert row["routers_changed"] == [] and row["same_experts"] is None and row["tied"] is None
+    assert untouched["weights"]["a"] == "top-k probabilities as they are"
 
 
 def test_nll_bars_draw_each_bound_where_it_is():

@@ -76,7 +76,8 @@ RESULT_COLUMNS = {
         format="percent", help="mean share of each token's own mixing weight left on the same experts"
     ),
     "tied choices": st.column_config.NumberColumn(
-        format="percent", help="tokens whose experts were chosen by a tie (e.g. one value for every expert)"
+        format="percent",
+        help="tokens whose choice, their own or the condition's, was decided by a tie (e.g. one value for every expert)",
     ),
 }
 
@@ -426,7 +427,8 @@ if job is not None and not job.running:
                 "experts kept; *weight kept*, the share of each token's mixing weight left on the same experts. "
                 f"Experts drawn at random: {chance['same_experts']:.1%} and "
                 f"{chance['expert_overlap']:.1%}. A condition whose choices are mostly ties (one value for "
-                "every expert) runs the same experts for every token: its agreement is not the coefficients'."
+                "every expert) runs the same experts for every token: its agreement is not the coefficients'. "
+                "A condition on sites that are no router changes no routing: its cells are empty."
             )
             st.plotly_chart(figures.routing_by_router(routing), key="lab_routing")
         sweep = sweep_points(record["results"]["conditions"])

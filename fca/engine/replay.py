@@ -164,6 +164,7 @@ class ReplayResults:
     # condition -> figure -> [n, S] per sequence and router, in `routers`' order. Empty otherwise.
     routers: dict[str, int] = field(default_factory=dict)
     routing: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    renormalized: dict[str, bool] = field(default_factory=dict)  # router site -> top-k weights renormalised
     replayed_per_seq: np.ndarray | None = None  # [n] Correct replay of the recorded coefficients (check 1)
     exactness: dict | None = None  # `check_exactness`'s verdict, once judged (`Experiment.run` judges)
 
@@ -449,5 +450,6 @@ def run_conditions(
         coefficient_dtype=cache.coefficient_dtype,
         replayed_per_seq=replayed_nll,
         routers={site: router.k for site, router in tally.routers.items()},
+        renormalized={site: router.renormalize for site, router in tally.routers.items()},
         routing=tally.figures() if routers else {},
     )

@@ -29,10 +29,12 @@ ROUTING_FIGURES = ("same_experts", "expert_overlap", "weight_kept", "tied")
 @dataclass(frozen=True)
 class TopKRouter:
     """How a router chooses: the top `k` experts of a softmax over its logits, their probabilities
-    renormalised to sum to 1 when `renormalize` (Mixtral always; OLMoE and Qwen by `norm_topk_prob`)."""
+    renormalised to sum to 1 when `renormalize` (Mixtral always; OLMoE and Qwen by `norm_topk_prob`), and
+    cast back to the logits' dtype when `weights_in_logit_dtype` (OLMoE and Qwen; Mixtral keeps float32)."""
 
     k: int
     renormalize: bool = True
+    weights_in_logit_dtype: bool = False
 
 
 def as_router(spec: int | TopKRouter) -> TopKRouter:
@@ -60,6 +62,8 @@ def top_k_choice(logits: torch.Tensor, router: TopKRouter) -> Choice:
     tied = best_left_out == values[:, -1]
     if router.renormalize:
         values = values / values.sum(-1, keepdim=True)
+    if router.weights_in_logit_dtype:  # (the weights the experts are handed: rounded in a bfloat16 model)
+        values = values.to(logits.dtype).float()
     weights = torch.zeros_like(probs).scatter_(-1, index, values)  # [N, E]
     return Choice(selected.reshape(logits.shape), tied.reshape(logits.shape[:-1]), weights.reshape(logits.shape))
 

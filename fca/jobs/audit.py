@@ -131,7 +131,7 @@ def audit_experiment(
         "gap_retention": gap_retention(table),
         **({"interpolation_sweep": _sweep_section(table, swept)} if swept else {}),
         **(
-            {"routing": summarize_routing(results.routers, evaluated.site_specs, results.routing)}
+            {"routing": summarize_routing(results.routers, evaluated.site_specs, results.routing, results.renormalized)}
             if results.routers
             else {}
         ),

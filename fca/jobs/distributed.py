@@ -380,6 +380,7 @@ def merge_results(shards: Sequence[ReplayResults], bounds: Sequence[tuple[int, i
         coefficient_dtype=first.coefficient_dtype,
         replayed_per_seq=replayed,
         routers=first.routers,
+        renormalized=first.renormalized,
         routing={
             name: {figure: joined(lambda r: r.routing[name][figure]) for figure in figures}
             for name, figures in first.routing.items()

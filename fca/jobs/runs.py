@@ -75,7 +75,11 @@ def run_replay(
             "conditions": summarize_conditions(results.per_seq_nll, seed),
             "per_sequence_nll": {k: v.tolist() for k, v in results.per_seq_nll.items()},
             **(
-                {"routing": summarize_routing(results.routers, experiment.evaluated.site_specs, results.routing)}
+                {
+                    "routing": summarize_routing(
+                        results.routers, experiment.evaluated.site_specs, results.routing, results.renormalized
+                    )
+                }
                 if results.routers
                 else {}
             ),

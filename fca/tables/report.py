@@ -132,6 +132,19 @@ def conditions_table(report: dict) -> list[str]:
     return lines
 
 
+def routing_scope(row: dict, routers: list[str]) -> str:
+    """What a condition's routing figures are taken over, to follow its name: "" for every router,
+    " (1 of 2 routers)", or " (no router changed)" for one whose figures are null."""
+    changed = row.get("routers_changed", routers)  # (reports made before it was kept: every router)
+    if not changed:
+        return " (no router changed)"
+    return "" if len(changed) == len(routers) else f" ({len(changed)} of {len(routers)} routers)"
+
+
+def _share(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.1f}%"
+
+
 def routing_table(report: dict) -> list[str]:
     """Markdown lines for a report's (or saved run's results') `routing` section: the experts each condition
     routes tokens to, against their own; [] when the model has no top-k routers."""
@@ -141,12 +154,15 @@ def routing_table(report: dict) -> list[str]:
     routers = list(routing["routers"])
     k = "/".join(map(str, sorted(set(routing["routers"].values()))))
     chance = routing.get("chance")
+    weights = set((routing.get("weights") or {}).values())  # (reports made before it was kept: not said)
     lines = [
         "",
         f"**Routing.** Which experts run under each condition (each router's top-{k} of the coefficients fed to "
         f"it, {len(routers)} routers), against those the token's own coefficients select; shares of tokens, over "
         "the routers the condition changes. Routed weight kept: the share of each token's own mixing weight "
-        "still on the same experts (the smaller of the two weights, expert by expert). A penalty says what a "
+        "still on the same experts (the smaller of the two weights, expert by expert"
+        + (f"; the weights are the {next(iter(weights))}" if len(weights) == 1 else "")
+        + "). Tied: the token's own choice or the condition's was decided by a tie. A penalty says what a "
         "condition costs; this says how much routing it changed."
         + (
             f" Experts drawn at random would be the same set for {100 * chance['same_experts']:.1f}% of tokens and "
@@ -159,20 +175,18 @@ def routing_table(report: dict) -> list[str]:
         "|---|---|---|---|---|",
     ]
     for name, row in routing["conditions"].items():
-        changed = row.get("routers_changed", routers)  # (reports made before it was kept: every router)
-        scope = "" if len(changed) == len(routers) else f" ({len(changed)} of {len(routers)} routers)"
-        weight = f"{100 * row['weight_kept']:.1f}%" if "weight_kept" in row else ""  # (older reports: none)
         lines.append(
-            f"| {condition_cell(name)}{scope} | {100 * row['same_experts']:.1f}% | "
-            f"{100 * row['expert_overlap']:.1f}% | {weight} | {100 * row['tied']:.1f}% |"
+            f"| {condition_cell(name)}{routing_scope(row, routers)} | {_share(row['same_experts'])} | "
+            f"{_share(row['expert_overlap'])} | {_share(row.get('weight_kept'))} | {_share(row['tied'])} |"
         )
-    if any(row["tied"] >= 0.5 for row in routing["conditions"].values()):
+    if any((row["tied"] or 0) >= 0.5 for row in routing["conditions"].values()):
         lines += [
             "",
-            "Where most choices were ties (a profile equal for every expert), every such token ran the same "
-            "experts, the first in the order torch.topk breaks ties in (which may differ between devices): "
-            "those rows' agreement is the share of tokens whose own experts happen to be that set, not a "
-            "measure of the coefficients, and the penalty of such a condition rests on that choice too.",
+            "Where most choices were ties (as when a condition gives every expert the same value), the order "
+            "torch.topk breaks ties in decided the experts, not the coefficients (every such token ran the "
+            "same experts, which may differ between devices): those rows' agreement is the share of tokens "
+            "whose own experts happen to be that set, and the penalty of such a condition rests on that "
+            "choice too.",
         ]
     return lines
 

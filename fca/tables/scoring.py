@@ -64,24 +64,31 @@ ROUTING_DEFINITION = (
 
 
 def summarize_routing(
-    routers: Mapping[str, int], specs: Mapping[str, SiteSpec], per_seq: Mapping[str, Mapping[str, np.ndarray]]
+    routers: Mapping[str, int],
+    specs: Mapping[str, SiteSpec],
+    per_seq: Mapping[str, Mapping[str, np.ndarray]],
+    renormalized: Mapping[str, bool] | None = None,
 ) -> dict:
     """The report's `routing` section from a run's routing agreement (`fca.engine.routing`): the routers'
-    experts per token; per condition, each figure per router (in the routers' order, for a by-layer view)
-    and its mean over sequences and the routers the condition reassigns (`routers_changed`: all of them,
-    unless the condition names sites; an untouched router keeps every token's experts and would only
-    dilute the mean); and the `chance` levels of k experts drawn at random: the same set with probability
+    experts per token and how their mixing weights are made (`weights`: renormalised top-k probabilities,
+    or the top-k probabilities as they are, which `weight_kept` depends on); per condition, each figure per
+    router (in the routers' order, for a by-layer view) and its mean over sequences and the routers the
+    condition reassigns (`routers_changed`: all of them, unless the condition names sites; an untouched
+    router keeps every token's experts and would only dilute the mean; a condition that changes none has
+    null figures); and the `chance` levels of k experts drawn at random: the same set with probability
     1 / C(E, k), k/E of them kept on average.
 
     routers: site -> k; specs: the cache's sites (a router's channels are its E experts); per_seq:
     condition -> figure -> [n, S] per sequence and router (every sequence has T tokens, so the mean over
-    sequences is the mean over tokens)."""
+    sequences is the mean over tokens); renormalized: site -> whether the router renormalises (default: yes)."""
     order = list(routers)
     conditions = {}
     for name, figures in per_seq.items():
         changed = _routers_changed(name, order)
-        columns = [order.index(r) for r in changed] or list(range(len(order)))  # (none changed: every router)
-        row: dict = {figure: float(values[:, columns].mean()) for figure, values in figures.items()}
+        columns = [order.index(r) for r in changed]
+        row: dict = {
+            figure: float(values[:, columns].mean()) if columns else None for figure, values in figures.items()
+        }
         row["routers_changed"] = changed
         row.update({f"{figure}_per_router": values.mean(0).tolist() for figure, values in figures.items()})
         conditions[name] = row
@@ -90,7 +97,18 @@ def summarize_routing(
         "same_experts": float(np.mean([1 / math.comb(experts[s], k) for s, k in routers.items()])),
         "expert_overlap": float(np.mean([k / experts[s] for s, k in routers.items()])),
     }
-    return {"routers": dict(routers), "experts": experts, "chance": chance, "conditions": conditions}
+    renormalized = renormalized or {}
+    weights = {s: RENORMALISED if renormalized.get(s, True) else RAW_PROBABILITIES for s in routers}
+    return {
+        "routers": dict(routers),
+        "experts": experts,
+        "weights": weights,
+        "chance": chance,
+        "conditions": conditions,
+    }
+
+
+RENORMALISED, RAW_PROBABILITIES = "renormalised top-k probabilities", "top-k probabilities as they are"
 
 
 def _routers_changed(condition: str, routers: list[str]) -> list[str]:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
-from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, condition_cell, damage, read_report
+from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, condition_cell, damage, read_report, routing_scope
 
 STUDY_VERSION = 1
 # Keys every audit report has (README, "What is measured, exactly"); anything else is passed through or optional.
@@ -305,14 +305,24 @@ def seed_row(report: dict, audit: str, training: dict) -> dict:
         "penalty": {c: row["penalty"] for c, row in conditions.items()},
         "penalty_ci95": {c: row.get("penalty_ci95") for c, row in conditions.items()},
         "gap_retention": dict(report.get("gap_retention") or {}),
-        # (models with top-k routers: the share of tokens each condition keeps on their own experts)
-        "same_experts": {
-            c: row["same_experts"] for c, row in ((report.get("routing") or {}).get("conditions") or {}).items()
-        },
+        # (models with top-k routers: the share of tokens each condition keeps on their own experts, and
+        # what it is taken over: "(1 of 2 routers)", "(ties decided)")
+        "same_experts": {c: row["same_experts"] for c, row in _routing_rows(report).items()},
+        "routing_marks": {c: _routing_mark(row, report) for c, row in _routing_rows(report).items()},
         **{key: field(report, path) for key, path in SCALARS.items()},
         "training": training,
         "exactness": report.get("exactness"),  # passed through as the audit wrote it
     }
+
+
+def _routing_rows(report: dict) -> dict:
+    return (report.get("routing") or {}).get("conditions") or {}
+
+
+def _routing_mark(row: dict, report: dict) -> str:
+    """What follows a condition's routing figure: its scope over the routers, and whether ties decided it."""
+    mark = routing_scope(row, list(report["routing"]["routers"]))
+    return mark + (" (ties decided)" if (row.get("tied") or 0) >= 0.5 else "")
 
 
 def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | None = None) -> dict:
@@ -391,7 +401,9 @@ def conditions_table(study: dict) -> list[str]:
     for name, s in conditions.items():
         retention = format_spread(s["gap_retention"], 1, percent=True, of=n) if "gap_retention" in s else ""
         penalty = format_spread(s["penalty"]) if name != "correct" else ""
-        same = f" {format_spread(s['same_experts'], 1, percent=True)} |" if "same_experts" in s else " |"
+        marks = {r.get("routing_marks", {}).get(name, "") for r in study["seeds"]}  # (the same in every audit, or said)
+        mark = next(iter(marks)) if len(marks) == 1 else " (scope or ties differ between models)"
+        same = f" {format_spread(s['same_experts'], 1, percent=True)}{mark} |" if "same_experts" in s else " |"
         lines.append(
             f"| {condition_cell(name)} | {format_spread(s['nll'])} | {penalty} | {retention} |"
             + (same if routed else "")

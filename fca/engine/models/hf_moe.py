@@ -259,14 +259,18 @@ def expert_execution(
 
 
 def moe_routers(model: nn.Module) -> dict[str, TopKRouter]:
-    """The router sites of an adapted MoE model -> how each chooses: its top_k, and whether the top-k
-    weights are renormalised (as `TopKRouter` above: Mixtral's router has no `norm_topk_prob`, and always
-    does)."""
-    return {
-        name: TopKRouter(int(site.controller.top_k), bool(getattr(site.controller, "norm_topk_prob", True)))
-        for name, site in find_sites(model).items()
-        if site.spec.family == ROUTER_FAMILY
-    }
+    """The router sites of an adapted MoE model -> how each chooses, as its replay rebuilds it
+    (`TopKRouting` above): its top_k, whether the top-k weights are renormalised (Mixtral's router has no
+    `norm_topk_prob`, and always does) and in which dtype they are handed to the experts."""
+    out = {}
+    for name, site in find_sites(model).items():
+        if site.spec.family == ROUTER_FAMILY:
+            router = site.controller
+            rebuild = site.declaration.rebuild
+            out[name] = TopKRouter(
+                int(router.top_k), bool(getattr(router, "norm_topk_prob", True)), rebuild.weights_in_logit_dtype
+            )
+    return out
 
 
 FAMILIES = tuple(  # no Dense twin: a dense model of the same sizes is another model
