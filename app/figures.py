@@ -17,6 +17,8 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from fca.tables.report import ties_decided
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -767,8 +769,8 @@ def routing_by_router(routing: dict, leave_out: Sequence[str] = ()) -> go.Figure
                 x=short,
                 y=row["same_experts_per_router"],
                 mode="lines+markers",
-                name=name + (" (ties decided)" if row["tied"] >= 0.5 else ""),
-                line=dict(dash="dot") if row["tied"] >= 0.5 else None,
+                name=name + (" (ties decided)" if ties_decided(row) else ""),
+                line=dict(dash="dot") if ties_decided(row) else None,
                 customdata=routers,
                 hovertemplate=f"{name}<br>%{{customdata}}: %{{y:.1%}} of tokens on the same experts<extra></extra>",
             )

@@ -360,18 +360,18 @@ def cmd_replay(args: argparse.Namespace) -> None:
 
 def _routing_figures(record: dict, name: str) -> str:
     """A replay line's routing figures (models with top-k routers), with what they are taken over."""
-    from fca.tables.report import routing_scope
+    from fca.tables.report import routing_mark
 
     routing = record["results"].get("routing")
     if not routing or name not in routing["conditions"]:
         return ""
     row = routing["conditions"][name]
-    scope = routing_scope(row, list(routing["routers"]))
+    mark = routing_mark(row, list(routing["routers"]))
     if row["same_experts"] is None:
-        return f" {scope}"
+        return f" {mark}"
     return (
         f"  same experts {100 * row['same_experts']:.1f}%, kept {100 * row['expert_overlap']:.1f}%, weight kept "
-        f"{100 * row['weight_kept']:.1f}%{scope}" + (" (ties decided)" if row["tied"] >= 0.5 else "")
+        f"{100 * row['weight_kept']:.1f}%{mark}"
     )
 
 

@@ -692,7 +692,7 @@ def test_a_replay_run_reports_how_much_routing_each_condition_keeps(moe, tmp_pat
 
 def test_routing_agreement_selects_experts_as_the_router_does():
     from fca.engine.models.hf_moe import TopKRouting
-    from fca.engine.routing import routing_agreement, top_k_choice, top_k_selection
+    from fca.engine.routing import TopKRouter, routing_agreement, top_k_choice
 
     own = np.array([[[3.0, 2.0, 1.0, 0.0]]], np.float32)  # [b=1, T=1, E=4]: experts 0 and 1
     for assigned, same, kept, tied in (
@@ -706,7 +706,6 @@ def test_routing_agreement_selects_experts_as_the_router_does():
         if same is not None:
             assert (scores["same_experts"].tolist(), scores["expert_overlap"].tolist()) == ([same], [kept])
     # Routed weight kept: expert by expert, the smaller of the token's own weight and the condition's.
-    from fca.engine.routing import TopKRouter
 
     def weights(logits, renormalize):  # top-2 of a softmax, as the routers weigh their experts
         p = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
@@ -757,7 +756,7 @@ def test_routing_agreement_selects_experts_as_the_router_does():
     router = nn.Module()
     router.top_k = TOP_K
     _, _, index = TopKRouting(weights_in_logit_dtype=False)(logits.reshape(-1, E), router)  # [N, k]
-    selected, _ = top_k_selection(logits, TOP_K)  # [5, 7, E]
+    selected = top_k_choice(logits, TopKRouter(TOP_K)).selected  # [5, 7, E]
     assert torch.equal(selected.reshape(-1, E), torch.zeros(35, E, dtype=torch.bool).scatter_(-1, index, True))
 
 

@@ -68,13 +68,6 @@ def top_k_choice(logits: torch.Tensor, router: TopKRouter) -> Choice:
     return Choice(selected.reshape(logits.shape), tied.reshape(logits.shape[:-1]), weights.reshape(logits.shape))
 
 
-def top_k_selection(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router coefficients [..., E] -> the experts selected, as a mask [..., E], and whether the k-th choice
-    was tied with the next one [...] (then `torch.topk`'s order, not the values, decided)."""
-    choice = top_k_choice(logits, TopKRouter(k))
-    return choice.selected, choice.tied
-
-
 def _agreement(own: Choice, chosen: Choice, k: int) -> dict[str, torch.Tensor]:
     """The token's own choice and a condition's, [b, T, ...] each -> the per-sequence figures [b] (float64).
     A tie on either side counts as tied: which of the tied experts ran was tie order."""

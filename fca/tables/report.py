@@ -132,6 +132,20 @@ def conditions_table(report: dict) -> list[str]:
     return lines
 
 
+# A routing figure whose choices were mostly ties is said to be decided by them (tie order, not coefficients).
+TIES_DECIDE = 0.5
+
+
+def ties_decided(row: dict) -> bool:
+    """Whether most of a condition's routing choices, the tokens' own or the condition's, were ties."""
+    return (row.get("tied") or 0) >= TIES_DECIDE
+
+
+def routing_mark(row: dict, routers: list[str]) -> str:
+    """What follows a condition's routing figure: what it is taken over, and whether ties decided it."""
+    return routing_scope(row, routers) + (" (ties decided)" if ties_decided(row) else "")
+
+
 def routing_scope(row: dict, routers: list[str]) -> str:
     """What a condition's routing figures are taken over, to follow its name: "" for every router,
     " (1 of 2 routers)", or " (no router changed)" for one whose figures are null."""
@@ -179,7 +193,7 @@ def routing_table(report: dict) -> list[str]:
             f"| {condition_cell(name)}{routing_scope(row, routers)} | {_share(row['same_experts'])} | "
             f"{_share(row['expert_overlap'])} | {_share(row.get('weight_kept'))} | {_share(row['tied'])} |"
         )
-    if any((row["tied"] or 0) >= 0.5 for row in routing["conditions"].values()):
+    if any(map(ties_decided, routing["conditions"].values())):
         lines += [
             "",
             "Where most choices were ties (as when a condition gives every expert the same value), the order "

@@ -63,6 +63,10 @@ ROUTING_DEFINITION = (
 )
 
 
+# How a router's mixing weights are made, as the routing section names them (`weight_kept` depends on it).
+RENORMALISED, RAW_PROBABILITIES = "renormalised top-k probabilities", "top-k probabilities as they are"
+
+
 def summarize_routing(
     routers: Mapping[str, int],
     specs: Mapping[str, SiteSpec],
@@ -106,9 +110,6 @@ def summarize_routing(
         "chance": chance,
         "conditions": conditions,
     }
-
-
-RENORMALISED, RAW_PROBABILITIES = "renormalised top-k probabilities", "top-k probabilities as they are"
 
 
 def _routers_changed(condition: str, routers: list[str]) -> list[str]:

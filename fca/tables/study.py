@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
-from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, condition_cell, damage, read_report, routing_scope
+from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, condition_cell, damage, read_report, routing_mark
 
 STUDY_VERSION = 1
 # Keys every audit report has (README, "What is measured, exactly"); anything else is passed through or optional.
@@ -292,6 +292,7 @@ def check_comparable(audits: Sequence[tuple[str, dict]]) -> None:
 def seed_row(report: dict, audit: str, training: dict) -> dict:
     """One model's line of the study: identity, seed, and the numbers the summary averages."""
     conditions = report["conditions"]
+    routing = (report.get("routing") or {}).get("conditions") or {}  # (models with top-k routers)
     return {
         "audit": audit,
         "name": field(report, "model.name"),
@@ -307,22 +308,12 @@ def seed_row(report: dict, audit: str, training: dict) -> dict:
         "gap_retention": dict(report.get("gap_retention") or {}),
         # (models with top-k routers: the share of tokens each condition keeps on their own experts, and
         # what it is taken over: "(1 of 2 routers)", "(ties decided)")
-        "same_experts": {c: row["same_experts"] for c, row in _routing_rows(report).items()},
-        "routing_marks": {c: _routing_mark(row, report) for c, row in _routing_rows(report).items()},
+        "same_experts": {c: row["same_experts"] for c, row in routing.items()},
+        "routing_marks": {c: routing_mark(row, list(report["routing"]["routers"])) for c, row in routing.items()},
         **{key: field(report, path) for key, path in SCALARS.items()},
         "training": training,
         "exactness": report.get("exactness"),  # passed through as the audit wrote it
     }
-
-
-def _routing_rows(report: dict) -> dict:
-    return (report.get("routing") or {}).get("conditions") or {}
-
-
-def _routing_mark(row: dict, report: dict) -> str:
-    """What follows a condition's routing figure: its scope over the routers, and whether ties decided it."""
-    mark = routing_scope(row, list(report["routing"]["routers"]))
-    return mark + (" (ties decided)" if (row.get("tied") or 0) >= 0.5 else "")
 
 
 def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | None = None) -> dict:
