@@ -24,7 +24,10 @@ def test_the_seed_reaches_the_derangement_and_the_permutations():
     draw, and a study over seeds would repeat one sample."""
     assert len({tuple(derangement(16, seed)) for seed in range(5)}) == 5
     assert len({tuple(position_permutation(3, 32, seed)) for seed in range(5)}) == 5
-    assert len({tuple(position_permutation(3, 32, 7, site)) for site in range(1, 5)}) == 4  # per site
+    # One permutation per site, each unlike the shared one (site 0's key once drew the shared permutation).
+    for n in range(3):
+        drawn = {tuple(position_permutation(n, 32, 7, site)) for site in range(4)}
+        assert len(drawn) == 4 and tuple(position_permutation(n, 32, 7)) not in drawn
     own = {"a": np.arange(2 * 32 * 1, dtype=np.float32).reshape(2, 32, 1)}
     shuffled = [condition_coefficients(Condition("token_shuffle", seed=s), own, [0, 1])["a"] for s in (1, 2)]
     assert not np.array_equal(*shuffled)

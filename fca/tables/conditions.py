@@ -150,8 +150,10 @@ def derangement(n: int, seed: int) -> np.ndarray:
 def position_permutation(n: int, T: int, seed: int, site_index: int | None = None) -> np.ndarray:
     """sigma_n: a permutation of T positions for evaluated sequence n (and site, if independent).
 
-    Seeded per sequence, so it does not depend on how sequences are batched."""
-    key = [seed, n] if site_index is None else [seed, n, site_index]
+    Seeded per sequence, so it does not depend on how sequences are batched. A site's key ends in
+    site_index + 1: numpy's SeedSequence pads its entropy with zeros, so [seed, n, 0] would draw the shared
+    permutation [seed, n] again, and the first site of +independent would be shuffled as in the shared run."""
+    key = [seed, n] if site_index is None else [seed, n, site_index + 1]
     return np.random.default_rng(key).permutation(T)
 
 
