@@ -342,10 +342,14 @@ def cmd_replay(args: argparse.Namespace) -> None:
     for sentence in exactness_sentences(record["results"]["exactness"]):
         print(sentence)
     routing = record["results"].get("routing", {}).get("conditions", {})  # (models with top-k routers)
-    for name, row in record["results"]["conditions"].items():
+    rows = record["results"]["conditions"]
+    width = max(map(len, rows), default=0)  # a condition naming sites can be long: the columns follow it
+    for name, row in rows.items():
         lo, hi = row["penalty_ci95"]
         ci = f"[{lo:+.4f}, {hi:+.4f}]" if math.isfinite(lo) else "(no CI from one sequence)"
-        print(f"{name:40s} NLL {row['nll']:.4f}  penalty {row['penalty']:+.4f} {ci}{_routing_figures(record, name)}")
+        print(
+            f"{name:{width}s}  NLL {row['nll']:.4f}  penalty {row['penalty']:+.4f} {ci}{_routing_figures(record, name)}"
+        )
     if routing:
         chance = record["results"]["routing"]["chance"]
         print(

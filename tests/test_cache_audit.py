@@ -793,7 +793,13 @@ def test_replay_cli_saves_runs(demo, capsys):
     capsys.readouterr()
     one = ["--calibration", str(demo / "calibration"), "--conditions", "static_layer", "global_mean"]
     assert main([*base, *one, "--num-seqs", "1"]) == 0
-    assert "(no CI from one sequence)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "(no CI from one sequence)" in said
+    long = "interpolate:0.25@blocks.0.gate,blocks.1.gate"  # longer than the columns once were
+    assert main([*base, *one[:2], "--conditions", long, "--num-seqs", "2", "--no-save"]) == 0
+    rows_said = [line for line in (said + capsys.readouterr().out).splitlines() if "  NLL " in line]
+    assert {line.split()[0] for line in rows_said} >= {"static_layer", long}
+    assert len({line.index("  NLL ") for line in rows_said[-2:]}) == 1  # (correct and the long one, in line)
     # It is listed (its null CI bounds once broke the gap retention, and the run vanished from the list),
     # with no interval where one sequence gives none, and no retention: the gap is not shown positive.
     newest = list_runs(demo / "eval")[0]  # the run just made, though both may fall in one second
