@@ -454,6 +454,12 @@ def test_a_checkpoint_missing_or_adding_weights_is_refused(tmp_path):
         ) as err:
             fca.load_model(tmp_path / name)
         assert said in str(err.value) and "above report" not in str(err.value) and "\n" not in str(err.value)
+    # A truncated checkpoint: transformers' SafetensorError ("incomplete metadata") was a traceback.
+    shutil.copytree(tmp_path / "ok", tmp_path / "cut")
+    whole = (tmp_path / "ok" / "model.safetensors").read_bytes()
+    (tmp_path / "cut" / "model.safetensors").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ModelLoadError, match=r"cut/model.safetensors: unreadable weights \(.*incomplete metadata"):
+        fca.load_model(tmp_path / "cut")
     # More experts per token than there are: refused from the config (the first forward died in the router).
     config = json.loads((tmp_path / "ok" / "config.json").read_text())
     shutil.copytree(tmp_path / "ok", tmp_path / "topk")

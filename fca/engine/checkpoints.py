@@ -68,6 +68,21 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     raise ModelLoadError(f"{path}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)")
 
 
+def check_safetensors_files(path: Path) -> None:
+    """Refuse a model directory whose safetensors files are truncated or not safetensors at all, naming the
+    file: a loader that reads them itself (transformers) reports only "incomplete metadata". Only each
+    file's header is read (and checked against the file's length)."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(path.glob("*.safetensors")):
+        _check_readable(file)
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except SafetensorError as err:
+            raise ModelLoadError(f"{file}: unreadable weights ({str(err).splitlines()[0]})") from None
+
+
 def _check_readable(file: Path) -> None:
     """Refuse a weights file this process may not open, with the system's reason: safetensors reports a
     file without read permission as "No such file or directory"."""

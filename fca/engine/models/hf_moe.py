@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fca.engine.adapters import SiteDeclaration, attach_sites, match_modules
-from fca.engine.checkpoints import read_config
+from fca.engine.checkpoints import check_safetensors_files, read_config
 from fca.engine.family import Family
 from fca.engine.routing import TopKRouter
 from fca.engine.sites import as_input_ids, find_sites
@@ -154,6 +154,7 @@ def load_hf_moe(path: Path) -> nn.Module:
             f"{path / 'config.json'}: num_experts_per_tok {top_k} does not fit the {experts} experts "
             "(each token's router picks 1 to that many)"
         )
+    check_safetensors_files(path)
     report = io.StringIO()
     handler = logging.StreamHandler(report)
     verbosity = hf_logging.get_verbosity()
