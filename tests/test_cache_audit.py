@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -609,6 +610,22 @@ def test_audit_report(demo, tmp_path):
     assert report["definitions"]["global_mean_families"] == {"gate": ["blocks.0.gate", "blocks.1.gate"]}
     markdown = (tmp_path / "a.md").read_text()
     assert "# FCA audit" in markdown
+    # What global_mean used is the calibration cache's grand mean, said in both (the evaluated cache's differs).
+    used = calibration_profiles(open_cache(demo / "calibration")).family_means["gate"]
+    assert report["calibration"]["family_grand_means"] == {"gate": pytest.approx(used, rel=1e-12)}
+    assert used != pytest.approx(report["variance"]["family_grand_means"]["gate"], rel=1e-9)
+    assert f"global_mean gives every coefficient its family's calibration grand mean: gate {used:.6g}." in markdown
+    # The fingerprint is what its definition says, so a reader can recompute it without FCA.
+    assert "not the hash of a checkpoint file" in report["definitions"]["model_fingerprint"]
+    digest = hashlib.sha256()
+    for name, tensor in sorted(fca.load_model(demo / "featuregate").state_dict().items()):
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode() + tensor.contiguous().numpy().tobytes())
+    assert report["model"]["fingerprint"] == digest.hexdigest()
+    exe = report["execution"]
+    assert (
+        f"(the median of {exe['runs']} interleaved runs' ratios, batch {exe['batch_shape']}, cpu; median times "
+        f"{exe['model_ms_median']:.1f} ms and {exe['dense_ms_median']:.1f} ms, whose quotient" in markdown
+    )
     chance = report["variance"]["chance_levels"]
     assert set(chance) == {"position_within_slot", "token_id_within_slot", "sequence_within_slot"}
     token_row = f"| token id within slot | {report['variance']['factors']['token_id_within_slot']:.3f} | "

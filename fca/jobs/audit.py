@@ -18,7 +18,13 @@ from fca.engine.loading import fingerprint_state
 from fca.engine.sites import controller_parameters
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource, check_condition_sites
 from fca.tables.conditions import PAPER_CONDITIONS, Condition, as_conditions
-from fca.tables.fidelity import FOREIGN_TOLERANCES, MECHANISM_NLL_TOLERANCE, MECHANISM_TOLERANCE, STORAGE_ULP
+from fca.tables.fidelity import (
+    FOREIGN_TOLERANCES,
+    MECHANISM_NLL_TOLERANCE,
+    MECHANISM_TOLERANCE,
+    STORAGE_ULP,
+    STORAGE_ULP_ALLOWANCE,
+)
 from fca.tables.profiles import cache_moments
 from fca.tables.report import REPORT_VERSION
 from fca.tables.runs import SWEEP_ALPHAS  # an audit's interpolation sweep, as the Replay lab's; `sweep=()` skips it
@@ -118,7 +124,12 @@ def audit_experiment(
             "device": str(experiment.device),
         },
         "cache": _cache_entry(evaluated, len(results.seqs)),
-        "calibration": _cache_entry(calibration, calibration.num_seqs),
+        "calibration": {
+            **_cache_entry(calibration, calibration.num_seqs),
+            # what global_mean put at every coefficient of each family (the evaluated cache's own grand
+            # means, under variance, are another split's)
+            "family_grand_means": {f: float(v) for f, v in experiment.profiles().family_means.items()},
+        },
         "dense": {
             "name": experiment.dense_name,
             "fingerprint": fingerprint_state(dense),
@@ -239,6 +250,12 @@ def _definitions(
         "layer_identity_share": "within each family, SS_between(slot means per site and channel) / "
         "SS_total(around the family grand mean), "
         "pooled over families as sum SS_between / sum SS_total, on the evaluated cache",
+        "per_site_share": "the same ratio over one site's slots, both sums still around the family grand mean (so "
+        "a site whose mean sits away from the other sites' counts that offset as layer identity); per_slot_share: "
+        "count * (slot mean - family grand mean)^2 / the slot's sum of squares around the family grand mean",
+        "model_fingerprint": "sha256 over the model's state dict in name order, each tensor as the text "
+        "'name|dtype|shape|' (dtype as torch names it, e.g. torch.float32; shape as a Python tuple, e.g. (192,)) "
+        "followed by its raw bytes: the weights' identity, not the hash of a checkpoint file",
         "variance_factors": "site, channel within site: parts of the slot effect; position, token id and sequence: "
         "group means within each slot, each as a share of SS_total (they overlap and do not add up); "
         "residual_after_slot = 1 - layer_identity_share",
@@ -255,8 +272,9 @@ def _definitions(
         "cache_fidelity": "cached coefficients of the evaluated sequences vs those recorded now (max |diff|; relative: "
         "|diff| / (|recorded| + rms of the site's recorded)) and Correct-from-cache NLL vs live NLL; "
         "bit-identical required when the cache was written in this environment and batch composition, "
-        f"else accepted within the tolerances by model dtype {FOREIGN_TOLERANCES} plus one storage unit "
-        f"for reduced-precision caches {STORAGE_ULP}; the conditions are built from the cache and "
+        f"else accepted within the tolerances by model dtype {FOREIGN_TOLERANCES}, to which a reduced-precision "
+        f"cache adds its storage unit u {STORAGE_ULP} times {STORAGE_ULP_ALLOWANCE}; the conditions are built "
+        "from the cache and "
         "Correct-from-cache is the reference row",
         "controller_flops": "FLOPs inside controller sites / FLOPs of the whole forward "
         "(matrix products and attention, via torch FlopCounterMode, with formulas for the CPU's fused "

@@ -333,6 +333,10 @@ def render_markdown(report: dict) -> str:
         "",
         *conditions_table(report),
     ]
+    used = report["calibration"].get("family_grand_means")  # (reports made before it was kept have none)
+    if used:
+        values = ", ".join(f"{family} {value:.6g}" for family, value in used.items())
+        lines += ["", f"global_mean gives every coefficient its family's calibration grand mean: {values}."]
     caution = few_sequences_caution(report["cache"]["sequences"])
     lines += ["", f"> {caution}"] if caution else []
     lines += routing_table(report)
@@ -353,8 +357,9 @@ def render_markdown(report: dict) -> str:
     if exe.get("latency_ratio_vs_dense") is not None:
         lines.append(
             f"- Latency vs the Dense twin: **{exe['latency_ratio_vs_dense']:.3f}x** "
-            f"(median of {exe['runs']} interleaved runs, batch {exe['batch_shape']}, {exe['device']}; "
-            f"{exe['model_ms_median']:.1f} ms vs {exe['dense_ms_median']:.1f} ms)."
+            f"(the median of {exe['runs']} interleaved runs' ratios, batch {exe['batch_shape']}, {exe['device']}; "
+            f"median times {exe['model_ms_median']:.1f} ms and {exe['dense_ms_median']:.1f} ms, whose quotient "
+            "need not be the median ratio)."
         )
         low, high = exe.get("ratio_min"), exe.get("ratio_max")
         if low is not None and high is not None:

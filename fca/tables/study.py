@@ -350,8 +350,8 @@ def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | 
             "sd": "sample standard deviation over models (denominator n - 1); null for one model",
             "ci95": "two-sided 95% Student t interval for the mean over models: "
             "mean +/- t(0.975, n - 1) * sd / sqrt(n); "
-            "null for one model. It reflects seed-to-seed variation only; each audit's own bootstrap CI over "
-            "sequences is in its per-model row",
+            "null for one model. It reflects seed-to-seed variation only; each model's own bootstrap CI over "
+            "sequences is in its audit and in its row of the study's JSON (seeds[].penalty_ci95)",
             "gap_retention": "averaged over the models where it is defined; n says how many",
             "same_experts": "models with top-k routers: the share of tokens a condition keeps on the experts their "
             "own coefficients select (each audit's routing section), averaged over models",
