@@ -496,6 +496,10 @@ def cmd_dashboard(args: argparse.Namespace) -> NoReturn:
 MODEL_HELP = "model directory (config.json, weights, tokenizer.json)"
 DEVICE_HELP = "auto (cuda when available), cpu, cuda or cuda:N"
 BATCH_HELP = "sequences per forward pass"
+REPLAY_BATCH_HELP = (
+    "sequences per forward pass (default: the batches the cache was built in, where a cache made on this "
+    "machine must replay bit for bit; else 16)"
+)
 SEED_HELP = "seed of cross_input's pairing, token_shuffle's permutations and the bootstrap CIs"
 
 
@@ -633,7 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", help="write the report as Markdown here (with neither, it is printed)")
     p.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
     p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
-    p.add_argument("--batch", type=_positive_int, default=16, help=BATCH_HELP)
+    p.add_argument("--batch", type=_positive_int, default=None, help=REPLAY_BATCH_HELP)
     p.add_argument("--num-seqs", type=_positive_int, default=None, help="evaluate only the first N sequences")
     p.add_argument("--seed", type=_seed, default=0, help=SEED_HELP)
     p.add_argument("--extra-conditions", nargs="*", default=[], help="e.g. interpolate:0.5 token_shuffle+independent")
@@ -667,7 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--num-seqs", type=_positive_int, default=32, help="replay the first N evaluated sequences")
     p.add_argument("--seed", type=_seed, default=0, help=SEED_HELP)
-    p.add_argument("--batch", type=_positive_int, default=16, help=BATCH_HELP)
+    p.add_argument("--batch", type=_positive_int, default=None, help=REPLAY_BATCH_HELP)
     p.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
     p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
     p.add_argument("--no-save", action="store_true", help="do not save the run in <cache>.runs/")

@@ -216,6 +216,15 @@ def test_same_environment_must_be_bit_identical(demo_pair, tmp_path, capsys):
     assert "or was computed under settings its manifest does not record" in err
     # The very same cache in other batches than the build's is judged by the tolerances instead.
     assert replay_cli(model_dir, drifted, cal, "--batch", "3") == 0
+    # Without --batch, a replay and an audit take the build's batches (4 here; the default of 16 was
+    # another batching, and let this cache through on the tolerances).
+    assert open_cache(drifted).environment["batch_size"] == 4
+    bare = ["--model", str(model_dir), "--cache", str(drifted), "--calibration", str(cal), "--device", "cpu"]
+    capsys.readouterr()
+    assert main(["replay", *bare, "--no-save"]) == 2
+    assert main(["audit", *bare, "--json", str(tmp_path / "audit.json")]) == 2
+    assert capsys.readouterr().err.count("records as this very environment") == 2
+    assert not (tmp_path / "audit.json").exists()
     # Only the stored live NLL changed: the refusal says so, not that the coefficients differ.
     renamed = rewrite_cache(ev, tmp_path / "renamed_nll", 0.0, here, nll_offset=1e-3)
     assert replay_cli(model_dir, renamed, cal) == 2

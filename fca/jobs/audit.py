@@ -46,7 +46,7 @@ def run_audit(
     dense: ModelSource | None = None,
     device: str = "auto",
     dtype: torch.dtype | None = None,
-    batch_size: int = 16,
+    batch_size: int | None = None,
     num_seqs: int | None = None,
     seed: int = 0,
     extra_conditions: Sequence[str | Condition] = (),
@@ -81,7 +81,7 @@ def run_audit(
 
 def audit_experiment(
     experiment: Experiment,
-    batch_size: int = 16,
+    batch_size: int | None = None,
     num_seqs: int | None = None,
     seed: int = 0,
     extra_conditions: Sequence[str | Condition] = (),

@@ -427,7 +427,7 @@ class ShardedExperiment(Experiment):
         self,
         conditions: Sequence[Condition],
         num_seqs: int | None = None,
-        batch_size: int = 16,
+        batch_size: int | None = None,
         seed: int = 0,
         progress: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
@@ -441,6 +441,7 @@ class ShardedExperiment(Experiment):
         import ray
 
         conditions, n = self.planned_run(conditions, num_seqs, batch_size, seed)  # in the driver first
+        batch_size = self.batch_size_for(batch_size)
         bounds = shard_bounds(n, batch_size, len(self.actors))
         refs = [a.run.remote(conditions, n, batch_size, seed, b) for a, b in zip(self.actors, bounds)]
         pending = list(refs)

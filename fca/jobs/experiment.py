@@ -64,6 +64,7 @@ def model_name(source: ModelSource) -> str:
     return type(source).__name__ if isinstance(source, nn.Module) else Path(source).name
 
 
+DEFAULT_BATCH_SIZE = 16  # sequences per replayed batch when neither the run nor the cache says
 SHARED_SPAN_TOKENS = 32  # text shared by chance is rarer at this length (none between the demo's splits)
 # Character- and byte-level vocabularies compare longer stretches: 32 characters of scripture are a formula
 # that recurs by chance (1.03% of them between disjoint slices of the KJV), 64 hardly (0.10%), while a
@@ -257,10 +258,19 @@ class Experiment:
                 f"cache's {self.evaluated.seq_len} positions, and this calibration cache has {self.calibration.seq_len}"
             )
 
+    def batch_size_for(self, batch_size: int | None) -> int:
+        """A run's batch size: as asked, else the batches the evaluated cache was built in, else 16. In the
+        build's batches a cache written here must be bit-identical to what the model records now; in others
+        it is only held to the tolerances of another environment (`fca.tables.fidelity`)."""
+        if batch_size is not None:
+            return batch_size
+        return (self.evaluated.environment or {}).get("batch_size") or DEFAULT_BATCH_SIZE
+
     def planned_run(
-        self, conditions: Sequence[Condition | str] | str, num_seqs: int | None, batch_size: int, seed: int
+        self, conditions: Sequence[Condition | str] | str, num_seqs: int | None, batch_size: int | None, seed: int
     ) -> tuple[list[Condition], int]:
         """The conditions and the number of sequences of a run, checked (`check_run`) before it starts."""
+        batch_size = self.batch_size_for(batch_size)
         if num_seqs is not None and num_seqs < 1 or batch_size < 1:
             raise ValueError(
                 f"a replay needs at least one sequence and a batch of at least one (got {num_seqs}, {batch_size})"
@@ -274,7 +284,7 @@ class Experiment:
         self,
         conditions: Sequence[Condition],
         num_seqs: int | None = None,
-        batch_size: int = 16,
+        batch_size: int | None = None,
         seed: int = 0,
         progress: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
@@ -290,6 +300,7 @@ class Experiment:
         `shard`: score only those positions of the run (`run_conditions`; a distributed replay's actor,
         whose driver judges the merged run)."""
         conditions, n = self.planned_run(conditions, num_seqs, batch_size, seed)
+        batch_size = self.batch_size_for(batch_size)
         profiles = self.profiles(profile_progress) if any(c.needs_profiles for c in conditions) else None
         results = run_conditions(
             self.model,

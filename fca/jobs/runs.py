@@ -24,7 +24,7 @@ def run_replay(
     num_seqs: int = 32,
     seed: int = 0,
     device: str = "auto",
-    batch_size: int = 16,
+    batch_size: int | None = None,
     save: bool = True,
     dtype: torch.dtype | None = None,
     experiment: Experiment | None = None,
@@ -35,13 +35,15 @@ def run_replay(
     """Replay `conditions` (specs or Conditions; `correct` added if missing) on the first `num_seqs`
     sequences of the evaluated cache, and save the run beside it. Give an opened `experiment` (the
     dashboard keeps one per model and caches) or the model and both caches, as paths or objects. `dtype`:
-    the model's (None: the precision the cache was recorded in)."""
+    the model's (None: the precision the cache was recorded in). `batch_size` None: the batches the cache
+    was built in (`Experiment.batch_size_for`)."""
     parsed = as_conditions(conditions, seed)
     parsed = list(dict.fromkeys([Condition("correct", seed=seed), *parsed]))
     if experiment is None:
         check_condition_sites(parsed, cache)
         experiment = Experiment.open(model, cache, calibration, device=device, dtype=dtype)
     n = min(num_seqs, experiment.evaluated.num_seqs)
+    batch_size = experiment.batch_size_for(batch_size)  # (recorded in the run's spec)
     experiment.check_run(parsed, n)  # before the progress bar: a refusal is one line
     if save:
         check_runs_writable(experiment.evaluated.path)  # before the replay, not after it
