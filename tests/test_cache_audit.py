@@ -590,11 +590,14 @@ def test_audit_report(demo, tmp_path):
                 str(tmp_path / "a.json"),
                 "--markdown",
                 str(tmp_path / "a.md"),
+                "--extra-conditions",
+                "static_layer",  # one of the paper's conditions again: run once (it was refused as a repeat)
             ]
         )
         == 0
     )
     report = json.loads((tmp_path / "a.json").read_text())
+    assert "extra_conditions" not in report["definitions"]  # (static_layer is one of the paper's)
     assert report["exactness"]["max_abs_logit_diff"] == 0.0
     assert report["exactness"]["nll_live"] == report["exactness"]["nll_correct"]
     assert set(report["conditions"]) >= {"correct", "cross_input", "token_shuffle", "static_layer", "global_mean"}

@@ -360,8 +360,9 @@ def run_conditions(
     """
     seqs = list(range(cache.num_seqs)) if seqs is None else [int(s) for s in seqs]
     names = [c.name for c in conditions]
-    if len(set(names)) != len(names):
-        raise ValueError(f"conditions repeat: {names}")
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"condition(s) {', '.join(twice)} given more than once")
     replayed_on = current_environment(model)
     check_dtype(str(cache.path / "manifest.json"), cache.model_dtype, replayed_on["model_dtype"])
     partner = derangement(len(seqs), cross_seed) if any(c.kind == "cross_input" for c in conditions) else None
