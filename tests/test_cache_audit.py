@@ -897,7 +897,7 @@ def _tree(path):
     return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-def test_overwrite_replaces_only_a_cache(demo, tmp_path, capsys):
+def test_overwrite_replaces_only_a_cache(demo, tmp_path, capsys, monkeypatch):
     model = tmp_path / "model"
     shutil.copytree(demo / "featuregate", model)
     notes = tmp_path / "notes"
@@ -913,6 +913,19 @@ def test_overwrite_replaces_only_a_cache(demo, tmp_path, capsys):
     assert "is a file" in err
     err = _cli_error([*build, "--out", str(tmp_path / "afile" / "cache"), "--num-seqs", "4"], capsys)
     assert f"{tmp_path / 'afile'} is a file, so no folder can be made below it" in err  # ([Errno 17] File exists)
+    # Reports, studies and corpora below a file: refused before the work, not by mkdir after it.
+    from fca.jobs.experiment import Experiment
+
+    monkeypatch.setattr(Experiment, "run", lambda *a, **k: pytest.fail("audited before the check"))
+    below = tmp_path / "afile" / "out"
+    audit = _audit_args(demo / "featuregate", demo / "eval", demo / "calibration", tmp_path / "ok.json")
+    for command in (
+        [*audit[: audit.index("--json")], "--json", str(below / "a.json")],
+        [*audit[: audit.index("--json")], "--markdown", str(below / "a.md")],
+        ["study", str(Path(__file__).parents[1] / "cache" / "demo" / "audit.json"), "--json", str(below / "s.json")],
+    ):
+        err = _cli_error(command, capsys)
+        assert f"{tmp_path / 'afile'} is a file, so no folder can be made below it" in err, command
     assert {p: _tree(p) for p in (model, notes)} == before and (tmp_path / "afile").read_text() == "x"
     # Training refuses an existing folder before it trains, and with --overwrite replaces only a model.
     train = ["train", "--corpus", str(demo / "prose.txt"), "--steps", "1"]
