@@ -166,6 +166,22 @@ def test_shared_text_is_found_across_window_boundaries(adapted, tmp_path):
     fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "one")
 
 
+def test_a_shifted_copy_in_short_windows_is_found(tmp_path):
+    """In 33-token windows, 32-token stretches (two per window) missed the evaluated text shifted by 2 tokens
+    or more: half-window stretches find a copy at any shift, and disjoint text still passes."""
+    model = TinyGatedLM(vocab=1024).eval()  # a subword-sized vocabulary: 32-token stretches wanted
+    gate = SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate", coefficient="gate logits")
+    fca.attach_sites(model, [gate], blocks="blocks", output=0)
+    stream = np.random.default_rng(6).integers(0, 1024, 12_000)
+    fca.build_cache(model, stream[:4_000], tmp_path / "eval", seq_len=32, split="eval")
+    for shift in (2, 7, 16, 2_000):  # (the last: half of the evaluated text)
+        fca.build_cache(model, stream[shift : shift + 4_000], tmp_path / f"s{shift}", seq_len=32, split="calibration")
+        with pytest.raises(CacheError, match=rf"s{shift}: shares text .* of its 16-token stretches"):
+            fca.Experiment.open(model, tmp_path / "eval", tmp_path / f"s{shift}")
+    fca.build_cache(model, stream[6_000:10_000], tmp_path / "other", seq_len=32, split="calibration")
+    fca.Experiment.open(model, tmp_path / "eval", tmp_path / "other")
+
+
 def test_a_run_is_judged_before_its_figures_are_returned(adapted, tmp_path):
     """`Experiment.run` refuses an inexact Correct replay rather than return figures, takes condition specs
     as text, and a model left in training mode is refused with what to do."""

@@ -66,6 +66,9 @@ def model_name(source: ModelSource) -> str:
 
 DEFAULT_BATCH_SIZE = 16  # sequences per replayed batch when neither the run nor the cache says
 SHARED_SPAN_TOKENS = 32  # text shared by chance is rarer at this length (none between the demo's splits)
+# Windows shorter than two such stretches compare half a window, down to this: of the 16-token stretches of
+# disjoint KJV splits (the demo's 2,048-id vocabulary), 0.01% recur by chance.
+MIN_SHARED_SPAN_TOKENS = 16
 # Character- and byte-level vocabularies compare longer stretches: 32 characters of scripture are a formula
 # that recurs by chance (1.03% of them between disjoint slices of the KJV), 64 hardly (0.10%), while a
 # shifted copy shares 95% at either length.
@@ -75,12 +78,17 @@ MAX_SHARED_SPAN_SHARE = 0.01  # one duplicated window among hundreds passes; a s
 
 def shared_text_span(evaluated: Cache, calibration: Cache) -> int:
     """The stretch length compared: 32 tokens, 64 for a vocabulary of at most 512 ids (characters or bytes),
-    at most half a window (a copy shifted by a few tokens is found only in stretches that fit beside the
-    shift), and at most a whole window."""
+    at most half a window, and at most a whole window. A copy cut at other offsets overlaps one of the
+    windows it is compared with by at least half a window, so stretches of half a window find it whatever
+    the shift (in 33-token windows, 32-token stretches missed every copy shifted by 2 or more). Never
+    shorter than 16 tokens, or 32 characters, which recur by chance."""
     vocab = evaluated.vocab_size
-    wanted = CHARACTER_SPAN_TOKENS if vocab is not None and vocab <= CHARACTER_VOCAB else SHARED_SPAN_TOKENS
+    characters = vocab is not None and vocab <= CHARACTER_VOCAB
+    wanted, shortest = (
+        (CHARACTER_SPAN_TOKENS, SHARED_SPAN_TOKENS) if characters else (SHARED_SPAN_TOKENS, MIN_SHARED_SPAN_TOKENS)
+    )
     window = min(evaluated.seq_len, calibration.seq_len) + 1
-    return min(window, max(SHARED_SPAN_TOKENS, min(wanted, window // 2)))
+    return min(window, max(shortest, min(wanted, window // 2)))
 
 
 def check_shared_text(evaluated: Cache, calibration: Cache) -> None:
