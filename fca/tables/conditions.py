@@ -206,7 +206,9 @@ def condition_coefficients(
         elif condition.kind == "global_mean":
             out[name] = profiles.global_mean[name]  # [K]
         elif condition.kind == "interpolate":
-            out[name] = (condition.alpha * c + (1 - condition.alpha) * profiles.static[name]).astype(np.float32)
+            # A huge alpha overflows to inf or nan: not warned of here, the run refuses its NLL (`check_finite`).
+            with np.errstate(over="ignore", invalid="ignore"):
+                out[name] = (condition.alpha * c + (1 - condition.alpha) * profiles.static[name]).astype(np.float32)
         elif condition.kind == "position_profile":
             out[name] = profiles.position[name][: c.shape[1]]  # [T, K]
     return out

@@ -294,7 +294,7 @@ def render_markdown(report: dict) -> str:
     lines = [
         f"# FCA audit: {m['name']}",
         "",
-        f"Model `{m['model_type']}`, {m['parameters']:,} parameters ({m['controller_parameters']:,} in controllers), "
+        f"Model type `{m['model_type']}`, {m['parameters']:,} parameters ({m['controller_parameters']:,} in controllers), "
         f"fingerprint `{m['fingerprint'][:16]}`, {m['dtype']} on {m['device']}.",
         f"Evaluated cache `{report['cache']['path']}` ({report['cache']['split']} split, "
         f"{report['cache']['sequences']} x {report['cache']['seq_len']} tokens); "
