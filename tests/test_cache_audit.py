@@ -343,8 +343,11 @@ def test_missing_site_column(demo, tmp_path, capsys):
     bad = _copy(demo, tmp_path)
     part = bad / "part-00000.parquet"
     pq.write_table(pq.read_table(part).drop_columns(["blocks.1.gate"]), part)
-    with pytest.raises(CacheError, match="not the part the manifest records"):
-        open_cache(bad)  # its size is not the recorded one
+    for verify in (False, True):  # (verified, it was "does not match the manifest's sha256", sizes unsaid)
+        with pytest.raises(
+            CacheError, match=r"part-00000.parquet: not the part the manifest records \(.* bytes, recorded"
+        ):
+            open_cache(bad, verify=verify)  # its size is not the recorded one
     manifest = json.loads((bad / MANIFEST).read_text())  # recorded as it now is: the schema check refuses it
     manifest["parts"][0].update(sha256=fca.tables.schema.file_sha256(part), bytes=part.stat().st_size)
     (bad / MANIFEST).write_text(json.dumps(manifest))
@@ -824,6 +827,7 @@ def test_replay_cli_saves_runs(demo, capsys):
     # with no interval where one sequence gives none, and no retention: the gap is not shown positive.
     newest = list_runs(demo / "eval")[0]  # the run just made, though both may fall in one second
     assert newest["spec"]["num_seqs"] == 1 and newest["created"] > runs[0]["created"]
+    assert newest["spec"]["calibration_fingerprint"] == open_cache(demo / "calibration").fingerprint
     rows = {r["condition"]: r for r in condition_rows(newest)}
     assert set(rows) == {"correct", "static_layer", "global_mean"}
     for name in ("static_layer", "global_mean"):

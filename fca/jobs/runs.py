@@ -65,6 +65,7 @@ def run_replay(
         "cache": evaluated.path.name,
         "cache_fingerprint": evaluated.fingerprint,
         "calibration": calibrated.path.name if calibrated else None,
+        "calibration_fingerprint": calibrated.fingerprint if calibrated else None,  # (a name may be reused)
         "conditions": [c.name for c in parsed],
         "num_seqs": n,
         "seed": seed,

@@ -321,6 +321,8 @@ class Cache:
             path = self.path / part.file
             if not path.is_file():
                 raise CacheError(f"{path}: part file missing")
+            if path.stat().st_size != part.bytes:  # (said as such: more telling than a hash that differs)
+                raise CacheError(_size_mismatch(path, part.bytes))
             if file_sha256(path) != part.sha256:
                 raise CacheError(f"{path}: contents do not match the manifest's sha256 (corrupt or modified)")
             self._verified.add(position)
@@ -374,6 +376,13 @@ def _resume_hint(path: Path) -> str:
     return " (an unfinished build: rerun build-cache to resume)" if unfinished else ""
 
 
+def _size_mismatch(part: Path, recorded: int) -> str:
+    return (
+        f"{part}: not the part the manifest records ({part.stat().st_size:,} bytes, recorded {recorded:,}: "
+        "truncated or overwritten)"
+    )
+
+
 def open_cache(path: str | Path, verify: bool = False) -> Cache:
     """Open a finished cache: checks the manifest, that every part file is there with its recorded
     size, and the first part's schema (the others' when first read; `verify=True` checks every part's
@@ -397,11 +406,8 @@ def open_cache(path: str | Path, verify: bool = False) -> Cache:
             raise CacheError(f"{part}: part file missing") from None
         if size != record.bytes:
             if verify:
-                cache.verify()  # names the part whose hash differs
-            raise CacheError(
-                f"{part}: not the part the manifest records ({size:,} bytes, recorded {record.bytes:,}: "
-                "truncated or overwritten)"
-            )
+                cache.verify()  # names the first part that differs, by its hash or its size
+            raise CacheError(_size_mismatch(part, record.bytes))
     if cache.manifest.parts:
         first = path / cache.manifest.parts[0].file
         try:
