@@ -592,6 +592,27 @@ def test_a_damaged_report_is_one_error_and_the_page_goes_on(page, tiny_demo, tmp
     at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), page)
     no_exceptions(at)
     assert any("audit.json: not a readable audit report (" in e.value for e in at.error), [e.value for e in at.error]
+    # ... and not then that there is no report (the messages contradicted each other).
+    notes = [m.value for m in (*at.warning, *at.info)]
+    assert not [n for n in notes if n.startswith("No audit report")], notes
+    said = "No readable audit report for this cache" if page.endswith("overview.py") else "could not be read"
+    assert any(said in n for n in notes), notes
+    if page.endswith("overview.py"):  # its calibration cache no longer sends the reader to the damaged report
+        at = render(app_for(monkeypatch, [tmp_path], tmp_path / "calibration"), page)
+        notes = [m.value for m in at.warning]
+        assert not [n for n in notes if "has an audit report" in n] and any("not audited yet" in n for n in notes)
+
+
+def test_execution_without_a_model_does_not_offer_a_measurement(tiny_demo, tmp_path, monkeypatch):
+    """A cache with no model folder beside it: "Measure now" is disabled, and the page said to press it."""
+    for name in ("eval", "calibration"):
+        shutil.copytree(tiny_demo / name, tmp_path / name)
+    at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), "views/execution.py")
+    no_exceptions(at)
+    assert at.button(key="exec_measure").disabled
+    notes = [m.value for m in at.info]
+    assert notes and not [n for n in notes if "Press **Measure now**" in n], notes
+    assert "Nor is the model that made it beside it" in notes[0]
 
 
 def test_mismatched_model_fingerprint_shows_error(tiny_demo, tmp_path, monkeypatch):
@@ -750,6 +771,18 @@ def test_settings_survive_other_tabs_and_pages(tiny_demo, monkeypatch):
     render(at, "views/profiles.py")
     no_exceptions(at)
     assert at.number_input(key="prof_seq").value == 2 and at.number_input(key="prof_token").value == 7
+    # The open tab too: Variance and Profiles came back on their first tab after another page.
+    at.session_state["prof_section"] = "Every token: deviation heatmap"
+    at.run()
+    render(at, "views/variance.py")
+    at.session_state["var_section"] = VARIANCE_SECTIONS[2]
+    at.run()
+    render(at, "views/token_text.py")
+    render(at, "views/variance.py")
+    no_exceptions(at)
+    assert at.session_state["var_section"] == VARIANCE_SECTIONS[2] and at.number_input(key="var_seq").value == 5
+    render(at, "views/profiles.py")
+    assert at.session_state["prof_section"] == "Every token: deviation heatmap"
 
 
 def test_a_kept_setting_that_does_not_fit_the_next_cache_gives_way(tiny_demo, tmp_path, monkeypatch):
@@ -938,6 +971,13 @@ def test_lab_run_labels_and_csv_rows_are_plain():
     assert run_label({**spec, "conditions": ["correct"]}) == "correct, n=16, seed 3"
     sweep = ["correct", *[c.spec for c in sweep_conditions(["layers.0.gate"], 3)]]
     assert run_label({**spec, "conditions": sweep}) == "interpolate:0,0.25,0.5,0.75,1@layers.0.gate, n=16, seed 3"
+    # The Result heading is Markdown, where `x@y.z` became a mailto link: names of sites are code there.
+    from fca.tables.report import condition_cell
+
+    mixed = {**spec, "conditions": ["correct", "static_layer@layers.2.gate", "global_mean", *sweep[1:]]}
+    assert run_label(mixed, condition_cell) == (
+        "`static_layer@layers.2.gate` + global_mean + `interpolate:0,0.25,0.5,0.75,1@layers.0.gate`, n=16, seed 3"
+    )
     results = {
         "conditions": {
             "correct": {"nll": 3.0, "penalty": 0.0, "penalty_ci95": [0.0, 0.0]},
@@ -1082,6 +1122,7 @@ def test_lab_results_show_their_own_settings_and_join_the_comparison(tiny_demo, 
     stale "cancelled" note goes when a run starts or belongs to another cache, and each new run joins
     "Compare runs" by its name."""
     from app.jobs import ReplayJob
+    from fca.tables.report import condition_cell
     from fca.tables.runs import run_label
 
     root = _lab_copy(tiny_demo, tmp_path)
@@ -1126,14 +1167,14 @@ def test_lab_results_show_their_own_settings_and_join_the_comparison(tiny_demo, 
     result_command = next(c for c in commands if "--seed 3" in c)
     assert f"--num-seqs {first['spec']['num_seqs']}" in result_command
     assert f"--batch {first['spec']['batch_size']}" in result_command
-    assert at.subheader[0].value == f"Result: {run_label(first['spec'])}"
+    assert at.subheader[0].value == f"Result: {run_label(first['spec'], condition_cell)}"
     compare = at.multiselect(key=f"lab_compare::{root / 'eval'}")
     assert compare.value == [Path(first["path"]).stem]
     compare.set_value([]).run()  # the user clears the comparison; the next run still joins it
     second = run_lab(seed=5)
     compare = at.multiselect(key=f"lab_compare::{root / 'eval'}")
     assert compare.value == [Path(second["path"]).stem]
-    assert at.subheader[0].value == f"Result: {run_label(second['spec'])}"
+    assert at.subheader[0].value == f"Result: {run_label(second['spec'], condition_cell)}"
     assert run_label(second["spec"]) == "static_layer + global_mean, n=4, seed 5"
     assert len(at.get("plotly_chart")) >= 3
 

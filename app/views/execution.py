@@ -78,7 +78,18 @@ with left:
         )
     )
 if exe is None:
-    st.info("No audit report beside this cache. Press **Measure now** to time the model here.")
+    # (a report that is there but unreadable has had its error shown above: not "no report")
+    found = (
+        "The audit report beside this cache could not be read."
+        if sel.report_path
+        else "No audit report beside this cache."
+    )
+    st.info(
+        f"{found} Press **Measure now** to time the model here."
+        if sel.model_dir is not None
+        else f"{found} Nor is the model that made it beside it, so nothing can be timed here: open a cache that "
+        "sits beside its model's folder, or audit this one with `python -m fca audit --model DIR ...`."
+    )
     st.stop()
 if not measured and report_stale:
     st.warning(f"The audit report beside the cache {report_stale}; press **Measure now** for figures of this one.")

@@ -18,9 +18,11 @@ from app import figures, resources
 from app.views.common import Selection, download, guard, require_cache, teach
 from fca.tables import catalog
 from fca.tables.report import (
+    ReportError,
     conditions_table,
     exactness_sentences,
     few_sequences_caution,
+    read_report,
     render_markdown,
     report_mismatch,
     retention_sentence,
@@ -42,6 +44,14 @@ def shown_path(path: Path) -> str:
         return str(path)
 
 
+def _readable(report_path: Path) -> bool:
+    try:
+        read_report(report_path)
+    except ReportError:
+        return False
+    return True
+
+
 def suggest_audit(sel: Selection) -> tuple[str, str | None]:
     """(explanation, command or None): the audit to run for the selected cache, with real paths from
     the catalog. A calibration cache is the static profile's source, not what is audited: the command
@@ -57,7 +67,8 @@ def suggest_audit(sel: Selection) -> tuple[str, str | None]:
                 None,
             )
         target, calibration = evaluated[0].path, cache.path
-        if catalog.find_report(target) is not None:
+        found = catalog.find_report(target)
+        if found is not None and _readable(found):  # (a damaged one: audit again, below)
             return (
                 f"This is a calibration cache: it provides the static profile. Its model's evaluated cache "
                 f"`{evaluated[0].label}` has an audit report: pick that cache in the sidebar to see it.",
@@ -77,6 +88,9 @@ def suggest_audit(sel: Selection) -> tuple[str, str | None]:
     else:
         target, calibration = cache.path, sel.calibration.path
         why, how = "No audit report describes this cache yet", ". Make one with the CLI:"
+        if sel.report_path is not None:  # there, but unreadable (its error is shown above)
+            why = f"Its audit report `{shown_path(sel.report_path)}` cannot be read"
+            how = "; to audit it again, beside it:"
     if model is None:  # (a model held in memory has none: its caches were built from Python)
         return (
             f"{why}. No model directory was found beside the caches, so the command cannot be given here: run "
@@ -126,7 +140,9 @@ if sel.report_path is not None:
 if report is None:
     why, command = suggest_audit(sel)
     st.warning(
-        "No audit report for this cache, so only the variation figures (computed from the cache) are shown. " + why
+        ("No readable" if sel.report_path is not None else "No")
+        + " audit report for this cache, so only the variation figures (computed from the cache) are shown. "
+        + why
     )
     if command:
         st.code(command, language="bash")

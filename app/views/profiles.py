@@ -76,6 +76,7 @@ def _sequence_view() -> None:
     tokens = resources.decode_tokens(str(sel.model_dir) if sel.model_dir else "", tuple(int(t) for t in data["token"]))
 
     # Lazy tabs: only the open one runs and is drawn (a chart fewer on a first visit).
+    keep("prof_section", PROFILE_SECTIONS[0], one_of(PROFILE_SECTIONS))  # the open tab, as left
     one_token, every_token = st.tabs(PROFILE_SECTIONS, key="prof_section", on_change="rerun")
     if one_token.open:
         with one_token:

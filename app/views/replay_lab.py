@@ -21,7 +21,7 @@ from app import figures, resources
 from app.jobs import ReplayJob
 from app.views.common import download, guard, require_cache, teach
 from fca.tables.conditions import Condition
-from fca.tables.report import exactness_sentences, few_sequences_caution
+from fca.tables.report import condition_cell, exactness_sentences, few_sequences_caution
 from fca.tables.runs import (
     SWEEP_ALPHAS,
     condition_rows,
@@ -385,7 +385,7 @@ if job is not None and not job.running:
         spec = record["spec"]
         # The result's own settings: from its record (what actually ran), paths from the job.
         ran = {**job.settings, **{k: spec[k] for k in ("conditions", "num_seqs", "seed", "batch_size")}}
-        st.subheader(f"Result: {run_label(spec)}")
+        st.subheader(f"Result: {run_label(spec, condition_cell)}")
         n = spec["num_seqs"]
         which = (
             f"all **{n}** sequences"

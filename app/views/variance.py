@@ -196,6 +196,7 @@ with guard("Cache statistics"):
     overview_charts()
 # Lazy tabs: only the open one runs and is drawn (three charts fewer on a first visit).
 SECTIONS = ["Site x channel", "Distributions per site", "One sequence: token x layer"]
+keep("var_section", SECTIONS[0], one_of(SECTIONS))  # the open tab, as left (another page forgot it)
 slots_tab, distributions_tab, sequence_tab = st.tabs(SECTIONS, key="var_section", on_change="rerun")
 if slots_tab.open:
     with slots_tab:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -128,9 +128,10 @@ def sweep_conditions(sites: Sequence[str] | None = None, seed: int = 0) -> list[
     return [Condition("interpolate", a, tuple(sites) if sites else None, seed=seed) for a in SWEEP_ALPHAS]
 
 
-def run_label(spec: dict) -> str:
+def run_label(spec: dict, show: Callable[[str], str] = str) -> str:
     """What a run ran, e.g. "static_layer + global_mean, n=16, seed 3". Correct always runs and is left
-    out unless it ran alone; interpolations of the same sites are listed as one sweep of alphas."""
+    out unless it ran alone; interpolations of the same sites are listed as one sweep of alphas. `show`
+    formats each condition (Markdown: `fca.tables.report.condition_cell`, else `x@y.z` reads as an e-mail)."""
     names = [c for c in spec.get("conditions", []) if c != "correct"] or ["correct"]
     parts: list[str] = []
     sweeps: dict[str, list[str]] = {}  # interpolations at the same sites -> their alphas
@@ -148,7 +149,7 @@ def run_label(spec: dict) -> str:
             sweeps[key] = []
             parts.append(f"\0{key}")  # placeholder: keeps the sweep where its first alpha was
         sweeps[key].append(f"{c.alpha:g}")
-    text = " + ".join(f"interpolate:{','.join(sweeps[p[1:]])}{p[1:]}" if p.startswith("\0") else p for p in parts)
+    text = " + ".join(show(f"interpolate:{','.join(sweeps[p[1:]])}{p[1:]}" if p.startswith("\0") else p) for p in parts)
     return f"{text}, n={spec.get('num_seqs', '?')}, seed {spec.get('seed', '?')}"
 
 
