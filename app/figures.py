@@ -9,6 +9,7 @@ charts before pandas is imported (see app/views/overview.py).
 
 from __future__ import annotations
 
+import re
 import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -44,6 +45,7 @@ TEMPLATE = {"layout": {"colorway": COLORWAY, "hoverlabel": {"align": "left"}}}
 # legends instead). Pixels: the toolbar's line, a title line, a one-line horizontal legend.
 TOOLBAR_HEIGHT, TITLE_LINE, LEGEND_ROW = 48, 22, 28
 TITLE_CHARS = 34  # characters per title line: what a chart half a 1024 px page wide holds
+LEGEND_CHARS = 56  # characters per legend line below such a chart (smaller type, and the width of the plot)
 SHARE = "share of coefficient variance (fraction)"
 COEFFICIENT = "coefficient value (unitless)"
 NLL = "NLL (nats / token)"
@@ -437,6 +439,46 @@ def token_strip(df: pd.DataFrame, chosen: int | None = None, max_labels: int = 1
     )
 
 
+TICK_LINE = 14  # pixels per line of a tick label
+TICK_SITES = 3  # a condition's sites listed in its tick label up to this many, else counted
+
+
+def condition_ticks(fig: go.Figure, names) -> int:
+    """Label the x axis's conditions on short lines, the sites below the kind (`static_layer` /
+    `@blocks.0.gate,` / `blocks.5.gate`; more than TICK_SITES sites counted), and return the pixels the
+    labels take. At full length, names of sites were turned on their side and took most of the chart's
+    height. The hover keeps each condition's whole name."""
+    names = list(dict.fromkeys(str(n) for n in names))
+    texts = []
+    for name in names:
+        kind, _, sites = name.partition("@")
+        listed = sites.split(",") if sites else []
+        if len(listed) > TICK_SITES:
+            listed = [f"{len(listed)} sites"]
+        texts.append(
+            "<br>".join(
+                [
+                    kind,
+                    *(("@" if i == 0 else "") + s + ("," if i < len(listed) - 1 else "") for i, s in enumerate(listed)),
+                ]
+            )
+        )
+    fig.update_xaxes(tickmode="array", tickvals=names, ticktext=texts, tickangle=0)
+    return TICK_LINE * max((t.count("<br>") + 1 for t in texts), default=1)
+
+
+def _wrap_run_name(name: str) -> str:
+    """A run's name (`fca.tables.runs.run_label`) on lines of at most LEGEND_CHARS where it can be broken
+    between its conditions and before "n=..., seed ...", never inside one."""
+    lines: list[str] = []
+    for chunk in re.split(r"(?<= \+) |(?<=,) (?=n=)", name):
+        if lines and len(lines[-1]) + 1 + len(chunk) <= LEGEND_CHARS:
+            lines[-1] += " " + chunk
+        else:
+            lines.append(chunk)
+    return "<br>".join(lines)
+
+
 def nll_bars(df: pd.DataFrame, title: str = "NLL per condition") -> go.Figure:
     """df: condition, nll, ci_lo, ci_hi (95% CI of the mean NLL over sequences)."""
     fig = go.Figure(
@@ -456,7 +498,8 @@ def nll_bars(df: pd.DataFrame, title: str = "NLL per condition") -> go.Figure:
     hi = float(np.nanmax(np.concatenate([df["nll"], df["ci_hi"]]).astype(float))) if len(df) else 1.0
     fig.update_yaxes(title=NLL, range=[0, 1.08 * hi if np.isfinite(hi) and hi > 0 else 1.0])
     fig.update_xaxes(title="condition")
-    return _layout(fig, title)
+    ticks = condition_ticks(fig, df["condition"])
+    return _layout(fig, title, height=366 + ticks, margin=dict(l=60, r=20, b=46 + ticks))
 
 
 def penalty_bars(df: pd.DataFrame | dict, title: str = "Penalty vs correct (95% paired bootstrap CI)") -> go.Figure:
@@ -468,7 +511,8 @@ def penalty_bars(df: pd.DataFrame | dict, title: str = "Penalty vs correct (95% 
             go.Bar(
                 x=part["condition"],
                 y=part["penalty"],
-                name=str(run) or "penalty",
+                # a run's whole name, on lines that fit a chart half a page wide (it ran off the edge)
+                name=_wrap_run_name(str(run)) or "penalty",
                 error_y=dict(
                     type="data",
                     symmetric=False,
@@ -481,11 +525,16 @@ def penalty_bars(df: pd.DataFrame | dict, title: str = "Penalty vs correct (95% 
     fig.add_hline(y=0, line_color="#888")
     fig.update_yaxes(title=PENALTY)
     fig.update_xaxes(title="condition")
+    ticks = condition_ticks(fig, df["condition"])
     if "run" not in df:
-        return _layout(fig, title, barmode="group", showlegend=False)
+        return _layout(
+            fig, title, height=366 + ticks, barmode="group", showlegend=False, margin=dict(l=60, r=20, b=46 + ticks)
+        )
     # Runs are named by what they ran, at length: beside the plot their legend left it 90 px wide on a
-    # 1024 px screen. Below it, one run per row.
-    plot, below_axis, bottom = 228, 90, 100 + LEGEND_ROW * len(fig.data)  # pixels
+    # 1024 px screen. Below it (and below the condition labels), one run per row.
+    plot, below_axis = 228, 76 + ticks
+    extra_lines = sum(trace.name.count("<br>") for trace in fig.data)
+    bottom = below_axis + 10 + LEGEND_ROW * len(fig.data) + TICK_LINE * extra_lines  # pixels
     return _layout(
         fig,
         title,

@@ -194,6 +194,22 @@ def test_figures_are_pure_and_titled():
     assert same(figures.penalty_bars(columns), figures.penalty_bars(conditions))
     sites = {"site": ["a", "b"], "share": [0.3, 0.6]}
     assert same(figures.share_by_site(sites, 0.4), figures.share_by_site(pd.DataFrame(sites), 0.4))
+    # Conditions naming sites: short tick lines (turned on their side, they took most of the height) and a
+    # taller chart; the compare legend's run names on lines that fit, whole.
+    named = ["correct", "static_layer@l.2.gate", "interpolate:0.6@l.0.gate,l.5.gate", "global_mean@a,b,c,d"]
+    rows = {"condition": named, "nll": [1.0] * 4, "ci_lo": [0.9] * 4, "ci_hi": [1.1] * 4}
+    bars = figures.nll_bars(pd.DataFrame(rows))
+    assert list(bars.layout.xaxis.ticktext) == [
+        "correct", "static_layer<br>@l.2.gate", "interpolate:0.6<br>@l.0.gate,<br>l.5.gate", "global_mean<br>@4 sites",
+    ]  # fmt: skip
+    assert list(bars.layout.xaxis.tickvals) == named and bars.layout.xaxis.tickangle == 0
+    assert bars.layout.height - figures.nll_bars(conditions).layout.height == 2 * figures.TICK_LINE
+    run = "static_layer@l.2.gate + interpolate:0.6@l.0.gate,l.5.gate + global_mean, n=16, seed 0"
+    compared = figures.penalty_bars(pd.DataFrame({"condition": named[1:], "penalty": [0.1] * 3, "lo": [0] * 3,
+                                                  "hi": [0.2] * 3, "run": [run] * 3}))  # fmt: skip
+    lines = compared.data[0].name.split("<br>")
+    assert " ".join(lines) == run and lines[-1] == "n=16, seed 0"
+    assert all(len(line) <= figures.LEGEND_CHARS for line in lines) and len(lines) == 3
 
 
 def test_overview_and_sidebar_never_import_pandas(tiny_demo):
