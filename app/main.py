@@ -138,7 +138,13 @@ def sidebar() -> Selection:
             key="cache",
             accept_new_options=True,
             format_func=lambda p: (
-                f"{shown[p]} ({by_path[p].split or '?'}, {by_path[p].num_seqs} seq)" if p in by_path else p
+                (
+                    f"{shown[p]} (unreadable)"
+                    if by_path[p].error
+                    else f"{shown[p]} ({by_path[p].split or '?'}, {by_path[p].num_seqs} seq)"
+                )
+                if p in by_path
+                else p
             ),
             placeholder="type a cache directory",
             on_change=_on_cache_typed,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import sys
 import threading
 import time
@@ -255,6 +256,18 @@ WARM_UP_MODEL_IDLE_S = 3.0
 WARM_UP_MAX_MODEL_BYTES = 1 << 30
 _warm_started: set[tuple[str, ...]] = set()
 _warm_guard = threading.Lock()
+WARM_UP_THREAD = "fca-warm-up"
+
+
+class _WarmUpWithoutContext(logging.Filter):
+    """The warm-up fills Streamlit's caches outside any page's run, which is what it is for; Streamlit
+    logged two "missing ScriptRunContext" warnings each time it did."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (threading.current_thread().name == WARM_UP_THREAD and "ScriptRunContext" in record.getMessage())
+
+
+logging.getLogger("streamlit.runtime.scriptrunner_utils.script_run_context").addFilter(_WarmUpWithoutContext())
 _last_page_run = [time.monotonic()]
 
 
@@ -337,5 +350,5 @@ def warm_up(
         settle_heap()
 
     timer = threading.Timer(WARM_UP_DELAY_S, fill)
-    timer.name, timer.daemon = "fca-warm-up", True
+    timer.name, timer.daemon = WARM_UP_THREAD, True
     timer.start()

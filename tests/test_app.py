@@ -87,7 +87,11 @@ def test_catalog_finds_everything(tiny_demo, tmp_path):
     (tmp_path / "late" / "broken").mkdir()
     (tmp_path / "late" / "broken" / "manifest.json").write_text("{not json")
     broken = [e for e in catalog.discover_caches([tmp_path]) if e.label == "late/broken"][0]
-    assert broken.error and "unreadable manifest" in broken.error
+    assert broken.error.startswith(f"{tmp_path / 'late' / 'broken' / 'manifest.json'}: not a readable manifest (")
+    # A manifest that parses but is malformed: the file named once (it was named twice).
+    (tmp_path / "late" / "broken" / "manifest.json").write_text('{"num_seqs": "many"}')
+    broken = [e for e in catalog.discover_caches([tmp_path]) if e.label == "late/broken"][0]
+    assert broken.error.count("manifest.json") == 1, broken.error
 
 
 def test_the_report_path_suggested_for_a_cache_is_where_its_report_is_found(tmp_path):
@@ -444,6 +448,19 @@ def test_warm_up_fills_the_caches_once_in_the_background(tiny_demo, tmp_path, mo
     monkeypatch.setattr(resources, "WARM_UP_MAX_MODEL_BYTES", 0)  # a model above the limit is left to the page
     warm_up_and_wait("cuda")
     assert (tmp_path / "featuregate", "cuda") not in models
+    # In a server, Streamlit warned "missing ScriptRunContext" twice per warm-up: dropped for that thread only.
+    import logging
+
+    logger = logging.getLogger("streamlit.runtime.scriptrunner_utils.script_run_context")
+    record = logger.makeRecord(
+        logger.name, logging.WARNING, __file__, 0, "Thread %r: missing ScriptRunContext!", ("x",), None
+    )
+    passed = {}
+    for name in (resources.WARM_UP_THREAD, "a page"):
+        thread = threading.Thread(target=lambda n=name: passed.__setitem__(n, bool(logger.filter(record))), name=name)
+        thread.start()
+        thread.join()
+    assert passed == {resources.WARM_UP_THREAD: False, "a page": True}
 
 
 # ------------------------------------------------------------------ replay through the UI
@@ -722,6 +739,8 @@ def test_flops_bar_states_the_controller_share():
 
 
 def test_variance_page_controls_and_colour_scales(tiny_demo, monkeypatch):
+    from fca.tables.store import open_cache
+
     at = render(app_for(monkeypatch, [tiny_demo], tiny_demo / "eval"), "views/variance.py")
     no_exceptions(at)
     # The factor chart ticks each within-slot factor's chance level (the token id's is the largest: most groups).
@@ -738,6 +757,9 @@ def test_variance_page_controls_and_colour_scales(tiny_demo, monkeypatch):
     assert any(c["data"][0]["type"] == "box" for c in _charts(at)) and not [
         r for r in at.selectbox if r.key == "var_quantity"
     ]
+    # A cache smaller than the sample is not called a sample of itself.
+    tokens = open_cache(tiny_demo / "eval").num_seqs * open_cache(tiny_demo / "eval").seq_len
+    assert [c.value for c in at.caption if c.value.startswith(f"Quantiles over all {tokens:,} tokens of the cache.")]
     at.session_state["var_section"] = VARIANCE_SECTIONS[2]
     at.run()
     assert at.number_input(key="var_seq") is not None
@@ -815,6 +837,14 @@ def test_a_kept_setting_that_does_not_fit_the_next_cache_gives_way(tiny_demo, tm
     no_exceptions(at)
     assert not at.error, [e.value for e in at.error]
     assert at.number_input(key="tt_seq").value == 0
+    # Channels are named as the Variance and Profiles pages name them (channel 1 was "1" here, "attn.1" there).
+    from fca.tables.store import open_cache
+
+    labels = open_cache(tmp_path / "small").site_specs[at.selectbox(key="tt_site").value].channel_labels
+    assert labels and at.selectbox(key="tt_channel").options[1:] == list(labels)
+    at.selectbox(key="tt_channel").set_value(1).run()
+    no_exceptions(at)
+    assert f"channel {labels[1]}: coefficient value" in json.dumps([h.proto.body for h in at.get("html")])
 
 
 def test_profiles_empty_sites_says_all_are_shown(tiny_demo, monkeypatch):
@@ -923,6 +953,10 @@ def test_sidebar_matches_typed_paths_and_explains_missing_ones(tiny_demo, tmp_pa
     shutil.copytree(tiny_demo / "eval", root / "new" / "eval")
     at.sidebar.button(key="cache_rescan").click().run()
     assert "new/eval (eval, 8 seq)" in at.sidebar.selectbox(key="cache").options
+    (root / "bad").mkdir()
+    (root / "bad" / "manifest.json").write_text("{not json")  # listed as such (it was "(?, 0 seq)")
+    at.sidebar.button(key="cache_rescan").click().run()
+    assert "bad (unreadable)" in at.sidebar.selectbox(key="cache").options
 
 
 def test_a_default_cache_that_is_not_listed_is_said_and_another_is_shown(tiny_demo, tmp_path, monkeypatch):

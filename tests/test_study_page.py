@@ -39,7 +39,9 @@ def test_study_page_shows_seeds_and_opens_a_seed_in_the_other_pages(tiny_study, 
     assert table.columns.tolist() == ["seed 1", "seed 2"]
     assert table.loc["NLL correct"].tolist() == [f"{r['nll']['correct']:.4f}" for r in study["seeds"]]
     assert table.loc["retention static_layer"].tolist() == ["–", "–"]  # undefined: tiny models, no gap to retain
-    assert table.loc["layer-id share"].tolist() == [f"{100 * r['layer_identity_share']:.1f}%" for r in study["seeds"]]
+    assert table.loc["layer-id share"].tolist() == [
+        f"{r['layer_identity_share']:.3f}" for r in study["seeds"]
+    ]  # (as the summary)
     assert table.loc["latency x"].tolist() == [f"{r['latency_ratio_vs_dense']:.3f}x" for r in study["seeds"]]
     assert table.loc["model"].tolist() == ["featuregate", "featuregate"]
     chart = json.loads(at.get("plotly_chart")[0].proto.spec)

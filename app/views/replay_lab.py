@@ -459,7 +459,16 @@ else:
         ]
     )
     st.dataframe(
-        table, hide_index=True, key="lab_runs", column_config={"run": st.column_config.TextColumn(pinned=True)}
+        table,
+        hide_index=True,
+        key="lab_runs",
+        column_config={
+            "run": st.column_config.TextColumn(pinned=True),
+            # (a checkbox column is drawn narrow, and its header was cut to "model")
+            "model ok": st.column_config.CheckboxColumn(
+                width="medium", help="the run was made by the model that made this cache (its fingerprint)"
+            ),
+        },
     )
     # Per cache, so a choice never leaks to another cache. Runs saved since this page last ran (the one
     # just finished, or one from the CLI) join the choice; a first visit compares the newest two.

@@ -34,7 +34,7 @@ teach(
     "(the same configuration, different seeds) side by side: for each condition the mean over models, the sample "
     "standard deviation and a 95% Student t interval over models. The figure places every model on the "
     "**gap-retention** scale: 0 is the global-mean profile (no layer identity), 1 the model's own per-token "
-    "coefficients; a static per-layer profile placed at 0.42 keeps 42% of what per-token control buys."
+    "coefficients; a static per-layer profile placed at 0.5 keeps half of what per-token control buys."
 )
 
 # A picked seed's cache was set in the button's callback (a widget's value can be changed only before
@@ -143,8 +143,10 @@ def shown(figure: str, value: object) -> str:
     """One cell of the turned table, in the units of its figure."""
     if value is None or (isinstance(value, float) and np.isnan(value)):
         return "–"
-    if figure.startswith("retention ") or figure == "layer-id share":
+    if figure.startswith("retention "):
         return f"{100 * value:.1f}%"
+    if figure == "layer-id share":  # a fraction, as above the table and in the study's Markdown
+        return f"{value:.3f}"
     if figure == "latency x":
         return f"{value:.3f}x"
     return f"{value:.4f}" if isinstance(value, float) else str(value)
@@ -211,7 +213,7 @@ else:
         f"Its evaluated cache is not among the caches this dashboard lists (`cache/` and `FCA_CACHE_ROOTS`; "
         f"for the shipped studies only its audit, `{label(audit_path)}`, was kept), so the other pages cannot "
         "open it; its audit report follows. Add its folder to FCA_CACHE_ROOTS, or regenerate models and caches "
-        "with the study's command (for the demo study: `python -m fca demo-study`)."
+        "with the command that made the study (the README's Multi-seed studies gives the shipped studies')."
     )
     with guard("Audit report"):
         text = render_markdown(resources.report(str(audit_path), resources.file_stamp(audit_path)))

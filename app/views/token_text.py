@@ -32,12 +32,14 @@ with guard("Sequence"):
     data = resources.sequence(str(cache.path), cache.fingerprint, seq)
     coefficients = np.asarray(data[site], dtype=float)  # [T, K]
     width = coefficients.shape[1]
+    # Channels by the names the Variance and Profiles pages give them (attn.0, mlp.5, ...), where the site has them.
+    labels = cache.site_specs[site].channel_labels or [str(k) for k in range(width)]
     keep("tt_channel", MEAN, one_of([MEAN, *range(width)]))
     channel = c3.selectbox(
         "Channel",
         [MEAN, *range(width)],
         key="tt_channel",
-        format_func=str,
+        format_func=lambda k: k if k == MEAN else labels[k],
         help="one channel, or the mean over the site's channels",
     )
     cal = sel.static_profile_cache
@@ -64,7 +66,7 @@ with guard("Sequence"):
     ]
     shown = deviation if mode == DEVIATION else coefficient
     html, lo, hi = figures.token_text_html(tokens, shown, titles, diverging=mode == DEVIATION)
-    what = f"{site}, {'channel mean' if channel == MEAN else f'channel {channel}'}: " + (
+    what = f"{site}, {'channel mean' if channel == MEAN else f'channel {labels[channel]}'}: " + (
         "coefficient minus the static profile (unitless)" if mode == DEVIATION else "coefficient value (unitless)"
     )
     st.html(figures.colour_legend_html(lo, hi, mode == DEVIATION, what))

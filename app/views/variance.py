@@ -135,10 +135,16 @@ def _slot_section() -> None:
 
 def distributions() -> None:
     quant = resources.site_quantiles(str(cache.path), cache.fingerprint)
+    sampled = int(quant["sampled_tokens"].iloc[0])
+    over = (
+        f"all {sampled:,} tokens of the cache"
+        if sampled >= cache.num_seqs * cache.seq_len
+        else f"the first {sampled:,} tokens per site (the first sequences of the cache), so that this chart costs "
+        "the same on caches of any size"
+    )
     st.caption(
-        f"Quantiles over a sample of {int(quant['sampled_tokens'].iloc[0]):,} tokens per site (the first sequences "
-        "of the cache), so this chart costs the same on caches of any size. Each box spans the 25-75% quantiles "
-        "with the median as its line and the mean dashed; whiskers reach 5% and 95%, ticks 1% and 99%."
+        f"Quantiles over {over}. Each box spans the 25-75% quantiles with the median as its line and the mean "
+        "dashed; whiskers reach 5% and 95%, ticks 1% and 99%."
     )
     st.plotly_chart(figures.site_distributions(quant), key="var_dist")
     download(quant, "site_distributions.csv")

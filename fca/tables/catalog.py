@@ -129,7 +129,10 @@ def read_entry(cache_dir: str | Path, root: str | Path | None = None) -> CacheEn
             manifest_hash=hashlib.sha256(raw).hexdigest(),
         )
     except (OSError, ValueError, CacheError) as err:
-        return CacheEntry(path=cache_dir, label=label, error=f"{cache_dir / MANIFEST}: unreadable manifest ({err})")
+        said = str(err).removeprefix(f"{cache_dir / MANIFEST}: ")  # (a CacheError names the file already)
+        return CacheEntry(
+            path=cache_dir, label=label, error=f"{cache_dir / MANIFEST}: not a readable manifest ({said})"
+        )
 
 
 def discover_caches(roots: Iterable[str | Path]) -> list[CacheEntry]:
