@@ -327,7 +327,8 @@ def _chart_titles(at) -> list[str]:
 
 def test_the_report_says_when_latency_runs_disagree():
     report = json.loads((DEMO / "audit.json").read_text())
-    assert "The runs ranged from 0.955x to 1.085x.\n" in render_markdown(report)
+    low, high = report["execution"]["ratio_min"], report["execution"]["ratio_max"]
+    assert high / low < 1.25 and f"The runs ranged from {low:.3f}x to {high:.3f}x.\n" in render_markdown(report)
     busy = {**report, "execution": {**report["execution"], "ratio_min": 0.61, "ratio_max": 1.02}}
     assert "ranged from 0.610x to 1.020x: too wide to trust; rerun the audit on an otherwise idle" in render_markdown(
         busy
@@ -408,7 +409,7 @@ def test_token_text_page_colours_every_token(tiny_demo, monkeypatch):
     at.selectbox(key="tt_channel").set_value(1).run()
     assert not at.exception, [e.value for e in at.exception]
     legend, text = (h.proto.body for h in at.get("html"))
-    assert "equal to the static profile" in legend and "channel 1" in legend
+    assert "equal to the static profile" in legend and "channel attn.1" in legend  # (named as on Variance)
     assert text.count("<span ") == seq_len and "deviation" in text
     # The values themselves: channel 1 of the first site at position 2 of sequence 0, against the calibration
     # cache's mean of that channel (a deviation computed as coefficient + profile passed the checks above).
