@@ -200,6 +200,8 @@ def test_figures_are_pure_and_titled():
     assert same(figures.share_by_site(sites, 0.4), figures.share_by_site(pd.DataFrame(sites), 0.4))
     # Conditions naming sites: short tick lines (turned on their side, they took most of the height) and a
     # taller chart; the compare legend's run names on lines that fit, whole.
+    plain = figures.nll_bars(conditions)  # one line of labels: the height and margin it always had
+    assert (plain.layout.height, plain.layout.margin.b) == (366 + figures.TICK_LINE, 46 + figures.TICK_LINE)
     named = ["correct", "static_layer@l.2.gate", "interpolate:0.6@l.0.gate,l.5.gate", "global_mean@a,b,c,d"]
     rows = {"condition": named, "nll": [1.0] * 4, "ci_lo": [0.9] * 4, "ci_hi": [1.1] * 4}
     bars = figures.nll_bars(pd.DataFrame(rows))
@@ -207,13 +209,24 @@ def test_figures_are_pure_and_titled():
         "correct", "static_layer<br>@l.2.gate", "interpolate:0.6<br>@l.0.gate,<br>l.5.gate", "global_mean<br>@4 sites",
     ]  # fmt: skip
     assert list(bars.layout.xaxis.tickvals) == named and bars.layout.xaxis.tickangle == 0
-    assert bars.layout.height - figures.nll_bars(conditions).layout.height == 2 * figures.TICK_LINE
+    assert bars.layout.height - plain.layout.height == 2 * figures.TICK_LINE
+    three = figures.nll_bars(pd.DataFrame({**rows, "condition": ["x@a,b,c", "y", "z", "w"]}))
+    assert three.layout.xaxis.ticktext[0] == "x<br>@a,<br>b,<br>c"  # up to three sites listed
     run = "static_layer@l.2.gate + interpolate:0.6@l.0.gate,l.5.gate + global_mean, n=16, seed 0"
     compared = figures.penalty_bars(pd.DataFrame({"condition": named[1:], "penalty": [0.1] * 3, "lo": [0] * 3,
                                                   "hi": [0.2] * 3, "run": [run] * 3}))  # fmt: skip
     lines = compared.data[0].name.split("<br>")
     assert " ".join(lines) == run and lines[-1] == "n=16, seed 0"
     assert all(len(line) <= figures.LEGEND_CHARS for line in lines) and len(lines) == 3
+    # The compare chart labels its conditions the same way, and its legend sits below them, taller by its lines.
+    assert list(compared.layout.xaxis.ticktext) == list(bars.layout.xaxis.ticktext[1:])
+    ticks, plot = 3 * figures.TICK_LINE, 228
+    assert compared.layout.legend.y == pytest.approx(-(76 + ticks) / plot)
+    assert compared.layout.margin.b == 76 + ticks + 10 + figures.LEGEND_ROW + 2 * figures.TICK_LINE
+    # A run name is broken only between conditions or before "n=": a line takes a condition while it fits.
+    for a, joined in ((figures.LEGEND_CHARS - 5, True), (figures.LEGEND_CHARS - 4, False)):  # "a… + b," 56 / 57
+        lines = figures._wrap_run_name("a" * a + " + b, n=1, seed 0").split("<br>")
+        assert lines == (["a" * a + " + b,", "n=1, seed 0"] if joined else ["a" * a + " +", "b, n=1, seed 0"])
 
 
 def test_overview_and_sidebar_never_import_pandas(tiny_demo):
@@ -630,6 +643,9 @@ def test_a_damaged_report_is_one_error_and_the_page_goes_on(page, tiny_demo, tmp
     assert not [n for n in notes if n.startswith("No audit report")], notes
     said = "No readable audit report for this cache" if page.endswith("overview.py") else "could not be read"
     assert any(said in n for n in notes), notes
+    if page.endswith("overview.py"):  # and how to make one again
+        assert any("audit.json` cannot be read; to audit it again, beside it:" in n for n in notes), notes
+        assert any("python -m fca audit --model" in c.value for c in at.code)
     if page.endswith("overview.py"):  # its calibration cache no longer sends the reader to the damaged report
         at = render(app_for(monkeypatch, [tmp_path], tmp_path / "calibration"), page)
         notes = [m.value for m in at.warning]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -343,10 +344,12 @@ def test_missing_site_column(demo, tmp_path, capsys):
     bad = _copy(demo, tmp_path)
     part = bad / "part-00000.parquet"
     pq.write_table(pq.read_table(part).drop_columns(["blocks.1.gate"]), part)
+    recorded = json.loads((bad / MANIFEST).read_text())["parts"][0]["bytes"]
+    said = (
+        f"part-00000.parquet: not the part the manifest records ({part.stat().st_size:,} bytes, recorded {recorded:,}:"
+    )
     for verify in (False, True):  # (verified, it was "does not match the manifest's sha256", sizes unsaid)
-        with pytest.raises(
-            CacheError, match=r"part-00000.parquet: not the part the manifest records \(.* bytes, recorded"
-        ):
+        with pytest.raises(CacheError, match=re.escape(said)):
             open_cache(bad, verify=verify)  # its size is not the recorded one
     manifest = json.loads((bad / MANIFEST).read_text())  # recorded as it now is: the schema check refuses it
     manifest["parts"][0].update(sha256=fca.tables.schema.file_sha256(part), bytes=part.stat().st_size)
@@ -375,6 +378,7 @@ def test_derangement_and_shuffle():
         assert np.array_equal(shared["a"][n], own["a"][n, p]) and np.array_equal(shared["b"][n], own["b"][n, p])
     independent = condition_coefficients(Condition("token_shuffle", independent=True, seed=1), own, [0, 1])
     assert not np.array_equal(independent["b"], shared["b"])
+    assert not np.array_equal(independent["a"], shared["a"])  # (the first site too: it once drew the shared one)
     frozen = condition_coefficients(parse_condition("token_shuffle@b", 1), own, [0, 1])
     assert frozen["a"] is own["a"] and np.array_equal(frozen["b"], shared["b"])
     assert parse_condition("interpolate:0.25@a,b").name == "interpolate:0.25@a,b"
@@ -595,12 +599,14 @@ def test_audit_report(demo, tmp_path):
                 str(tmp_path / "a.md"),
                 "--extra-conditions",
                 "static_layer",  # one of the paper's conditions again: run once (it was refused as a repeat)
+                "static_layer@blocks.0.gate",
+                "static_layer@blocks.0.gate",  # an extra given twice: run once too
             ]
         )
         == 0
     )
     report = json.loads((tmp_path / "a.json").read_text())
-    assert "extra_conditions" not in report["definitions"]  # (static_layer is one of the paper's)
+    assert list(report["definitions"]["extra_conditions"]) == ["static_layer@blocks.0.gate"]  # (not static_layer)
     assert report["exactness"]["max_abs_logit_diff"] == 0.0
     assert report["exactness"]["nll_live"] == report["exactness"]["nll_correct"]
     assert set(report["conditions"]) >= {"correct", "cross_input", "token_shuffle", "static_layer", "global_mean"}
@@ -828,6 +834,7 @@ def test_replay_cli_saves_runs(demo, capsys):
     newest = list_runs(demo / "eval")[0]  # the run just made, though both may fall in one second
     assert newest["spec"]["num_seqs"] == 1 and newest["created"] > runs[0]["created"]
     assert newest["spec"]["calibration_fingerprint"] == open_cache(demo / "calibration").fingerprint
+    assert newest["spec"]["batch_size"] == open_cache(demo / "eval").environment["batch_size"]  # (no --batch given)
     rows = {r["condition"]: r for r in condition_rows(newest)}
     assert set(rows) == {"correct", "static_layer", "global_mean"}
     for name in ("static_layer", "global_mean"):

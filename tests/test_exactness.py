@@ -329,6 +329,19 @@ def test_tolerances_by_dtype():
     assert tolerances("float32", "float32")["coefficient_rel"] == 1e-4
     assert tolerances("float32", "float16")["coefficient_rel"] > 2.0**-10  # one storage unit more
     assert tolerances("bfloat16", "float32")["coefficient_rel"] > tolerances("float32", "float32")["coefficient_rel"]
+    # The allowances as the report's definition states them: u, 10u and 50u, none on the per-token NLL.
+    u, base = 2.0**-10, tolerances("float32", "float32")
+    added = {k: v - base[k] for k, v in tolerances("float32", "float16").items()}
+    assert added == pytest.approx({"coefficient_rel": u, "nll_mean": 10 * u, "nll_seq": 50 * u, "nll_token": 0.0})
+    # A replay's batches default to the build's, else 16 (a cache that does not record them).
+    from types import SimpleNamespace
+
+    from fca.jobs.experiment import Experiment
+
+    def batch(environment, asked=None):
+        return Experiment.batch_size_for(SimpleNamespace(evaluated=SimpleNamespace(environment=environment)), asked)
+
+    assert (batch(None), batch({"batch_size": 8}), batch({"batch_size": 8}, 3), batch({})) == (16, 8, 3, 16)
 
 
 def test_new_caches_record_their_environment(demo_pair):

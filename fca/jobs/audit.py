@@ -95,7 +95,7 @@ def audit_experiment(
     model, evaluated, calibration = experiment.model, experiment.evaluated, experiment.calibration
     dense = experiment.dense  # loaded (and checked to be a Dense twin) before the replays, not after
     conditions = [Condition(kind, seed=seed) for kind in PAPER_CONDITIONS]
-    conditions += [c for c in as_conditions(extra_conditions, seed) if c not in conditions]  # each run once
+    conditions = list(dict.fromkeys([*conditions, *as_conditions(extra_conditions, seed)]))  # each run once
     try:
         alphas = sorted({float(a) for a in sweep})
     except (TypeError, ValueError):
