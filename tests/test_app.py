@@ -1217,6 +1217,12 @@ def test_lab_results_show_their_own_settings_and_join_the_comparison(tiny_demo, 
         return job.record
 
     first = run_lab(seed=3)
+    # In the build's batches by default: the cache, made on this machine, is held to bit-identity (in batches
+    # of 2, the old default, a lab run judged the shipped demo "within tolerance").
+    from fca.tables.store import open_cache
+
+    assert first["spec"]["batch_size"] == open_cache(root / "eval").environment["batch_size"] != 2
+    assert first["results"]["exactness"]["fidelity"]["verdict"] == "bit-identical"
     # One cell per interval, so a row fits a narrow screen; the values are the record's.
     shown = next(d for d in at.dataframe if "penalty 95% CI" in d.value.columns).value.set_index("condition")
     assert shown.columns.tolist() == ["NLL", "NLL 95% CI", "penalty", "penalty 95% CI", "gap retention"]

@@ -44,10 +44,12 @@ KINDS = {
     "interpolate": "alpha x live + (1 - alpha) x static profile",
     "position_profile": "the calibration mean at each position",
 }
-# Default batch: progress and Cancel act between batches, so batches must be short, also on a loaded
-# machine. Results depend on the batch composition (the exactness check compares within a batch), so
-# each result's command carries its --batch and gives the same numbers.
+# Default batch: the batches the cache was built in, where a cache made on this machine must replay bit for
+# bit (in others it is held only to the tolerances of another environment, and a lab run said "within
+# tolerance" of the shipped demo); else 2, as progress and Cancel act between batches. Results depend on the
+# batch composition, so each result's command carries its --batch and gives the same numbers.
 DEFAULT_BATCH = 2
+MAX_BATCH = 256
 # Columns the shared bar figures read (app/figures.py), from the plain names of our tables.
 FIGURE_COLUMNS = {
     "NLL (nats/token)": "nll",
@@ -231,7 +233,7 @@ def keep_settings() -> None:
         "lab_independent": False,
         "lab_num_seqs": min(16, cache.num_seqs),
         "lab_seed": 0,
-        "lab_batch": DEFAULT_BATCH,
+        "lab_batch": min(MAX_BATCH, (cache.environment or {}).get("batch_size") or DEFAULT_BATCH),
     }
     kept = state.get(KEPT_KEY, {})
     values = fitted_settings({k: state[k] if k in state else kept.get(k, default) for k, default in defaults.items()})
@@ -300,11 +302,12 @@ def settings_form() -> None:
         c7.number_input(
             "Batch size",
             1,
-            256,
+            MAX_BATCH,
             key="lab_batch",
             disabled=locked,
-            help="sequences per forward pass (1 to 256); progress and Cancel act between batches, and results "
-            "depend on the batch composition (the command below carries it)",
+            help=f"sequences per forward pass (1 to {MAX_BATCH}; by default the batches the cache was built in, "
+            "where a cache made on this machine replays bit for bit); progress and Cancel act between batches, "
+            "and results depend on the batch composition (the command below carries it)",
         )
         settings = form_settings(kinds, freeze, alpha, independent, sweep)
         if kinds or sweep:
