@@ -311,7 +311,9 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(f"coefficients computed on {describe(cache.environment)}" + (f", in batches of {batch}" if batch else ""))
     for name, spec in m.sites.items():
         axes = [[axis, size] for axis, size in spec.axes]  # printed as the manifest writes them
-        print(f"  {name}: K={spec.num_channels} axes={axes} family={spec.family}")
+        # Per-channel families (MUDDPythia's q, k, v, r streams) are what global_mean averages within.
+        families = ",".join(dict.fromkeys(spec.channel_families)) if spec.channel_families else spec.family
+        print(f"  {name}: K={spec.num_channels} axes={axes} family={families}")
 
 
 def cmd_replay(args: argparse.Namespace) -> None:

@@ -77,7 +77,7 @@ def _audit(root, corpus, model_dir, dense_dir=None) -> dict:
     return json.loads((root / f"{model_dir.name}.json").read_text())
 
 
-def test_muddpythia_audit(corpus_and_tokenizer):
+def test_muddpythia_audit(corpus_and_tokenizer, capsys):
     root, corpus, tokenizer = corpus_and_tokenizer
     config = MUDDPythiaConfig(
         vocab_size=VOCAB,
@@ -99,6 +99,11 @@ def test_muddpythia_audit(corpus_and_tokenizer):
     assert set(report["variance"]["per_site"]) == {"dense.0", "dense.1", "dense.2"}
     assert report["execution"]["blocks_executed_fraction"] == 1.0 and report["execution"]["latency_ratio_vs_dense"] > 0
     assert report["conditions"]["cross_input"]["penalty"] != 0.0
+    # The calibration means global_mean used, one per stream; and `inspect` names the streams (it said "dense").
+    assert set(report["calibration"]["family_grand_means"]) == {"q", "k", "v", "r"}
+    assert report["definitions"]["coefficient"].startswith("dense-connection weights: the dynamic dw plus the static")
+    assert main(["inspect", str(root / "mudd-eval")]) == 0
+    assert "  dense.0: K=8 axes=[['stream', 4], ['source', 2]] family=q,k,v,r" in capsys.readouterr().out
 
 
 def test_mixtral_audit(corpus_and_tokenizer, monkeypatch, capsys):

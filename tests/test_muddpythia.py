@@ -242,6 +242,19 @@ def test_misshapen_key_is_a_clear_error(ckpt, tmp_path):
     message = str(err.value)
     assert "\n" not in message and "model.safetensors" in message and "dynamic_dense.0.w2.weight" in message
 
+    def many(state):  # more than the three named: said so, not cut off silently
+        for key in [k for k in sorted(state) if k.startswith("dynamic_dense.")][:4]:
+            state[key] = torch.zeros(tuple(n + 1 for n in state[key].shape))
+
+    with pytest.raises(ModelLoadError, match=r"misshapen \[.*\] \.\.\. \(4 in all\)"):
+        fca.load_model(_rewrite_weights(ckpt, tmp_path / "many", many))
+
+    def integers(state):  # cast to floats, it loaded as zeros
+        state["dense_bs.0"] = state["dense_bs.0"].to(torch.int32)
+
+    with pytest.raises(ModelLoadError, match=r"weights that are not floating point \['dense_bs.0'\]"):
+        fca.load_model(_rewrite_weights(ckpt, tmp_path / "ints", integers))
+
 
 def test_bad_config_names_the_file(ckpt, tmp_path):
     path = tmp_path / "badcfg"

@@ -135,7 +135,13 @@ def load_strict(model: nn.Module, state: dict[str, torch.Tensor], where: Path, a
     if unexpected:
         problems.append(f"unexpected keys {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
     if misshapen:
-        problems.append(f"misshapen {misshapen[:3]}")
+        problems.append(f"misshapen {misshapen[:3]}{f' ... ({len(misshapen)} in all)' if len(misshapen) > 3 else ''}")
+    # A weight of an integer or boolean type would be cast to the model's floats without a word (truncated).
+    not_floats = [
+        k for k, v in state.items() if k in expected and expected[k].is_floating_point() and not v.is_floating_point()
+    ]
+    if not_floats:
+        problems.append(f"weights that are not floating point {not_floats[:5]}{' ...' if len(not_floats) > 5 else ''}")
     if problems:
         raise ModelLoadError(f"{where}: weights do not fit the config: {'; '.join(problems)}")
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True, assign=assign)

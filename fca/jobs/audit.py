@@ -149,7 +149,7 @@ def audit_experiment(
         "variance": variance,
         "execution": execution,
         "definitions": {
-            **_definitions(evaluated, calibration, layout, seed, conditions, swept),
+            **_definitions(evaluated, calibration, layout, seed, conditions, swept, family_of(model).coefficient_kind),
             **family_of(model).definitions(model),
             **({"routing": ROUTING_DEFINITION} if results.routers else {}),
         },
@@ -214,6 +214,7 @@ def _definitions(
     seed: int,
     conditions: Sequence[Condition],
     swept: Sequence[Condition] = (),
+    coefficient_kind: str = "",
 ) -> dict:
     extra = [c for c in conditions if c.name not in PAPER_CONDITIONS and c not in swept]  # named by their spec
     families: dict[str, list[str]] = {}
@@ -284,5 +285,6 @@ def _definitions(
         "coefficient": "; ".join(
             sorted({f"{s.family}: {s.coefficient}" for s in cache.site_specs.values() if s.coefficient})
         )
+        or coefficient_kind  # (the family's words, where its sites do not say: MUDDPythia's)
         or "the value the computation consumes at each site",
     }
