@@ -350,6 +350,11 @@ def test_overview_tells_the_story_of_the_shipped_demo(monkeypatch):
     specs = next(m.value for m in at.markdown if "`interpolate:0`" in m.value)
     assert "`interpolate:0`: kind interpolate, alpha 0.0, seed 0" in specs  # zeros are values, not absences
     assert not at.warning, [w.value for w in at.warning]  # 256 sequences: no caution about few of them
+    # What global_mean used, as the Markdown says it (the page had no such line).
+    gate = report["calibration"]["family_grand_means"]["gate"]
+    assert f"global_mean gives every coefficient its family's calibration grand mean: gate {gate:.6g}." in [
+        c.value for c in at.caption
+    ]
 
 
 def test_a_report_over_few_sequences_says_its_intervals_are_rough(tiny_demo, monkeypatch):

@@ -22,6 +22,7 @@ from fca.tables.report import (
     conditions_table,
     exactness_sentences,
     few_sequences_caution,
+    global_mean_sentence,
     read_report,
     render_markdown,
     report_mismatch,
@@ -260,6 +261,8 @@ with c3:
 
 # A Markdown table, not st.dataframe: the first page then needs no data-grid bundle in the browser.
 st.markdown("\n".join(conditions_table(report)))
+if used := global_mean_sentence(report):
+    st.caption(used)
 if routing := routing_table(report):  # (a model with top-k routers: how much routing each condition kept)
     st.markdown("\n".join(routing))
     swept = [row["condition"] for row in report.get("interpolation_sweep") or [] if "condition" in row]

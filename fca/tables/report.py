@@ -289,6 +289,15 @@ def storage_sentence(coefficient_dtype: str) -> str:
     return f" **Coefficients were stored in reduced precision ({coefficient_dtype}).**"
 
 
+def global_mean_sentence(report: dict) -> str | None:
+    """What global_mean put at every coefficient, family by family (None for reports made before it was kept)."""
+    used = report["calibration"].get("family_grand_means")
+    if not used:
+        return None
+    values = ", ".join(f"{family} {value:.6g}" for family, value in used.items())
+    return f"global_mean gives every coefficient its family's calibration grand mean: {values}."
+
+
 def render_markdown(report: dict) -> str:
     m, ex, var, exe = report["model"], report["exactness"], report["variance"], report["execution"]
     lines = [
@@ -333,10 +342,8 @@ def render_markdown(report: dict) -> str:
         "",
         *conditions_table(report),
     ]
-    used = report["calibration"].get("family_grand_means")  # (reports made before it was kept have none)
-    if used:
-        values = ", ".join(f"{family} {value:.6g}" for family, value in used.items())
-        lines += ["", f"global_mean gives every coefficient its family's calibration grand mean: {values}."]
+    if used := global_mean_sentence(report):
+        lines += ["", used]
     caution = few_sequences_caution(report["cache"]["sequences"])
     lines += ["", f"> {caution}"] if caution else []
     lines += routing_table(report)
