@@ -455,14 +455,7 @@ def condition_ticks(fig: go.Figure, names) -> int:
         listed = sites.split(",") if sites else []
         if len(listed) > TICK_SITES:
             listed = [f"{len(listed)} sites"]
-        texts.append(
-            "<br>".join(
-                [
-                    kind,
-                    *(("@" if i == 0 else "") + s + ("," if i < len(listed) - 1 else "") for i, s in enumerate(listed)),
-                ]
-            )
-        )
+        texts.append(kind + ("<br>@" + ",<br>".join(listed) if listed else ""))
     fig.update_xaxes(tickmode="array", tickvals=names, ticktext=texts, tickangle=0)
     return TICK_LINE * max((t.count("<br>") + 1 for t in texts), default=1)
 

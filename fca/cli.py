@@ -312,7 +312,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     for name, spec in m.sites.items():
         axes = [[axis, size] for axis, size in spec.axes]  # printed as the manifest writes them
         # Per-channel families (MUDDPythia's q, k, v, r streams) are what global_mean averages within.
-        families = ",".join(dict.fromkeys(spec.channel_families)) if spec.channel_families else spec.family
+        families = ",".join(dict.fromkeys(spec.families_per_channel()))
         print(f"  {name}: K={spec.num_channels} axes={axes} family={families}")
 
 

@@ -70,7 +70,7 @@ def _sequence_view() -> None:
         live.append(data[site])  # [T, K]
         static.append(ref_stats["slot_mean"][columns])
         sd.append(ref_stats["slot_sd"][columns])
-        slots += [f"{site}/{label}" for label in (spec.channel_labels or range(spec.num_channels))]
+        slots += [f"{site}/{label}" for label in spec.channel_names()]
     live_m, static_v, sd_v = np.concatenate(live, axis=1), np.concatenate(static), np.concatenate(sd)
     deviation = slot_deviation(live_m, static_v, sd_v)  # [T, C] in calibration SDs
     tokens = resources.decode_tokens(str(sel.model_dir) if sel.model_dir else "", tuple(int(t) for t in data["token"]))

@@ -33,7 +33,7 @@ with guard("Sequence"):
     coefficients = np.asarray(data[site], dtype=float)  # [T, K]
     width = coefficients.shape[1]
     # Channels by the names the Variance and Profiles pages give them (attn.0, mlp.5, ...), where the site has them.
-    labels = cache.site_specs[site].channel_labels or [str(k) for k in range(width)]
+    labels = cache.site_specs[site].channel_names()
     keep("tt_channel", MEAN, one_of([MEAN, *range(width)]))
     channel = c3.selectbox(
         "Channel",

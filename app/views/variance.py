@@ -99,7 +99,7 @@ def _slot_section() -> None:
     offset = 0
     for site, spec in cache.manifest.sites.items():
         K = spec.num_channels
-        labels = spec.channel_labels or [str(k) for k in range(K)]
+        labels = spec.channel_names()
         fams = spec.families_per_channel()
         axes = spec.axes
         for k in range(K):

@@ -440,8 +440,7 @@ class ShardedExperiment(Experiment):
         `profile_progress` is not reported: each actor estimates the profiles itself."""
         import ray
 
-        conditions, n = self.planned_run(conditions, num_seqs, batch_size, seed)  # in the driver first
-        batch_size = self.batch_size_for(batch_size)
+        conditions, n, batch_size = self.planned_run(conditions, num_seqs, batch_size, seed)  # in the driver first
         bounds = shard_bounds(n, batch_size, len(self.actors))
         refs = [a.run.remote(conditions, n, batch_size, seed, b) for a, b in zip(self.actors, bounds)]
         pending = list(refs)

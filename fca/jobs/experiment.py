@@ -276,8 +276,9 @@ class Experiment:
 
     def planned_run(
         self, conditions: Sequence[Condition | str] | str, num_seqs: int | None, batch_size: int | None, seed: int
-    ) -> tuple[list[Condition], int]:
-        """The conditions and the number of sequences of a run, checked (`check_run`) before it starts."""
+    ) -> tuple[list[Condition], int, int]:
+        """The conditions, the number of sequences and the batch size (`batch_size_for`) of a run, checked
+        (`check_run`) before it starts."""
         batch_size = self.batch_size_for(batch_size)
         if num_seqs is not None and num_seqs < 1 or batch_size < 1:
             raise ValueError(
@@ -286,7 +287,7 @@ class Experiment:
         conditions = as_conditions(conditions, seed)
         n = self.evaluated.num_seqs if num_seqs is None else min(num_seqs, self.evaluated.num_seqs)
         self.check_run(conditions, n)
-        return conditions, n
+        return conditions, n, batch_size
 
     def run(
         self,
@@ -307,8 +308,7 @@ class Experiment:
         the figures unjudged, for a bench of the checks themselves.
         `shard`: score only those positions of the run (`run_conditions`; a distributed replay's actor,
         whose driver judges the merged run)."""
-        conditions, n = self.planned_run(conditions, num_seqs, batch_size, seed)
-        batch_size = self.batch_size_for(batch_size)
+        conditions, n, batch_size = self.planned_run(conditions, num_seqs, batch_size, seed)
         profiles = self.profiles(profile_progress) if any(c.needs_profiles for c in conditions) else None
         results = run_conditions(
             self.model,

@@ -204,9 +204,9 @@ def check_replaceable(
             f"{str(path) or '(empty)'}: give the {kind} a folder of its own, not the current or parent one"
         )
     check_not_in_cache(path, kind)
-    check_no_file_above(path)
     if not path.exists() and not path.is_symlink():
-        check_writable_folder(path, kind)  # (a read-only mount was found only when the lock was made)
+        # (a folder above that is a file, or a read-only mount, was found only when the lock was made)
+        check_writable_folder(path, kind)
         return
     if not overwrite:
         raise OutputError(f"{path}: already exists (pass {flag} to replace it)")

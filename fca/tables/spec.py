@@ -39,6 +39,10 @@ class SiteSpec:
             k *= size
         return k
 
+    def channel_names(self) -> tuple[str, ...]:
+        """Each of the `K` channels' name: its label, else its number ("0", "1", ...)."""
+        return self.channel_labels if self.channel_labels is not None else tuple(map(str, range(self.num_channels)))
+
     def families_per_channel(self) -> tuple[str, ...]:
         """The coefficient family of each of the `K` channels (length `K`)."""
         return self.channel_families if self.channel_families is not None else (self.family,) * self.num_channels
