@@ -399,6 +399,10 @@ def test_bad_replay_coefficients_and_inputs_are_one_line_errors(ids):
         fca.capture(model, torch.rand(2, 8))
     with pytest.raises(ValueError, match="not None"):
         fca.replay(model, None, coefficients)
+    poisoned = {name: values.copy() for name, values in coefficients.items()}
+    poisoned["blocks.1.gate"][0, 3, :2] = [np.nan, np.inf]
+    with pytest.raises(ValueError, match=r"NaN or infinity at site\(s\) blocks\.1\.gate \(2 of 64 values\)"):
+        fca.replay(model, ids, poisoned)
 
 
 @pytest.mark.parametrize(

@@ -135,7 +135,22 @@ def _replay_staged(
         unknown = sorted(set(coefficients) - set(sites) - set(KEY_COLUMNS))
         if unknown:
             raise KeyError(f"coefficients given for site(s) {unknown} that the model lacks; its sites: {sites}")
-        return model_logits(model(ids), model), staged.moved
+        logits = model_logits(model(ids), model)
+    check_finite_coefficients(logits, staged.moved)
+    return logits, staged.moved
+
+
+def check_finite_coefficients(logits: torch.Tensor, fed: Mapping[str, torch.Tensor]) -> None:
+    """Refuse coefficients holding NaN or infinity once they made the logits non-finite: the logits would
+    otherwise come back as NaN without a word. Only non-finite logits are looked into (one reduction, on
+    the logits' device), so a valid replay pays no pass over its coefficients."""
+    if bool(torch.isfinite(logits).all()):
+        return
+    bad = {name: int((~torch.isfinite(t)).sum()) for name, t in fed.items() if t.is_floating_point()}
+    bad = {name: count for name, count in bad.items() if count}
+    if bad:
+        listed = ", ".join(f"{name} ({count} of {fed[name].numel()} values)" for name, count in bad.items())
+        raise ValueError(f"coefficients given hold NaN or infinity at site(s) {listed}; the logits are not finite")
 
 
 # ---------------------------------------------------------------------------------------------
