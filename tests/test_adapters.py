@@ -263,6 +263,79 @@ class TinyUserModel(nn.Module):
         return self.head(x)  # [B, T, V]
 
 
+class InPlaceGatedBlock(GatedBlock):
+    """A block that writes into what its gate returned (`sigmoid_`), a common idiom."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Bx, Tx, D = x.shape
+        gates = self.gate(x).sigmoid_()  # [B, T, G], the gate's own output tensor
+        return x + (self.mlp(x).view(Bx, Tx, self.groups, -1) * gates.unsqueeze(-1)).view(Bx, Tx, D)
+
+
+def test_a_model_writing_into_its_coefficients_changes_neither_capture_nor_the_callers_arrays(ids):
+    """The capture held the values after the model's `sigmoid_` (Correct replay then missed the live run
+    by 0.3), replay wrote into the caller's numpy arrays, and a broadcast profile failed inside torch."""
+    torch.manual_seed(0)
+    model = TinyUserModel(flat=False)
+    model.blocks = nn.ModuleList(InPlaceGatedBlock(16, 4, False) for _ in range(2))
+    model.eval()
+    with torch.no_grad():
+        live = model(ids)
+        first_logits = model.blocks[0].gate(model.embed(ids))  # [B, T, 4], before any sigmoid
+    attach_sites(model, [SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate")])
+    coefficients = fca.capture(model, ids)
+    assert np.array_equal(coefficients["blocks.0.gate"], first_logits.numpy())
+    kept = {name: values.copy() for name, values in coefficients.items()}
+    assert (fca.replay(model, ids, coefficients) - live).abs().max().item() == 0
+    assert all(np.array_equal(kept[name], coefficients[name]) for name in kept)
+    profile = {name: values.mean((0, 1)) for name, values in coefficients.items()}  # [K] each
+    assert fca.replay(model, ids, profile).shape == live.shape
+
+
+def test_replay_refuses_what_capture_refuses(ids):
+    """Coefficients that are not floating point, and a site consumed twice in one forward, are refused in
+    replay as in capture (they were cast, or fed twice, without a word)."""
+    model = TinyUserModel(flat=False).eval()
+    attach_sites(model, [SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate")])
+    coefficients = fca.capture(model, ids)
+    for dtype in (np.int64, np.bool_, np.complex64):
+        wrong = {**coefficients, "blocks.1.gate": coefficients["blocks.1.gate"].astype(dtype)}
+        with pytest.raises(ValueError, match=r"site 'blocks\.1\.gate': replay coefficients must be floating point"):
+            fca.replay(model, ids, wrong)
+
+    class TwiceGatedBlock(GatedBlock):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(super().forward(x))  # the gate runs twice
+
+    shared = TinyUserModel(flat=False).eval()
+    shared.blocks[0] = TwiceGatedBlock(16, 4, False).eval()
+    attach_sites(shared, [SiteDeclaration(path="blocks.0.gate", axes=(("group", 4),), family="gate")])
+    for run in (lambda: fca.capture(shared, ids), lambda: fca.replay(shared, ids, {"blocks.0.gate": np.zeros(4)})):
+        with pytest.raises(ValueError, match=r"site 'blocks\.0\.gate' ran twice in one forward pass"):
+            run()
+
+
+def test_a_per_sequence_controller_is_told_coefficients_are_per_token(ids):
+    """Its [B, K] output had been answered with "one scalar per token: declare axes=()", which fails again."""
+
+    class PooledGate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x.mean(1))  # [B, 4]: one vector per sequence
+
+    model = TinyUserModel(flat=False).eval()
+    model.blocks[0].gate = PooledGate()
+    for axes in ((("group", 4),), ()):
+        attached = TinyUserModel(flat=False).eval()
+        attached.blocks[0].gate = PooledGate()
+        attach_sites(attached, [SiteDeclaration(path="blocks.0.gate", axes=axes, family="gate")])
+        with pytest.raises(SiteDeclarationError, match=rf"must begin with \[{B}, {T}\]; per-sequence or pooled"):
+            fca.capture(attached, ids)
+
+
 @pytest.mark.parametrize("layout", ["batched", "flat"])
 def test_user_model_with_glob_path_end_to_end(layout, ids):
     torch.manual_seed(0)
@@ -510,6 +583,9 @@ def test_a_float32_controller_in_a_bfloat16_model_is_replayed_in_float32(ids, tm
     cache = fca.build_cache(model, windows, tmp_path / "eval", batch_size=4)
     results = Experiment.open(model, cache, None).run(["correct"], batch_size=4)
     assert results.max_abs_logit_diff == 0 and results.exactness["fidelity"]["verdict"] == "bit-identical"
+    model.cpu().to(torch.bfloat16)  # moves that change nothing keep what the controllers produced
+    assert (fca.replay(model, ids, fca.capture(model, ids)) - live).abs().max().item() == 0
+    assert all(site._produced_dtype == torch.float32 for site in find_sites(model).values())
     model.to(torch.float32)  # what the controller produced before says nothing of what it produces now
     assert all(site._produced_dtype is None for site in find_sites(model).values())
 

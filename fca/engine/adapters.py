@@ -195,12 +195,16 @@ class ModuleSite(Site):
             and tuple(picked.shape[len(lead) :]) == dims
         )
         if not fits:
-            extra = list(picked.shape[len(lead) :]) if isinstance(picked, torch.Tensor) else None
+            per_token = isinstance(picked, torch.Tensor) and tuple(picked.shape[: len(lead)]) == lead
+            extra = list(picked.shape[len(lead) :]) if per_token else None
             trailing = (
                 " (one scalar per token: declare axes=())"
                 if extra == []
                 else f" (declare axes for each of its dims {extra})"
                 if extra is not None and math.prod(extra) == K
+                else f" (coefficients are recorded per token: the output must begin with {list(lead)}; per-sequence "
+                "or pooled coefficients are not supported)"
+                if isinstance(picked, torch.Tensor) and not per_token
                 else ""
             )
             raise SiteDeclarationError(

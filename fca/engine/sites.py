@@ -48,6 +48,7 @@ class Site(nn.Module):
         self._sink: MutableMapping[str, torch.Tensor] | None = None
         self._provider: Provider | None = None
         self._in_pass = False  # inside a `site_modes` block: no other pass may set its mode meanwhile
+        self._used_in_pass = False  # recorded or replayed in the current pass (see `_check_once_per_pass`)
         # The dtype the controller produced when it last ran, which replay feeds: a float32 router in a
         # bfloat16 model hands float32 values on, and fed them rounded to the model's dtype, its replay
         # differs. Unknown (None) until the controller has run, and after the model changes dtype or device.
@@ -65,36 +66,57 @@ class Site(nn.Module):
         return coefficients
 
     def replayed(self, B: int, T: int, device, dtype: torch.dtype) -> torch.Tensor:
-        """The provider's coefficients for this call as [B, T, K] (a view where they broadcast), in the dtype
-        the controller produced when it last ran, else in `dtype` (the site input's)."""
-        coefficients = self._provider(self, B, T).to(device=device, dtype=self._produced_dtype or dtype)
+        """The provider's coefficients for this call as a contiguous [B, T, K] tensor of its own, in the dtype
+        the controller produced when it last ran, else in `dtype` (the site input's).
+
+        Its own: the model may write into what its controller returned (`gate.sigmoid_()`), which must
+        neither change the caller's arrays nor meet a broadcast view of a profile."""
+        self._check_once_per_pass()
+        given = self._provider(self, B, T)
+        if not given.is_floating_point():  # bool, integer or complex values would be cast without a word
+            raise ValueError(f"site {self.site_name!r}: replay coefficients must be floating point, not {given.dtype}")
+        coefficients = given.to(device=device, dtype=self._produced_dtype or dtype)
         try:
-            return coefficients.expand(B, T, self.spec.num_channels)
+            coefficients = coefficients.expand(B, T, self.spec.num_channels)  # [B, T, K]
         except RuntimeError:
             raise ValueError(
                 f"site {self.site_name!r}: replay coefficients of shape {list(coefficients.shape)} do not broadcast "
                 f"to this call's [B, T, K] = {[B, T, self.spec.num_channels]}"
             ) from None
+        shared = coefficients.untyped_storage().data_ptr() == given.untyped_storage().data_ptr()
+        if shared or not coefficients.is_contiguous():
+            coefficients = coefficients.clone(memory_format=torch.contiguous_format)
+        return coefficients
 
     def record(self, coefficients: torch.Tensor) -> None:
-        """Hand this call's coefficients [B, T, K] to the pass's sink. A site runs once per pass: a second
-        call would overwrite the first one's values, and replay would then feed the second to both."""
-        if self.site_name in self._sink:
+        """Hand a copy of this call's coefficients [B, T, K] to the pass's sink: the model may still write
+        into the tensor it was given (`gate.sigmoid_()`), and the sink must keep what the controller made."""
+        self._check_once_per_pass()
+        self._sink[self.site_name] = coefficients.detach().clone()
+
+    def _check_once_per_pass(self) -> None:
+        """A site runs once per pass: recorded twice, the second call would overwrite the first one's values;
+        replayed twice, both calls would be fed one call's coefficients."""
+        if self._used_in_pass:
             raise ValueError(
                 f"site {self.site_name!r} ran twice in one forward pass; FCA records one coefficient tensor per "
                 "site and pass, so a controller used twice must be declared as two modules (one per use)"
             )
-        self._sink[self.site_name] = coefficients.detach()
+        self.__dict__["_used_in_pass"] = True
 
     def _set_mode(self, mode: Mode, sink, provider, in_pass: bool) -> None:
         # Plain attributes, set past nn.Module.__setattr__ and its checks for parameters, buffers and
         # modules (none of these is one): site_modes sets them on every site twice per pass.
-        self.__dict__.update(mode=mode, _sink=sink, _provider=provider, _in_pass=in_pass)
+        self.__dict__.update(mode=mode, _sink=sink, _provider=provider, _in_pass=in_pass, _used_in_pass=False)
 
     def _apply(self, fn, *args, **kwargs):
-        # `.to()`, `.half()`, `.cuda()`: what the controller produced before says nothing of what it will.
-        self.__dict__["_produced_dtype"] = None
-        return super()._apply(fn, *args, **kwargs)
+        # `.to()`, `.half()`, `.cuda()`: what the controller produced before says nothing of what it will,
+        # unless the move changed none of its parameters (`.cpu()` of a CPU model, `.to()` of its own dtype).
+        before = [(p.dtype, p.device) for p in self.parameters()]
+        module = super()._apply(fn, *args, **kwargs)
+        if not before or before != [(p.dtype, p.device) for p in self.parameters()]:
+            self.__dict__["_produced_dtype"] = None
+        return module
 
     def extra_repr(self) -> str:
         return f"name={self.site_name!r}, K={self.spec.num_channels}, family={self.spec.family!r}"
