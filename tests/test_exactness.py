@@ -216,6 +216,9 @@ def test_same_environment_must_be_bit_identical(demo_pair, tmp_path, capsys):
     assert "or was computed under settings its manifest does not record" in err
     # The very same cache in other batches than the build's is judged by the tolerances instead.
     assert replay_cli(model_dir, drifted, cal, "--batch", "3") == 0
+    # ... but only those batches: one partial batch at the end had let every batch through.
+    assert replay_cli(model_dir, drifted, cal, "--num-seqs", "6") == 2
+    assert "this very environment and in batches of the build" in capsys.readouterr().err
     # Without --batch, a replay and an audit take the build's batches (4 here; the default of 16 was
     # another batching, and let this cache through on the tolerances).
     assert open_cache(drifted).environment["batch_size"] == 4
@@ -254,8 +257,29 @@ def test_settings_that_choose_kernels_are_part_of_the_environment(demo_pair, tmp
     # Caches from before the record (no `numerics`) are judged as before: same environment, bit for bit.
     older = rewrite_cache(ev, tmp_path / "older", 0.0, {k: v for k, v in here.items() if k != "numerics"})
     assert replay_cli(model_dir, older, cal) == 0 and "bit-identical" in capsys.readouterr().out
+    # ... read as built under the default settings: replayed under other ones, such a cache is foreign
+    # (it had been refused as "this very environment", both environments printed and differing).
+    older_drifted = rewrite_cache(ev, tmp_path / "older_drifted", 2e-7, older_env := open_cache(older).environment)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not same_environment(older_env, current_environment(fca.load_model(model_dir)))
+    assert replay_cli(model_dir, older_drifted, cal) == 0
+    assert "the environments differ in numeric settings" in capsys.readouterr().out
     one = describe({**here, "threads": 1})
     assert f"({here['capability']}, 1 thread)," in one and "threads" not in one
+
+
+def test_a_foreign_calibration_cache_is_said_to_be_foreign(demo_pair, tmp_path, capsys):
+    """Its origin appeared only in the report's JSON: the CLI and the Markdown said nothing of it."""
+    model_dir, ev, cal = demo_pair
+    foreign_cal = rewrite_cache(cal, tmp_path / "foreign_cal", 0.0, FOREIGN)
+    assert replay_cli(model_dir, ev, foreign_cal) == 0
+    out = capsys.readouterr().out
+    assert "Calibration cache: computed on cuda NVIDIA H200 (sm_90, CUDA 13.0), float32, torch 2.11.0+cu130 (a " in out
+    assert "foreign cache: the environments differ in device, device name, CPU capability" in out
+    assert replay_cli(model_dir, ev, cal) == 0
+    said = capsys.readouterr().out
+    assert "Calibration cache: computed on cpu" in said and "fidelity is not measured" in said
+    assert "foreign" not in said  # both caches built here
 
 
 def test_a_damaged_live_nll_column_is_refused_in_a_foreign_cache(demo_pair, tmp_path, capsys):
@@ -288,6 +312,8 @@ def test_a_damaged_live_nll_column_is_refused_in_a_foreign_cache(demo_pair, tmp_
         ("cuda", "'environment' must be an object"),
         ([1, 2], "'environment' must be an object"),
         ({**FOREIGN, "batch_size": "4"}, "environment 'batch_size' must be a whole number"),
+        ({**FOREIGN, "batch_size": -16}, "environment 'batch_size' must be a whole number of at least 1"),
+        ({**FOREIGN, "threads": 0}, "environment 'threads' must be a whole number of at least 1"),
         ({**FOREIGN, "model_dtype": "bfloat16"}, "model dtype float32, but its environment says bfloat16"),
     ],
 )

@@ -345,7 +345,7 @@ def test_the_corpus_command_extracts_the_demos_text(tmp_path, capsys) -> None:
     assert chapters[-1].rstrip().endswith("The grace of our Lord Jesus Christ be with you all. Amen.")
     out.write_text("changed")
     assert main(["corpus", "--out", str(out)]) == 2
-    assert f"{out}: already exists (pass --overwrite to replace it)" in capsys.readouterr().err
+    assert f"{out}: already exists (--overwrite, or overwrite=True from Python, replaces it)" in capsys.readouterr().err
     assert out.read_text() == "changed"
     assert main(["corpus", "--out", str(out), "--overwrite"]) == 0
     assert hashlib.sha256(out.read_bytes()).hexdigest() == fingerprint

@@ -202,6 +202,40 @@ def test_manifest_refuses_what_open_cache_refuses(tmp_path):
     assert catalog.read_entry(DEMO / "eval").model_fingerprint == raw["model"]["fingerprint"]
 
 
+def test_parts_listed_twice_out_of_order_or_exchanged_are_refused_by_name(tmp_path):
+    """Such caches passed `inspect --verify` (every hash matched its manifest entry), then a replay stopped
+    half-way with "expected 2048 rows for 16 sequences, found 0", naming no file."""
+    import shutil
+
+    from fca.tables.schema import file_sha256
+
+    good = write_tiny_cache(tmp_path / "good")
+    raw = json.loads((good / MANIFEST).read_text())
+    first, second = raw["parts"]  # sequences 0-3 and 4-5
+    for edit, said in (
+        (
+            {"parts": [first, first], "num_seqs": 8, "num_tokens": 8 * raw["seq_len"]},
+            "part part-00000.parquet is listed",
+        ),
+        ({"parts": [second, first]}, "part part-00001.parquet begins at sequence 4, but the parts before it end at 0"),
+    ):
+        with pytest.raises(CacheError, match=f"m.json: inconsistent manifest: {said}"):
+            Manifest.from_json({**raw, **edit}, "m.json")
+    # Part 1's file replaced by a copy of part 0's, its manifest entry rewritten to match (hash, size, rows).
+    copied = tmp_path / "copied"
+    shutil.copytree(good, copied)
+    shutil.copyfile(copied / first["file"], copied / second["file"])
+    second_copy = {**second, "sha256": file_sha256(copied / second["file"]), "bytes": first["bytes"]}
+    second_copy.update(num_seqs=first["num_seqs"], rows=first["rows"])
+    changed = {**raw, "num_seqs": 8, "num_tokens": 8 * raw["seq_len"], "parts": [first, second_copy]}
+    (copied / MANIFEST).write_text(json.dumps(changed))
+    with pytest.raises(CacheError, match=r"part-00001\.parquet: holds sequences 0-3, but the manifest places "):
+        open_cache(copied, verify=True)
+    with pytest.raises(CacheError, match=r"part-00001\.parquet: holds sequences 0-3, but the manifest places "):
+        open_cache(copied).read_seqs([5])
+    assert open_cache(copied).read_seqs([1])["token"].shape == (1, raw["seq_len"])  # part 0 is what it says
+
+
 def test_one_vocabulary_rule(tmp_path):
     """Tokenizer record, else the model config, else None; the cache, its manifest and the statistics agree."""
     with_tokenizer = write_tiny_cache(tmp_path / "tok", tokenizer={"vocab_size": 64})

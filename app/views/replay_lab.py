@@ -403,8 +403,8 @@ if job is not None and not job.running:
             st.warning(caution)
         st.caption("The command that reproduces this result:")
         st.code(replay_command(ran, Path.cwd(), one_option_per_line=True), language="bash")
-        mechanism, fidelity = exactness_sentences(record["results"]["exactness"])
-        st.success(f"{mechanism}  \n{fidelity}  \nSaved `{rel(record.get('path', ''))}`.")
+        checks = exactness_sentences(record["results"]["exactness"])  # mechanism, fidelity, calibration
+        st.success("  \n".join([*checks, f"Saved `{rel(record.get('path', ''))}`."]))
         result = pd.DataFrame(condition_rows(record))
         st.caption(
             "NLL and penalty in nats/token, each with its 95% bootstrap CI over sequences (paired for the penalty)."

@@ -111,7 +111,9 @@ def replay(
     from that very memory, asynchronously, as any non-blocking copy: refill such a buffer only after the
     logits are used (or the device synchronized).
     """
-    return _replay_staged(model, input_ids, coefficients, only)[0]
+    logits, fed = _replay_staged(model, input_ids, coefficients, only)
+    check_finite_coefficients(logits, fed)
+    return logits
 
 
 def _replay_staged(
@@ -135,15 +137,14 @@ def _replay_staged(
         unknown = sorted(set(coefficients) - set(sites) - set(KEY_COLUMNS))
         if unknown:
             raise KeyError(f"coefficients given for site(s) {unknown} that the model lacks; its sites: {sites}")
-        logits = model_logits(model(ids), model)
-    check_finite_coefficients(logits, staged.moved)
-    return logits, staged.moved
+        return model_logits(model(ids), model), staged.moved
 
 
 def check_finite_coefficients(logits: torch.Tensor, fed: Mapping[str, torch.Tensor]) -> None:
     """Refuse coefficients holding NaN or infinity once they made the logits non-finite: the logits would
     otherwise come back as NaN without a word. Only non-finite logits are looked into (one reduction, on
-    the logits' device), so a valid replay pays no pass over its coefficients."""
+    the logits' device), so a valid replay pays no pass over its coefficients. Replay runs check their NLL
+    instead, per condition (`check_finite`)."""
     if bool(torch.isfinite(logits).all()):
         return
     bad = {name: int((~torch.isfinite(t)).sum()) for name, t in fed.items() if t.is_floating_point()}
@@ -307,18 +308,23 @@ def _check_batch(
     live, recorded = capture_tensors(model, ids)
     replayed = replay(model, ids, recorded)
     live_tokens = token_nll(live, targets)  # [b, T]
-    measure.same_batches = measure.same_batches and is_build_batch(batch_seqs, cache.build_batches())
+    build_batch = is_build_batch(batch_seqs, cache.build_batches())
+    measure.same_batches = measure.same_batches and build_batch
     stored = torch.from_numpy(own["live_nll"].astype(np.float32)).to(live_tokens.device)
     # nan_to_num: a NaN stored NLL must count as the largest difference (Python's max would skip it).
     gap = float((stored - live_tokens).abs().nan_to_num(nan=float("inf")).max())
     measure.stored_live_nll_max_diff = max(measure.stored_live_nll_max_diff, gap)
+    differing_before = measure.differing_coefficients
+    cache_is_recorded = _measure_fidelity(
+        measure, recorded, {name: own[name] for name in cache.sites}, cache.coefficient_dtype
+    )
+    if build_batch:  # (a stored NLL that differs counts as one difference)
+        measure.differing_in_build_batches += measure.differing_coefficients - differing_before + (gap != 0)
     return _BatchCheck(
         max_abs_logit_diff=float((live.float() - replayed.float()).abs().max()),
         live_nll=live_tokens.double().mean(1).cpu().numpy(),
         replayed_nll=_nll_per_seq(replayed, targets).cpu().numpy(),
-        cache_is_recorded=_measure_fidelity(
-            measure, recorded, {name: own[name] for name in cache.sites}, cache.coefficient_dtype
-        ),
+        cache_is_recorded=cache_is_recorded,
     )
 
 

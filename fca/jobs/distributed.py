@@ -38,11 +38,12 @@ from fca.engine.capture import (
     seqs_per_part,
     spreads_parts,
 )
-from fca.engine.replay import ReplayResults, check_exactness, check_finite
+from fca.engine.replay import ReplayResults
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource
 from fca.tables.conditions import Condition
 from fca.tables.errors import CacheError, Cancelled
 from fca.tables.fidelity import FidelityMeasure
+from fca.tables.outputs import OVERWRITE_HINT
 from fca.tables.remote import RemoteParts, is_uri, staging
 from fca.tables.schema import cache_schema, coefficient_arrow_type, spec_from_json
 from fca.tables.writer import CacheWriter
@@ -175,7 +176,7 @@ def build_cache_distributed(
     remote = RemoteParts(str(out)) if is_uri(str(out)) else None
     finished = remote.finished() if remote is not None else Path(out).exists()
     if finished and not overwrite:  # before starting a cluster and tokenizing for nothing
-        raise CacheError(f"{out}: already exists (pass --overwrite to replace it)")
+        raise CacheError(f"{out}: already exists ({OVERWRITE_HINT})")
     if part_seqs is not None:
         check_part_seqs(part_seqs, batch_size)
     ray = connect(address)
@@ -452,8 +453,7 @@ class ShardedExperiment(Experiment):
                 progress(sum(hi - lo for (lo, hi), ref in zip(bounds, refs) if ref not in pending), n)
         results = merge_results(ray.get(refs), bounds)
         if judge:
-            results.exactness = check_exactness(results)
-            check_finite(results)
+            self.judge(results)
         return results
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from fca.engine.sites import controller_parameters, find_sites, site_specs, voca
 from fca.tables.catalog import DENSE_TWINS, is_dense_twin
 from fca.tables.conditions import Condition, as_conditions, check_sites_named
 from fca.tables.errors import CacheError, ModelLoadError
+from fca.tables.fidelity import calibration_origin
 from fca.tables.profiles import Profiles, calibration_profiles
 from fca.tables.store import Cache, open_cache
 from fca.tables.study import model_training
@@ -291,7 +292,7 @@ class Experiment:
 
     def run(
         self,
-        conditions: Sequence[Condition],
+        conditions: Sequence[Condition | str],
         num_seqs: int | None = None,
         batch_size: int | None = None,
         seed: int = 0,
@@ -323,6 +324,13 @@ class Experiment:
             shard=shard,
         )
         if judge and shard is None:
-            results.exactness = check_exactness(results)
-            check_finite(results)
+            self.judge(results)
         return results
+
+    def judge(self, results: ReplayResults) -> None:
+        """Judge a whole run's exactness checks (`check_exactness`: raises unless they hold) and its figures
+        (`check_finite`), and say where the calibration cache was computed."""
+        results.exactness = check_exactness(results)
+        if self.calibration is not None:
+            results.exactness["calibration"] = calibration_origin(self.calibration.environment, results.replayed_on)
+        check_finite(results)

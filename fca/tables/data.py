@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from fca.tables.errors import CorpusError, ModelLoadError
-from fca.tables.outputs import check_output, write_output
+from fca.tables.outputs import OVERWRITE_HINT, check_output, write_output
 
 SPLITS = ("train", "calibration", "eval")
 DEFAULT_SPLIT_FRACTIONS = {"train": 0.9, "calibration": 0.05, "eval": 0.05}
@@ -197,7 +197,7 @@ def extract_kjv(out: str | Path, overwrite: bool = False) -> Path:
     """Write the King James Bible (Debian's `bible-kjv`) as one chapter per blank-line-separated document
     (an existing file only with `overwrite`)."""
     if Path(out).exists() and not overwrite:  # before minutes of extraction
-        raise CorpusError(f"{out}: already exists (pass --overwrite to replace it)")
+        raise CorpusError(f"{out}: already exists ({OVERWRITE_HINT})")
     is_txt = Path(out).suffix == ".txt"
     check_output(out, "text corpus (.txt; --overwrite replaces one)", lambda _: overwrite and is_txt)
     if shutil.which("bible") is None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 # `numerics`: settings that change kernels on the same device (float32 matmul precision, TF32, oneDNN's
 # instruction-set limit): a build under ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 machine differed by 4.8e-7
 # from a replay without it, and was refused as "not this model's output" before they were recorded.
-# Older caches lack it, so it is compared only where both record it.
+# Older caches lack it: read as the default settings (they were built before anyone set them through FCA),
+# so it differs only from a non-default record.
 IDENTITY_FIELDS = ("device_type", "device_name", "capability", "model_dtype", "torch", "cuda", "threads", "numerics")
 RECORDED_LATER = ("numerics",)
 LABELS = {
@@ -31,25 +32,25 @@ LABELS = {
 
 def check_environment(env: object) -> None:
     """ValueError unless `env` is an environment record: an object of plain values, its
-    thread and batch counts whole numbers."""
+    thread and batch counts whole numbers of at least 1."""
     if env is None:
         return
     if not isinstance(env, dict) or not all(isinstance(v, (str, int, float, type(None))) for v in env.values()):
         raise ValueError(f"'environment' must be an object of names, numbers or null, not {str(env)[:80]!r}")
     for key in ("threads", "batch_size"):
-        if env.get(key) is not None and (not isinstance(env[key], int) or isinstance(env[key], bool)):
-            raise ValueError(f"environment {key!r} must be a whole number or null, not {env[key]!r}")
+        if env.get(key) is not None and (not isinstance(env[key], int) or isinstance(env[key], bool) or env[key] < 1):
+            raise ValueError(f"environment {key!r} must be a whole number of at least 1 or null, not {env[key]!r}")
 
 
 def differing_fields(a: dict | None, b: dict | None) -> list[str]:
     """The identity fields on which two known environments differ, in words (empty if either is unknown)."""
     if not a or not b:
         return []
-    return [
-        LABELS[k]
-        for k in IDENTITY_FIELDS
-        if a.get(k) != b.get(k) and not (k in RECORDED_LATER and (a.get(k) is None or b.get(k) is None))
-    ]
+
+    def value(env: dict, k: str) -> object:
+        return env.get(k) or "default" if k in RECORDED_LATER else env.get(k)
+
+    return [LABELS[k] for k in IDENTITY_FIELDS if value(a, k) != value(b, k)]
 
 
 def same_environment(a: dict | None, b: dict | None) -> bool:

@@ -66,6 +66,9 @@ class FidelityMeasure:
     per_site_max_abs_diff: dict[str, float] = field(default_factory=dict)
     stored_live_nll_max_diff: float = 0.0  # per-token live NLL stored in the cache vs computed now
     same_batches: bool = True  # every evaluated batch was one batch of the build
+    # Differences found in batches that were batches of the build: in the build's own environment these
+    # must be none, whatever other batches of the same run may show.
+    differing_in_build_batches: int = 0
 
     def add_site(self, site: str, max_abs: float, max_rel: float, differing: int, compared: int) -> None:
         self.max_abs_coefficient_diff = max(self.max_abs_coefficient_diff, max_abs)
@@ -84,6 +87,7 @@ class FidelityMeasure:
         self.coefficients_compared += other.coefficients_compared
         self.stored_live_nll_max_diff = max(self.stored_live_nll_max_diff, other.stored_live_nll_max_diff)
         self.same_batches = self.same_batches and other.same_batches
+        self.differing_in_build_batches += other.differing_in_build_batches
 
     @property
     def bit_identical(self) -> bool:
@@ -136,6 +140,18 @@ def judge_mechanism(max_abs_logit_diff: float, nll_live: float, nll_replayed: fl
     }
 
 
+def calibration_origin(computed_on: dict | None, replayed_on: dict) -> dict:
+    """Where the calibration cache was computed, against this run. Its coefficients enter a run only through
+    their means (the static profiles), never replayed one by one, so no fidelity is measured for them; a
+    foreign origin is said, not judged."""
+    return {
+        "computed_on": computed_on,
+        "computed_on_text": describe(computed_on),
+        "same_environment": same_environment(computed_on, replayed_on),
+        "differing_fields": differing_fields(computed_on, replayed_on),
+    }
+
+
 # Why a cache refused in its own recorded environment is refused, and what to do.
 NOT_ITS_OUTPUT = (
     "the cache is not this model's output on these sequences (changed since it was built?), or was computed "
@@ -156,6 +172,8 @@ def judge_fidelity(
     of Correct-from-cache replay. Raises FidelityError when the cache must be refused."""
     same_env = same_environment(computed_on, replayed_on)
     strict = same_env and measure.same_batches
+    # One batch of other sequences (a run's last, partial batch) loosens the judgement of that batch only.
+    strict_where_built = same_env and measure.differing_in_build_batches > 0
     tol = tolerances(replayed_on["model_dtype"], coefficient_dtype)
     seq_diff = np.abs(cache_nll - live_nll)
     nll_diff = abs(float(cache_nll.mean()) - float(live_nll.mean()))
@@ -166,6 +184,7 @@ def judge_fidelity(
         "replayed_on_text": describe(replayed_on),
         "same_environment": same_env,
         "same_batches": measure.same_batches,
+        "differing_in_build_batches": measure.differing_in_build_batches,
         "max_abs_coefficient_diff": measure.max_abs_coefficient_diff,
         "max_rel_coefficient_diff": measure.max_rel_coefficient_diff,
         "differing_coefficients": measure.differing_coefficients,
@@ -185,7 +204,7 @@ def judge_fidelity(
     if measure.bit_identical:
         out["verdict"] = "bit-identical"
         return out
-    if strict:
+    if strict or strict_where_built:
         what = (
             f"cached coefficients differ from those this model computes now (max |diff| "
             f"{measure.max_abs_coefficient_diff:.3g})"
@@ -193,8 +212,10 @@ def judge_fidelity(
             else f"the cached live NLL differs from the one computed now (max |diff| "
             f"{measure.stored_live_nll_max_diff:.3g} nats per token; the coefficients are identical)"
         )
+        batches = "" if strict else " and in batches of the build"
         raise FidelityError(
-            f"{cache_path}: {what}, in what its manifest records as this very environment ({where}): {NOT_ITS_OUTPUT}"
+            f"{cache_path}: {what}, in what its manifest records as this very environment{batches} ({where}): "
+            f"{NOT_ITS_OUTPUT}"
         )
     worst = [
         (name, value, tol[key])

@@ -208,8 +208,25 @@ class Manifest:
             problem = f"its parts hold {sum(p.num_seqs for p in self.parts)} sequences, not num_seqs {N}"
         else:
             bad = next((p for p in self.parts if p.num_seqs < 1 or p.rows != p.num_seqs * T), None)
+            files = [p.file for p in self.parts]
+            twice = next((f for f in files if files.count(f) > 1), None)
+            # Parts are listed in sequence order, each beginning where the one before ends (readers find a
+            # sequence's part by arithmetic on these).
+            follows = 0
+            for part in self.parts:
+                if part.first_seq not in (None, follows):
+                    break
+                follows += part.num_seqs
+            else:
+                part = None
             if bad is not None:
                 problem = f"part {bad.file} has {bad.rows} rows for {bad.num_seqs} sequences of {T} tokens"
+            elif twice is not None:
+                problem = f"part {twice} is listed more than once"
+            elif part is not None:
+                problem = (
+                    f"part {part.file} begins at sequence {part.first_seq}, but the parts before it end at {follows}"
+                )
         if problem is not None:
             raise CacheError(f"{where}: inconsistent manifest: {problem}")
 

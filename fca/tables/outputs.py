@@ -191,9 +191,11 @@ def starts_with(prefix: str) -> Callable[[str], bool]:
     return lambda text: text.startswith(prefix)
 
 
-def check_replaceable(
-    path: str | Path, kind: str, owns: Callable[[str], bool], marker: str, overwrite: bool, flag: str = "--overwrite"
-) -> None:
+# Said where an existing output is refused: the CLI flag and the Python argument that replace it.
+OVERWRITE_HINT = "--overwrite, or overwrite=True from Python, replaces it"
+
+
+def check_replaceable(path: str | Path, kind: str, owns: Callable[[str], bool], marker: str, overwrite: bool) -> None:
     """Refuse a destination folder that exists, unless `overwrite` is given and it is empty or an earlier
     `kind`: a folder holding `marker` (a cache's manifest.json, a model's config.json) and nothing but
     entries `owns(name)` says such a folder holds. So --overwrite replaces that, never a model, a corpus,
@@ -209,17 +211,17 @@ def check_replaceable(
         check_writable_folder(path, kind)
         return
     if not overwrite:
-        raise OutputError(f"{path}: already exists (pass {flag} to replace it)")
+        raise OutputError(f"{path}: already exists ({OVERWRITE_HINT})")
     if path.is_symlink():
         raise OutputError(f"{path}: is a symbolic link; not replaced (give the folder itself, or another path)")
     if not path.is_dir():
         raise OutputError(f"{path}: is a file, not a {kind} folder; not replaced")
     entries = sorted(entry.name for entry in path.iterdir())
     if entries and marker not in entries:
-        raise OutputError(f"{path}: is not a {kind} (no {marker}); {flag} replaces only a {kind}, so it is kept")
+        raise OutputError(f"{path}: is not a {kind} (no {marker}); --overwrite replaces only a {kind}, so it is kept")
     foreign = [name for name in entries if not owns(name)]
     if foreign:
         raise OutputError(
             f"{path}: holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, which no {kind} holds; "
-            f"{flag} would delete it, so the folder is kept (move those out, or choose another path)"
+            f"--overwrite would delete it, so the folder is kept (move those out, or choose another path)"
         )

@@ -37,6 +37,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from fca.tables.errors import CacheError
+from fca.tables.outputs import OVERWRITE_HINT
 from fca.tables.schema import is_cache_file
 from fca.tables.writer import PROCESS_TOKEN, holder_is_dead
 
@@ -199,7 +200,7 @@ class RemoteParts:
                 "holds; a build would replace or write among them, so it is refused (choose another --out)"
             )
         if "manifest.json" in names and not overwrite:
-            raise CacheError(f"{self.uri}: already exists (pass --overwrite to replace it)")
+            raise CacheError(f"{self.uri}: already exists ({OVERWRITE_HINT})")
         # (cache files without a manifest: the parts an interrupted publish moved, taken up by the rerun)
 
     def start(self, plan: dict, seqs_per_part: int) -> list[dict]:

@@ -260,24 +260,44 @@ def exactness_sentences(ex: dict) -> list[str]:
         )
     else:
         tol = fid["tolerances"]
-        reason = (
-            "another environment, so floating-point reduction order differs"
-            if not fid["same_environment"]
-            else "other batches than the build's, so kernels may differ"
-        )
+        if fid["same_environment"]:
+            reason = (
+                "other batches than the build's, so kernels may differ (any batch of the build is held to bit-identity)"
+            )
+        elif fid["computed_on"]:
+            reason = "another environment, so floating-point reduction order differs"
+        else:
+            reason = "an environment the cache does not record, so it is judged as a foreign one"
+        stored_nll = fid.get("stored_live_nll_max_diff") or 0.0
         verdict = (
             f"{reason}: the cached coefficients differ from those recorded now by at most "
             f"{fid['max_abs_coefficient_diff']:.2g} ({fid['max_rel_coefficient_diff']:.2g} relative; tolerance "
-            f"{tol['coefficient_rel']:g}), and Correct-from-cache NLL by {fid['nll_diff']:.2g} nats from live "
-            f"(tolerance {tol['nll_mean']:g}); accepted"
+            f"{tol['coefficient_rel']:.2g}), and Correct-from-cache NLL by {fid['nll_diff']:.2g} nats from live "
+            f"(tolerance {tol['nll_mean']:.2g})"
+            + (
+                f", the stored live NLL by up to {stored_nll:.2g} nats per token (tolerance {tol['nll_token']:.2g})"
+                if stored_nll and "nll_token" in tol
+                else ""
+            )
+            + "; accepted"
         )
-    differing = fid.get("differing_fields")
-    foreign = f" (a foreign cache: the environments differ in {', '.join(differing)})" if differing else ""
     sentences.append(
         f"Cache fidelity: coefficients computed on {fid['computed_on_text']}, replayed on "
-        f"{fid['replayed_on_text']}{foreign}; {verdict}."
+        f"{fid['replayed_on_text']}{_foreign(fid)}; {verdict}."
     )
+    calibration = ex.get("calibration")
+    if calibration:  # (reports and runs from before this record have none)
+        sentences.append(
+            f"Calibration cache: computed on {calibration['computed_on_text']}{_foreign(calibration)}; its coefficients "
+            "enter only through their means (the static profiles), so they are not replayed one by one and their "
+            "fidelity is not measured."
+        )
     return sentences
+
+
+def _foreign(origin: dict) -> str:
+    differing = origin.get("differing_fields")
+    return f" (a foreign cache: the environments differ in {', '.join(differing)})" if differing else ""
 
 
 def storage_sentence(coefficient_dtype: str) -> str:

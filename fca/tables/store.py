@@ -135,6 +135,13 @@ class Cache:
                 groups.append((i, int(stats.min), int(stats.max)))
         except (pa.ArrowInvalid, OSError) as err:
             raise CacheError(f"{path}: unreadable part file ({str(err).splitlines()[0]})") from None
+        first, end = (int(s) for s in self._part_starts()[position : position + 2])
+        held = (min(g[1] for g in groups), max(g[2] for g in groups)) if groups else None
+        if held is not None and not (first <= held[0] and held[1] < end):
+            raise CacheError(
+                f"{path}: holds sequences {held[0]}-{held[1]}, but the manifest places sequences {first}-{end - 1} "
+                "in it (a part copied over or exchanged with another)"
+            )
         return path, part, groups
 
     @cached_property
@@ -325,6 +332,7 @@ class Cache:
                 raise CacheError(_size_mismatch(path, part.bytes))
             if file_sha256(path) != part.sha256:
                 raise CacheError(f"{path}: contents do not match the manifest's sha256 (corrupt or modified)")
+            self._footer(position)  # its schema, and the sequences it holds, against the manifest
             self._verified.add(position)
 
 
