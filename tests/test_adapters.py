@@ -290,6 +290,8 @@ def test_a_model_writing_into_its_coefficients_changes_neither_capture_nor_the_c
     assert all(np.array_equal(kept[name], coefficients[name]) for name in kept)
     profile = {name: values.mean((0, 1)) for name, values in coefficients.items()}  # [K] each
     assert fca.replay(model, ids, profile).shape == live.shape
+    wider = {name: values.astype(np.float64) for name, values in profile.items()}  # cast, so a copy: not shared
+    assert fca.replay(model, ids, wider).shape == live.shape  # still a broadcast view until made its own
 
 
 def test_replay_refuses_what_capture_refuses(ids):
@@ -334,6 +336,42 @@ def test_a_per_sequence_controller_is_told_coefficients_are_per_token(ids):
         attach_sites(attached, [SiteDeclaration(path="blocks.0.gate", axes=axes, family="gate")])
         with pytest.raises(SiteDeclarationError, match=rf"must begin with \[{B}, {T}\]; per-sequence or pooled"):
             fca.capture(attached, ids)
+    per_token = TinyUserModel(flat=False).eval()  # [B, T, 4] declared as 5 channels: per token, not per sequence
+    attach_sites(per_token, [SiteDeclaration(path="blocks.*.gate", axes=(("group", 5),), family="gate")])
+    with pytest.raises(SiteDeclarationError) as err:
+        fca.capture(per_token, ids)
+    assert "per-sequence" not in str(err.value)
+
+
+class SliceGate(nn.Module):
+    """A controller without parameters: its first four features are the gates."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., :4]
+
+
+def test_a_controller_without_parameters_forgets_its_dtype_on_any_move(ids):
+    """Nothing tells whether a move changed what such a controller produces, so any move forgets it."""
+    model = TinyUserModel(flat=False).eval()
+    for block in model.blocks:
+        block.gate = SliceGate()
+    attach_sites(model, [SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate")])
+    fca.capture(model, ids)
+    assert all(site._produced_dtype == torch.float32 for site in find_sites(model).values())
+    model.to(torch.bfloat16)
+    assert all(site._produced_dtype is None for site in find_sites(model).values())
+
+
+def test_finite_coefficients_that_overflow_the_model_are_returned_not_refused(ids):
+    """Only non-finite coefficients are refused; what the model makes of finite ones is the caller's figure
+    (replay runs refuse non-finite NLLs per condition)."""
+    torch.manual_seed(0)
+    model = TinyUserModel(flat=False)
+    model.blocks = nn.ModuleList(ScalarGatedBlock(16) for _ in range(2))
+    model.eval()
+    attach_sites(model, [SiteDeclaration(path="blocks.*.gate", axes=(), family="gate")])
+    huge = {name: np.full_like(values, 3e38) for name, values in fca.capture(model, ids).items()}
+    assert not torch.isfinite(fca.replay(model, ids, huge)).all()
 
 
 @pytest.mark.parametrize("layout", ["batched", "flat"])
@@ -583,9 +621,10 @@ def test_a_float32_controller_in_a_bfloat16_model_is_replayed_in_float32(ids, tm
     cache = fca.build_cache(model, windows, tmp_path / "eval", batch_size=4)
     results = Experiment.open(model, cache, None).run(["correct"], batch_size=4)
     assert results.max_abs_logit_diff == 0 and results.exactness["fidelity"]["verdict"] == "bit-identical"
+    recorded = fca.capture(model, ids)
     model.cpu().to(torch.bfloat16)  # moves that change nothing keep what the controllers produced
-    assert (fca.replay(model, ids, fca.capture(model, ids)) - live).abs().max().item() == 0
     assert all(site._produced_dtype == torch.float32 for site in find_sites(model).values())
+    assert (fca.replay(model, ids, recorded) - live).abs().max().item() == 0
     model.to(torch.float32)  # what the controller produced before says nothing of what it produces now
     assert all(site._produced_dtype is None for site in find_sites(model).values())
 

@@ -23,10 +23,12 @@ from fca.cli import main
 from fca.engine.environment import current_environment
 from fca.engine.replay import check_exactness, run_conditions
 from fca.engine.sites import find_sites
+from fca.jobs.experiment import Experiment
 from fca.tables.environment import describe, same_environment
 from fca.tables.errors import CacheError
-from fca.tables.fidelity import FidelityError, check_dtype, tolerances
+from fca.tables.fidelity import FidelityError, FidelityMeasure, calibration_origin, check_dtype, tolerances
 from fca.tables.profiles import calibration_profiles
+from fca.tables.report import exactness_sentences
 from fca.tables.schema import MANIFEST, file_sha256
 from fca.tables.store import open_cache
 
@@ -219,6 +221,10 @@ def test_same_environment_must_be_bit_identical(demo_pair, tmp_path, capsys):
     # ... but only those batches: one partial batch at the end had let every batch through.
     assert replay_cli(model_dir, drifted, cal, "--num-seqs", "6") == 2
     assert "this very environment and in batches of the build" in capsys.readouterr().err
+    nudged = rewrite_cache(ev, tmp_path / "nudged", 0.0, here, nll_offset=1e-3)  # a stored NLL counts too
+    assert replay_cli(model_dir, nudged, cal, "--num-seqs", "6") == 2
+    err = capsys.readouterr().err
+    assert "this very environment and in batches of the build" in err and "cached live NLL differs" in err
     # Without --batch, a replay and an audit take the build's batches (4 here; the default of 16 was
     # another batching, and let this cache through on the tolerances).
     assert open_cache(drifted).environment["batch_size"] == 4
@@ -257,6 +263,7 @@ def test_settings_that_choose_kernels_are_part_of_the_environment(demo_pair, tmp
     # Caches from before the record (no `numerics`) are judged as before: same environment, bit for bit.
     older = rewrite_cache(ev, tmp_path / "older", 0.0, {k: v for k, v in here.items() if k != "numerics"})
     assert replay_cli(model_dir, older, cal) == 0 and "bit-identical" in capsys.readouterr().out
+    assert same_environment(open_cache(older).environment, here)  # held to bit-identity under the defaults
     # ... read as built under the default settings: replayed under other ones, such a cache is foreign
     # (it had been refused as "this very environment", both environments printed and differing).
     older_drifted = rewrite_cache(ev, tmp_path / "older_drifted", 2e-7, older_env := open_cache(older).environment)
@@ -280,6 +287,54 @@ def test_a_foreign_calibration_cache_is_said_to_be_foreign(demo_pair, tmp_path, 
     said = capsys.readouterr().out
     assert "Calibration cache: computed on cpu" in said and "fidelity is not measured" in said
     assert "foreign" not in said  # both caches built here
+
+
+def test_differences_are_counted_where_the_build_batched(demo_pair, tmp_path):
+    """What the partial-batch rule rests on: each batch's differences are counted for the build's batches,
+    and a sharded run's merge keeps the count."""
+    model_dir, ev, cal = demo_pair
+    foreign = rewrite_cache(ev, tmp_path / "foreign", 2e-7, FOREIGN)  # built in batches of 4, replayed so
+    fid = Experiment.open(model_dir, foreign, cal).run(["correct"], num_seqs=8, batch_size=4).exactness["fidelity"]
+    assert fid["differing_in_build_batches"] == fid["differing_coefficients"] > 0
+    merged = FidelityMeasure(differing_in_build_batches=2)
+    merged.merge(FidelityMeasure(differing_in_build_batches=3))
+    assert merged.differing_in_build_batches == 5
+    here = {**FOREIGN, "device_type": "cpu"}
+    assert calibration_origin(FOREIGN, FOREIGN)["same_environment"]
+    assert (
+        not calibration_origin(FOREIGN, here)["same_environment"]
+        and not calibration_origin(None, here)["same_environment"]
+    )
+
+
+def _fidelity_sentence(**changes) -> str:
+    """The fidelity sentence of a foreign float16 cache accepted within tolerance, with `changes`."""
+    fid = {
+        "verdict": "within tolerance",
+        "tolerances": tolerances("float32", "float16"),
+        "same_environment": False,
+        "computed_on": FOREIGN,
+        "computed_on_text": "X",
+        "replayed_on_text": "Y",
+        "max_abs_coefficient_diff": 1e-7,
+        "max_rel_coefficient_diff": 1e-6,
+        "nll_diff": 1e-6,
+        "stored_live_nll_max_diff": 0.0,
+        "differing_fields": ["device"],
+        **changes,
+    }
+    ex = {"max_abs_logit_diff": 0.0, "tolerance": 1e-6, "nll_live": 3.0, "nll_correct": 3.0, "fidelity": fid}
+    return exactness_sentences(ex)[1]
+
+
+def test_the_fidelity_sentence_says_why_differences_were_accepted():
+    assert "another environment, so floating-point reduction order differs" in _fidelity_sentence()
+    assert "an environment the cache does not record" in _fidelity_sentence(computed_on=None, differing_fields=[])
+    assert "(any batch of the build is held to bit-identity)" in _fidelity_sentence(same_environment=True)
+    assert "tolerance 0.0011)" in _fidelity_sentence()  # 1e-4 + one float16 unit, rounded (it printed 0.00107656)
+    drifted = _fidelity_sentence(stored_live_nll_max_diff=2e-3)
+    assert "the stored live NLL by up to 0.002 nats per token (tolerance 0.01)" in drifted
+    assert "stored live NLL" not in _fidelity_sentence()
 
 
 def test_a_damaged_live_nll_column_is_refused_in_a_foreign_cache(demo_pair, tmp_path, capsys):

@@ -7,6 +7,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import transformers
@@ -234,6 +236,20 @@ def test_parts_listed_twice_out_of_order_or_exchanged_are_refused_by_name(tmp_pa
     with pytest.raises(CacheError, match=r"part-00001\.parquet: holds sequences 0-3, but the manifest places "):
         open_cache(copied).read_seqs([5])
     assert open_cache(copied).read_seqs([1])["token"].shape == (1, raw["seq_len"])  # part 0 is what it says
+    # Caches from before `first_seq` was recorded still open (their parts follow one another by count).
+    Manifest.from_json({**raw, "parts": [{k: v for k, v in p.items() if k != "first_seq"} for p in raw["parts"]]}, "m")
+    # A part holding sequences past its range (part 0 holds 1-4 for 0-3) is refused as one holding others.
+    shifted = tmp_path / "shifted"
+    shutil.copytree(good, shifted)
+    path = shifted / first["file"]
+    table = pq.read_table(path)
+    seq = table.schema.get_field_index("seq")
+    table = table.set_column(seq, table.schema.field(seq), pa.array(table.column(seq).to_numpy() + 1, pa.int32()))
+    pq.write_table(table, path)
+    moved = {**raw, "parts": [{**first, "sha256": file_sha256(path), "bytes": path.stat().st_size}, second]}
+    (shifted / MANIFEST).write_text(json.dumps(moved))
+    with pytest.raises(CacheError, match=r"holds sequences 1-4, but the manifest places sequences 0-3"):
+        open_cache(shifted, verify=True)
 
 
 def test_one_vocabulary_rule(tmp_path):
