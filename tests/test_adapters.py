@@ -510,6 +510,14 @@ def test_bad_replay_coefficients_and_inputs_are_one_line_errors(ids):
         fca.capture(model, torch.rand(2, 8))
     with pytest.raises(ValueError, match="not None"):
         fca.replay(model, None, coefficients)
+    beyond = ids.clone()
+    beyond[0, 0] = VOCAB  # a plain module: no get_input_embeddings() nor config, so found inside the pass
+    for run in (lambda: fca.capture(model, beyond), lambda: fca.replay(model, beyond, coefficients)):
+        with pytest.raises(
+            ValueError,
+            match=rf"TinyUserModel raised IndexError \(index out of range in self\) on input ids from \d+ to {VOCAB}: ",
+        ):
+            run()
     poisoned = {name: values.copy() for name, values in coefficients.items()}
     poisoned["blocks.1.gate"][0, 3, :2] = [np.nan, np.inf]
     with pytest.raises(ValueError, match=r"NaN or infinity at site\(s\) blocks\.1\.gate \(2 of 64 values\)"):

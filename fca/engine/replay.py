@@ -17,6 +17,7 @@ from fca.engine.routing import RoutingTally, TopKRouter
 from fca.engine.sites import (
     capture_tensors,
     find_sites,
+    forward,
     model_logits,
     site_modes,
     tensor_provider,
@@ -137,7 +138,7 @@ def _replay_staged(
         unknown = sorted(set(coefficients) - set(sites) - set(KEY_COLUMNS))
         if unknown:
             raise KeyError(f"coefficients given for site(s) {unknown} that the model lacks; its sites: {sites}")
-        return model_logits(model(ids), model), staged.moved
+        return model_logits(forward(model, ids), model), staged.moved
 
 
 def check_finite_coefficients(logits: torch.Tensor, fed: Mapping[str, torch.Tensor]) -> None:

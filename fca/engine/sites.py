@@ -241,6 +241,19 @@ def as_input_ids(input_ids, model: nn.Module) -> torch.Tensor:
     return ids.to(device=device, dtype=torch.long)
 
 
+def forward(model: nn.Module, ids: torch.Tensor) -> Any:
+    """`model(ids)`, where an index out of range inside the model (token ids beyond an embedding that
+    `vocab_rows` cannot find) is said in one line with the ids' range, not as torch's bare IndexError."""
+    try:
+        return model(ids)
+    except IndexError as err:
+        raise ValueError(
+            f"{type(model).__name__} raised IndexError ({str(err).splitlines()[0] if str(err) else 'no message'}) "
+            f"on input ids from {int(ids.min())} to {int(ids.max())}: ids beyond its embedding? (a model with "
+            "get_input_embeddings() or config.vocab_size has them checked before the pass)"
+        ) from None
+
+
 def vocab_rows(model: nn.Module) -> int | None:
     """Rows of the model's input embedding (else its config's vocab_size); None when it has neither."""
     try:
@@ -295,7 +308,7 @@ def capture_tensors(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Te
     """One record pass. Returns (logits [B, T, V], site name -> coefficients [B, T, K_s])."""
     sink: dict[str, torch.Tensor] = {}
     with site_modes(model, "record", sink=sink):
-        logits = model_logits(model(input_ids), model)
+        logits = model_logits(forward(model, input_ids), model)
     return logits, sink
 
 
