@@ -212,20 +212,20 @@ class Manifest:
             twice = next((f for f in files if files.count(f) > 1), None)
             # Parts are listed in sequence order, each beginning where the one before ends (readers find a
             # sequence's part by arithmetic on these).
-            follows = 0
+            follows, misplaced = 0, None
             for part in self.parts:
                 if part.first_seq not in (None, follows):
+                    misplaced = part
                     break
                 follows += part.num_seqs
-            else:
-                part = None
             if bad is not None:
                 problem = f"part {bad.file} has {bad.rows} rows for {bad.num_seqs} sequences of {T} tokens"
             elif twice is not None:
                 problem = f"part {twice} is listed more than once"
-            elif part is not None:
+            elif misplaced is not None:
                 problem = (
-                    f"part {part.file} begins at sequence {part.first_seq}, but the parts before it end at {follows}"
+                    f"part {misplaced.file} begins at sequence {misplaced.first_seq}, but the parts before it end "
+                    f"at {follows}"
                 )
         if problem is not None:
             raise CacheError(f"{where}: inconsistent manifest: {problem}")
