@@ -518,6 +518,12 @@ def test_bad_replay_coefficients_and_inputs_are_one_line_errors(ids):
             match=rf"TinyUserModel raised IndexError \(index out of range in self\) on input ids from \d+ to {VOCAB}: ",
         ):
             run()
+    misdeclared = TinyUserModel(flat=False)  # 4 gates declared as 2 x 2: the consumer expects [B, T, 4]
+    misdeclared.blocks = nn.ModuleList(InPlaceGatedBlock(16, 4, False) for _ in range(2))
+    misdeclared.eval()
+    attach_sites(misdeclared, [SiteDeclaration(path="blocks.*.gate", axes=(("a", 2), ("b", 2)), family="gate")])
+    with pytest.raises(ValueError, match=r"TinyUserModel failed on the replayed coefficients \(The size of tensor"):
+        fca.replay(misdeclared, ids, coefficients)  # before any capture, which would have refused the axes
     poisoned = {name: values.copy() for name, values in coefficients.items()}
     poisoned["blocks.1.gate"][0, 3, :2] = [np.nan, np.inf]
     with pytest.raises(ValueError, match=r"NaN or infinity at site\(s\) blocks\.1\.gate \(2 of 64 values\)"):

@@ -138,7 +138,18 @@ def _replay_staged(
         unknown = sorted(set(coefficients) - set(sites) - set(KEY_COLUMNS))
         if unknown:
             raise KeyError(f"coefficients given for site(s) {unknown} that the model lacks; its sites: {sites}")
-        return model_logits(forward(model, ids), model), staged.moved
+        try:
+            output = forward(model, ids)
+        except RuntimeError as err:
+            if isinstance(err, torch.OutOfMemoryError):
+                raise
+            # The live model runs, so what differs is what the sites handed on: a declaration whose axes
+            # the consumer does not expect (a capture, which checks the controller's output, would say so).
+            raise ValueError(
+                f"{type(model).__name__} failed on the replayed coefficients ({str(err).splitlines()[0]}); do the "
+                "sites' declared axes match what their consumers expect? (fca.capture checks them)"
+            ) from err
+        return model_logits(output, model), staged.moved
 
 
 def check_finite_coefficients(logits: torch.Tensor, fed: Mapping[str, torch.Tensor]) -> None:
