@@ -71,6 +71,7 @@ def _train_one(args: argparse.Namespace, arch: str, seed: int, out: Path) -> dic
         steps=args.steps,
         batch_size=args.batch,
         lr=args.lr,
+        min_lr=args.lr / 10,  # (the help's "cosine decay to a tenth"; fixed at 2e-4 it rose for --lr below that)
         seed=seed,
         split_seed=args.split_seed,
         vocab_size=args.vocab_size,
@@ -89,7 +90,16 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_train_seeds(args: argparse.Namespace) -> None:
+    _check_distinct(args.seeds, "--seeds")
+    _check_distinct(args.arch, "--arch")
     _train_all(args, [(arch, seed, Path(args.out) / f"{arch}-seed{seed}") for seed in args.seeds for arch in args.arch])
+
+
+def _check_distinct(values: list, option: str) -> None:
+    """A value given twice would train (and, in a study, audit) one model twice, the second replacing the first."""
+    twice = sorted({v for v in values if values.count(v) > 1}, key=str)
+    if twice:
+        raise ValueError(f"{option} gives {', '.join(map(str, twice))} more than once")
 
 
 def _train_all(args: argparse.Namespace, runs: list[tuple[str, int, Path]]) -> None:
@@ -431,6 +441,7 @@ def cmd_demo_study(args: argparse.Namespace) -> None:
         controller=args.controller,
         granularity=args.granularity,
     )
+    _check_distinct(args.seeds, "--seeds")
     settings = TrainSettings(
         steps=args.steps, batch_size=args.batch, lr=args.lr, min_lr=args.lr / 10, vocab_size=args.vocab_size
     )

@@ -283,6 +283,46 @@ def test_refuses_other_conditions_and_the_same_model_twice():
     assert build_study([THREE[0], ("b.json", no_training)])["seeds"][1]["seed"] is None
 
 
+def test_refuses_other_architectures_repeated_seeds_and_training_text_as_evaluation():
+    """Audits recorded parameter counts only: two architectures of equal counts were averaged as seeds, a
+    seed studied twice (other settings) showed as "Seeds: 1, 1, 2", and a cache drawn with another split
+    seed than the model's training split (so holding training documents) passed."""
+    a, b = copy.deepcopy(THREE[0][1]), copy.deepcopy(THREE[1][1])
+    config = {"model_type": "featuregate", "d_model": 32, "n_heads": 4, "mlp_groups": 2}
+    a["model"]["config"] = {**config, "init_seed": 0, "transformers_version": "5.0"}
+    b["model"]["config"] = {**config, "init_seed": 1, "transformers_version": "5.1"}  # seeds and versions aside
+    assert build_study([("a.json", a), ("b.json", b)])["num_models"] == 2
+    b["model"]["config"].update(n_heads=2, mlp_groups=4)
+    with pytest.raises(
+        StudyError, match=r"model configuration differs between a.json and b.json \(mlp_groups, n_heads\)"
+    ):
+        build_study([("a.json", a), ("b.json", b)])
+    again = copy.deepcopy(THREE[1][1])
+    again["model"]["fingerprint"] = "e" * 64
+    again["training"]["seed"] = 0  # another model, trained from a's seed
+    with pytest.raises(StudyError, match="again.json: training seed 0 again \\(also a.json\\)"):
+        build_study([THREE[0], ("again.json", again)])
+    other_text = copy.deepcopy(THREE[1][1])
+    other_text["cache"]["split_seed"] = 5  # trained on split seed 0
+    with pytest.raises(StudyError, match="odd.json: evaluated on a split drawn with split seed 5, but the model was"):
+        build_study([THREE[0], ("odd.json", other_text)])
+    faster = copy.deepcopy(THREE[1][1])
+    slower = copy.deepcopy(THREE[0][1])
+    slower["training"]["lr"], faster["training"]["lr"] = 2e-3, 1e-3
+    with pytest.raises(StudyError, match="training.lr differs between a.json"):
+        build_study([("a.json", slower), ("faster.json", faster)])
+
+
+@pytest.mark.parametrize(
+    "command", [["train-seeds", "--seeds", "1", "2", "1"], ["train-seeds", "--seeds", "1", "--arch", "dense", "dense"]]
+)
+def test_a_seed_or_arch_given_twice_is_refused_before_training(command, tmp_path, capsys):
+    """The second run of a repeated seed replaced the first without --overwrite."""
+    assert main([*command, "--corpus", str(tmp_path / "none.txt"), "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fca: error: --") and "more than once" in err and not (tmp_path / "m").exists()
+
+
 def test_markdown_page():
     text = study.render_markdown(build_study(THREE))
     assert text.startswith("# FCA study: 3 models")

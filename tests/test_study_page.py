@@ -80,6 +80,22 @@ def test_a_seed_without_caches_shows_its_audit_in_place(tiny_study, tmp_path, mo
     assert "\n### FCA audit: featuregate" in "\n" + shown and "\n#### 1. Coefficient variation" in shown
 
 
+def test_a_seed_whose_cache_path_names_another_models_cache_does_not_open_it(tiny_study, tmp_path, monkeypatch):
+    """An audit written into another seed's folder names that seed's cache (the path is the audit's folder
+    plus the cache folder's name): the page opened it as this seed's."""
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_study, moved)
+    study = json.loads((moved / "study.json").read_text())
+    study["seeds"][1]["evaluated_cache"] = str(Path("seed1") / "eval")  # seed 2's row, seed 1's cache
+    (moved / "study.json").write_text(json.dumps(study))
+    at = render(app_for(monkeypatch, [moved]), PAGE)
+    pick_study(at, moved)
+    at.selectbox(key=f"study_seed:{at.selectbox(key='study_file').value}").set_value(1).run()
+    no_exceptions(at)
+    assert not any(b.key == "study_open" for b in at.button)
+    assert any("holds another model's cache" in w.value for w in at.warning), [w.value for w in at.warning]
+
+
 def test_a_study_of_one_model_claims_no_spread(tiny_study, tmp_path, monkeypatch):
     from fca.cli import main
 

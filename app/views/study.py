@@ -201,7 +201,11 @@ def seed_label(i: int) -> str:
 # One box per study: with the same options (0, 1, 2) another study's box kept showing its own labels.
 index = st.selectbox("Seed", list(range(len(rows))), key=f"study_seed:{chosen}", format_func=seed_label)
 row = rows[index]
-if str(evaluated_cache(row)) in by_path:
+listed = by_path.get(str(evaluated_cache(row)))
+# The path is the audit's cache folder beside the audit file: an audit written into another seed's folder
+# points at that seed's cache, which must not open as this one's.
+other_model = listed is not None and listed.model_fingerprint not in (None, row["fingerprint"])
+if listed is not None and not other_model:
     st.caption(
         f"Its evaluated cache `{label(evaluated_cache(row))}` is on this machine: opening it selects it in the "
         "sidebar (with its model, calibration cache and audit) and shows the Overview."
@@ -209,12 +213,19 @@ if str(evaluated_cache(row)) in by_path:
     st.button("Open in the other pages", key="study_open", on_click=open_seed, args=(index,), type="primary")
 else:
     audit_path = (study_path.parent / row["audit"]).resolve()
-    st.caption(
-        f"Its evaluated cache is not among the caches this dashboard lists (`cache/` and `FCA_CACHE_ROOTS`; "
-        f"for the shipped studies only its audit, `{label(audit_path)}`, was kept), so the other pages cannot "
-        "open it; its audit report follows. Add its folder to FCA_CACHE_ROOTS, or regenerate models and caches "
-        "with the command that made the study (the README's Multi-seed studies gives the shipped studies')."
-    )
+    if other_model:
+        st.warning(
+            f"`{label(evaluated_cache(row))}` holds another model's cache (model {listed.model_fingerprint[:12]}, "
+            f"not this seed's {row['fingerprint'][:12]}): its audit was written outside its own folder. This seed's "
+            "audit report follows."
+        )
+    else:
+        st.caption(
+            f"Its evaluated cache is not among the caches this dashboard lists (`cache/` and `FCA_CACHE_ROOTS`; "
+            f"for the shipped studies only its audit, `{label(audit_path)}`, was kept), so the other pages cannot "
+            "open it; its audit report follows. Add its folder to FCA_CACHE_ROOTS, or regenerate models and caches "
+            "with the command that made the study (the README's Multi-seed studies gives the shipped studies')."
+        )
     with guard("Audit report"):
         text = render_markdown(resources.report(str(audit_path), resources.file_stamp(audit_path)))
         # Inside the page, under its own headings: each of the report's headings two levels down.

@@ -122,6 +122,9 @@ def audit_experiment(
             "controller_parameters": controller_params,
             "dtype": model_dtype_name(model),
             "device": str(experiment.device),
+            # The configuration the caches record: a study compares it, so that two architectures of equal
+            # parameter counts are not averaged as seeds of one.
+            "config": evaluated.manifest.model.config,
         },
         "cache": _cache_entry(evaluated, len(results.seqs)),
         "calibration": {
@@ -180,6 +183,7 @@ def _cache_entry(cache: Cache, evaluated_seqs: int) -> dict:
         "path": cache.path.name,
         "fingerprint": cache.fingerprint,
         "split": corpus.split,
+        "split_seed": corpus.split_seed,
         "corpus": corpus.name,
         "corpus_fingerprint": corpus.fingerprint,  # (two files of one name may hold other text)
         "sequences": evaluated_seqs,

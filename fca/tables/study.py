@@ -61,7 +61,11 @@ OPTIONAL_FIELDS = (
     "training.split_seed",
     "training.steps",
     "training.batch_size",
+    "training.lr",
+    "training.min_lr",
     "training.corpus",
+    "cache.split_seed",  # (reports before it name the split only)
+    "calibration.split_seed",
     "cache.corpus_fingerprint",  # (reports before it name the corpus file only)
     "calibration.corpus_fingerprint",
 )
@@ -210,6 +214,8 @@ def summarize_training_log(log: dict) -> dict:
         "split_seed": settings.get("split_seed"),
         "steps": settings.get("steps"),
         "batch_size": settings.get("batch_size"),
+        "lr": settings.get("lr"),
+        "min_lr": settings.get("min_lr"),
         "corpus": Path(str(log.get("corpus", ""))).name or None,
         "device": log.get("device", "cpu"),
         "precision": log.get("precision", "float32"),
@@ -277,6 +283,13 @@ def check_comparable(audits: Sequence[tuple[str, dict]]) -> None:
                 f"dense twin differs between {first_name} and {name}: "
                 "one was audited with a Dense twin, the other without"
             )
+        a, b = architecture(first), architecture(report)
+        if a is not None and b is not None and a != b:
+            changed = sorted(k for k in {*a, *b} if a.get(k, _MISSING) != b.get(k, _MISSING))
+            raise StudyError(
+                f"the model configuration differs between {first_name} and {name} ({', '.join(changed[:5])}); "
+                "a study averages models of one architecture, trained from different seeds"
+            )
         checks = [(f, False) for f in COMPARED_FIELDS] + [(f, True) for f in OPTIONAL_FIELDS]
         for path, optional in checks:
             a, b = field(first, path, _MISSING), field(report, path, _MISSING)
@@ -287,6 +300,37 @@ def check_comparable(audits: Sequence[tuple[str, dict]]) -> None:
                     f"{path} differs between {first_name} ({_short(a)}) and {name} ({_short(b)}); "
                     "a study averages audits made with the same definitions only"
                 )
+
+
+# Configuration keys that are not the architecture: the seed itself and the library that wrote the file.
+NOT_ARCHITECTURE = ("init_seed", "transformers_version", "_name_or_path")
+
+
+def architecture(report: dict) -> dict | None:
+    """The audited model's configuration without its seed (None in reports made before it was recorded)."""
+    config = field(report, "model.config", None)
+    return {k: v for k, v in config.items() if k not in NOT_ARCHITECTURE} if isinstance(config, dict) else None
+
+
+def check_seeds(rows: Sequence[dict]) -> None:
+    """Each training seed at most once (where known), and each model evaluated where it was trained
+    from: an evaluated split drawn with another split seed than the model's training split holds
+    training documents."""
+    seen: dict[int, str] = {}
+    for row in rows:
+        seed, training = row["seed"], row["training"]
+        if seed is not None and seed in seen:
+            raise StudyError(
+                f"{row['audit']}: training seed {seed} again (also {seen[seed]}); a study's seeds are distinct"
+            )
+        if seed is not None:
+            seen[seed] = row["audit"]
+        trained, evaluated = training.get("split_seed"), row["cache_split_seed"]
+        if trained is not None and evaluated is not None and trained != evaluated:
+            raise StudyError(
+                f"{row['audit']}: evaluated on a split drawn with split seed {evaluated}, but the model was trained "
+                f"on one drawn with split seed {trained}: its evaluated windows may be training text"
+            )
 
 
 def seed_row(report: dict, audit: str, training: dict) -> dict:
@@ -302,6 +346,7 @@ def seed_row(report: dict, audit: str, training: dict) -> dict:
         "dense_fingerprint": field(report, "dense.fingerprint"),
         "evaluated_cache": str(Path(audit).parent / str(field(report, "cache.path", "eval"))),
         "cache_fingerprint": field(report, "cache.fingerprint"),
+        "cache_split_seed": field(report, "cache.split_seed"),
         "nll": {c: row["nll"] for c, row in conditions.items()},
         "penalty": {c: row["penalty"] for c, row in conditions.items()},
         "penalty_ci95": {c: row.get("penalty_ci95") for c, row in conditions.items()},
@@ -323,6 +368,7 @@ def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | 
     check_comparable(audits)
     trainings = list(trainings) if trainings is not None else [training_info(r) for _, r in audits]
     rows = [seed_row(report, name, training) for (name, report), training in zip(audits, trainings, strict=True)]
+    check_seeds(rows)
     names = list(audits[0][1]["conditions"])
     retained = [c for c in names if any(c in r["gap_retention"] for r in rows)]
     routed = [c for c in names if all(c in r["same_experts"] for r in rows)]
@@ -358,7 +404,11 @@ def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | 
             "compared_fields": "audits are refused unless these agree: "
             + ", ".join(COMPARED_FIELDS)
             + "; and, where both reports have them, "
-            + ", ".join(OPTIONAL_FIELDS),
+            + ", ".join(OPTIONAL_FIELDS)
+            + "; and the model configuration (model.config without "
+            + ", ".join(NOT_ARCHITECTURE)
+            + "). Each training seed appears once, and each model is evaluated on a split of its own training "
+            "split seed",
             "audit": {path: field(first, path) for path in COMPARED_FIELDS},
         },
     }
