@@ -303,7 +303,9 @@ def test_refuses_other_architectures_repeated_seeds_and_training_text_as_evaluat
     with pytest.raises(StudyError, match="again.json: training seed 0 again \\(also a.json\\)"):
         build_study([THREE[0], ("again.json", again)])
     other_text = copy.deepcopy(THREE[1][1])
-    other_text["cache"]["split_seed"] = 5  # trained on split seed 0
+    other_text["cache"]["split_seed"] = 5  # trained on split seed 0, of another corpus: no training text
+    assert build_study([THREE[0], ("odd.json", other_text)])["num_models"] == 2
+    other_text["training"]["corpus"] = "kjv.txt"  # the same corpus, split otherwise
     with pytest.raises(StudyError, match="odd.json: evaluated on a split drawn with split seed 5, but the model was"):
         build_study([THREE[0], ("odd.json", other_text)])
     faster = copy.deepcopy(THREE[1][1])

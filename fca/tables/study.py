@@ -312,12 +312,11 @@ def architecture(report: dict) -> dict | None:
     return {k: v for k, v in config.items() if k not in NOT_ARCHITECTURE} if isinstance(config, dict) else None
 
 
-def check_seeds(rows: Sequence[dict]) -> None:
-    """Each training seed at most once (where known), and each model evaluated where it was trained
-    from: an evaluated split drawn with another split seed than the model's training split holds
-    training documents."""
+def check_seeds(rows: Sequence[dict], reports: Sequence[dict]) -> None:
+    """Each training seed at most once (where known), and no model evaluated on another split of its own
+    training corpus: a split drawn with another split seed than the training split holds training documents."""
     seen: dict[int, str] = {}
-    for row in rows:
+    for row, report in zip(rows, reports, strict=True):
         seed, training = row["seed"], row["training"]
         if seed is not None and seed in seen:
             raise StudyError(
@@ -326,7 +325,8 @@ def check_seeds(rows: Sequence[dict]) -> None:
         if seed is not None:
             seen[seed] = row["audit"]
         trained, evaluated = training.get("split_seed"), row["cache_split_seed"]
-        if trained is not None and evaluated is not None and trained != evaluated:
+        same_corpus = training.get("corpus") == field(report, "cache.corpus")
+        if same_corpus and trained is not None and evaluated is not None and trained != evaluated:
             raise StudyError(
                 f"{row['audit']}: evaluated on a split drawn with split seed {evaluated}, but the model was trained "
                 f"on one drawn with split seed {trained}: its evaluated windows may be training text"
@@ -368,7 +368,7 @@ def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | 
     check_comparable(audits)
     trainings = list(trainings) if trainings is not None else [training_info(r) for _, r in audits]
     rows = [seed_row(report, name, training) for (name, report), training in zip(audits, trainings, strict=True)]
-    check_seeds(rows)
+    check_seeds(rows, [report for _, report in audits])
     names = list(audits[0][1]["conditions"])
     retained = [c for c in names if any(c in r["gap_retention"] for r in rows)]
     routed = [c for c in names if all(c in r["same_experts"] for r in rows)]
