@@ -269,6 +269,8 @@ def test_sweep_section_in_a_tiny_audit(tiny_demo):
     assert "interpolate:0.5" not in stripped["definitions"]["condition_specs"]
 
     other = {**stripped, "model": {**stripped["model"], "fingerprint": "another"}}  # an audit made without a sweep
+    if "training" in other:  # (another model: another seed)
+        other["training"] = {**other["training"], "seed": other["training"].get("seed", 0) + 1}
     assert "interpolation_sweep" not in other
     study = build_study([("a", report), ("b", other)])
     assert set(study["summary"]["conditions"]) == set(stripped["conditions"])
