@@ -17,6 +17,7 @@ import pytest
 
 from fca.cli import main
 from fca.tables import study
+from fca.tables.outputs import OutputError
 
 DEMO = Path(__file__).resolve().parent.parent / "cache" / "demo"
 from fca.tables.study import StudyError, build_study, spread, t_quantile_975
@@ -495,6 +496,11 @@ def test_a_study_that_cannot_sit_with_its_audits_is_refused_before_training(tmp_
     with pytest.raises(StudyError, match=r"old/study.json: a study of audits with cache.seq_len 128.*choose another"):
         make_demo_study(tmp_path / "old", corpus, [1], include=[], config=config)
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["corpus.txt", "old", "old/study.json"]
+    (tmp_path / "cache").mkdir()
+    shutil.copy(REPO / "cache/demo/eval/manifest.json", tmp_path / "cache" / "manifest.json")
+    with pytest.raises(OutputError, match=r"cache/x/study.json: inside the cache .*cache"):  # (refused after training)
+        make_demo_study(tmp_path / "cache" / "x", corpus, [1], include=[], config=config)
+    assert not (tmp_path / "cache" / "x").exists()
 
 
 def test_demo_study_command_defaults_are_the_demo_configuration(monkeypatch, tmp_path):

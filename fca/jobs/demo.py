@@ -27,7 +27,15 @@ from fca.jobs.train import TrainSettings, train
 from fca.tables import data
 from fca.tables.report import render_markdown, write_report
 from fca.tables.runs import SWEEP_ALPHAS
-from fca.tables.study import StudyError, field, load_audit, load_study, study_from_files, write_study
+from fca.tables.study import (
+    StudyError,
+    check_study_paths,
+    field,
+    load_audit,
+    load_study,
+    study_from_files,
+    write_study,
+)
 
 DEMO_CONFIG = dict(d_model=192, n_layers=6, n_heads=6, mlp_groups=6, max_seq_len=128)
 DEMO_SEQS = 256
@@ -160,6 +168,7 @@ def check_study_plan(out: Path, include: Sequence[Path], seq_len: int, num_seqs:
     """What can be refused before hours of training: included audits, or a study already in `out` (which
     this one would replace), of caches of another shape than the seeds to come. (Whether the models
     themselves compare is known after the first seed, whose audit is checked against them at once.)"""
+    check_study_paths(out / "study.json", out / "study.md")  # (inside a cache, say: refused after training before)
     planned = {"cache.seq_len": seq_len, "cache.sequences": num_seqs}
     for path in include:
         report = load_audit(path)
