@@ -503,6 +503,27 @@ def test_a_study_that_cannot_sit_with_its_audits_is_refused_before_training(tmp_
     assert not (tmp_path / "cache" / "x").exists()
 
 
+def test_a_kept_model_of_other_settings_is_refused_not_audited_under_the_new_flags(tmp_path):
+    """A study resumed into an --out holding models of d_model 32 and 40 steps, asked for 64 and 20, had
+    kept and audited them without a word."""
+    from fca.jobs.demo import train_pair
+    from fca.jobs.train import TrainSettings
+
+    from .conftest import REPO
+
+    for arch in ("featuregate", "dense"):  # the shipped demo's files, as an earlier run would have left them
+        (tmp_path / arch).mkdir()
+        for name in ("config.json", "training_log.json", "model.safetensors"):
+            shutil.copy(REPO / "cache/demo/featuregate" / name, tmp_path / arch / name)
+    demo = dict(d_model=192, n_layers=6, n_heads=6, mlp_groups=6, max_seq_len=128)
+    corpus = tmp_path / "unused.txt"
+    train_pair(tmp_path, corpus, demo, TrainSettings(steps=800, seed=0))  # as trained: kept, nothing to do
+    with pytest.raises(StudyError, match=r"featuregate: kept from an earlier run, which trained it with d_model 192 "):
+        train_pair(tmp_path, corpus, {**demo, "d_model": 64}, TrainSettings(steps=800, seed=0))
+    with pytest.raises(StudyError, match=r"trained it with steps 800 \(asked 20\), lr 0.002 \(asked 0.001\)"):
+        train_pair(tmp_path, corpus, demo, TrainSettings(steps=20, lr=1e-3, seed=0))
+
+
 def test_demo_study_command_defaults_are_the_demo_configuration(monkeypatch, tmp_path):
     """`python -m fca demo-study` with no size flags must train exactly what `fca demo` trained (seed 0
     of the study is the shipped demo); the flags reach `make_demo_study`."""

@@ -16,6 +16,7 @@ aggregates their audits with the shipped demo's into a study:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -62,12 +63,43 @@ def train_pair(
     show_progress: bool = True,
 ) -> None:
     """A FeatureGate model and its Dense twin (same seed and batches) into `out/featuregate` and `out/dense`;
-    a model already there is kept unless `retrain`."""
+    a model already there is kept unless `retrain` (when it was trained as asked: `check_kept_model`)."""
     for arch in ("featuregate", "dense"):
         model_dir = out / arch
         if retrain or not (model_dir / "model.safetensors").is_file():
             model_config = FeatureGateConfig(**config, gated=(arch == "featuregate"))
             train(corpus, model_dir, model_config, settings, device=device, show_progress=show_progress)
+        else:
+            check_kept_model(model_dir, config, settings)
+
+
+def check_kept_model(model_dir: Path, config: dict, settings: TrainSettings) -> None:
+    """A model kept from an earlier run (an interrupted study resumes) must be what this run asks for: kept
+    silently, a model of another size or training would be audited under the flags given now."""
+    saved = _json_or_empty(model_dir / "config.json")
+    trained = _json_or_empty(model_dir / "training_log.json").get("settings")
+    trained = trained if isinstance(trained, dict) else {}
+    asked = {key: (saved, value) for key, value in config.items()}
+    for key in ("steps", "batch_size", "lr", "seed"):
+        asked[key] = (trained, getattr(settings, key))
+    differing = [
+        f"{key} {record[key]} (asked {value})"
+        for key, (record, value) in asked.items()
+        if key in record and record[key] != value
+    ]
+    if differing:
+        raise StudyError(
+            f"{model_dir}: kept from an earlier run, which trained it with {', '.join(differing[:4])}; "
+            "--retrain replaces it, or choose another --out"
+        )
+
+
+def _json_or_empty(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def cache_and_audit(
