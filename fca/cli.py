@@ -40,7 +40,12 @@ def _add_model_size_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=_positive_int, default=6)
     p.add_argument("--mlp-groups", type=_positive_int, default=6)
     p.add_argument("--seq-len", type=_positive_int, default=128, help="context length (tokens)")
-    p.add_argument("--vocab-size", type=_positive_int, default=2048)
+    p.add_argument(
+        "--vocab-size",
+        type=_whole_number(257),  # (a smaller size still gave 257: the byte alphabet and the end-of-text token)
+        default=2048,
+        help="BPE vocabulary, at least 257: the 256 bytes and the end-of-text token",
+    )
     p.add_argument("--controller", choices=["linear", "mlp"], default="linear")
     p.add_argument("--granularity", choices=["group", "feature"], default="group")
 

@@ -242,6 +242,7 @@ def test_usage_mistakes_are_one_line_naming_the_command(capsys) -> None:
         ([], "fca: error: the following arguments are required: COMMAND"),
         (["inspect", "a", "--bogus"], "fca: error: inspect: unrecognized arguments: --bogus"),
         (["dashboard", "--port", "0"], "fca: error: dashboard: argument --port: must be at least 1, not 0"),
+        (["train", "--vocab-size", "256"], "fca: error: train: argument --vocab-size: must be at least 257, not 256"),
     ):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
