@@ -241,7 +241,7 @@ def as_input_ids(input_ids, model: nn.Module) -> torch.Tensor:
     return ids.to(device=device, dtype=torch.long)
 
 
-def forward(model: nn.Module, ids: torch.Tensor) -> Any:
+def run_model(model: nn.Module, ids: torch.Tensor) -> Any:
     """`model(ids)`, where an index out of range inside the model (token ids beyond an embedding that
     `vocab_rows` cannot find) is said in one line with the ids' range, not as torch's bare IndexError."""
     try:
@@ -308,7 +308,7 @@ def capture_tensors(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Te
     """One record pass. Returns (logits [B, T, V], site name -> coefficients [B, T, K_s])."""
     sink: dict[str, torch.Tensor] = {}
     with site_modes(model, "record", sink=sink):
-        logits = model_logits(forward(model, input_ids), model)
+        logits = model_logits(run_model(model, input_ids), model)
     return logits, sink
 
 

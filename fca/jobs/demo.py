@@ -16,7 +16,6 @@ aggregates their audits with the shipped demo's into a study:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -26,6 +25,7 @@ from fca.jobs.audit import run_audit
 from fca.jobs.build import build_cache_from_corpus
 from fca.jobs.train import TrainSettings, train
 from fca.tables import data
+from fca.tables.catalog import read_json_object
 from fca.tables.report import render_markdown, write_report
 from fca.tables.runs import SWEEP_ALPHAS
 from fca.tables.study import (
@@ -76,8 +76,8 @@ def train_pair(
 def check_kept_model(model_dir: Path, config: dict, settings: TrainSettings) -> None:
     """A model kept from an earlier run (an interrupted study resumes) must be what this run asks for: kept
     silently, a model of another size or training would be audited under the flags given now."""
-    saved = _json_or_empty(model_dir / "config.json")
-    trained = _json_or_empty(model_dir / "training_log.json").get("settings")
+    saved = read_json_object(model_dir / "config.json") or {}
+    trained = (read_json_object(model_dir / "training_log.json") or {}).get("settings")
     trained = trained if isinstance(trained, dict) else {}
     asked = {key: (saved, value) for key, value in config.items()}
     for key in ("steps", "batch_size", "lr", "seed"):
@@ -92,14 +92,6 @@ def check_kept_model(model_dir: Path, config: dict, settings: TrainSettings) -> 
             f"{model_dir}: kept from an earlier run, which trained it with {', '.join(differing[:4])}; "
             "--retrain replaces it, or choose another --out"
         )
-
-
-def _json_or_empty(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def cache_and_audit(

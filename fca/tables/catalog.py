@@ -159,7 +159,7 @@ def path_allowed(path: str | Path, roots: Iterable[str | Path]) -> bool:
     return any(resolved.is_relative_to(user_path(root)) for root in roots)
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json_object(path: Path) -> dict | None:
     """A JSON object from `path`; None when it is missing, unreadable or not an object."""
     try:
         value = json.loads(path.read_text())
@@ -179,7 +179,7 @@ def weights_path(model_dir: Path) -> Path:
 def find_model_dir(cache_path: str | Path) -> Path | None:
     """The model directory the cache's manifest names, looked up beside the cache; None if absent."""
     cache_path = Path(cache_path)
-    raw = _read_json(cache_path / MANIFEST)
+    raw = read_json_object(cache_path / MANIFEST)
     try:
         name = Manifest.from_json(raw).model.path if raw is not None else None
     except CacheError:
@@ -240,13 +240,13 @@ def is_dense_twin(config: dict, dense_config: dict) -> bool:
 def find_dense_twin(model_dir: str | Path) -> Path | None:
     """A sibling model directory that is the Dense twin of `model_dir` (see `is_dense_twin`)."""
     model_dir = Path(model_dir)
-    config = _read_json(model_dir / "config.json")
+    config = read_json_object(model_dir / "config.json")
     if config is None or not model_dir.parent.is_dir():
         return None
     for sibling in sorted(model_dir.parent.iterdir()):
         if sibling == model_dir:
             continue
-        other = _read_json(sibling / "config.json")
+        other = read_json_object(sibling / "config.json")
         if other is not None and is_dense_twin(config, other):
             return sibling
     return None
@@ -262,7 +262,7 @@ def find_report(cache_path: str | Path) -> Path | None:
     candidates += sorted(folder.glob(f"audit-{glob.escape(name)}-*.json"), key=_report_number)
     damaged = None
     for path in candidates:
-        report = _read_json(path)
+        report = read_json_object(path)
         if report is None:
             if damaged is None and path.is_file():
                 damaged = path

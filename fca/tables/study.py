@@ -15,6 +15,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from fca.tables.catalog import read_json_object
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
 from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, condition_cell, damage, read_report, routing_mark
 
@@ -199,10 +200,10 @@ def training_info(report: dict, audit_path: str | Path | None = None) -> dict:
 def model_training(model_dir: str | Path) -> dict:
     """The training summary of a model directory: its `training_log.json` summarized, else the seed in
     its `config.json`, else empty (a model trained elsewhere)."""
-    log = _read_json(Path(model_dir) / "training_log.json")
+    log = read_json_object(Path(model_dir) / "training_log.json")
     if log is not None:
         return summarize_training_log(log)
-    config = _read_json(Path(model_dir) / "config.json") or {}
+    config = read_json_object(Path(model_dir) / "config.json") or {}
     return {"seed": config["init_seed"]} if "init_seed" in config else {}
 
 
@@ -224,14 +225,6 @@ def summarize_training_log(log: dict) -> dict:
         "final_eval_nll": log.get("final_eval_nll"),
     }
     return {k: v for k, v in out.items() if v is not None}
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def _short(value) -> str:
