@@ -272,6 +272,21 @@ def test_audits_of_two_corpus_files_of_one_name_are_refused():
     assert build_study([("a.json", a), ("b.json", b)])["num_models"] == 2
 
 
+def test_rows_follow_the_training_seeds_not_the_order_of_a_glob():
+    """A shell's `seed*/audit.json` gives seed10 before seed2; the study lists seed 2 first, and a model of
+    unknown seed last, the first audit given still being the one the others are compared with."""
+    ten = hand_audit("a" * 64, 3.0, static=3.5, global_mean=4.0, retention=0.5, share=0.2, latency=1.0, seed=10)
+    two = hand_audit("b" * 64, 3.2, static=3.6, global_mean=4.2, retention=0.6, share=0.3, latency=1.1, seed=2)
+    unknown = hand_audit("c" * 64, 3.4, static=4.1, global_mean=4.4, retention=0.3, share=0.4, latency=None)
+    result = build_study([("unknown.json", unknown), ("seed10.json", ten), ("seed2.json", two)])
+    assert [(r["audit"], r["seed"]) for r in result["seeds"]] == [
+        ("seed2.json", 2),
+        ("seed10.json", 10),
+        ("unknown.json", None),
+    ]
+    assert "Seeds: 2, 10, ?." in study.render_markdown(result)
+
+
 def test_refuses_other_conditions_and_the_same_model_twice():
     fewer = copy.deepcopy(THREE[1][1])
     del fewer["conditions"]["cross_input"]

@@ -355,13 +355,15 @@ def seed_row(report: dict, audit: str, training: dict) -> dict:
 
 
 def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | None = None) -> dict:
-    """The study of `audits` [(name or path shown in the study, report)], in the given order.
-    `trainings`: each model's training summary (see `training_info`), or None for none."""
+    """The study of `audits` [(name or path shown in the study, report)], its rows in the order of their
+    training seeds (seed 2 before seed 10, whatever order a shell's glob gave), those of unknown seed
+    last in the given order. `trainings`: each model's training summary (see `training_info`), or None."""
     audits = [(name, without_sweep(report)) for name, report in audits]
     check_comparable(audits)
     trainings = list(trainings) if trainings is not None else [training_info(r) for _, r in audits]
     rows = [seed_row(report, name, training) for (name, report), training in zip(audits, trainings, strict=True)]
     check_seeds(rows, [report for _, report in audits])
+    rows.sort(key=lambda row: (not isinstance(row["seed"], int), row["seed"] if isinstance(row["seed"], int) else 0))
     names = list(audits[0][1]["conditions"])
     retained = [c for c in names if any(c in r["gap_retention"] for r in rows)]
     routed = [c for c in names if all(c in r["same_experts"] for r in rows)]
