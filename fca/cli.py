@@ -304,9 +304,13 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
+    from fca.engine.environment import environment_on
+    from fca.engine.loading import resolve_device
     from fca.tables.environment import describe
+    from fca.tables.fidelity import replay_standard
     from fca.tables.store import open_cache
 
+    device = resolve_device(args.device)
     cache = open_cache(args.cache, verify=args.verify)
     if args.verify:  # the stored moments too: hashed and read, as the audit and the dashboard read them
         from fca.tables.profiles import slot_layout, stored_moments
@@ -324,6 +328,8 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     )
     batch = (cache.environment or {}).get("batch_size")
     print(f"coefficients computed on {describe(cache.environment)}" + (f", in batches of {batch}" if batch else ""))
+    here = environment_on(device, cache.model_dtype)  # (the dtype a replay loads the model in)
+    print(f"replayed here on {describe(here)}: {replay_standard(cache.environment, here, m.coefficient_dtype)}")
     for name, spec in m.sites.items():
         axes = [[axis, size] for axis, size in spec.axes]  # printed as the manifest writes them
         # Per-channel families (MUDDPythia's q, k, v, r streams) are what global_mean averages within.
@@ -678,6 +684,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_command("inspect", help="describe a cache (and verify its part hashes)")
     p.add_argument("cache", help="cache directory")
     p.add_argument("--verify", action="store_true", help="recompute every part's sha256 against the manifest")
+    p.add_argument(
+        "--device", type=_device, default="auto", help="the device a replay would run on, for what it would expect"
+    )
     p.set_defaults(func=cmd_inspect)
 
     p = add_command("replay", help="replay chosen conditions and save the run beside the cache")

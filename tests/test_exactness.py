@@ -164,6 +164,30 @@ def test_foreign_cache_within_drift_is_accepted(demo_pair, tmp_path, capsys):
     assert fidelity["nll_diff"] < 1e-5 and results.max_abs_logit_diff == 0.0
 
 
+def test_inspect_says_what_a_replay_here_would_hold_the_cache_to(demo_pair, tmp_path, capsys):
+    """Before anything runs, `fca inspect` compares the cache's environment with this machine's, as a
+    replay would: its own caches bit for bit, a foreign one by the tolerances, naming what differs."""
+    model_dir, ev, cal = demo_pair
+    assert main(["inspect", str(ev), "--device", "cpu"]) == 0
+    here = describe(current_environment(fca.load_model(model_dir)))
+    assert f"replayed here on {here}: the cache's own environment, so in its build's batches" in capsys.readouterr().out
+    foreign = rewrite_cache(ev, tmp_path / "foreign", 0.0, FOREIGN)
+    assert main(["inspect", str(foreign), "--device", "cpu"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("replayed here"))
+    assert (
+        "another environment (device, device name, CPU capability or GPU architecture, torch, CUDA, threads differ)"
+        in line
+    )
+    assert "accepted within 0.0001 relative and Correct-from-cache NLL within 0.0001 nats of live" in line
+    unknown = rewrite_cache(ev, tmp_path / "unknown", 0.0, None)
+    assert main(["inspect", str(unknown), "--device", "cpu"]) == 0
+    assert "a cache of unknown environment, so its coefficients are accepted within" in capsys.readouterr().out
+    if not torch.cuda.is_available():  # refused before anything is printed
+        assert main(["inspect", str(ev), "--device", "cuda"]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and "no CUDA device is available" in captured.err
+
+
 def test_foreign_cache_beyond_drift_is_refused(demo_pair, tmp_path, capsys):
     model_dir, ev, cal = demo_pair
     wrong = rewrite_cache(ev, tmp_path / "wrong", 1e-3, FOREIGN)

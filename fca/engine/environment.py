@@ -74,11 +74,14 @@ def numerics(device: torch.device) -> str:
 def current_environment(model: nn.Module) -> dict:
     """The environment `model` computes in now: device, its name and capability, dtype, torch, threads and
     the numeric settings that choose kernels."""
-    param = next(model.parameters())
-    device = param.device
+    return environment_on(next(model.parameters()).device, model_dtype_name(model))
+
+
+def environment_on(device: torch.device, model_dtype: str) -> dict:
+    """The environment a model of `model_dtype` ('float32', ...) would compute in on `device` now."""
     env = {
         "device_type": device.type,
-        "model_dtype": model_dtype_name(model),
+        "model_dtype": model_dtype,
         "torch": torch.__version__,
         "cuda": torch.version.cuda if device.type == "cuda" else None,
         "numerics": numerics(device),

@@ -122,6 +122,26 @@ def tolerances(model_dtype: str, coefficient_dtype: str) -> dict:
     return base
 
 
+def replay_standard(computed_on: dict | None, here: dict, coefficient_dtype: str = "float32") -> str:
+    """What a replay in the environment `here` would hold a cache computed on `computed_on` to, in words,
+    before anything runs (`fca inspect`): `judge_fidelity` applies the same rules to what a replay measures."""
+    if same_environment(computed_on, here):
+        return (
+            "the cache's own environment, so in its build's batches its coefficients must be bit-identical "
+            "(in other batches, within the foreign-cache tolerances)"
+        )
+    tol = tolerances(here["model_dtype"], coefficient_dtype)
+    why = (
+        "a cache of unknown environment"
+        if not computed_on
+        else f"another environment ({', '.join(differing_fields(computed_on, here))} differ)"
+    )
+    return (
+        f"{why}, so its coefficients are accepted within {tol['coefficient_rel']:.2g} relative and "
+        f"Correct-from-cache NLL within {tol['nll_mean']:.2g} nats of live, and refused beyond"
+    )
+
+
 def judge_mechanism(max_abs_logit_diff: float, nll_live: float, nll_replayed: float, batches: int) -> dict:
     """Check 1: raise ExactnessError unless replaying the recorded coefficients reproduced the live run."""
     if not (max_abs_logit_diff <= MECHANISM_TOLERANCE and abs(nll_live - nll_replayed) <= MECHANISM_NLL_TOLERANCE):
