@@ -324,6 +324,20 @@ def test_refuses_other_architectures_repeated_seeds_and_training_text_as_evaluat
     other_text["training"]["corpus"] = "kjv.txt"  # the same corpus, split otherwise
     with pytest.raises(StudyError, match="odd.json: evaluated on a split drawn with split seed 5, but the model was"):
         build_study([THREE[0], ("odd.json", other_text)])
+    # Where both fingerprints are known they decide, not the names: a renamed copy is the same text ...
+    other_text["cache"]["corpus_fingerprint"] = "1" * 64
+    other_text["training"].update(corpus="renamed.txt", corpus_fingerprint="1" * 64)
+    with pytest.raises(StudyError, match="odd.json: evaluated on a split drawn with split seed 5, but the model was"):
+        build_study([THREE[0], ("odd.json", other_text)])
+    other_text["training"].update(
+        corpus="kjv.txt", corpus_fingerprint="2" * 64
+    )  # ... and other text of one name is not
+    assert build_study([THREE[0], ("odd.json", other_text)])["num_models"] == 2
+    trained_elsewhere = copy.deepcopy(other_text)
+    trained_elsewhere["model"]["fingerprint"], trained_elsewhere["training"]["seed"] = "f" * 64, 3
+    trained_elsewhere["training"]["corpus_fingerprint"] = "3" * 64
+    with pytest.raises(StudyError, match="training.corpus_fingerprint differs between odd.json"):
+        build_study([("odd.json", other_text), ("elsewhere.json", trained_elsewhere)])
     faster = copy.deepcopy(THREE[1][1])
     slower = copy.deepcopy(THREE[0][1])
     slower["training"]["lr"], faster["training"]["lr"] = 2e-3, 1e-3
@@ -396,6 +410,7 @@ def test_training_smoke_is_deterministic_and_learns(tmp_path):
 
     from fca.engine.models.featuregate import FeatureGateConfig
     from fca.jobs.train import TrainSettings, precision_for, train
+    from fca.tables.schema import file_sha256
     from tests.helpers import TINY, write_corpus
 
     corpus = write_corpus(tmp_path / "corpus.txt")
@@ -422,6 +437,7 @@ def test_training_smoke_is_deterministic_and_learns(tmp_path):
     log = json.loads((tmp_path / "a" / "training_log.json").read_text())
     assert log["device"] == "cpu" and log["precision"] == "float32" and log["optimizer"] == "AdamW"
     assert log["tokens_seen"] == 25 * 8 * TINY["max_seq_len"] and log["tokens_per_second"] > 0
+    assert log["corpus_fingerprint"] == file_sha256(corpus)  # what a study compares with the evaluated cache's
     cpu = precision_for("cpu")
     assert cpu.autocast is None and not cpu.fused_optimizer and not cpu.deterministic
     other_seed = train(

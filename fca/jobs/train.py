@@ -21,6 +21,7 @@ from fca.engine.execution import synchronize
 from fca.engine.loading import resolve_device, save_model
 from fca.engine.models.featuregate import FeatureGateConfig, build_featuregate
 from fca.tables import data
+from fca.tables.schema import file_sha256
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,8 @@ def _train(
     log: dict = {
         "settings": {**asdict(settings), "warmup": warmup_steps(settings)},  # (the warm-up run, not asked)
         "corpus": str(corpus),
+        # (a study compares it with the evaluated cache's, as two files of one name may hold other text)
+        "corpus_fingerprint": file_sha256(Path(corpus)) if Path(corpus).is_file() else None,
         "parameters": parameters,
         "train_tokens": len(train_stream),
         "eval_windows": len(eval_windows),

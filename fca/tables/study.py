@@ -65,6 +65,7 @@ OPTIONAL_FIELDS = (
     "training.lr",
     "training.min_lr",
     "training.corpus",
+    "training.corpus_fingerprint",  # (training logs before it name the corpus file only)
     "cache.split_seed",  # (reports before it name the split only)
     "calibration.split_seed",
     "cache.corpus_fingerprint",  # (reports before it name the corpus file only)
@@ -218,6 +219,7 @@ def summarize_training_log(log: dict) -> dict:
         "lr": settings.get("lr"),
         "min_lr": settings.get("min_lr"),
         "corpus": Path(str(log.get("corpus", ""))).name or None,
+        "corpus_fingerprint": log.get("corpus_fingerprint"),
         "device": log.get("device", "cpu"),
         "precision": log.get("precision", "float32"),
         "tokens_per_second": log.get("tokens_per_second"),
@@ -318,7 +320,11 @@ def check_seeds(rows: Sequence[dict], reports: Sequence[dict]) -> None:
         if seed is not None:
             seen[seed] = row["audit"]
         trained, evaluated = training.get("split_seed"), row["cache_split_seed"]
-        same_corpus = training.get("corpus") == field(report, "cache.corpus")
+        trained_on, evaluated_on = training.get("corpus_fingerprint"), field(report, "cache.corpus_fingerprint")
+        if trained_on and evaluated_on:  # the text itself, where both say it (a file may be renamed or replaced)
+            same_corpus = trained_on == evaluated_on
+        else:
+            same_corpus = training.get("corpus") == field(report, "cache.corpus")
         if same_corpus and trained is not None and evaluated is not None and trained != evaluated:
             raise StudyError(
                 f"{row['audit']}: evaluated on a split drawn with split seed {evaluated}, but the model was trained "
