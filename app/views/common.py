@@ -95,12 +95,13 @@ def match_typed(typed: str, roots: list[Path], listed: list[str], repo: Path) ->
 
 
 def typed_outside(typed: str, roots: list[Path], repo: Path) -> bool:
-    """Whether a typed path lies outside the configured roots (False for text that is no path at all,
-    which `typed_problem` explains)."""
+    """Whether a typed path names a folder outside the configured roots (False for a folder that does not
+    exist, a typo more often than not, and for text that is no path at all: `typed_problem` says which)."""
     try:
-        return not catalog.path_allowed(typed_path(typed, roots, repo), roots)
+        path = typed_path(typed, roots, repo)
     except ValueError:
         return False
+    return catalog.is_folder(path) and not catalog.path_allowed(path, roots)
 
 
 def typed_problem(typed: str, roots: list[Path], repo: Path) -> str | None:
@@ -111,7 +112,7 @@ def typed_problem(typed: str, roots: list[Path], repo: Path) -> str | None:
     except ValueError as err:
         return f"{typed.strip()!r} is not a path: {err}."
     if not catalog.is_folder(path):
-        return f"There is no folder {typed.strip()} (relative paths are read from {repo})."
+        return f"there is no folder {typed.strip()} (relative paths are read from {repo})."
     if not (path / "manifest.json").is_file():
         return f"{typed.strip()} is a folder but not a cache: it has no manifest.json."
     return None
