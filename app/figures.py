@@ -18,7 +18,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from fca.tables.report import ties_decided
+from fca.tables.report import quoted_interval, ties_decided
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -441,17 +441,23 @@ def token_strip(df: pd.DataFrame, chosen: int | None = None, max_labels: int = 1
 
 TICK_LINE = 14  # pixels per line of a tick label
 TICK_SITES = 3  # a condition's sites listed in its tick label up to this many, else counted
+# Beyond this many conditions a kind's name breaks after its "_" or ":" too: in a chart half a 1024 px
+# screen wide, four names on one line each ran into each other ("cross_inp|token_shuf|static_la").
+TICK_ROOMY = 3
 
 
 def condition_ticks(fig: go.Figure, names) -> int:
     """Label the x axis's conditions on short lines, the sites below the kind (`static_layer` /
-    `@blocks.0.gate,` / `blocks.5.gate`; more than TICK_SITES sites counted), and return the pixels the
-    labels take. At full length, names of sites were turned on their side and took most of the chart's
+    `@blocks.0.gate,` / `blocks.5.gate`; more than TICK_SITES sites counted; the kind itself broken after
+    "_" and ":" when more than TICK_ROOMY conditions share the axis), and return the pixels the labels take. At full length, names of sites were turned on their side and took most of the chart's
     height. The hover keeps each condition's whole name."""
     names = list(dict.fromkeys(str(n) for n in names))
+    crowded = len(names) > TICK_ROOMY
     texts = []
     for name in names:
         kind, _, sites = name.partition("@")
+        if crowded:
+            kind = kind.replace("_", "_<br>").replace(":", ":<br>")
         listed = sites.split(",") if sites else []
         if len(listed) > TICK_SITES:
             listed = [f"{len(listed)} sites"]
@@ -692,9 +698,10 @@ def _story_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
 
 
 def _nll_interval(conditions: dict, name: str) -> tuple[float, float]:
-    """The 95% interval of a condition's NLL from its paired penalty CI: NLL_correct + [lo, hi]. Paired,
-    so it is the uncertainty of the condition's distance from correct (what the scale is about)."""
-    lo, hi = conditions[name]["penalty_ci95"]
+    """The 95% interval of a condition's NLL from its paired penalty CI (over documents where the report
+    has it): NLL_correct + [lo, hi]. Paired, so it is the uncertainty of the condition's distance from
+    correct (what the scale is about)."""
+    lo, hi = quoted_interval(conditions[name])
     row = conditions[name]
     base = conditions["correct"]["nll"] if "correct" in conditions else row["nll"] - row["penalty"]
     return base + lo, base + hi
@@ -764,8 +771,8 @@ def sweep_curve(sweep: list[dict], conditions: dict | None = None) -> go.Figure:
     x = [r["alpha"] for r in rows]
     y = [r["nll"] for r in rows]
     base = [r["nll"] - r["penalty"] for r in rows]  # NLL_correct, the same for every row
-    lo = [b + r["penalty_ci95"][0] for b, r in zip(base, rows)]
-    hi = [b + r["penalty_ci95"][1] for b, r in zip(base, rows)]
+    lo = [b + quoted_interval(r)[0] for b, r in zip(base, rows)]
+    hi = [b + quoted_interval(r)[1] for b, r in zip(base, rows)]
     fig = go.Figure(
         go.Scatter(
             x=x,

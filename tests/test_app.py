@@ -205,11 +205,13 @@ def test_figures_are_pure_and_titled():
     named = ["correct", "static_layer@l.2.gate", "interpolate:0.6@l.0.gate,l.5.gate", "global_mean@a,b,c,d"]
     rows = {"condition": named, "nll": [1.0] * 4, "ci_lo": [0.9] * 4, "ci_hi": [1.1] * 4}
     bars = figures.nll_bars(pd.DataFrame(rows))
+    # Four conditions in a chart half a screen wide: each kind broken after "_" and ":" too.
     assert list(bars.layout.xaxis.ticktext) == [
-        "correct", "static_layer<br>@l.2.gate", "interpolate:0.6<br>@l.0.gate,<br>l.5.gate", "global_mean<br>@4 sites",
+        "correct", "static_<br>layer<br>@l.2.gate", "interpolate:<br>0.6<br>@l.0.gate,<br>l.5.gate",
+        "global_<br>mean<br>@4 sites",
     ]  # fmt: skip
     assert list(bars.layout.xaxis.tickvals) == named and bars.layout.xaxis.tickangle == 0
-    assert bars.layout.height - plain.layout.height == 2 * figures.TICK_LINE
+    assert bars.layout.height - plain.layout.height == 3 * figures.TICK_LINE
     three = figures.nll_bars(pd.DataFrame({**rows, "condition": ["x@a,b,c", "y", "z", "w"]}))
     assert three.layout.xaxis.ticktext[0] == "x<br>@a,<br>b,<br>c"  # up to three sites listed
     run = "static_layer@l.2.gate + interpolate:0.6@l.0.gate,l.5.gate + global_mean, n=16, seed 0"
@@ -218,8 +220,11 @@ def test_figures_are_pure_and_titled():
     lines = compared.data[0].name.split("<br>")
     assert " ".join(lines) == run and lines[-1] == "n=16, seed 0"
     assert all(len(line) <= figures.LEGEND_CHARS for line in lines) and len(lines) == 3
-    # The compare chart labels its conditions the same way, and its legend sits below them, taller by its lines.
-    assert list(compared.layout.xaxis.ticktext) == list(bars.layout.xaxis.ticktext[1:])
+    # The compare chart labels its conditions the same way (three: kinds on one line), and its legend sits
+    # below them, taller by its lines.
+    assert list(compared.layout.xaxis.ticktext) == [
+        t.replace("_<br>", "_").replace(":<br>", ":") for t in bars.layout.xaxis.ticktext[1:]
+    ]
     ticks, plot = 3 * figures.TICK_LINE, 228
     assert compared.layout.legend.y == pytest.approx(-(76 + ticks) / plot)
     assert compared.layout.margin.b == 76 + ticks + 10 + figures.LEGEND_ROW + 2 * figures.TICK_LINE
@@ -524,6 +529,9 @@ def test_lab_replays_the_shipped_demo(tmp_path, monkeypatch):
         shutil.copytree(REPO / "cache" / "demo" / part, demo / part)
     at = render(app_for(monkeypatch, [tmp_path], demo / "eval"), "views/replay_lab.py")
     at.sidebar.selectbox(key="device").set_value("cpu")
+    from fca.tables.report import FEW_SEQUENCES
+
+    assert at.number_input(key="lab_num_seqs").value >= FEW_SEQUENCES  # the default run gives figures to quote
     at.number_input(key="lab_num_seqs").set_value(8)
     at.number_input(key="lab_batch").set_value(4)
     next(b for b in at.button if b.label == "Run").click().run()
@@ -536,6 +544,9 @@ def test_lab_replays_the_shipped_demo(tmp_path, monkeypatch):
     assert "Replay mechanism" in shown and "max |difference| 0" in shown
     assert "Cache fidelity: coefficients computed on" in shown and "replayed on cpu" in shown
     assert job.record["results"]["exactness"]["fidelity"]["verdict"] in ("bit-identical", "within tolerance")
+    # The demo's cache records its documents, and its first 8 windows lie in one: said, as no CI can resample it.
+    assert job.record["results"]["documents"] == 1 and "penalty 95% CI, documents" not in at.dataframe[0].value
+    assert "All 8 windows lie in one document, so no CI can resample documents" in " ".join(c.value for c in at.caption)
 
 
 def test_cancel_stops_a_run(tiny_demo):
@@ -952,7 +963,10 @@ def test_sidebar_matches_typed_paths_and_explains_missing_ones(tiny_demo, tmp_pa
     assert match_typed("cache/demo/nope", [root], listed, REPO) is None
 
     missing = typed_problem(str(root / "missing"), [root], REPO)
-    assert missing == f"There is no folder {root / 'missing'} (relative paths are read from {REPO})."
+    assert missing == f"there is no folder {root / 'missing'} (relative paths are read from {REPO})."
+    # A folder that does not exist is a typo more often than not: said so, even outside the roots.
+    assert not typed_outside(str(tmp_path / "nowhere"), [root], REPO)
+    assert typed_problem(str(tmp_path / "nowhere"), [root], REPO).startswith("there is no folder")
     assert "not a cache" in typed_problem("local", [root], REPO)
     assert typed_problem("local/eval/", [root], REPO) is None
     # Text the system cannot look up was an exception box (RuntimeError, ValueError, OSError).
@@ -960,7 +974,7 @@ def test_sidebar_matches_typed_paths_and_explains_missing_ones(tiny_demo, tmp_pa
         assert match_typed(odd, [root], listed, REPO) is None, odd
         typed_outside(odd, [root], REPO)  # answers (it raised RuntimeError, ValueError or OSError)
         problem = typed_problem(odd, [root], REPO)
-        assert problem.startswith("There is no folder") or "is not a path: a path cannot hold a NUL" in problem
+        assert problem.startswith("there is no folder") or "is not a path: a path cannot hold a NUL" in problem
 
     # AppTest cannot type into the box; what it can do: a cache built while the page is open appears
     # when asked (or on a rerun after the 2 s re-scan).
@@ -1133,6 +1147,10 @@ def test_a_runs_nll_interval_is_the_runs_own_bootstrap():
     row = condition_rows(record)[0]
     ours = (row["NLL 95% CI low"], row["NLL 95% CI high"])
     assert ours == paired_bootstrap_ci(np.array(values), 2000, 3) != paired_bootstrap_ci(np.array(values), 2000, 4)
+    assert "penalty 95% CI low (documents)" not in row  # a run whose cache records no documents
+    record["results"]["conditions"]["correct"]["penalty_ci95_documents"] = [-0.5, 0.25]
+    row = condition_rows(record)[0]
+    assert (row["penalty 95% CI low (documents)"], row["penalty 95% CI high (documents)"]) == (-0.5, 0.25)
 
 
 def test_lab_sweep_points_and_figure():

@@ -27,6 +27,7 @@ from fca.engine.replay import (
     run_conditions,
 )
 from fca.jobs.build import build_cache_from_corpus
+from fca.tables import data
 from fca.tables.conditions import (
     Condition,
     condition_coefficients,
@@ -38,11 +39,13 @@ from fca.tables.errors import CacheError
 from fca.tables.fidelity import judge_mechanism
 from fca.tables.profiles import calibration_profiles
 from fca.tables.schema import MANIFEST
-from fca.tables.scoring import gap_retention
+from fca.tables.scoring import gap_retention, gap_retention_ci, summarize_conditions
 from fca.tables.stats import (
     Moments,
     SlotLayout,
     paired_bootstrap_ci,
+    percentile_interval,
+    resampled_means,
     token_sums,
     variance_decomposition,
 )
@@ -530,6 +533,58 @@ def test_bootstrap_ci():
     assert (lo, hi) == tuple(np.quantile(means, [0.025, 0.975]))
 
 
+def test_resampling_documents_draws_whole_documents():
+    """The document bootstrap, spelled out: default_rng(seed) draws U documents with replacement per resample
+    (U the number of documents), each resample's mean is over the windows its documents hold; one document
+    per window gives the sequence interval bit for bit."""
+    rng = np.random.default_rng(5)
+    documents = np.repeat(np.arange(12), rng.integers(1, 8, 12))  # [n]: 12 documents of 1 to 7 windows
+    values = rng.normal(0.3, 0.1, (len(documents), 2))  # [n, 2] two paired columns
+    draws = resampled_means(values, documents, 500, seed=3)
+    idx = np.random.default_rng(3).integers(0, 12, size=(500, 12))
+    by_hand = np.array([np.concatenate([values[documents == u] for u in row]).mean(0) for row in idx])
+    assert draws.shape == (500, 2) and np.allclose(draws, by_hand, rtol=0, atol=1e-12)
+    d = values[:, 0]
+    assert percentile_interval(resampled_means(d[:, None], np.arange(len(d)), 2000, 3)[:, 0]) == paired_bootstrap_ci(
+        d, seed=3
+    )
+    # Windows of one document alike: resampled one by one, their interval is far too narrow.
+    shared = np.repeat(rng.normal(0.3, 0.1, 20), 10)  # [200]: 20 documents of 10 identical windows
+    by_window = paired_bootstrap_ci(shared)
+    by_document = summarize_conditions({"correct": np.zeros(200), "x": shared}, documents=np.repeat(np.arange(20), 10))[
+        "x"
+    ]["penalty_ci95_documents"]
+    assert (by_document[1] - by_document[0]) > 2.5 * (by_window[1] - by_window[0])
+    # One document: no interval over documents (summarize_conditions leaves the key out).
+    assert (
+        "penalty_ci95_documents"
+        not in summarize_conditions({"correct": np.zeros(4), "x": np.ones(4)}, documents=np.zeros(4))["x"]
+    )
+
+
+def test_gap_retention_interval_is_the_ratio_of_paired_resampled_means():
+    rng = np.random.default_rng(2)
+    correct = rng.normal(3.0, 0.2, 40)
+    per_seq = {
+        "correct": correct,
+        "global_mean": correct + rng.normal(0.8, 0.1, 40),
+        "static_layer": correct + rng.normal(0.4, 0.1, 40),
+    }
+    documents = np.repeat(np.arange(10), 4)
+    table = summarize_conditions(per_seq, documents=documents)
+    retention = gap_retention(table)
+    ci = gap_retention_ci(per_seq, retention, seed=0, documents=documents)
+    draws = resampled_means(
+        np.stack([per_seq["global_mean"] - correct, per_seq["static_layer"] - correct], 1), documents
+    )
+    assert ci["static_layer"] == list(percentile_interval(1 - draws[:, 1] / draws[:, 0]))
+    assert ci["static_layer"][0] < retention["static_layer"] < ci["static_layer"][1]
+    assert set(ci) == {"static_layer"}  # the anchors have none
+    by_sequence = gap_retention_ci(per_seq, retention, seed=0)  # no documents recorded: sequences resampled
+    assert by_sequence["static_layer"] != ci["static_layer"]
+    assert gap_retention_ci(per_seq, {"static_layer": None}) == {}  # undefined retention: no interval
+
+
 def test_the_penalty_interval_is_paired_over_sequences():
     """Sequences differ far more from each other than a condition moves each one: a paired interval (of the
     per-sequence differences) is narrow, an unpaired one would be wide. An unpaired scorer (each
@@ -580,6 +635,30 @@ def test_replay_runner_conditions(demo):
     assert not check_exactness(again)["fidelity"]["tolerances"]["bit_identical_required"]
 
 
+def test_window_documents_follow_the_corpus(demo, tmp_path):
+    """Each window's document, from the end-of-document ids the manifest names, is the one it begins in in
+    the split's text; caches that do not record the id have none (their windows' order is unknown)."""
+    cache = open_cache(demo / "eval")
+    assert cache.manifest.raw["tokenizer"]["end_of_document"] == cache.manifest.tokenizer.end_of_document == 0
+    docs = data.split_documents(data.load_documents(demo / "prose.txt"), 0)["eval"]
+    tokenizer = data.load_tokenizer(demo / "featuregate")
+    ends = np.cumsum([len(e.ids) + 1 for e in tokenizer.encode_batch(docs)])  # where each document's end id ends
+    begins = np.searchsorted(ends, np.arange(N_SEQS) * (cache.seq_len + 1), side="right")  # [n]
+    found = cache.window_documents(N_SEQS)
+    assert found.tolist() == (begins - begins[0]).tolist() and len(set(found.tolist())) == 2
+    assert cache.window_documents(5).tolist() == found[:5].tolist()
+    older = tmp_path / "older"
+    shutil.copytree(demo / "eval", older)
+    manifest = json.loads((older / MANIFEST).read_text())
+    del manifest["tokenizer"]["end_of_document"]
+    (older / MANIFEST).write_text(json.dumps(manifest))
+    assert open_cache(older).window_documents(N_SEQS) is None
+    manifest["tokenizer"]["end_of_document"] = "0"
+    (older / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CacheError, match="tokenizer.end_of_document"):
+        open_cache(older)
+
+
 def test_audit_report(demo, tmp_path):
     assert (
         main(
@@ -612,6 +691,13 @@ def test_audit_report(demo, tmp_path):
     assert set(report["conditions"]) >= {"correct", "cross_input", "token_shuffle", "static_layer", "global_mean"}
     for row in report["conditions"].values():
         assert row["penalty_ci95"][0] <= row["penalty"] <= row["penalty_ci95"][1]
+    # The windows' documents: the CIs that resample them, in the JSON and the Markdown.
+    documents = open_cache(demo / "eval").window_documents(N_SEQS)
+    assert report["cache"]["documents"] == len(set(documents.tolist())) > 1
+    for row in report["conditions"].values():
+        lo, hi = row["penalty_ci95_documents"]
+        assert lo <= row["penalty"] <= hi
+    assert set(report["gap_retention_ci95"]) == {c for c, v in report["gap_retention"].items() if v is not None}
     assert 0.0 <= report["variance"]["layer_identity_share"] <= 1.0 and set(report["variance"]["per_site"]) == {
         "blocks.0.gate",
         "blocks.1.gate",
@@ -622,6 +708,11 @@ def test_audit_report(demo, tmp_path):
     assert report["definitions"]["global_mean_families"] == {"gate": ["blocks.0.gate", "blocks.1.gate"]}
     markdown = (tmp_path / "a.md").read_text()
     assert "# FCA audit: featuregate\n\nModel type `featuregate`, " in markdown
+    assert "| penalty 95% CI (sequences) | penalty 95% CI (documents) |" in markdown
+    assert (
+        f"The {N_SEQS} evaluated windows are consecutive stretches of {report['cache']['documents']} documents"
+        in markdown
+    )
     # What global_mean used is the calibration cache's grand mean, said in both (the evaluated cache's differs).
     used = calibration_profiles(open_cache(demo / "calibration")).family_means["gate"]
     assert report["calibration"]["family_grand_means"] == {"gate": pytest.approx(used, rel=1e-12)}

@@ -100,6 +100,23 @@ def test_the_conditions_and_routing_tables_cell_by_cell():
         "| global_mean | 4.0000 | +1.0000 | [+0.9000, +1.1000] |  |",  # (the scale's ends: no retention)
         "| interpolate:0.5 | 3.2000 | +0.2000 | [+0.1500, +0.2500] | 80.00% |",
     ]
+    # With the intervals over documents: a column of their own, and retention's CI beside it.
+    wider = {
+        name: {**r, "penalty_ci95_documents": [r["penalty_ci95"][0] - 0.01, r["penalty_ci95"][1] + 0.02]}
+        for name, r in CONDITIONS.items()
+    }
+    documents = {**report, "conditions": wider, "gap_retention_ci95": {"cross_input": [-0.05, 0.25]}}
+    lines = conditions_table(documents)
+    assert "| penalty 95% CI (sequences) | penalty 95% CI (documents) | gap retention [95% CI] |" in lines[0]
+    assert (
+        lines[3]
+        == "| cross_input | 3.9000 | +0.9000 | [+0.8500, +0.9500] | [+0.8400, +0.9700] | 10.00% [-5.0%, 25.0%] |"
+    )
+    assert lines[4] == "| static_layer | 3.5800 | +0.5800 | [+0.5000, +0.6000] | [+0.4900, +0.6200] | 42.00% |"
+    narrow = conditions_table(documents, both_intervals=False)  # the Overview's: the interval to quote only
+    assert "| penalty 95% CI (documents) | gap retention [95% CI] |" in narrow[0] and len(narrow[1].split("|")) == 7
+    assert narrow[3] == "| cross_input | 3.9000 | +0.9000 | [+0.8400, +0.9700] | 10.00% [-5.0%, 25.0%] |"
+    assert conditions_table(report, both_intervals=False) == conditions_table(report)  # nothing over documents
     figures = dict(same_experts=0.25, expert_overlap=0.5, weight_kept=0.45, tied=0.125)
     routing = {
         "routers": {"a.0": 2, "a.1": 2},
@@ -255,8 +272,9 @@ def test_sweep_section_in_a_tiny_audit(tiny_demo):
     assert [r["condition"] for r in sweep] == ["interpolate:0", "interpolate:0.5", "interpolate:1"]
     c = report["conditions"]
     for r in sweep:
-        assert set(r) == {"alpha", "condition", "nll", "penalty", "penalty_ci95"}
+        assert set(r) == {"alpha", "condition", "nll", "penalty", "penalty_ci95", "penalty_ci95_documents"}
         assert r["nll"] == c[r["condition"]]["nll"] and r["penalty_ci95"] == c[r["condition"]]["penalty_ci95"]
+        assert r["penalty_ci95_documents"] == c[r["condition"]]["penalty_ci95_documents"]
     # the ends are the static profile and the own coefficients
     assert sweep[0]["nll"] == pytest.approx(c["static_layer"]["nll"], abs=1e-6)
     assert sweep[-1]["nll"] == pytest.approx(c["correct"]["nll"], abs=1e-9)

@@ -20,9 +20,11 @@ from fca.tables import catalog
 from fca.tables.report import (
     ReportError,
     conditions_table,
+    documents_sentence,
     exactness_sentences,
     few_sequences_caution,
     global_mean_sentence,
+    quoted_interval,
     read_report,
     render_markdown,
     report_mismatch,
@@ -185,7 +187,20 @@ rows = [
         "penalty_nats": v["penalty"],
         "penalty_ci95_low": v["penalty_ci95"][0],
         "penalty_ci95_high": v["penalty_ci95"][1],
+        **(
+            {
+                "penalty_ci95_documents_low": v["penalty_ci95_documents"][0],
+                "penalty_ci95_documents_high": v["penalty_ci95_documents"][1],
+            }
+            if "penalty_ci95_documents" in v
+            else {}
+        ),
         "gap_retention": retention.get(k),
+        **(
+            {"gap_retention_ci95_low": ci[0], "gap_retention_ci95_high": ci[1]}
+            if (ci := (report.get("gap_retention_ci95") or {}).get(k))
+            else {}
+        ),
     }
     for k, v in cond.items()
 ]
@@ -197,7 +212,8 @@ chart(figures.retention_scale(cond, retention), "overview_retention")
 st.caption(
     "Gap retention = (NLL global mean - NLL condition) / (NLL global mean - NLL correct): 0% is no better than one "
     "number per coefficient family, 100% as good as each token's own coefficients. Bars: 95% paired bootstrap CI "
-    "of the penalty vs correct, drawn around the condition's NLL."
+    "of the penalty vs correct (resampling whole documents where the cache records them), drawn around the "
+    "condition's NLL."
 )
 if sweep:
     chart(figures.sweep_curve(sweep, cond), "overview_sweep")
@@ -211,8 +227,10 @@ else:
 left, right = st.columns(2)
 with left:
     perturbed = [r for r in rows if r["condition"] != "correct" and not r["condition"].startswith("interpolate:")]
-    columns = {"condition": "condition", "penalty": "penalty_nats", "lo": "penalty_ci95_low", "hi": "penalty_ci95_high"}
-    chart(figures.penalty_bars({key: [r[col] for r in perturbed] for key, col in columns.items()}), "overview_penalty")
+    intervals = [quoted_interval(cond[r["condition"]]) for r in perturbed]  # (over documents where known)
+    bars = {"condition": [r["condition"] for r in perturbed], "penalty": [r["penalty_nats"] for r in perturbed]}
+    bars.update(lo=[lo for lo, _ in intervals], hi=[hi for _, hi in intervals])
+    chart(figures.penalty_bars(bars), "overview_penalty")
 with right:
     sites = {"site": list(var["per_site"]), "share": list(var["per_site"].values())}
     chart(figures.share_by_site(sites, var["layer_identity_share"]), "overview_share")
@@ -251,7 +269,7 @@ with c3:
     ratio = exe.get("latency_ratio_vs_dense")
     st.metric(
         "Latency vs Dense twin",
-        "n/a" if ratio is None else f"{ratio:.2f}x",
+        "n/a" if ratio is None else f"{ratio:.3f}x",
         help="median over interleaved runs of forward time (model / Dense twin), same device and batch",
     )
     st.caption(
@@ -260,7 +278,9 @@ with c3:
     )
 
 # A Markdown table, not st.dataframe: the first page then needs no data-grid bundle in the browser.
-st.markdown("\n".join(conditions_table(report)))
+st.markdown("\n".join(conditions_table(report, both_intervals=False)))  # (both would not fit 1024 px)
+if documents := documents_sentence(report):
+    st.caption(documents + " The report (Markdown and JSON) gives the interval over sequences too.")
 if used := global_mean_sentence(report):
     st.caption(used)
 if routing := routing_table(report):  # (a model with top-k routers: how much routing each condition kept)
@@ -288,6 +308,10 @@ st.markdown(
     + "".join(
         f"- **{sentence.split(':', 1)[0]}**:{sentence.split(':', 1)[1]}\n" for sentence in exactness_sentences(ex)
     )
+)
+st.caption(
+    'The exactness checks as measured when this report was written, on the machine it names as "replayed on" '
+    '("now" is that run); a run in the Replay lab measures both again here.'
 )
 with st.expander("What each figure means (the report's definitions)"):
     for key, value in report.get("definitions", {}).items():

@@ -49,6 +49,8 @@ KINDS = {
 # tolerance" of the shipped demo); else 2, as progress and Cancel act between batches. Results depend on the
 # batch composition, so each result's command carries its --batch and gives the same numbers.
 DEFAULT_BATCH = 2
+# Enough sequences for figures to quote (`few_sequences_caution` warns below 20), a few seconds on a CPU.
+DEFAULT_SEQUENCES = 32
 MAX_BATCH = 256
 # Columns the shared bar figures read (app/figures.py), from the plain names of our tables.
 FIGURE_COLUMNS = {
@@ -69,6 +71,10 @@ RESULT_COLUMNS = {
     "NLL 95% CI": st.column_config.TextColumn(help="95% bootstrap CI of the mean over sequences", alignment="right"),
     "penalty": st.column_config.NumberColumn(format="%.4f", help="NLL minus correct's, nats/token"),
     "penalty 95% CI": st.column_config.TextColumn(help="95% paired bootstrap CI over sequences", alignment="right"),
+    "penalty 95% CI, documents": st.column_config.TextColumn(
+        help="95% paired bootstrap CI resampling whole documents: windows of one document are not independent",
+        alignment="right",
+    ),
     "gap retention": st.column_config.NumberColumn(format="percent"),
     "same experts": st.column_config.NumberColumn(
         format="percent", help="tokens routed to the same top-k experts as by their own coefficients"
@@ -103,10 +109,29 @@ def result_view(result: pd.DataFrame) -> pd.DataFrame:
             "penalty 95% CI": interval("penalty 95% CI low", "penalty 95% CI high"),
         }
     )
+    if "penalty 95% CI low (documents)" in result:  # (a cache built from a corpus records its documents)
+        view["penalty 95% CI, documents"] = interval(
+            "penalty 95% CI low (documents)", "penalty 95% CI high (documents)"
+        )
     for column in ("gap retention", "same experts", "experts kept", "weight kept", "tied choices"):
         if column in result:
             view[column] = result[column]
     return view
+
+
+def documents_clause(result: pd.DataFrame, documents: int | None, sequences: int) -> str:
+    """The end of the results' caption: what the CIs resample, where the cache records its documents."""
+    if "penalty 95% CI low (documents)" in result:
+        return (
+            f"; the penalty also with the CI resampling whole documents ({documents} here), the one to quote: "
+            "consecutive windows of one document share its text, so are not independent."
+        )
+    if documents == 1:
+        return (
+            f". All {sequences} windows lie in one document, so no CI can resample documents, and the CI over "
+            "sequences, which takes its windows as independent, is too narrow: run more sequences."
+        )
+    return "."
 
 
 def rel(path: str | Path) -> str:
@@ -231,7 +256,7 @@ def keep_settings() -> None:
         "lab_sweep": False,
         "lab_alpha": 0.5,
         "lab_independent": False,
-        "lab_num_seqs": min(16, cache.num_seqs),
+        "lab_num_seqs": min(DEFAULT_SEQUENCES, cache.num_seqs),
         "lab_seed": 0,
         "lab_batch": min(MAX_BATCH, (cache.environment or {}).get("batch_size") or DEFAULT_BATCH),
     }
@@ -407,19 +432,29 @@ if job is not None and not job.running:
         st.success("  \n".join([*checks, f"Saved `{rel(record.get('path', ''))}`."]))
         result = pd.DataFrame(condition_rows(record))
         st.caption(
-            "NLL and penalty in nats/token, each with its 95% bootstrap CI over sequences (paired for the penalty)."
+            "NLL and penalty in nats/token, each with its 95% bootstrap CI over sequences (paired for the penalty)"
+            + documents_clause(
+                result, record["results"].get("documents"), len(record["results"]["per_sequence_nll"]["correct"])
+            )
         )
         st.dataframe(
             result_view(result), hide_index=True, key="lab_result", column_config=RESULT_COLUMNS, placeholder="–"
         )
         plotted = result.rename(columns=FIGURE_COLUMNS)
+        by_document = "penalty 95% CI low (documents)" in result
+        if by_document:  # the interval to quote (`fca.tables.report.quoted_interval`)
+            plotted["lo"], plotted["hi"] = (
+                result["penalty 95% CI low (documents)"],
+                result["penalty 95% CI high (documents)"],
+            )
         left, right = st.columns(2)
         left.plotly_chart(
             figures.nll_bars(plotted, "NLL per condition (95% CI of the mean over sequences)"), key="lab_nll"
         )
         others = plotted[plotted["condition"] != "correct"]
         if len(others):
-            right.plotly_chart(figures.penalty_bars(others), key="lab_penalty")
+            title = f"Penalty vs correct (95% paired bootstrap CI{' over documents' if by_document else ''})"
+            right.plotly_chart(figures.penalty_bars(others, title), key="lab_penalty")
         else:
             right.info("Only correct ran: there is no penalty to draw. Choose a condition above to compare with it.")
         if routing := record["results"].get("routing"):  # (a model with top-k routers)

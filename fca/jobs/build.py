@@ -165,7 +165,11 @@ def prepare_corpus_build(
             "split_seed": split_seed,
             "text_column": text_column,
         },
-        tokenizer={"fingerprint": file_sha256(model_dir / "tokenizer.json"), "vocab_size": tokenizer.get_vocab_size()},
+        tokenizer={
+            "fingerprint": file_sha256(model_dir / "tokenizer.json"),
+            "vocab_size": tokenizer.get_vocab_size(),
+            "end_of_document": eos,
+        },
     )
     return model, windows, plan
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 
+import numpy as np
 import torch
 
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource, check_condition_sites
@@ -59,6 +60,7 @@ def run_replay(
         if bar is not None:
             bar.close()
     evaluated, calibrated = experiment.evaluated, experiment.calibration
+    documents = evaluated.window_documents(n)  # [n], the document each window begins in; None: not recorded
     spec = {
         "model": experiment.name,
         "model_fingerprint": experiment.model_fingerprint,
@@ -75,7 +77,9 @@ def run_replay(
         "spec": spec,
         "results": {
             "exactness": results.exactness,
-            "conditions": summarize_conditions(results.per_seq_nll, seed),
+            # (with the CIs over documents where the cache records them, as the audit's)
+            "conditions": summarize_conditions(results.per_seq_nll, seed, documents=documents),
+            "documents": None if documents is None else len(np.unique(documents)),
             "per_sequence_nll": {k: v.tolist() for k, v in results.per_seq_nll.items()},
             **(
                 {

@@ -79,6 +79,9 @@ class ModelRecord:
 class TokenizerRecord:
     fingerprint: str | None
     vocab_size: int | None
+    # The id that ends each document in a corpus build's token stream (None in other caches and older ones):
+    # where the windows' documents begin and end, which resampling by document needs.
+    end_of_document: int | None = None
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,11 @@ class Manifest:
                     dtype=_typed(model.get("dtype"), str, "model.dtype", where, optional=True),
                 ),
                 tokenizer=TokenizerRecord(
-                    fingerprint=tokenizer.get("fingerprint"), vocab_size=_optional_int(tokenizer.get("vocab_size"))
+                    fingerprint=tokenizer.get("fingerprint"),
+                    vocab_size=_optional_int(tokenizer.get("vocab_size")),
+                    end_of_document=_typed(
+                        tokenizer.get("end_of_document"), int, "tokenizer.end_of_document", where, optional=True
+                    ),
                 ),
                 corpus=CorpusRecord(
                     name=corpus.get("name"),

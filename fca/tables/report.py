@@ -113,23 +113,66 @@ def condition_cell(name: str) -> str:
     return f"`{name}`" if "@" in name else name
 
 
-def conditions_table(report: dict) -> list[str]:
+def conditions_table(report: dict, both_intervals: bool = True) -> list[str]:
     """The report's conditions as Markdown table lines (the report's page and the dashboard's Overview):
-    NLL, penalty and its 95% CI, and gap retention ("undefined" where its CI does not lie above zero;
-    blank for the scale's two ends)."""
+    NLL, penalty and its 95% CI (over sequences, and over documents where the report has that; only the
+    latter without `both_intervals`, for a narrow page), and gap retention ("undefined" where its CI does
+    not lie above zero; blank for the scale's two ends)."""
+    by_document = all("penalty_ci95_documents" in row for row in report["conditions"].values())
+    if by_document and not both_intervals:
+        return _one_interval_table(report)
+    retention_ci = report.get("gap_retention_ci95") or {}  # (reports made before it have none)
     lines = [
-        "| condition | NLL (nats/token) | penalty vs correct (nats/token) | penalty 95% CI | gap retention |",
-        "|---|---|---|---|---|",
+        "| condition | NLL (nats/token) | penalty vs correct (nats/token) | penalty 95% CI "
+        + ("(sequences) | penalty 95% CI (documents) " if by_document else "")
+        + f"| gap retention{' [95% CI]' if retention_ci else ''} |",
+        "|---|---|---|---|---|" + ("---|" if by_document else ""),
     ]
     for name, row in report["conditions"].items():
-        lo, hi = row["penalty_ci95"]
+        intervals = [row["penalty_ci95"], *([row["penalty_ci95_documents"]] if by_document else [])]
         retention = report["gap_retention"].get(name)
         shown = f"{100 * retention:.2f}%" if retention is not None else "undefined"
+        if retention is not None and name in retention_ci:
+            lo, hi = retention_ci[name]
+            shown += f" [{100 * lo:.1f}%, {100 * hi:.1f}%]"
         shown = "" if name in ("correct", "global_mean") else shown
-        lines.append(
-            f"| {condition_cell(name)} | {row['nll']:.4f} | {row['penalty']:+.4f} | [{lo:+.4f}, {hi:+.4f}] | {shown} |"
-        )
+        cells = " | ".join(f"[{lo:+.4f}, {hi:+.4f}]" for lo, hi in intervals)
+        lines.append(f"| {condition_cell(name)} | {row['nll']:.4f} | {row['penalty']:+.4f} | {cells} | {shown} |")
     return lines
+
+
+def _one_interval_table(report: dict) -> list[str]:
+    """`conditions_table` with the interval to quote only: the one over documents."""
+    rows = {
+        name: {
+            **{k: v for k, v in row.items() if k != "penalty_ci95_documents"},
+            "penalty_ci95": row["penalty_ci95_documents"],
+        }
+        for name, row in report["conditions"].items()
+    }
+    lines = conditions_table({**report, "conditions": rows})  # one interval column, then named for what it holds
+    lines[0] = lines[0].replace("| penalty 95% CI |", "| penalty 95% CI (documents) |")
+    return lines
+
+
+def quoted_interval(row: dict) -> list[float]:
+    """A condition's (or sweep point's) penalty 95% CI to quote: resampling documents where the report has
+    that interval, else sequences (`documents_sentence` says why)."""
+    return row.get("penalty_ci95_documents") or row["penalty_ci95"]
+
+
+def documents_sentence(report: dict) -> str | None:
+    """Why a report's penalty CIs come in two kinds, and over how many documents; None when they do not."""
+    documents = report.get("cache", {}).get("documents")
+    if not documents:
+        return None
+    unit = "documents" if documents > 1 else "document"
+    return (
+        f"The {report['cache']['sequences']} evaluated windows are consecutive stretches of {documents} {unit}: "
+        "windows of one document share its text, so their NLLs are not independent. The CI over documents "
+        "resamples whole documents and is the one to quote; the CI over sequences treats every window as "
+        "independent and is narrower than the data support. Gap retention's CI resamples documents too."
+    )
 
 
 # A routing figure whose choices were mostly ties is said to be decided by them (tie order, not coefficients).
@@ -362,6 +405,8 @@ def render_markdown(report: dict) -> str:
         "",
         *conditions_table(report),
     ]
+    if documents := documents_sentence(report):
+        lines += ["", documents]
     if used := global_mean_sentence(report):
         lines += ["", used]
     caution = few_sequences_caution(report["cache"]["sequences"])
@@ -481,15 +526,18 @@ def dependence_story_markdown(report: dict) -> list[str]:
     lines = ["", retention_sentence(report)]
     sweep = report.get("interpolation_sweep")
     if sweep:
+        by_document = all("penalty_ci95_documents" in row for row in sweep)
         lines += [
             "",
             "### Interpolation sweep: alpha * own coefficients + (1 - alpha) * static profile",
             "",
-            "| alpha | NLL (nats/token) | penalty vs correct (nats/token) | 95% CI |",
-            "|---|---|---|---|",
+            "| alpha | NLL (nats/token) | penalty vs correct (nats/token) | 95% CI "
+            + ("(sequences) | 95% CI (documents) |" if by_document else "|"),
+            "|---|---|---|---|" + ("---|" if by_document else ""),
         ]
         for row in sweep:
-            lo, hi = row["penalty_ci95"]
-            lines.append(f"| {row['alpha']:g} | {row['nll']:.4f} | {row['penalty']:+.4f} | [{lo:+.4f}, {hi:+.4f}] |")
+            intervals = [row["penalty_ci95"], *([row["penalty_ci95_documents"]] if by_document else [])]
+            cells = " | ".join(f"[{lo:+.4f}, {hi:+.4f}]" for lo, hi in intervals)
+            lines.append(f"| {row['alpha']:g} | {row['nll']:.4f} | {row['penalty']:+.4f} | {cells} |")
         lines += ["", "alpha 0 is the static profile (static_layer), 1 the own coefficients (correct)."]
     return lines

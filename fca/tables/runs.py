@@ -193,6 +193,15 @@ def condition_rows(record: dict) -> list[dict]:
                 "penalty (nats/token)": row["penalty"],
                 "penalty 95% CI low": _bound(row["penalty_ci95"][0]),
                 "penalty 95% CI high": _bound(row["penalty_ci95"][1]),
+                # resampling whole documents, where the cache records them (`summarize_conditions`)
+                **(
+                    {
+                        "penalty 95% CI low (documents)": _bound(row["penalty_ci95_documents"][0]),
+                        "penalty 95% CI high (documents)": _bound(row["penalty_ci95_documents"][1]),
+                    }
+                    if "penalty_ci95_documents" in row
+                    else {}
+                ),
                 **({"gap retention": retention.get(name)} if retention else {}),
                 **(
                     {

@@ -10,13 +10,21 @@ import numpy as np
 
 from fca.tables.conditions import parse_condition
 from fca.tables.spec import SiteSpec
-from fca.tables.stats import paired_bootstrap_ci
+from fca.tables.stats import paired_bootstrap_ci, percentile_interval, resampled_means
 
 BOOTSTRAP_RESAMPLES = 2000
 
 
-def summarize_conditions(per_seq_nll: Mapping[str, np.ndarray], seed: int = 0, reference: str = "correct") -> dict:
-    """condition -> NLL, penalty vs `reference` and its paired bootstrap 95% CI over sequences.
+def summarize_conditions(
+    per_seq_nll: Mapping[str, np.ndarray],
+    seed: int = 0,
+    reference: str = "correct",
+    documents: np.ndarray | None = None,
+) -> dict:
+    """condition -> NLL, penalty vs `reference` and its paired bootstrap 95% CI over sequences; given
+    `documents` [n] (the document each sequence's window begins in) of at least two documents, also the CI
+    resampling whole documents (`penalty_ci95_documents`): windows cut one after another from a text are
+    not independent where they share a document, and resampling them one by one makes the CI too narrow.
 
     per_seq_nll: condition -> [n] mean NLL of each evaluated sequence (the same sequences for all)."""
     base = per_seq_nll[reference]
@@ -30,7 +38,37 @@ def summarize_conditions(per_seq_nll: Mapping[str, np.ndarray], seed: int = 0, r
             "penalty_ci95": [lo, hi],
             "nll_sd_over_sequences": float(per_seq.std(ddof=1)) if len(per_seq) > 1 else None,  # (undefined at n=1)
         }
+    if documents is not None and len(np.unique(documents)) > 1:
+        names = list(per_seq_nll)
+        diffs = np.stack([per_seq_nll[name] - base for name in names], axis=1)  # [n, conditions]
+        draws = resampled_means(diffs, documents, BOOTSTRAP_RESAMPLES, seed)
+        for j, name in enumerate(names):
+            table[name]["penalty_ci95_documents"] = (
+                [0.0, 0.0] if name == reference else list(percentile_interval(draws[:, j]))
+            )
     return table
+
+
+def gap_retention_ci(
+    per_seq_nll: Mapping[str, np.ndarray],
+    retention: Mapping[str, float | None],
+    seed: int = 0,
+    documents: np.ndarray | None = None,
+) -> dict:
+    """condition -> 95% percentile bootstrap CI of its gap retention (where `retention`, from `gap_retention`,
+    defines it), resampling whole documents given `documents` [n], else sequences: each resample's retention
+    is 1 - penalty_X / penalty_global_mean of its means, the conditions drawn together (paired)."""
+    names = [name for name, value in retention.items() if value is not None]
+    units = documents if documents is not None else np.arange(len(per_seq_nll["correct"]))
+    if not names or len(np.unique(units)) < 2:
+        return {}
+    base = per_seq_nll["correct"]
+    diffs = np.stack([per_seq_nll[name] - base for name in ["global_mean", *names]], axis=1)  # [n, 1 + k]
+    draws = resampled_means(diffs, documents, BOOTSTRAP_RESAMPLES, seed)
+    gap = draws[:, 0]
+    with np.errstate(divide="ignore", invalid="ignore"):  # a resample whose gap is not positive has no retention
+        ratios = np.where(gap[:, None] > 0, 1 - draws[:, 1:] / gap[:, None], np.nan)
+    return {name: list(percentile_interval(ratios[:, j])) for j, name in enumerate(names)}
 
 
 def gap_retention(table: dict) -> dict:

@@ -376,9 +376,38 @@ def paired_bootstrap_ci(
     d = np.asarray(differences, dtype=np.float64)
     if d.size < 2:
         return (float("nan"), float("nan"))
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, d.size, size=(num_resamples, d.size))
-    means = d[idx].mean(1)
+    return percentile_interval(resampled_means(d[:, None], None, num_resamples, seed)[:, 0], level)
+
+
+def percentile_interval(draws: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """The central `level` interval of bootstrap draws [R] (NaN draws, from a zero denominator, left out)."""
+    draws = draws[np.isfinite(draws)]
+    if not draws.size:
+        return (float("nan"), float("nan"))
     alpha = (1 - level) / 2
-    lo, hi = np.quantile(means, [alpha, 1 - alpha])
+    lo, hi = np.quantile(draws, [alpha, 1 - alpha])
     return float(lo), float(hi)
+
+
+def resampled_means(
+    values: np.ndarray, groups: np.ndarray | None = None, num_resamples: int = 2000, seed: int = 0
+) -> np.ndarray:
+    """[R, k]: bootstrap means of each column of `values` [n, k], resampling its rows (sequences) or, given
+    `groups` [n] (a label per row, e.g. the document a window of text lies in), whole groups of rows with
+    replacement, each resample's mean taken over the rows its groups hold. One draw of indices serves every
+    column, so the columns stay paired (a ratio of two columns' means can be bootstrapped from the draws).
+    Rows: the same draws as resampling single values (`rng.integers(0, n, (R, n))`), so a column's row
+    interval is the one `paired_bootstrap_ci` gave before groups existed."""
+    values = np.asarray(values, dtype=np.float64)
+    if groups is None:
+        sums, counts = values, None
+    else:
+        _, label = np.unique(np.asarray(groups), return_inverse=True)
+        sums = np.zeros((label.max() + 1, values.shape[1]))
+        np.add.at(sums, label, values)  # [U, k]: each group's sum
+        counts = np.bincount(label).astype(np.float64)  # [U]
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(sums), size=(num_resamples, len(sums)))  # [R, U]
+    drawn = values.shape[0] if counts is None else counts[idx].sum(1)  # rows each resample holds
+    # Column by column: [R, U] at a time, never [R, U, k].
+    return np.stack([sums[:, j][idx].sum(1) / drawn for j in range(values.shape[1])], axis=1)

@@ -309,12 +309,26 @@ class Cache:
         """The distinct hashes of every `span`-token stretch of every sequence's window (its T tokens and
         last target), read `chunk` sequences at a time: what two caches' text shares, wherever the window
         boundaries fall and whatever their manifests say of where it came from."""
-        hashes = []
-        for lo in range(0, self.num_seqs, chunk):
-            rows = self.read_seqs(range(lo, min(self.num_seqs, lo + chunk)), sites=[])
-            windows = np.concatenate([rows["token"], rows["target"][:, -1:]], axis=1)  # [n, T + 1]
-            hashes.append(np.unique(span_hashes(windows, span)))
+        hashes = [np.unique(span_hashes(windows, span)) for windows in self._windows(self.num_seqs, chunk)]
         return np.unique(np.concatenate(hashes)) if hashes else np.zeros(0, np.uint64)
+
+    def _windows(self, num_seqs: int, chunk: int = 1024) -> Iterator[np.ndarray]:
+        """The token windows [n, T + 1] (each sequence's T tokens and last target) of the first `num_seqs`
+        sequences, `chunk` sequences at a time."""
+        for lo in range(0, num_seqs, chunk):
+            rows = self.read_seqs(range(lo, min(num_seqs, lo + chunk)), sites=[])
+            yield np.concatenate([rows["token"], rows["target"][:, -1:]], axis=1)
+
+    def window_documents(self, num_seqs: int) -> np.ndarray | None:
+        """[n]: the document each of the first `num_seqs` windows begins in, counted from the first window's
+        (0). A corpus build cuts its windows one after another from the split's text, each document ended by
+        the tokenizer's end-of-document id, which the manifest records; None for caches that do not say so
+        (windows built in memory, or before the id was recorded), whose windows' order in the text is unknown."""
+        eos = self.manifest.tokenizer.end_of_document
+        if eos is None or self.manifest.corpus.split is None:
+            return None
+        ended = np.concatenate([(windows == eos).sum(1) for windows in self._windows(num_seqs)])  # [n]
+        return np.concatenate([[0], np.cumsum(ended)[:-1]])  # documents ended before each window begins
 
     def verify(self, seqs: range | None = None) -> None:
         """Recompute the sha256 of every part (or of those holding `seqs`) against the manifest; a part is
