@@ -339,7 +339,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 def cmd_replay(args: argparse.Namespace) -> None:
     from fca.jobs.runs import run_replay
-    from fca.tables.report import exactness_sentences
+    from fca.tables.report import documents_note, exactness_sentences
 
     if args.engine == "ray":
         from functools import partial
@@ -370,9 +370,14 @@ def cmd_replay(args: argparse.Namespace) -> None:
     for name, row in rows.items():
         lo, hi = row["penalty_ci95"]
         ci = f"[{lo:+.4f}, {hi:+.4f}]" if math.isfinite(lo) else "(no CI from one sequence)"
+        if "penalty_ci95_documents" in row:  # (the cache records the windows' documents: the interval to quote)
+            lo, hi = row["penalty_ci95_documents"]
+            ci = f"[{lo:+.4f}, {hi:+.4f}] over documents, {ci} over sequences"
         print(
             f"{name:{width}s}  NLL {row['nll']:.4f}  penalty {row['penalty']:+.4f} {ci}{_routing_figures(record, name)}"
         )
+    if note := documents_note(n, record["results"].get("documents")):
+        print(note)
     if routing:
         chance = record["results"]["routing"]["chance"]
         print(

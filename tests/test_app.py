@@ -546,7 +546,9 @@ def test_lab_replays_the_shipped_demo(tmp_path, monkeypatch):
     assert job.record["results"]["exactness"]["fidelity"]["verdict"] in ("bit-identical", "within tolerance")
     # The demo's cache records its documents, and its first 8 windows lie in one: said, as no CI can resample it.
     assert job.record["results"]["documents"] == 1 and "penalty 95% CI, documents" not in at.dataframe[0].value
-    assert "All 8 windows lie in one document, so no CI can resample documents" in " ".join(c.value for c in at.caption)
+    assert "All 8 evaluated windows lie in one document: no CI can resample documents" in " ".join(
+        c.value for c in at.caption
+    )
 
 
 def test_cancel_stops_a_run(tiny_demo):

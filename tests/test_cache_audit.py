@@ -896,6 +896,11 @@ def test_replay_cli_saves_runs(demo, capsys):
     )
     runs = list_runs(demo / "eval")
     assert runs and runs[0]["spec"]["conditions"] == ["correct", "static_layer", "interpolate:0.5"]
+    # Six windows of two documents: both intervals printed, and the one over documents said to be rough.
+    out = capsys.readouterr().out
+    lo, hi = runs[0]["results"]["conditions"]["static_layer"]["penalty_ci95_documents"]
+    assert f"[{lo:+.4f}, {hi:+.4f}] over documents, [" in out and runs[0]["results"]["documents"] == 2
+    assert "consecutive stretches of 2 documents" in out and "With fewer than 10 documents it is itself rough" in out
     again = run_replay(
         demo / "featuregate",
         demo / "eval",

@@ -21,7 +21,7 @@ from app import figures, resources
 from app.jobs import ReplayJob
 from app.views.common import download, guard, require_cache, teach
 from fca.tables.conditions import Condition
-from fca.tables.report import condition_cell, exactness_sentences, few_sequences_caution
+from fca.tables.report import condition_cell, documents_note, exactness_sentences, few_sequences_caution
 from fca.tables.runs import (
     SWEEP_ALPHAS,
     condition_rows,
@@ -117,21 +117,6 @@ def result_view(result: pd.DataFrame) -> pd.DataFrame:
         if column in result:
             view[column] = result[column]
     return view
-
-
-def documents_clause(result: pd.DataFrame, documents: int | None, sequences: int) -> str:
-    """The end of the results' caption: what the CIs resample, where the cache records its documents."""
-    if "penalty 95% CI low (documents)" in result:
-        return (
-            f"; the penalty also with the CI resampling whole documents ({documents} here), the one to quote: "
-            "consecutive windows of one document share its text, so are not independent."
-        )
-    if documents == 1:
-        return (
-            f". All {sequences} windows lie in one document, so no CI can resample documents, and the CI over "
-            "sequences, which takes its windows as independent, is too narrow: run more sequences."
-        )
-    return "."
 
 
 def rel(path: str | Path) -> str:
@@ -433,9 +418,8 @@ if job is not None and not job.running:
         result = pd.DataFrame(condition_rows(record))
         st.caption(
             "NLL and penalty in nats/token, each with its 95% bootstrap CI over sequences (paired for the penalty)"
-            + documents_clause(
-                result, record["results"].get("documents"), len(record["results"]["per_sequence_nll"]["correct"])
-            )
+            + (", and the penalty's over documents. " if "penalty 95% CI low (documents)" in result else ". ")
+            + (documents_note(record["spec"]["num_seqs"], record["results"].get("documents")) or "")
         )
         st.dataframe(
             result_view(result), hide_index=True, key="lab_result", column_config=RESULT_COLUMNS, placeholder="–"

@@ -163,15 +163,33 @@ def quoted_interval(row: dict) -> list[float]:
 
 def documents_sentence(report: dict) -> str | None:
     """Why a report's penalty CIs come in two kinds, and over how many documents; None when they do not."""
-    documents = report.get("cache", {}).get("documents")
+    return documents_note(report["cache"]["sequences"], report.get("cache", {}).get("documents"))
+
+
+# Below this many documents a bootstrap over them is itself rough: few clusters make a narrow interval by chance.
+FEW_DOCUMENTS = 10
+
+
+def documents_note(sequences: int, documents: int | None) -> str | None:
+    """What the CIs of `sequences` evaluated windows lying in `documents` documents resample, in words (the
+    report, `fca replay` and the Replay lab); None where the cache does not record its documents."""
     if not documents:
         return None
-    unit = "documents" if documents > 1 else "document"
+    if documents == 1:
+        return (
+            f"All {sequences} evaluated windows lie in one document: no CI can resample documents, and the CI over "
+            "sequences, which takes the windows as independent, is too narrow; evaluate more windows."
+        )
+    rough = (
+        f" With fewer than {FEW_DOCUMENTS} documents it is itself rough; evaluate more windows."
+        if documents < FEW_DOCUMENTS
+        else ""
+    )
     return (
-        f"The {report['cache']['sequences']} evaluated windows are consecutive stretches of {documents} {unit}: "
-        "windows of one document share its text, so their NLLs are not independent. The CI over documents "
-        "resamples whole documents and is the one to quote; the CI over sequences treats every window as "
-        "independent and is narrower than the data support. Gap retention's CI resamples documents too."
+        f"The {sequences} evaluated windows are consecutive stretches of {documents} documents: windows of one "
+        "document share its text, so their NLLs are not independent. The CI over documents resamples whole "
+        "documents and is the one to quote; the CI over sequences treats every window as independent and is "
+        f"narrower than the data support. Gap retention's CI resamples documents too.{rough}"
     )
 
 
