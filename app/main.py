@@ -227,8 +227,9 @@ def sidebar() -> Selection:
                 st.error(f"Calibration cache: {err}")
         sel.dense_dir = catalog.find_dense_twin(sel.model_dir) if sel.model_dir else None
         sel.report_path = catalog.find_report(entry.path)
+        no_calibration = "none: this is a calibration split" if entry.split == "calibration" else "none found"
         st.caption(
-            f"Calibration: `{sel.calibration.label if sel.calibration else 'none found'}`  \n"
+            f"Calibration: `{sel.calibration.label if sel.calibration else no_calibration}`  \n"
             f"Dense twin: `{sel.dense_dir.name if sel.dense_dir else 'none found'}`  \n"
             f"Audit report: `{sel.report_path.name if sel.report_path else 'none'}`"
         )

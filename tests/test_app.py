@@ -1295,3 +1295,13 @@ def test_lab_interpolation_sweep_in_one_run(tiny_demo, tmp_path, monkeypatch):
     assert nll[sweep[0]]["nll"] == pytest.approx(nll["static_layer"]["nll"])  # alpha 0: the static profile
     assert nll[sweep[-1]]["nll"] == pytest.approx(nll["correct"]["nll"])  # alpha 1: each token's own coefficients
     assert at.get("plotly_chart")  # the sweep is drawn with the result
+
+
+def test_a_calibration_cache_opened_says_what_it_is_not_that_things_are_missing(tiny_demo, monkeypatch):
+    """Opened on its own, the calibration cache has no calibration cache and no report of its own: said as
+    such (the sidebar had "none found", the Execution page "No audit report beside this cache" with the
+    demo's audit.json beside it)."""
+    at = render(app_for(monkeypatch, [tiny_demo], tiny_demo / "calibration"), "views/execution.py")
+    no_exceptions(at)
+    assert "Calibration: `none: this is a calibration split`" in " ".join(c.value for c in at.sidebar.caption)
+    assert any("No audit report describes this cache" in i.value for i in at.info)

@@ -82,7 +82,7 @@ if exe is None:
     found = (
         "The audit report beside this cache could not be read."
         if sel.report_path
-        else "No audit report beside this cache."
+        else "No audit report describes this cache (one beside it may describe another cache of its folder)."
     )
     st.info(
         f"{found} Press **Measure now** to time the model here."
