@@ -18,7 +18,8 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from fca.tables.report import quoted_interval, ties_decided
+from fca.tables.report import ties_decided
+from fca.tables.scoring import quoted_interval
 
 if TYPE_CHECKING:
     import pandas as pd

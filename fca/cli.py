@@ -329,7 +329,9 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     batch = (cache.environment or {}).get("batch_size")
     print(f"coefficients computed on {describe(cache.environment)}" + (f", in batches of {batch}" if batch else ""))
     here = environment_on(device, cache.model_dtype)  # (the dtype a replay loads the model in)
-    print(f"replayed here on {describe(here)}: {replay_standard(cache.environment, here, m.coefficient_dtype)}")
+    print(
+        f"a replay here ({describe(here)}) would find {replay_standard(cache.environment, here, m.coefficient_dtype)}"
+    )
     for name, spec in m.sites.items():
         axes = [[axis, size] for axis, size in spec.axes]  # printed as the manifest writes them
         # Per-channel families (MUDDPythia's q, k, v, r streams) are what global_mean averages within.

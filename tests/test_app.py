@@ -530,8 +530,11 @@ def test_lab_replays_the_shipped_demo(tmp_path, monkeypatch):
     at = render(app_for(monkeypatch, [tmp_path], demo / "eval"), "views/replay_lab.py")
     at.sidebar.selectbox(key="device").set_value("cpu")
     from fca.tables.report import FEW_SEQUENCES
+    from fca.tables.scoring import MIN_DOCUMENTS
+    from fca.tables.store import open_cache
 
-    assert at.number_input(key="lab_num_seqs").value >= FEW_SEQUENCES  # the default run gives figures to quote
+    default = at.number_input(key="lab_num_seqs").value  # the default run gives figures to quote
+    assert default >= FEW_SEQUENCES and len(set(open_cache(demo / "eval").window_documents(default))) >= MIN_DOCUMENTS
     at.number_input(key="lab_num_seqs").set_value(8)
     at.number_input(key="lab_batch").set_value(4)
     next(b for b in at.button if b.label == "Run").click().run()
@@ -546,7 +549,7 @@ def test_lab_replays_the_shipped_demo(tmp_path, monkeypatch):
     assert job.record["results"]["exactness"]["fidelity"]["verdict"] in ("bit-identical", "within tolerance")
     # The demo's cache records its documents, and its first 8 windows lie in one: said, as no CI can resample it.
     assert job.record["results"]["documents"] == 1 and "penalty 95% CI, documents" not in at.dataframe[0].value
-    assert "All 8 evaluated windows lie in one document: no CI can resample documents" in " ".join(
+    assert "All 8 evaluated windows lie in one document: too few for a CI over documents" in " ".join(
         c.value for c in at.caption
     )
 
@@ -1305,3 +1308,27 @@ def test_a_calibration_cache_opened_says_what_it_is_not_that_things_are_missing(
     no_exceptions(at)
     assert "Calibration: `none: this is a calibration split`" in " ".join(c.value for c in at.sidebar.caption)
     assert any("No audit report describes this cache" in i.value for i in at.info)
+
+
+def test_the_overview_quotes_the_shipped_demos_intervals_over_documents(monkeypatch):
+    """The demo's windows are 37 chapters: the Overview's table and penalty chart give the CIs over them (the
+    per-window ones are too narrow), and a caption says why."""
+    report = json.loads((REPO / "cache" / "demo" / "audit.json").read_text())
+    at = app_for(monkeypatch, [REPO / "cache"], REPO / "cache" / "demo" / "eval").run()
+    no_exceptions(at)
+    table = next(m.value for m in at.markdown if m.value.startswith("| condition |"))
+    assert "| penalty 95% CI (documents) |" in table and "(sequences)" not in table
+    lo, hi = report["conditions"]["static_layer"]["penalty_ci95_documents"]
+    assert f"| static_layer | 3.8853 | +0.4456 | [{lo:+.4f}, {hi:+.4f}] |" in table
+    assert any("consecutive stretches of 37 documents" in c.value for c in at.caption)
+    import base64
+
+    def decoded(values):  # plotly sends numeric arrays as {"dtype", "bdata"} (base64 of the raw values)
+        return np.frombuffer(base64.b64decode(values["bdata"]), values["dtype"]) if isinstance(values, dict) else values
+
+    bars = next(c for c in at.get("plotly_chart") if '"Penalty vs correct' in c.proto.spec)
+    penalty = json.loads(bars.proto.spec)["data"][0]
+    static = penalty["x"].index("static_layer")
+    y = decoded(penalty["y"])[static]
+    assert decoded(penalty["error_y"]["array"])[static] == pytest.approx(hi - y)
+    assert decoded(penalty["error_y"]["arrayminus"])[static] == pytest.approx(y - lo)

@@ -562,6 +562,29 @@ def test_resampling_documents_draws_whole_documents():
     )
 
 
+def test_intervals_over_documents_are_paired_and_refuse_what_they_cannot_give():
+    rng = np.random.default_rng(4)
+    documents = np.repeat(np.arange(8), 5)
+    correct = rng.normal(3.0, 0.2, 40)
+    per_seq = {"correct": correct, "a": correct + rng.normal(0.5, 0.2, 40), "b": correct + rng.normal(0.2, 0.2, 40)}
+    table = summarize_conditions(per_seq, seed=1, documents=documents)
+    draws = resampled_means(np.stack([per_seq[k] - correct for k in per_seq], 1), documents, 2000, 1)
+    for j, name in enumerate(per_seq):  # one draw of documents for all conditions: paired
+        assert table[name]["penalty_ci95_documents"] == (
+            [0.0, 0.0] if j == 0 else list(percentile_interval(draws[:, j]))
+        )
+    assert "penalty_ci95_documents" not in summarize_conditions(per_seq, documents=documents // 2)["a"]  # 4 < 5
+    # A gap that is not clearly positive over documents: no retention, and no interval built from lucky draws.
+    z = np.array([1.5, -1.2, 0.8, -0.9, 1.1, -1.4, 0.6, -0.5])  # document effects, mean 0
+    shaky = {**per_seq, "global_mean": correct + np.repeat(0.03 + 0.05 * z, 5), "static_layer": correct + 0.01}
+    gaps = summarize_conditions(shaky, documents=documents)["global_mean"]
+    assert gaps["penalty_ci95"][0] > 0 > gaps["penalty_ci95_documents"][0]  # positive only window by window
+    assert gap_retention(summarize_conditions(shaky, documents=documents))["static_layer"] is None
+    assert gap_retention_ci(shaky, {"static_layer": 0.5}, documents=documents) == {}  # (> 2.5% of gaps <= 0)
+    # NaN stays NaN (an interval from the finite draws only would look like a result).
+    assert all(np.isnan(paired_bootstrap_ci(np.array([1.0] * 30 + [np.nan]))))
+
+
 def test_gap_retention_interval_is_the_ratio_of_paired_resampled_means():
     rng = np.random.default_rng(2)
     correct = rng.normal(3.0, 0.2, 40)
@@ -659,6 +682,30 @@ def test_window_documents_follow_the_corpus(demo, tmp_path):
         open_cache(older)
 
 
+def test_window_documents_at_document_boundaries(demo, tmp_path):
+    """End ids where a window begins, where it ends (its last target) and twice inside one: a window opening
+    on an end id predicts the next document, so it is that one's; documents may be skipped (a window ending
+    two), and resampling takes their labels as they are."""
+    windows = np.random.default_rng(0).integers(3, 300, (5, 17))  # [N, T + 1], no end id (0) yet
+    windows[0, [5, 10]] = 0  # window 0 ends documents 0 and 1
+    windows[1, 0] = 0  # window 1 opens on document 2's end: it is document 3's
+    windows[2, 16] = 0  # window 2's last target ends document 3
+    cache = fca.build_cache(fca.load_model(demo / "featuregate"), windows, tmp_path / "eval", batch_size=5)
+    assert open_cache(cache).window_documents(5) is None  # windows from memory: their order in a text is unknown
+    manifest = json.loads((cache / MANIFEST).read_text())
+    manifest["tokenizer"]["end_of_document"] = 0
+    (cache / MANIFEST).write_text(json.dumps(manifest))
+    documents = open_cache(cache).window_documents(5)
+    assert documents.tolist() == [0, 3, 3, 4, 4]
+    values = np.arange(5.0)[:, None]
+    assert np.array_equal(resampled_means(values, documents, 50), resampled_means(values, [0, 1, 1, 2, 2], 50))
+    for bogus in (-1, 300 * 10):  # ids no window can hold: every window would be one document
+        manifest["tokenizer"]["end_of_document"] = bogus
+        (cache / MANIFEST).write_text(json.dumps(manifest))
+        with pytest.raises(CacheError, match=f"tokenizer.end_of_document {bogus} is not a token id in"):
+            open_cache(cache)
+
+
 def test_audit_report(demo, tmp_path):
     assert (
         main(
@@ -691,13 +738,10 @@ def test_audit_report(demo, tmp_path):
     assert set(report["conditions"]) >= {"correct", "cross_input", "token_shuffle", "static_layer", "global_mean"}
     for row in report["conditions"].values():
         assert row["penalty_ci95"][0] <= row["penalty"] <= row["penalty_ci95"][1]
-    # The windows' documents: the CIs that resample them, in the JSON and the Markdown.
+    # The windows' documents: two, too few for CIs that resample them (the shipped demo's audit has them).
     documents = open_cache(demo / "eval").window_documents(N_SEQS)
-    assert report["cache"]["documents"] == len(set(documents.tolist())) > 1
-    for row in report["conditions"].values():
-        lo, hi = row["penalty_ci95_documents"]
-        assert lo <= row["penalty"] <= hi
-    assert set(report["gap_retention_ci95"]) == {c for c, v in report["gap_retention"].items() if v is not None}
+    assert report["cache"]["documents"] == len(set(documents.tolist())) == 2
+    assert not any("penalty_ci95_documents" in row for row in report["conditions"].values())
     assert 0.0 <= report["variance"]["layer_identity_share"] <= 1.0 and set(report["variance"]["per_site"]) == {
         "blocks.0.gate",
         "blocks.1.gate",
@@ -708,11 +752,7 @@ def test_audit_report(demo, tmp_path):
     assert report["definitions"]["global_mean_families"] == {"gate": ["blocks.0.gate", "blocks.1.gate"]}
     markdown = (tmp_path / "a.md").read_text()
     assert "# FCA audit: featuregate\n\nModel type `featuregate`, " in markdown
-    assert "| penalty 95% CI (sequences) | penalty 95% CI (documents) |" in markdown
-    assert (
-        f"The {N_SEQS} evaluated windows are consecutive stretches of {report['cache']['documents']} documents"
-        in markdown
-    )
+    assert f"All {N_SEQS} evaluated windows lie in only 2 documents: too few for a CI over documents" in markdown
     # What global_mean used is the calibration cache's grand mean, said in both (the evaluated cache's differs).
     used = calibration_profiles(open_cache(demo / "calibration")).family_means["gate"]
     assert report["calibration"]["family_grand_means"] == {"gate": pytest.approx(used, rel=1e-12)}
@@ -896,11 +936,10 @@ def test_replay_cli_saves_runs(demo, capsys):
     )
     runs = list_runs(demo / "eval")
     assert runs and runs[0]["spec"]["conditions"] == ["correct", "static_layer", "interpolate:0.5"]
-    # Six windows of two documents: both intervals printed, and the one over documents said to be rough.
+    # Six windows of two documents: too few to resample, said so (the shipped demo's replay prints both CIs).
     out = capsys.readouterr().out
-    lo, hi = runs[0]["results"]["conditions"]["static_layer"]["penalty_ci95_documents"]
-    assert f"[{lo:+.4f}, {hi:+.4f}] over documents, [" in out and runs[0]["results"]["documents"] == 2
-    assert "consecutive stretches of 2 documents" in out and "With fewer than 10 documents it is itself rough" in out
+    assert runs[0]["results"]["documents"] == 2 and "] over documents" not in out
+    assert "All 6 evaluated windows lie in only 2 documents: too few for a CI over documents" in out
     again = run_replay(
         demo / "featuregate",
         demo / "eval",
@@ -1124,19 +1163,27 @@ def test_overwrite_never_deletes_what_a_cache_or_model_does_not_hold(demo, tmp_p
     partial = tmp_path / "mine.partial"  # a folder the user named like a build's own
     partial.mkdir()
     (partial / "mine.txt").write_text("mine")
-    before = {p: _tree(p) for p in (site, notes, project, partial)}
+    lone = tmp_path / "lone"  # another tool's manifest.json alone: nothing beside it says it is not a cache
+    lone.mkdir()
+    (lone / "manifest.json").write_text('{"name": "other tool"}')
+    settings = tmp_path / "settings"  # ... and another tool's config.json alone
+    settings.mkdir()
+    (settings / "config.json").write_text('{"name": "x"}')
+    before = {p: _tree(p) for p in (site, notes, project, partial, lone, settings)}
+    assert "lone: its manifest.json is not one FCA writes for a cache" in _cli_error([*build, str(lone)], capsys)
     assert "js" in _cli_error([*build, str(site)], capsys)
     assert "README.txt" in _cli_error([*build, str(notes)], capsys)
     assert "mine.partial: is not a build in progress" in _cli_error([*build, str(tmp_path / "mine")], capsys)
     assert "folder of its own" in _cli_error([*build, "."], capsys)
     train = ["train", "--corpus", str(demo / "prose.txt"), "--steps", "1", "--overwrite", "--out", str(project)]
     assert "src" in _cli_error(train, capsys)
+    assert "its config.json is not one FCA writes for a model" in _cli_error([*train[:-1], str(settings)], capsys)
     assert "--lr" in _cli_error_argparse([*train[:-2], "--lr", "inf", "--out", str(tmp_path / "m")], capsys)
     corpus = ["corpus", "--overwrite", "--out", str(notes / "manifest.json")]
     assert f"manifest.json: inside the cache {notes}; write the text corpus" in _cli_error(corpus, capsys)
     corpus[-1] = str(project / "config.json")  # not in a cache: refused as no earlier corpus
     assert "not an earlier text corpus" in _cli_error(corpus, capsys)
-    assert {p: _tree(p) for p in (site, notes, project, partial)} == before
+    assert {p: _tree(p) for p in (site, notes, project, partial, lone, settings)} == before
 
 
 def _cli_error_argparse(args, capsys):

@@ -133,6 +133,15 @@ def test_shipped_demo_audit_reproduces_its_report(tmp_path):
         assert report["conditions"][name]["nll"] == pytest.approx(row["nll"], abs=1e-4), name
         assert report["conditions"][name]["penalty"] == pytest.approx(row["penalty"], abs=1e-4), name
     assert report["gap_retention"]["static_layer"] == pytest.approx(shipped["gap_retention"]["static_layer"], abs=1e-3)
+    # The demo's windows are 37 chapters: the CIs that resample them, and gap retention's, as shipped.
+    assert report["cache"]["documents"] == shipped["cache"]["documents"] == 37
+    for name, row in shipped["conditions"].items():
+        assert report["conditions"][name]["penalty_ci95_documents"] == pytest.approx(
+            row["penalty_ci95_documents"], abs=1e-4
+        )
+    assert report["gap_retention_ci95"]["static_layer"] == pytest.approx(
+        shipped["gap_retention_ci95"]["static_layer"], abs=1e-3
+    )
     assert report["variance"]["layer_identity_share"] == pytest.approx(
         shipped["variance"]["layer_identity_share"], abs=1e-6
     )
@@ -144,6 +153,35 @@ def test_shipped_demo_audit_reproduces_its_report(tmp_path):
     assert fidelity["computed_on"] == open_cache(DEMO / "eval").environment
     assert fidelity["replayed_on_text"] == describe(fidelity["replayed_on"])
     assert fidelity["replayed_on"]["device_type"] == "cpu"
+
+
+def test_replaying_the_shipped_demo_prints_the_interval_over_its_documents(capsys):
+    """64 windows of the demo lie in 7 chapters: fca replay prints the penalty's CI over them before the one
+    over sequences, and says that so few documents make it rough."""
+    args = ["replay", "--model", str(DEMO / "featuregate"), "--cache", str(DEMO / "eval"), "--calibration"]
+    assert (
+        main(
+            [
+                *args,
+                str(DEMO / "calibration"),
+                "--conditions",
+                "static_layer",
+                "--num-seqs",
+                "64",
+                "--no-save",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("static_layer"))
+    assert re.search(
+        r"penalty \+0\.\d{4} \[\+0\.\d{4}, \+0\.\d{4}\] over documents, \[\+0\.\d{4}, \+0\.\d{4}\] over sequences$",
+        line,
+    )
+    assert "consecutive stretches of 7 documents" in out and "With fewer than 10 documents it is itself rough" in out
 
 
 # ------------------------------------------------------------------ simulated foreign environments
@@ -170,10 +208,13 @@ def test_inspect_says_what_a_replay_here_would_hold_the_cache_to(demo_pair, tmp_
     model_dir, ev, cal = demo_pair
     assert main(["inspect", str(ev), "--device", "cpu"]) == 0
     here = describe(current_environment(fca.load_model(model_dir)))
-    assert f"replayed here on {here}: the cache's own environment, so in its build's batches" in capsys.readouterr().out
+    assert (
+        f"a replay here ({here}) would find the cache's own environment: in its build's batches"
+        in capsys.readouterr().out
+    )
     foreign = rewrite_cache(ev, tmp_path / "foreign", 0.0, FOREIGN)
     assert main(["inspect", str(foreign), "--device", "cpu"]) == 0
-    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("replayed here"))
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("a replay here"))
     assert (
         "another environment (device, device name, CPU capability or GPU architecture, torch, CUDA, threads differ)"
         in line
@@ -181,7 +222,7 @@ def test_inspect_says_what_a_replay_here_would_hold_the_cache_to(demo_pair, tmp_
     assert "accepted within 0.0001 relative and Correct-from-cache NLL within 0.0001 nats of live" in line
     unknown = rewrite_cache(ev, tmp_path / "unknown", 0.0, None)
     assert main(["inspect", str(unknown), "--device", "cpu"]) == 0
-    assert "a cache of unknown environment, so its coefficients are accepted within" in capsys.readouterr().out
+    assert "would find a cache of unknown environment: its coefficients are accepted within" in capsys.readouterr().out
     if not torch.cuda.is_available():  # refused before anything is printed
         assert main(["inspect", str(ev), "--device", "cuda"]) == 2
         captured = capsys.readouterr()

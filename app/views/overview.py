@@ -24,13 +24,13 @@ from fca.tables.report import (
     exactness_sentences,
     few_sequences_caution,
     global_mean_sentence,
-    quoted_interval,
     read_report,
     render_markdown,
     report_mismatch,
     retention_sentence,
     routing_table,
 )
+from fca.tables.scoring import quoted_interval
 
 CHART_CONFIG = {"displaylogo": False}
 
@@ -280,7 +280,8 @@ with c3:
 # A Markdown table, not st.dataframe: the first page then needs no data-grid bundle in the browser.
 st.markdown("\n".join(conditions_table(report, both_intervals=False)))  # (both would not fit 1024 px)
 if documents := documents_sentence(report):
-    st.caption(documents + " The report (Markdown and JSON) gives the interval over sequences too.")
+    both = all("penalty_ci95_documents" in row for row in cond.values())  # (the table shows the one over documents)
+    st.caption(documents + (" The report (Markdown and JSON) gives the interval over sequences too." if both else ""))
 if used := global_mean_sentence(report):
     st.caption(used)
 if routing := routing_table(report):  # (a model with top-k routers: how much routing each condition kept)

@@ -127,7 +127,7 @@ def replay_standard(computed_on: dict | None, here: dict, coefficient_dtype: str
     before anything runs (`fca inspect`): `judge_fidelity` applies the same rules to what a replay measures."""
     if same_environment(computed_on, here):
         return (
-            "the cache's own environment, so in its build's batches its coefficients must be bit-identical "
+            "the cache's own environment: in its build's batches its coefficients must be bit-identical "
             "(in other batches, within the foreign-cache tolerances)"
         )
     tol = tolerances(here["model_dtype"], coefficient_dtype)
@@ -137,7 +137,7 @@ def replay_standard(computed_on: dict | None, here: dict, coefficient_dtype: str
         else f"another environment ({', '.join(differing_fields(computed_on, here))} differ)"
     )
     return (
-        f"{why}, so its coefficients are accepted within {tol['coefficient_rel']:.2g} relative and "
+        f"{why}: its coefficients are accepted within {tol['coefficient_rel']:.2g} relative and "
         f"Correct-from-cache NLL within {tol['nll_mean']:.2g} nats of live, and refused beyond"
     )
 

@@ -152,6 +152,14 @@ class Manifest:
         try:
             num_seqs = _typed(raw["num_seqs"], int, "num_seqs", where)
             seq_len = _typed(raw["seq_len"], int, "seq_len", where)
+            vocab_size = _optional_int(tokenizer.get("vocab_size"))
+            end_of_document = _typed(
+                tokenizer.get("end_of_document"), int, "tokenizer.end_of_document", where, optional=True
+            )
+            if end_of_document is not None and not 0 <= end_of_document < (vocab_size or 2**31):
+                # (an id no window can hold would make every window one document, said as such)
+                ids = f"[0, {vocab_size})" if vocab_size else "[0, 2^31)"
+                raise CacheError(f"{where}: tokenizer.end_of_document {end_of_document} is not a token id in {ids}")
             manifest = cls(
                 schema_version=raw["schema_version"],
                 model=ModelRecord(
@@ -162,11 +170,7 @@ class Manifest:
                     dtype=_typed(model.get("dtype"), str, "model.dtype", where, optional=True),
                 ),
                 tokenizer=TokenizerRecord(
-                    fingerprint=tokenizer.get("fingerprint"),
-                    vocab_size=_optional_int(tokenizer.get("vocab_size")),
-                    end_of_document=_typed(
-                        tokenizer.get("end_of_document"), int, "tokenizer.end_of_document", where, optional=True
-                    ),
+                    fingerprint=tokenizer.get("fingerprint"), vocab_size=vocab_size, end_of_document=end_of_document
                 ),
                 corpus=CorpusRecord(
                     name=corpus.get("name"),

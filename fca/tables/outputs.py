@@ -195,6 +195,19 @@ def starts_with(prefix: str) -> Callable[[str], bool]:
 OVERWRITE_HINT = "--overwrite, or overwrite=True from Python, replaces it"
 
 
+# What a marker file of ours holds at least (a JSON object with these keys): a folder whose marker is another
+# tool's file of the same name (a manifest.json of a web app, say) is not ours to replace.
+MARKER_KEYS = {"manifest.json": ("schema_version", "sites"), "config.json": ("model_type",), "progress.json": ("plan",)}
+
+
+def _is_ours(marker: Path) -> bool:
+    try:
+        value = json.loads(marker.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(value, dict) and all(key in value for key in MARKER_KEYS.get(marker.name, ()))
+
+
 def check_replaceable(path: str | Path, kind: str, owns: Callable[[str], bool], marker: str, overwrite: bool) -> None:
     """Refuse a destination folder that exists, unless `overwrite` is given and it is empty or an earlier
     `kind`: a folder holding `marker` (a cache's manifest.json, a model's config.json) and nothing but
@@ -224,4 +237,8 @@ def check_replaceable(path: str | Path, kind: str, owns: Callable[[str], bool], 
         raise OutputError(
             f"{path}: holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, which no {kind} holds; "
             f"--overwrite would delete it, so the folder is kept (move those out, or choose another path)"
+        )
+    if entries and not _is_ours(path / marker):
+        raise OutputError(
+            f"{path}: its {marker} is not one FCA writes for a {kind}; --overwrite replaces only a {kind}, so it is kept"
         )

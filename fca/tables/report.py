@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
+from fca.tables.scoring import MIN_DOCUMENTS, quoted_interval
 
 # The sections every audit report has (README, "What is measured, exactly"); a JSON without them is some other file.
 REQUIRED_KEYS = (
@@ -155,31 +156,37 @@ def _one_interval_table(report: dict) -> list[str]:
     return lines
 
 
-def quoted_interval(row: dict) -> list[float]:
-    """A condition's (or sweep point's) penalty 95% CI to quote: resampling documents where the report has
-    that interval, else sequences (`documents_sentence` says why)."""
-    return row.get("penalty_ci95_documents") or row["penalty_ci95"]
-
-
 def documents_sentence(report: dict) -> str | None:
-    """Why a report's penalty CIs come in two kinds, and over how many documents; None when they do not."""
-    return documents_note(report["cache"]["sequences"], report.get("cache", {}).get("documents"))
+    """Why a report's penalty CIs come in two kinds, and over how many documents (None when the cache does
+    not record its documents, save for a corpus cache made before it did, which is said to be one)."""
+    cache = report.get("cache", {})
+    if "documents" in cache and cache["documents"] is None and cache.get("split_seed") is not None:
+        return (
+            "This corpus cache was built before caches recorded their documents, so its CIs resample windows "
+            "as if they were independent, which is too narrow where windows share a document; rebuild it "
+            "(fca build-cache) for CIs over documents."
+        )
+    return documents_note(cache.get("sequences", 0), cache.get("documents"), bool(report.get("gap_retention_ci95")))
 
 
-# Below this many documents a bootstrap over them is itself rough: few clusters make a narrow interval by chance.
+# Below this many documents (but at least MIN_DOCUMENTS) a bootstrap over them is said to be rough.
 FEW_DOCUMENTS = 10
 
 
-def documents_note(sequences: int, documents: int | None) -> str | None:
+def documents_note(sequences: int, documents: int | None, retention_interval: bool = False) -> str | None:
     """What the CIs of `sequences` evaluated windows lying in `documents` documents resample, in words (the
-    report, `fca replay` and the Replay lab); None where the cache does not record its documents."""
+    report, `fca replay` and the Replay lab; `retention_interval`: the report has gap retention CIs); None
+    where the cache does not record its documents."""
     if not documents:
         return None
-    if documents == 1:
+    if documents < MIN_DOCUMENTS:
+        where = "one document" if documents == 1 else f"only {documents} documents"
         return (
-            f"All {sequences} evaluated windows lie in one document: no CI can resample documents, and the CI over "
-            "sequences, which takes the windows as independent, is too narrow; evaluate more windows."
+            f"All {sequences} evaluated windows lie in {where}: too few for a CI over documents (at least "
+            f"{MIN_DOCUMENTS}), and the CI over sequences, which takes the windows as independent, is too narrow; "
+            "evaluate more windows."
         )
+    retention = " Gap retention's CI resamples documents too." if retention_interval else ""
     rough = (
         f" With fewer than {FEW_DOCUMENTS} documents it is itself rough; evaluate more windows."
         if documents < FEW_DOCUMENTS
@@ -189,7 +196,7 @@ def documents_note(sequences: int, documents: int | None) -> str | None:
         f"The {sequences} evaluated windows are consecutive stretches of {documents} documents: windows of one "
         "document share its text, so their NLLs are not independent. The CI over documents resamples whole "
         "documents and is the one to quote; the CI over sequences treats every window as independent and is "
-        f"narrower than the data support. Gap retention's CI resamples documents too.{rough}"
+        f"narrower than the data support.{retention}{rough}"
     )
 
 
@@ -512,7 +519,7 @@ def retention_sentence(report: dict) -> str:
     if not all(k in conditions for k in ("correct", "global_mean", "static_layer")):
         return "This report lacks the correct, static_layer or global_mean condition, so retention is not defined."
     retention = (report.get("gap_retention") or {}).get("static_layer")
-    if retention is None and conditions["global_mean"]["penalty_ci95"][1] < 0:
+    if retention is None and quoted_interval(conditions["global_mean"])[1] < 0:
         return (
             "Removing per-token control lowers the NLL here: the global-mean profile scores better than the model's "
             "own coefficients (its penalty's CI lies below 0), so the static profile's retention is undefined; "
@@ -525,7 +532,7 @@ def retention_sentence(report: dict) -> str:
         )
     shown = f"gap retention {100 * retention:.0f}%"
     if retention > 1:  # "keeps 126%" read as nonsense: the static profile scored below the own coefficients
-        if conditions["static_layer"]["penalty_ci95"][1] < 0:
+        if quoted_interval(conditions["static_layer"])[1] < 0:
             return (
                 f"A fixed per-layer profile does better than the model's own per-token coefficients here ({shown}: "
                 f"its penalty's CI lies below 0); {paper}."

@@ -380,10 +380,7 @@ def paired_bootstrap_ci(
 
 
 def percentile_interval(draws: np.ndarray, level: float = 0.95) -> tuple[float, float]:
-    """The central `level` interval of bootstrap draws [R] (NaN draws, from a zero denominator, left out)."""
-    draws = draws[np.isfinite(draws)]
-    if not draws.size:
-        return (float("nan"), float("nan"))
+    """The central `level` interval of bootstrap draws [R] (NaN where any draw is NaN)."""
     alpha = (1 - level) / 2
     lo, hi = np.quantile(draws, [alpha, 1 - alpha])
     return float(lo), float(hi)

@@ -323,12 +323,19 @@ class Cache:
         """[n]: the document each of the first `num_seqs` windows begins in, counted from the first window's
         (0). A corpus build cuts its windows one after another from the split's text, each document ended by
         the tokenizer's end-of-document id, which the manifest records; None for caches that do not say so
-        (windows built in memory, or before the id was recorded), whose windows' order in the text is unknown."""
+        (windows built in memory, or before the id was recorded), whose windows' order in the text is unknown.
+        An end-of-document id inside a document's text (a tokenizer that parses special tokens in text) would
+        split it in two here, which makes the CI over documents a little narrower than it should be."""
         eos = self.manifest.tokenizer.end_of_document
         if eos is None or self.manifest.corpus.split is None:
             return None
-        ended = np.concatenate([(windows == eos).sum(1) for windows in self._windows(num_seqs)])  # [n]
-        return np.concatenate([[0], np.cumsum(ended)[:-1]])  # documents ended before each window begins
+        ended, opens = [], []  # per window: the documents it ends, and whether it opens on an end id
+        for windows in self._windows(num_seqs):
+            ended.append((windows == eos).sum(1))
+            opens.append(windows[:, 0] == eos)
+        before = np.concatenate([[0], np.cumsum(np.concatenate(ended))[:-1]])  # documents ended before it begins
+        # A window opening on the previous document's end id predicts the next document's text: it is that one's.
+        return before + np.concatenate(opens)
 
     def verify(self, seqs: range | None = None) -> None:
         """Recompute the sha256 of every part (or of those holding `seqs`) against the manifest; a part is

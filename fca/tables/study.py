@@ -349,6 +349,12 @@ def seed_row(report: dict, audit: str, training: dict) -> dict:
         "nll": {c: row["nll"] for c, row in conditions.items()},
         "penalty": {c: row["penalty"] for c, row in conditions.items()},
         "penalty_ci95": {c: row.get("penalty_ci95") for c, row in conditions.items()},
+        # (over documents, where the audit's cache recorded them: the interval to quote)
+        **(
+            {"penalty_ci95_documents": {c: row["penalty_ci95_documents"] for c, row in conditions.items()}}
+            if all("penalty_ci95_documents" in row for row in conditions.values())
+            else {}
+        ),
         "gap_retention": dict(report.get("gap_retention") or {}),
         # (models with top-k routers: the share of tokens each condition keeps on their own experts, and
         # what it is taken over: "(1 of 2 routers)", "(ties decided)")
@@ -397,8 +403,9 @@ def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | 
             "sd": "sample standard deviation over models (denominator n - 1); null for one model",
             "ci95": "two-sided 95% Student t interval for the mean over models: "
             "mean +/- t(0.975, n - 1) * sd / sqrt(n); "
-            "null for one model. It reflects seed-to-seed variation only; each model's own bootstrap CI over "
-            "sequences is in its audit and in its row of the study's JSON (seeds[].penalty_ci95)",
+            "null for one model. It reflects seed-to-seed variation only; each model's own bootstrap CIs, over "
+            "sequences and, where its cache records them, over documents, are in its audit and in its row of the "
+            "study's JSON (seeds[].penalty_ci95, seeds[].penalty_ci95_documents)",
             "gap_retention": "averaged over the models where it is defined; n says how many",
             "same_experts": "models with top-k routers: the share of tokens a condition keeps on the experts their "
             "own coefficients select (each audit's routing section), averaged over models",
