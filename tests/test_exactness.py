@@ -142,6 +142,8 @@ def test_shipped_demo_audit_reproduces_its_report(tmp_path):
     assert report["gap_retention_ci95"]["static_layer"] == pytest.approx(
         shipped["gap_retention_ci95"]["static_layer"], abs=1e-3
     )
+    for point in report["interpolation_sweep"]:  # the sweep's points carry their condition's interval over documents
+        assert point["penalty_ci95_documents"] == report["conditions"][point["condition"]]["penalty_ci95_documents"]
     assert report["variance"]["layer_identity_share"] == pytest.approx(
         shipped["variance"]["layer_identity_share"], abs=1e-6
     )
