@@ -562,6 +562,17 @@ def test_resampling_documents_draws_whole_documents():
     )
 
 
+def test_resamples_drawn_in_blocks_are_the_draws_of_one_block(monkeypatch):
+    """Bounded memory changes no draw: 2,000 resamples a few at a time give what 2,000 at once gave."""
+    from fca.tables import stats
+
+    values = np.random.default_rng(0).normal(size=(300, 3))
+    groups = np.random.default_rng(1).integers(0, 40, 300)
+    at_once = [resampled_means(values, g, 2000, 5) for g in (None, groups)]
+    monkeypatch.setattr(stats, "RESAMPLE_BLOCK", 7 * 300)  # 7 resamples (of 300 sequences) per block
+    assert all(np.array_equal(a, resampled_means(values, g, 2000, 5)) for a, g in zip(at_once, (None, groups)))
+
+
 def test_intervals_over_documents_are_paired_and_refuse_what_they_cannot_give():
     rng = np.random.default_rng(4)
     documents = np.repeat(np.arange(8), 5)
