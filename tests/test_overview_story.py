@@ -229,6 +229,24 @@ def test_sweep_curve_sorted_with_cis_and_anchor_lines():
     assert "alpha" in fig.layout.xaxis.title.text and "NLL" in fig.layout.yaxis.title.text
 
 
+def test_what_the_intervals_resample_is_said():
+    from fca.tables.report import documents_note, documents_sentence
+
+    assert documents_note(256, None) is None  # a cache that does not record its documents: nothing to say
+    assert documents_note(8, 1).startswith("All 8 evaluated windows lie in one document: too few for a CI")
+    assert documents_note(32, 4).startswith("All 32 evaluated windows lie in only 4 documents: too few")
+    rough, plain = documents_note(64, 7), documents_note(256, 37, retention_interval=True)
+    assert "consecutive stretches of 7 documents" in rough and rough.endswith("itself rough; evaluate more windows.")
+    assert "itself rough" not in plain and plain.endswith("Gap retention's CI resamples documents too.")
+    assert "Gap retention" not in rough  # (a replay run has no retention interval)
+    older = {"sequences": 256, "split": "eval", "split_seed": 0, "documents": None}  # a corpus cache made before
+    assert documents_sentence({"cache": older}).startswith("This corpus cache was built before caches recorded")
+    assert documents_sentence({"cache": {**older, "split_seed": None}}) is None  # windows from memory
+    assert (
+        documents_sentence({"cache": {k: v for k, v in older.items() if k != "documents"}}) is None
+    )  # an older report
+
+
 def test_the_charts_draw_the_interval_over_documents_where_the_report_has_it():
     """The interval to quote: the retention scale and the sweep draw the CI over documents (wider here) once a
     report carries it, not the one over sequences."""
