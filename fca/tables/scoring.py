@@ -16,8 +16,8 @@ BOOTSTRAP_RESAMPLES = 2000
 # Fewer documents give no CI over them: a percentile bootstrap over 2, 3 or 5 clusters covered the true
 # mean 48%, 74% and 84% of the time in simulation (10 documents: 92%, 37-100: 92-93%), not 95%.
 MIN_DOCUMENTS = 5
-# A retention interval is given only where at most this share of resamples has a positive gap (the
-# others have no retention); more would be an interval over the lucky resamples only.
+# A retention interval is given only where at most this share of resamples has no positive gap (such a
+# resample has no retention); more would make it an interval over the lucky resamples only.
 MAX_GAPLESS_SHARE = 0.025
 
 
