@@ -246,7 +246,8 @@ def _definitions(
         "penalty_documents": "penalty_ci95_documents: the same bootstrap resampling whole documents, the "
         "evaluated windows grouped by the document each begins in (consecutive windows of one document share "
         "its text, so are not independent); only for caches built from a corpus, whose manifest records the "
-        "end-of-document token (cache.documents: how many)",
+        "end-of-document token (cache.documents: how many), and from at least 5 documents; where given, it is "
+        "the global_mean CI that decides whether gap retention is defined",
         "gap_retention_ci95": "95% percentile bootstrap CI of the gap retention, 1 - penalty_X / penalty_global_mean "
         f"of each resample's means ({BOOTSTRAP_RESAMPLES} resamples, seed {seed}), resampling whole documents "
         "where the cache records them, else sequences; only where the gap retention is defined",
