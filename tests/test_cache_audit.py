@@ -575,19 +575,19 @@ def test_resamples_drawn_in_blocks_are_the_draws_of_one_block(monkeypatch):
 
 def test_intervals_over_documents_are_paired_and_refuse_what_they_cannot_give():
     rng = np.random.default_rng(4)
-    documents = np.repeat(np.arange(8), 5)
-    correct = rng.normal(3.0, 0.2, 40)
-    per_seq = {"correct": correct, "a": correct + rng.normal(0.5, 0.2, 40), "b": correct + rng.normal(0.2, 0.2, 40)}
+    documents = np.repeat(np.arange(12), 5)
+    correct = rng.normal(3.0, 0.2, 60)
+    per_seq = {"correct": correct, "a": correct + rng.normal(0.5, 0.2, 60), "b": correct + rng.normal(0.2, 0.2, 60)}
     table = summarize_conditions(per_seq, seed=1, documents=documents)
     draws = resampled_means(np.stack([per_seq[k] - correct for k in per_seq], 1), documents, 2000, 1)
     for j, name in enumerate(per_seq):  # one draw of documents for all conditions: paired
         assert table[name]["penalty_ci95_documents"] == (
             [0.0, 0.0] if j == 0 else list(percentile_interval(draws[:, j]))
         )
-    assert "penalty_ci95_documents" not in summarize_conditions(per_seq, documents=documents // 2)["a"]  # 4 < 5
+    assert "penalty_ci95_documents" not in summarize_conditions(per_seq, documents=documents // 2)["a"]  # 6 < 10
     # A gap that is not clearly positive over documents: no retention, and no interval built from lucky draws.
-    z = np.array([1.5, -1.2, 0.8, -0.9, 1.1, -1.4, 0.6, -0.5])  # document effects, mean 0
-    shaky = {**per_seq, "global_mean": correct + np.repeat(0.03 + 0.05 * z, 5), "static_layer": correct + 0.01}
+    z = np.array([1.5, -1.2, 0.8, -0.9, 1.1, -1.4, 0.6, -0.5, 0.3, -0.2, 0.7, -0.8])  # document effects, mean 0
+    shaky = {**per_seq, "global_mean": correct + np.repeat(0.02 + 0.06 * z, 5), "static_layer": correct + 0.01}
     gaps = summarize_conditions(shaky, documents=documents)["global_mean"]
     assert gaps["penalty_ci95"][0] > 0 > gaps["penalty_ci95_documents"][0]  # positive only window by window
     assert gap_retention(summarize_conditions(shaky, documents=documents))["static_layer"] is None

@@ -158,8 +158,8 @@ def test_shipped_demo_audit_reproduces_its_report(tmp_path):
 
 
 def test_replaying_the_shipped_demo_prints_the_interval_over_its_documents(capsys):
-    """64 windows of the demo lie in 7 chapters: fca replay prints the penalty's CI over them before the one
-    over sequences, and says that so few documents make it rough."""
+    """96 windows of the demo lie in 10 chapters: fca replay prints the penalty's CI over them before the one
+    over sequences, and says why (64 windows, 7 chapters: too few for one)."""
     args = ["replay", "--model", str(DEMO / "featuregate"), "--cache", str(DEMO / "eval"), "--calibration"]
     assert (
         main(
@@ -169,7 +169,7 @@ def test_replaying_the_shipped_demo_prints_the_interval_over_its_documents(capsy
                 "--conditions",
                 "static_layer",
                 "--num-seqs",
-                "64",
+                "96",
                 "--no-save",
                 "--device",
                 "cpu",
@@ -183,7 +183,7 @@ def test_replaying_the_shipped_demo_prints_the_interval_over_its_documents(capsy
         r"penalty \+0\.\d{4} \[\+0\.\d{4}, \+0\.\d{4}\] over documents, \[\+0\.\d{4}, \+0\.\d{4}\] over sequences$",
         line,
     )
-    assert "consecutive stretches of 7 documents" in out and "With fewer than 10 documents it is itself rough" in out
+    assert "The 96 evaluated windows are consecutive stretches of 10 documents" in out
 
 
 # ------------------------------------------------------------------ simulated foreign environments

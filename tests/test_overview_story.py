@@ -235,10 +235,11 @@ def test_what_the_intervals_resample_is_said():
     assert documents_note(256, None) is None  # a cache that does not record its documents: nothing to say
     assert documents_note(8, 1).startswith("All 8 evaluated windows lie in one document: too few for a CI")
     assert documents_note(32, 4).startswith("All 32 evaluated windows lie in only 4 documents: too few")
-    rough, plain = documents_note(64, 7), documents_note(256, 37, retention_interval=True)
-    assert "consecutive stretches of 7 documents" in rough and rough.endswith("itself rough; evaluate more windows.")
-    assert "itself rough" not in plain and plain.endswith("Gap retention's CI resamples documents too.")
-    assert "Gap retention" not in rough  # (a replay run has no retention interval)
+    assert documents_note(64, 9).startswith("All 64 evaluated windows lie in only 9 documents: too few")
+    run, audit = documents_note(96, 10), documents_note(256, 37, retention_interval=True)
+    assert run.startswith("The 96 evaluated windows are consecutive stretches of 10 documents")
+    assert audit.endswith("Gap retention's CI resamples documents too.")
+    assert "Gap retention" not in run  # (a replay run has no retention interval)
     older = {"sequences": 256, "split": "eval", "split_seed": 0, "documents": None}  # a corpus cache made before
     assert documents_sentence({"cache": older}).startswith("This corpus cache was built before caches recorded")
     assert documents_sentence({"cache": {**older, "split_seed": None}}) is None  # windows from memory

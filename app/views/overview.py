@@ -22,6 +22,7 @@ from fca.tables.report import (
     conditions_table,
     documents_sentence,
     exactness_sentences,
+    family_shares,
     few_sequences_caution,
     global_mean_sentence,
     read_report,
@@ -247,7 +248,7 @@ with c1:
     )
     st.caption(
         "High: a fixed per-layer profile captures most of what the controller does. Low: coefficients vary "
-        "mostly from token to token."
+        "mostly from token to token." + (f" Within each family: {each}." if (each := family_shares(var)) else "")
     )
 with c2:
     st.markdown("#### 2. Dependence")  # (a subheader wrapped at 1024 px and set its card lower)
@@ -266,16 +267,29 @@ with c2:
     )
 with c3:
     st.markdown("#### 3. Execution")  # (a subheader wrapped at 1024 px and set its card lower)
-    ratio = exe.get("latency_ratio_vs_dense")
-    st.metric(
-        "Latency vs Dense twin",
-        "n/a" if ratio is None else f"{ratio:.3f}x",
-        help="median over interleaved runs of forward time (model / Dense twin), same device and batch",
-    )
-    st.caption(
-        f"Blocks executed: {100 * exe['blocks_executed_fraction']:.0f}% per token; controllers take "
-        f"{100 * exe['controller_flops_share']:.2f}% of the FLOPs. Below 1x would mean the dynamic model saves time."
-    )
+    ratio, experts = exe.get("latency_ratio_vs_dense"), exe.get("experts")
+    if ratio is None and experts:  # an MoE model: what it skips is experts, and it has no Dense twin here
+        st.metric(
+            "Experts run per token",
+            f"{experts['experts_run_per_token_mean']:.2f} of {experts['experts_available']:g}",
+            help="routed experts each token is dispatched to per MoE layer, counted from the dispatched indices",
+        )
+        st.caption(
+            f"{100 * experts['expert_fraction']:.0f}% of the routed experts run per token: the MoE's conditional "
+            f"work. Blocks executed: {100 * exe['blocks_executed_fraction']:.0f}%; controllers take "
+            f"{100 * exe['controller_flops_share']:.2f}% of the FLOPs."
+        )
+    else:
+        st.metric(
+            "Latency vs Dense twin",
+            "n/a" if ratio is None else f"{ratio:.3f}x",
+            help="median over interleaved runs of forward time (model / Dense twin), same device and batch",
+        )
+        st.caption(
+            f"Blocks executed: {100 * exe['blocks_executed_fraction']:.0f}% per token; controllers take "
+            f"{100 * exe['controller_flops_share']:.2f}% of the FLOPs. Below 1x would mean the dynamic model saves "
+            "time."
+        )
 
 # A Markdown table, not st.dataframe: the first page then needs no data-grid bundle in the browser.
 st.markdown("\n".join(conditions_table(report, both_intervals=False)))  # (both would not fit 1024 px)

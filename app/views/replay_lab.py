@@ -49,9 +49,9 @@ KINDS = {
 # tolerance" of the shipped demo); else 2, as progress and Cancel act between batches. Results depend on the
 # batch composition, so each result's command carries its --batch and gives the same numbers.
 DEFAULT_BATCH = 2
-# Enough sequences for figures to quote: `few_sequences_caution` warns below 20, and the demo's first 32
-# windows lie in 4 chapters, too few for a CI over documents (64: 7). About 15 s on 2 CPU cores.
-DEFAULT_SEQUENCES = 64
+# Enough sequences for figures to quote: `few_sequences_caution` warns below 20, and the demo's first 64
+# windows lie in 7 chapters, too few for a CI over documents (`MIN_DOCUMENTS`, 10; 96 windows: 10).
+DEFAULT_SEQUENCES = 96
 MAX_BATCH = 256
 # Columns the shared bar figures read (app/figures.py), from the plain names of our tables.
 FIGURE_COLUMNS = {

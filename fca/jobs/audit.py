@@ -31,6 +31,7 @@ from fca.tables.report import REPORT_VERSION
 from fca.tables.runs import SWEEP_ALPHAS  # an audit's interpolation sweep, as the Replay lab's; `sweep=()` skips it
 from fca.tables.scoring import (
     BOOTSTRAP_RESAMPLES,
+    MIN_DOCUMENTS,
     ROUTING_DEFINITION,
     gap_retention,
     gap_retention_ci,
@@ -246,8 +247,8 @@ def _definitions(
         "penalty_documents": "penalty_ci95_documents: the same bootstrap resampling whole documents, the "
         "evaluated windows grouped by the document each begins in (consecutive windows of one document share "
         "its text, so are not independent); only for caches built from a corpus, whose manifest records the "
-        "end-of-document token (cache.documents: how many), and from at least 5 documents; where given, it is "
-        "the global_mean CI that decides whether gap retention is defined",
+        f"end-of-document token (cache.documents: how many), and from at least {MIN_DOCUMENTS} documents; "
+        "where given, it is the global_mean CI that decides whether gap retention is defined",
         "gap_retention_ci95": "95% percentile bootstrap CI of the gap retention, 1 - penalty_X / penalty_global_mean "
         f"of each resample's means ({BOOTSTRAP_RESAMPLES} resamples, seed {seed}), resampling whole documents "
         "where the cache records them, else sequences; only where the gap retention is defined",

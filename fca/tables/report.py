@@ -169,10 +169,6 @@ def documents_sentence(report: dict) -> str | None:
     return documents_note(cache.get("sequences", 0), cache.get("documents"), bool(report.get("gap_retention_ci95")))
 
 
-# Below this many documents (but at least MIN_DOCUMENTS) a bootstrap over them is said to be rough.
-FEW_DOCUMENTS = 10
-
-
 def documents_note(sequences: int, documents: int | None, retention_interval: bool = False) -> str | None:
     """What the CIs of `sequences` evaluated windows lying in `documents` documents resample, in words (the
     report, `fca replay` and the Replay lab; `retention_interval`: the report has gap retention CIs); None
@@ -187,16 +183,11 @@ def documents_note(sequences: int, documents: int | None, retention_interval: bo
             "evaluate more windows."
         )
     retention = " Gap retention's CI resamples documents too." if retention_interval else ""
-    rough = (
-        f" With fewer than {FEW_DOCUMENTS} documents it is itself rough; evaluate more windows."
-        if documents < FEW_DOCUMENTS
-        else ""
-    )
     return (
         f"The {sequences} evaluated windows are consecutive stretches of {documents} documents: windows of one "
         "document share its text, so their NLLs are not independent. The CI over documents resamples whole "
         "documents and is the one to quote; the CI over sequences treats every window as independent and is "
-        f"narrower than the data support.{retention}{rough}"
+        f"narrower than the data support.{retention}"
     )
 
 
@@ -386,6 +377,14 @@ def global_mean_sentence(report: dict) -> str | None:
     return f"global_mean gives every coefficient its family's calibration grand mean: {values}."
 
 
+def family_shares(variance: dict) -> str | None:
+    """ "router 8.1%, shared_expert_gate 34.8%": each family's layer-identity share, when a report's
+    coefficients are of more than one family (the pooled share can be mostly one family's: a shared-expert
+    gate beside the routers, say); None for one family."""
+    shares = variance.get("per_family") or {}
+    return ", ".join(f"{family} {_share(share)}" for family, share in shares.items()) if len(shares) > 1 else None
+
+
 def render_markdown(report: dict) -> str:
     m, ex, var, exe = report["model"], report["exactness"], report["variance"], report["execution"]
     lines = [
@@ -409,7 +408,9 @@ def render_markdown(report: dict) -> str:
         "",
         "## 1. Coefficient variation",
         "Layer identity (the site and channel alone) explains "
-        f"**{100 * (var['layer_identity_share'] or 0):.1f}%** of the coefficient variance.",
+        f"**{100 * (var['layer_identity_share'] or 0):.1f}%** of the coefficient variance"
+        + (f", pooled over its families (within each: {each})" if (each := family_shares(var)) else "")
+        + ".",
         "",
     ]
     chance = var.get("chance_levels")  # (none in reports made before; `.keys()` below: a damaged list is refused)
@@ -468,6 +469,10 @@ def render_markdown(report: dict) -> str:
                     else "."
                 )
             )
+    elif exe.get("experts"):  # (what an MoE model skips is experts, counted below; FCA makes it no Dense twin)
+        lines.append(
+            "- Latency vs a Dense twin: not measured (an MoE model has none here; its conditional work is the experts below)."
+        )
     else:
         lines.append("- Latency vs a Dense twin: not measured (no --dense given).")
     if exe.get("experts"):
@@ -477,7 +482,12 @@ def render_markdown(report: dict) -> str:
             f"- Experts run per token: {e['experts_run_per_token_mean']:.2f} of {e['experts_available']:g} "
             f"routed experts per MoE layer (top-{e['top_k']}: {100 * e['expert_fraction']:.1f}% of them), "
             "counted from the dispatched indices"
-            + (f"; {e['moe_layers']} of the {exe['num_blocks']} blocks have an MoE layer" if some else "")
+            + (
+                f"; {e['moe_layers']} of the {exe['num_blocks']} blocks {'has' if e['moe_layers'] == 1 else 'have'} "
+                "an MoE layer"
+                if some
+                else ""
+            )
             + ("; a shared expert runs for every token besides them." if e.get("shared_experts") else ".")
         )
     if exe.get("note"):
@@ -542,6 +552,13 @@ def retention_sentence(report: dict) -> str:
             f"0, so within noise of it); {paper}."
         )
     if retention < 0:
+        interval = (report.get("gap_retention_ci95") or {}).get("static_layer")
+        if interval is not None and interval[1] >= 0:  # (reports made before the interval: said as before)
+            lo, hi = (f"{100 * x:.0f}%" for x in interval)
+            return (
+                f"A fixed per-layer profile does no better than the global-mean profile here ({shown}, 95% CI "
+                f"{lo} to {hi}: within noise of it); {paper}."
+            )
         return f"A fixed per-layer profile does worse here than the global-mean profile ({shown}); {paper}."
     return f"A fixed per-layer profile keeps {100 * retention:.0f}% of what per-token control is worth here; {paper}."
 
