@@ -596,6 +596,33 @@ def test_intervals_over_documents_are_paired_and_refuse_what_they_cannot_give():
     assert all(np.isnan(paired_bootstrap_ci(np.array([1.0] * 30 + [np.nan]))))
 
 
+def test_intervals_over_documents_start_at_min_documents():
+    from fca.tables.scoring import MIN_DOCUMENTS
+
+    rng = np.random.default_rng(7)
+    n = 4 * MIN_DOCUMENTS
+    correct = rng.normal(3.0, 0.2, n)
+    per_seq = {
+        "correct": correct,
+        "global_mean": correct + rng.normal(0.8, 0.1, n),
+        "x": correct + rng.normal(0.4, 0.1, n),
+    }
+    enough, fewer = np.arange(n) % MIN_DOCUMENTS, np.arange(n) % (MIN_DOCUMENTS - 1)
+    assert "penalty_ci95_documents" in summarize_conditions(per_seq, documents=enough)["x"]
+    assert "penalty_ci95_documents" not in summarize_conditions(per_seq, documents=fewer)["x"]
+    retention = {"x": 0.5}
+    assert gap_retention_ci(per_seq, retention, documents=enough) != gap_retention_ci(per_seq, retention)
+    assert gap_retention_ci(per_seq, retention, documents=fewer) == gap_retention_ci(per_seq, retention)
+    # A few resamples (0 < share <= 2.5%) without a positive gap: left out of the interval, not made NaN.
+    z = rng.normal(size=100)
+    gap = 0.23 + (z - z.mean()) / z.std()  # mean 2.3 standard errors above 0: about 1% of resamples at or below
+    shaky = {"correct": np.zeros(100), "global_mean": gap, "x": 0.5 * gap + rng.normal(0, 0.1, 100)}
+    draws = resampled_means(np.stack([shaky["global_mean"], shaky["x"]], 1), None, 2000, 0)
+    gapped = draws[:, 0] > 0
+    assert 0 < 1 - gapped.mean() <= 0.025, 1 - gapped.mean()
+    assert gap_retention_ci(shaky, retention)["x"] == list(percentile_interval(1 - draws[gapped, 1] / draws[gapped, 0]))
+
+
 def test_gap_retention_interval_is_the_ratio_of_paired_resampled_means():
     rng = np.random.default_rng(2)
     correct = rng.normal(3.0, 0.2, 40)
@@ -710,7 +737,8 @@ def test_window_documents_at_document_boundaries(demo, tmp_path):
     assert documents.tolist() == [0, 3, 3, 4, 4]
     values = np.arange(5.0)[:, None]
     assert np.array_equal(resampled_means(values, documents, 50), resampled_means(values, [0, 1, 1, 2, 2], 50))
-    for bogus in (-1, 300 * 10):  # ids no window can hold: every window would be one document
+    vocab = manifest["tokenizer"]["vocab_size"]
+    for bogus in (-1, vocab, 300 * 10):  # ids no window can hold: every window would be one document
         manifest["tokenizer"]["end_of_document"] = bogus
         (cache / MANIFEST).write_text(json.dumps(manifest))
         with pytest.raises(CacheError, match=f"tokenizer.end_of_document {bogus} is not a token id in"):
@@ -1180,7 +1208,11 @@ def test_overwrite_never_deletes_what_a_cache_or_model_does_not_hold(demo, tmp_p
     settings = tmp_path / "settings"  # ... and another tool's config.json alone
     settings.mkdir()
     (settings / "config.json").write_text('{"name": "x"}')
-    before = {p: _tree(p) for p in (site, notes, project, partial, lone, settings)}
+    cut = tmp_path / "cut"  # a manifest.json that is not JSON at all: not ours either
+    cut.mkdir()
+    (cut / "manifest.json").write_text("{not json")
+    before = {p: _tree(p) for p in (site, notes, project, partial, lone, settings, cut)}
+    assert "cut: its manifest.json is not one FCA writes for a cache" in _cli_error([*build, str(cut)], capsys)
     assert "lone: its manifest.json is not one FCA writes for a cache" in _cli_error([*build, str(lone)], capsys)
     assert "js" in _cli_error([*build, str(site)], capsys)
     assert "README.txt" in _cli_error([*build, str(notes)], capsys)
@@ -1194,7 +1226,9 @@ def test_overwrite_never_deletes_what_a_cache_or_model_does_not_hold(demo, tmp_p
     assert f"manifest.json: inside the cache {notes}; write the text corpus" in _cli_error(corpus, capsys)
     corpus[-1] = str(project / "config.json")  # not in a cache: refused as no earlier corpus
     assert "not an earlier text corpus" in _cli_error(corpus, capsys)
-    assert {p: _tree(p) for p in (site, notes, project, partial, lone, settings)} == before
+    assert {p: _tree(p) for p in (site, notes, project, partial, lone, settings, cut)} == before
+    (tmp_path / "empty").mkdir()  # an empty folder holds nothing to lose: --overwrite builds into it
+    assert main([*build, str(tmp_path / "empty")]) == 0 and open_cache(tmp_path / "empty").num_seqs == 4
 
 
 def _cli_error_argparse(args, capsys):

@@ -225,6 +225,19 @@ def test_inspect_says_what_a_replay_here_would_hold_the_cache_to(demo_pair, tmp_
     unknown = rewrite_cache(ev, tmp_path / "unknown", 0.0, None)
     assert main(["inspect", str(unknown), "--device", "cpu"]) == 0
     assert "would find a cache of unknown environment: its coefficients are accepted within" in capsys.readouterr().out
+    # The standard follows the model's dtype and the cache's storage (a float16-stored cache: one unit wider).
+    from fca.engine.environment import environment_on
+    from fca.tables.fidelity import replay_standard
+
+    bf16_here = environment_on(torch.device("cpu"), "bfloat16")
+    assert bf16_here["model_dtype"] == "bfloat16" and bf16_here["device_type"] == "cpu"
+    assert "accepted within 0.0011 relative" in replay_standard(
+        FOREIGN, current_environment(fca.load_model(model_dir)), "float16"
+    )
+    bf16_cache = {**FOREIGN, "model_dtype": "bfloat16"}  # a bfloat16 model's cache, stored in 16 bits
+    assert "accepted within 0.068 relative and Correct-from-cache NLL within 0.098 nats" in replay_standard(
+        bf16_cache, bf16_here, "bfloat16"
+    )
     if not torch.cuda.is_available():  # refused before anything is printed
         assert main(["inspect", str(ev), "--device", "cuda"]) == 2
         captured = capsys.readouterr()

@@ -138,6 +138,10 @@ def test_mixtral_audit(corpus_and_tokenizer, monkeypatch, capsys):
     markdown = render_markdown(report)
     assert "- Experts run per token: 2.00 of 4 routed experts per MoE layer (top-2: 50.0% of them), counted from the " \
         "dispatched indices.\n" in markdown  # fmt: skip
+    assert (
+        "- Latency vs a Dense twin: not measured (an MoE model has none here; its conditional work is the experts"
+        in markdown
+    )
     # Routing agreement, against an oracle of its own: the top-2 experts of another sequence's cached logits.
     routing = report["routing"]
     routers = [f"model.layers.{i}.mlp.gate" for i in range(2)]

@@ -86,6 +86,40 @@ def test_retention_sentence_at_the_scales_edges():
         assert retention_sentence(report).startswith(f"A fixed per-layer profile {said}"), retention
 
 
+def test_retention_sentence_reads_the_interval_over_documents_and_retentions_own():
+    """Where a report has CIs over documents, they decide, not the narrower ones over sequences: a global-mean
+    penalty below 0 window by window but not over documents is "not clearly worth anything"; a static
+    profile below correct window by window but not over documents does "as well as" per-token control; and
+    a negative retention whose own CI reaches 0 is within noise of the global mean."""
+    below = {**CONDITIONS, "global_mean": {**row(2.99, -0.01, -0.01, -0.005), "penalty_ci95_documents": [-0.02, 0.01]}}
+    report = {"conditions": below, "gap_retention": {"static_layer": None}}
+    assert retention_sentence(report).startswith("Per-token control is not clearly worth anything here")
+    beats = {**CONDITIONS, "static_layer": {**row(2.9, -0.1, -0.2, -0.05), "penalty_ci95_documents": [-0.25, 0.05]}}
+    report = {"conditions": beats, "gap_retention": {"static_layer": 1.26}}
+    assert "does as well as per-token control here (gap retention 126%" in retention_sentence(report)
+    worse = {
+        "conditions": {**CONDITIONS, "static_layer": row(4.1, 1.1, 1.0, 1.2)},
+        "gap_retention": {"static_layer": -0.84},
+    }
+    noisy = {**worse, "gap_retention_ci95": {"static_layer": [-7.49, 0.28]}}
+    assert (
+        "does no better than the global-mean profile here (gap retention -84%, 95% CI -749% to 28%"
+        in retention_sentence(noisy)
+    )
+    clear = {**worse, "gap_retention_ci95": {"static_layer": [-1.2, -0.5]}}
+    assert "does worse here than the global-mean profile (gap retention -84%)" in retention_sentence(clear)
+
+
+def test_each_familys_layer_identity_share_is_given_beside_the_pooled_one():
+    from fca.tables.report import family_shares
+
+    assert family_shares({"per_family": {"gate": 0.19}}) is None  # one family: the pooled share is its own
+    assert (
+        family_shares({"per_family": {"router": 0.081, "shared_expert_gate": 0.348}})
+        == "router 8.1%, shared_expert_gate 34.8%"
+    )
+
+
 def test_the_conditions_and_routing_tables_cell_by_cell():
     """Each column holds its own figure (a swapped bound, another condition's retention, or the overlap in
     the same-experts column would read as plausible numbers)."""

@@ -438,6 +438,7 @@ def test_training_smoke_is_deterministic_and_learns(tmp_path):
     assert log["device"] == "cpu" and log["precision"] == "float32" and log["optimizer"] == "AdamW"
     assert log["tokens_seen"] == 25 * 8 * TINY["max_seq_len"] and log["tokens_per_second"] > 0
     assert log["corpus_fingerprint"] == file_sha256(corpus)  # what a study compares with the evaluated cache's
+    assert study.model_training(tmp_path / "a")["corpus_fingerprint"] == file_sha256(corpus)  # ... and reads
     cpu = precision_for("cpu")
     assert cpu.autocast is None and not cpu.fused_optimizer and not cpu.deterministic
     other_seed = train(
