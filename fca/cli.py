@@ -328,6 +328,12 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     )
     batch = (cache.environment or {}).get("batch_size")
     print(f"coefficients computed on {describe(cache.environment)}" + (f", in batches of {batch}" if batch else ""))
+    eos = m.tokenizer.end_of_document
+    print(
+        f"end-of-document id {eos}: reports give CIs over the documents the windows lie in"
+        if eos is not None and m.corpus.split is not None
+        else "no end-of-document id recorded: reports resample windows only, not documents"
+    )
     here = environment_on(device, cache.model_dtype)  # (the dtype a replay loads the model in)
     print(
         f"a replay here ({describe(here)}) would find {replay_standard(cache.environment, here, m.coefficient_dtype)}"

@@ -210,10 +210,9 @@ def test_inspect_says_what_a_replay_here_would_hold_the_cache_to(demo_pair, tmp_
     model_dir, ev, cal = demo_pair
     assert main(["inspect", str(ev), "--device", "cpu"]) == 0
     here = describe(current_environment(fca.load_model(model_dir)))
-    assert (
-        f"a replay here ({here}) would find the cache's own environment: in its build's batches"
-        in capsys.readouterr().out
-    )
+    out = capsys.readouterr().out
+    assert f"a replay here ({here}) would find the cache's own environment: in its build's batches" in out
+    assert "end-of-document id 0: reports give CIs over the documents the windows lie in" in out
     foreign = rewrite_cache(ev, tmp_path / "foreign", 0.0, FOREIGN)
     assert main(["inspect", str(foreign), "--device", "cpu"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("a replay here"))

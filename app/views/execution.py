@@ -55,10 +55,15 @@ with right:
         "Measure now" + ("" if sel.device == "auto" else f" on {sel.device}"),
         key="exec_measure",
         disabled=sel.model_dir is None,
-        help=f"times {PROBE_SEQS} sequences of this cache through the model and its Dense twin (5 interleaved runs)",
+        help=f"times {PROBE_SEQS} sequences of this cache through the model"
+        + (
+            " and its Dense twin (5 interleaved runs)"
+            if sel.dense_dir
+            else " (no Dense twin beside it to time against)"
+        ),
     )
 if measure:
-    with guard("Measurement"), st.spinner("Timing the model and its Dense twin…"):
+    with guard("Measurement"), st.spinner("Timing the model" + (" and its Dense twin…" if sel.dense_dir else "…")):
         experiment, lock = resources.experiment(sel.model_dir, sel.device, cache, sel.calibration_cache, sel.dense_dir)
         with lock:
             result = experiment.measure_execution(runs=5)

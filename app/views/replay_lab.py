@@ -133,7 +133,8 @@ st.title("Replay lab")
 teach(
     "Here the controllers are switched off and the model is fed coefficients you choose. **Correct** (each token's "
     "own recorded coefficients) always runs and must reproduce the live model exactly; every other condition is "
-    "scored by its **penalty**: the extra NLL in nats per token, with a 95% bootstrap CI over sequences. A penalty "
+    "scored by its **penalty**: the extra NLL in nats per token, with a 95% bootstrap CI (over whole documents where "
+    "the cache records them: windows of one document are not independent). A penalty "
     "near zero means the model does not need what the controller computes per token. Each run is saved beside the "
     "cache, shown with its own settings and the command that reproduces it from the CLI with the same numbers."
 )

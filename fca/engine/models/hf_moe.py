@@ -44,8 +44,8 @@ ROUTER_COEFFICIENT = "router logits (pre-softmax, one per expert)"
 SHARED_GATE_COEFFICIENT = "shared-expert gate logit (pre-sigmoid)"
 EXECUTION_NOTE = (
     "conditional execution is expert-level: every block runs for every token, and inside each MoE "
-    "block only the top-k routed experts run per token (see experts_run_per_token_mean / "
-    "experts_available), unlike FeatureGate, whose gates scale branches that always run"
+    "block only the top-k routed experts run per token (the experts run per token, against those available), "
+    "unlike FeatureGate, whose gates scale branches that always run"
 )
 BLOCKS_PATH = "model.layers"
 ROUTER_PATH = "model.layers.*.mlp.gate"
