@@ -497,7 +497,7 @@ def test_an_moe_report_says_which_blocks_have_experts_and_whether_a_shared_one_r
     report["execution"] = execution_audit(model, torch.randint(0, 50, (2, 6)))
     experts = report["execution"]["experts"]
     assert experts["moe_layers"] == 1 and experts["shared_experts"] is True
-    assert "counted from the dispatched indices; 1 of the 2 blocks have an MoE layer; a shared expert runs for " \
+    assert "counted from the dispatched indices; 1 of the 2 blocks has an MoE layer; a shared expert runs for " \
         "every token besides them." in render_markdown(report)  # fmt: skip
     assert expert_execution(adapt_moe(transformers.AutoModelForCausalLM.from_config(
         transformers.MixtralConfig(**MIXTRAL)).eval()), torch.randint(0, 50, (2, 6)))["shared_experts"] is False  # fmt: skip
