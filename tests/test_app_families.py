@@ -144,5 +144,8 @@ def test_the_overview_shows_how_much_routing_each_condition_kept(family_root, mo
         cross = report["routing"]["conditions"]["cross_input"]["same_experts_per_router"]
         assert lines["cross_input"]["y"] == pytest.approx(cross)
         assert "global_mean (ties decided)" in lines
+        # Its execution card: the experts each token runs (what an MoE skips), not a Dense twin's "n/a".
+        assert [m.label for m in at.metric][2] == "Experts run per token" and at.metric[2].value == "2.00 of 4"
     else:
         assert said == [] and "routing" not in report
+        assert [m.label for m in at.metric][2] == "Latency vs Dense twin"
