@@ -450,8 +450,9 @@ TICK_ROOMY = 3
 def condition_ticks(fig: go.Figure, names) -> int:
     """Label the x axis's conditions on short lines, the sites below the kind (`static_layer` /
     `@blocks.0.gate,` / `blocks.5.gate`; more than TICK_SITES sites counted; the kind itself broken after
-    "_" and ":" when more than TICK_ROOMY conditions share the axis), and return the pixels the labels take. At full length, names of sites were turned on their side and took most of the chart's
-    height. The hover keeps each condition's whole name."""
+    "_" and ":" when more than TICK_ROOMY conditions share the axis), and return the pixels the labels
+    take. At full length, names of sites were turned on their side and took most of the chart's height.
+    The hover keeps each condition's whole name."""
     names = list(dict.fromkeys(str(n) for n in names))
     crowded = len(names) > TICK_ROOMY
     texts = []

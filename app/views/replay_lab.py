@@ -428,7 +428,7 @@ if job is not None and not job.running:
         )
         plotted = result.rename(columns=FIGURE_COLUMNS)
         by_document = "penalty 95% CI low (documents)" in result
-        if by_document:  # the interval to quote (`fca.tables.report.quoted_interval`)
+        if by_document:  # the interval to quote (`fca.tables.scoring.quoted_interval`)
             plotted["lo"], plotted["hi"] = (
                 result["penalty 95% CI low (documents)"],
                 result["penalty 95% CI high (documents)"],
