@@ -418,16 +418,16 @@ if job is not None and not job.running:
         checks = exactness_sentences(record["results"]["exactness"])  # mechanism, fidelity, calibration
         st.success("  \n".join([*checks, f"Saved `{rel(record.get('path', ''))}`."]))
         result = pd.DataFrame(condition_rows(record))
+        by_document = "penalty 95% CI low (documents)" in result  # (a cache built from a corpus records them)
         st.caption(
             "NLL and penalty in nats/token, each with its 95% bootstrap CI over sequences (paired for the penalty)"
-            + (", and the penalty's over documents. " if "penalty 95% CI low (documents)" in result else ". ")
+            + (", and the penalty's over documents. " if by_document else ". ")
             + (documents_note(record["spec"]["num_seqs"], record["results"].get("documents")) or "")
         )
         st.dataframe(
             result_view(result), hide_index=True, key="lab_result", column_config=RESULT_COLUMNS, placeholder="–"
         )
         plotted = result.rename(columns=FIGURE_COLUMNS)
-        by_document = "penalty 95% CI low (documents)" in result
         if by_document:  # the interval to quote (`fca.tables.scoring.quoted_interval`)
             plotted["lo"], plotted["hi"] = (
                 result["penalty 95% CI low (documents)"],

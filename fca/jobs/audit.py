@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from fca.engine.environment import model_dtype_name
@@ -33,6 +32,7 @@ from fca.tables.scoring import (
     BOOTSTRAP_RESAMPLES,
     MIN_DOCUMENTS,
     ROUTING_DEFINITION,
+    count_documents,
     gap_retention,
     gap_retention_ci,
     summarize_conditions,
@@ -135,7 +135,7 @@ def audit_experiment(
         },
         "cache": {
             **_cache_entry(evaluated, len(results.seqs)),
-            "documents": None if documents is None else len(np.unique(documents)),
+            "documents": count_documents(documents),
         },
         "calibration": {
             **_cache_entry(calibration, calibration.num_seqs),

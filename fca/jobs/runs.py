@@ -8,13 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 
-import numpy as np
 import torch
 
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource, check_condition_sites
 from fca.tables.conditions import Condition, as_conditions
 from fca.tables.runs import check_runs_writable, save_run
-from fca.tables.scoring import summarize_conditions, summarize_routing
+from fca.tables.scoring import count_documents, summarize_conditions, summarize_routing
 
 
 def run_replay(
@@ -79,7 +78,7 @@ def run_replay(
             "exactness": results.exactness,
             # (with the CIs over documents where the cache records them, as the audit's)
             "conditions": summarize_conditions(results.per_seq_nll, seed, documents=documents),
-            "documents": None if documents is None else len(np.unique(documents)),
+            "documents": count_documents(documents),
             "per_sequence_nll": {k: v.tolist() for k, v in results.per_seq_nll.items()},
             **(
                 {

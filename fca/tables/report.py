@@ -114,45 +114,41 @@ def condition_cell(name: str) -> str:
     return f"`{name}`" if "@" in name else name
 
 
+def interval_columns(rows, both: bool = True) -> dict[str, str]:
+    """The penalty intervals a table of `rows` shows, key -> what its header says after "95% CI": the one
+    over sequences, and the one over documents where every row has it (alone without `both`)."""
+    if not all("penalty_ci95_documents" in row for row in rows):
+        return {"penalty_ci95": ""}
+    documents = {"penalty_ci95_documents": " (documents)"}
+    return {"penalty_ci95": " (sequences)", **documents} if both else documents
+
+
+def _interval_cells(row: dict, columns: dict[str, str]) -> str:
+    return " | ".join(f"[{row[key][0]:+.4f}, {row[key][1]:+.4f}]" for key in columns)
+
+
 def conditions_table(report: dict, both_intervals: bool = True) -> list[str]:
     """The report's conditions as Markdown table lines (the report's page and the dashboard's Overview):
     NLL, penalty and its 95% CI (over sequences, and over documents where the report has that; only the
     latter without `both_intervals`, for a narrow page), and gap retention ("undefined" where its CI does
     not lie above zero; blank for the scale's two ends)."""
-    by_document = all("penalty_ci95_documents" in row for row in report["conditions"].values())
-    if by_document and not both_intervals:
-        return _one_interval_table(report)
+    columns = interval_columns(report["conditions"].values(), both_intervals)
     retention_ci = report.get("gap_retention_ci95") or {}  # (reports made before it have none)
     lines = [
-        "| condition | NLL (nats/token) | penalty vs correct (nats/token) | penalty 95% CI "
-        + ("(sequences) | penalty 95% CI (documents) " if by_document else "")
-        + f"| gap retention{' [95% CI]' if retention_ci else ''} |",
-        "|---|---|---|---|---|" + ("---|" if by_document else ""),
+        "| condition | NLL (nats/token) | penalty vs correct (nats/token) | "
+        + " | ".join(f"penalty 95% CI{label}" for label in columns.values())
+        + f" | gap retention{' [95% CI]' if retention_ci else ''} |",
+        "|---|---|---|" + "---|" * len(columns) + "---|",
     ]
     for name, row in report["conditions"].items():
-        intervals = [row["penalty_ci95"], *([row["penalty_ci95_documents"]] if by_document else [])]
         retention = report["gap_retention"].get(name)
         shown = f"{100 * retention:.2f}%" if retention is not None else "undefined"
         if retention is not None and name in retention_ci:
             lo, hi = retention_ci[name]
             shown += f" [{100 * lo:.1f}%, {100 * hi:.1f}%]"
         shown = "" if name in ("correct", "global_mean") else shown
-        cells = " | ".join(f"[{lo:+.4f}, {hi:+.4f}]" for lo, hi in intervals)
+        cells = _interval_cells(row, columns)
         lines.append(f"| {condition_cell(name)} | {row['nll']:.4f} | {row['penalty']:+.4f} | {cells} | {shown} |")
-    return lines
-
-
-def _one_interval_table(report: dict) -> list[str]:
-    """`conditions_table` with the interval to quote only: the one over documents."""
-    rows = {
-        name: {
-            **{k: v for k, v in row.items() if k != "penalty_ci95_documents"},
-            "penalty_ci95": row["penalty_ci95_documents"],
-        }
-        for name, row in report["conditions"].items()
-    }
-    lines = conditions_table({**report, "conditions": rows})  # one interval column, then named for what it holds
-    lines[0] = lines[0].replace("| penalty 95% CI |", "| penalty 95% CI (documents) |")
     return lines
 
 
@@ -568,18 +564,18 @@ def dependence_story_markdown(report: dict) -> list[str]:
     lines = ["", retention_sentence(report)]
     sweep = report.get("interpolation_sweep")
     if sweep:
-        by_document = all("penalty_ci95_documents" in row for row in sweep)
+        columns = interval_columns(sweep)
         lines += [
             "",
             "### Interpolation sweep: alpha * own coefficients + (1 - alpha) * static profile",
             "",
-            "| alpha | NLL (nats/token) | penalty vs correct (nats/token) | 95% CI "
-            + ("(sequences) | 95% CI (documents) |" if by_document else "|"),
-            "|---|---|---|---|" + ("---|" if by_document else ""),
+            "| alpha | NLL (nats/token) | penalty vs correct (nats/token) | "
+            + " | ".join(f"95% CI{label}" for label in columns.values())
+            + " |",
+            "|---|---|---|" + "---|" * len(columns),
         ]
         for row in sweep:
-            intervals = [row["penalty_ci95"], *([row["penalty_ci95_documents"]] if by_document else [])]
-            cells = " | ".join(f"[{lo:+.4f}, {hi:+.4f}]" for lo, hi in intervals)
+            cells = _interval_cells(row, columns)
             lines.append(f"| {row['alpha']:g} | {row['nll']:.4f} | {row['penalty']:+.4f} | {cells} |")
         lines += ["", "alpha 0 is the static profile (static_layer), 1 the own coefficients (correct)."]
     return lines

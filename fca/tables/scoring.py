@@ -22,6 +22,11 @@ MIN_DOCUMENTS = 10
 MAX_GAPLESS_SHARE = 0.025
 
 
+def count_documents(documents: np.ndarray | None) -> int | None:
+    """How many documents the evaluated windows lie in (`Cache.window_documents`); None where not recorded."""
+    return None if documents is None else len(np.unique(documents))
+
+
 def quoted_interval(row: dict) -> list[float]:
     """A condition's (or sweep point's) penalty 95% CI to quote: resampling documents where the report has
     that interval, else sequences (windows of one document are not independent; `summarize_conditions`)."""
@@ -51,7 +56,7 @@ def summarize_conditions(
             "penalty_ci95": [lo, hi],
             "nll_sd_over_sequences": float(per_seq.std(ddof=1)) if len(per_seq) > 1 else None,  # (undefined at n=1)
         }
-    if documents is not None and len(np.unique(documents)) >= MIN_DOCUMENTS:
+    if (count_documents(documents) or 0) >= MIN_DOCUMENTS:
         names = list(per_seq_nll)
         diffs = np.stack([per_seq_nll[name] - base for name in names], axis=1)  # [n, conditions]
         draws = resampled_means(diffs, documents, BOOTSTRAP_RESAMPLES, seed)
@@ -73,7 +78,7 @@ def gap_retention_ci(
     each resample's retention is 1 - penalty_X / penalty_global_mean of its means, the conditions drawn
     together (paired). Empty when more than MAX_GAPLESS_SHARE of the resamples have no positive gap."""
     names = [name for name, value in retention.items() if value is not None]
-    if documents is not None and len(np.unique(documents)) < MIN_DOCUMENTS:
+    if (count_documents(documents) or 0) < MIN_DOCUMENTS:
         documents = None  # (as the penalty's: too few documents to resample, so sequences, said as such)
     if not names or len(per_seq_nll["correct"]) < 2:
         return {}
