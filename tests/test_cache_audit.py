@@ -1244,6 +1244,7 @@ def test_damaged_reports_devices_and_one_path_for_two_outputs_are_refused(demo, 
     assert main([*args, "--num-seqs", "99", "--sweep", "none", "--device", "cpu"]) == 0
     assert f"{demo / 'eval'}: {N_SEQS} sequences audited (all it has; 99 asked for)" in capsys.readouterr().err
     report = json.loads((tmp_path / "r.json").read_text())
+    assert report["cache"]["sequences"] == N_SEQS  # the JSON counts the sequences evaluated, not those asked for
     for damage, said, studied in (
         ({"conditions": 5}, "'conditions' is a int", True),
         ({"conditions": {**report["conditions"], "correct": {"nll": "x"}}}, "'correct' has no numeric nll", True),
