@@ -38,7 +38,7 @@ from fca.tables.schema import (
 from fca.tables.spec import SiteSpec
 from fca.tables.store import open_cache
 from fca.tables.timings import Timings
-from fca.tables.writer import CacheWriter, read_progress
+from fca.tables.writer import CacheWriter, read_progress, settings_changed
 
 from .conftest import REPO
 from .helpers import make_model_dir, write_corpus
@@ -153,19 +153,10 @@ def test_a_failure_letting_go_of_the_host_blocks_after_the_last_batch_still_ends
     assert open_cache(tmp_path / "c", verify=True).num_seqs == N_SEQS
 
 
-def _build(artifacts, out, workers, **kw):
+def _build(artifacts, out, workers, split="eval", **kw):
+    settings = dict(num_seqs=N_SEQS, seq_len=T, batch_size=2, device="cpu", show_progress=False)
     return build_cache_from_corpus(
-        artifacts / "model",
-        artifacts / "prose.txt",
-        "eval",
-        out,
-        num_seqs=N_SEQS,
-        seq_len=T,
-        batch_size=2,
-        device="cpu",
-        show_progress=False,
-        workers=workers,
-        **kw,
+        artifacts / "model", artifacts / "prose.txt", split, out, workers=workers, **{**settings, **kw}
     )
 
 
@@ -792,6 +783,29 @@ def test_stale_lock_is_resumed_past(artifacts, tmp_path, small_parts):
     _build(artifacts, out, workers=2, progress=lambda done, total: written.append(done))
     assert written[0] == SEQS_PER_PART + 2  # resumed after part 0
     assert _hashes(out) == _hashes(clean) and not (tmp_path / "cache.lock").exists()
+
+
+def test_an_unfinished_build_of_other_settings_is_said_to_start_over(artifacts, tmp_path, small_parts, capsys):
+    """An interrupted build rerun with another --batch (or split, ...) cannot resume: its parts were computed
+    otherwise. It starts over, and says which settings differ instead of discarding the parts silently."""
+    out = tmp_path / "cache"
+    with pytest.raises(KeyboardInterrupt):
+        _build(artifacts, out, workers=1, progress=_interrupt_at(6))
+    assert read_progress(tmp_path / "cache.partial")["parts"]  # something to lose
+    _build(artifacts, out, workers=1, batch_size=4, show_progress=True)
+    said = [line for line in capsys.readouterr().err.splitlines() if "starting over" in line]
+    assert said == [f"{tmp_path / 'cache.partial'}: unfinished build with other settings (batch 2 -> 4); starting over"]
+    assert open_cache(out, verify=True).environment["batch_size"] == 4
+
+    with pytest.raises(KeyboardInterrupt):
+        _build(artifacts, out.with_name("other"), workers=1, progress=_interrupt_at(6))
+    _build(artifacts, out.with_name("other"), workers=1, split="calibration", num_seqs=8, show_progress=True)
+    assert "(split eval -> calibration, num-seqs 12 -> 8); starting over" in capsys.readouterr().err
+    _build(artifacts, out.with_name("resumed"), workers=1, show_progress=True)
+    assert "starting over" not in capsys.readouterr().err  # (nothing unfinished: nothing said)
+    before = {"model": {"fingerprint": "a" * 64}, "environment": {"batch_size": 8, "threads": 2}}
+    now = {"model": {"fingerprint": "b" * 64}, "environment": {"batch_size": 16, "threads": 4}}
+    assert settings_changed(before, now) == "model, batch 8 -> 16, environment.threads 2 -> 4"
 
 
 def test_a_held_lock_is_refused_before_loading_and_stale_kinds_are_recognised(artifacts, tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -433,6 +434,8 @@ def write_cache(
     writer = CacheWriter(
         out, plan, schema, part_seqs, overwrite=overwrite, workers=workers, timings=timings, processes=writer_processes
     )
+    if writer.started_over and show_progress:
+        tqdm.write(writer.started_over, file=sys.stderr)
     done = writer.done_seqs
     if done and desc:  # a resumed build says so, beside the sequences its earlier run had written
         desc = f"{desc} (resumed: {done} done before)"

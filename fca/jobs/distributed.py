@@ -23,6 +23,7 @@ report are those of one process.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -218,6 +219,8 @@ def build_cache_distributed(
         if remote is not None:
             return _build_to_uri(ray, actors, remote, plan, schema, S, show_progress)
         writer = CacheWriter(out, plan, schema, S, overwrite=overwrite)
+        if writer.started_over and show_progress:
+            print(writer.started_over, file=sys.stderr)
         try:
             drive_parts(
                 ray,

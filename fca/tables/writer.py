@@ -104,6 +104,67 @@ def _is_part_record(record: object) -> bool:
 PART_FILE = re.compile(r"part-\d+(\.moments\.npz|\.parquet)")  # the files a part's record may name
 
 
+# A build's plan entries as its options name them, to say which settings kept an unfinished build from
+# resuming. A difference is named by the longest key path listed here that begins its path (else by its
+# own path); `num_tokens` and `raw_bytes_per_token` follow from the others and are named only alone.
+PLAN_SETTINGS = {
+    ("environment", "batch_size"): "batch",
+    ("environment", "model_dtype"): "dtype",
+    ("environment", "device_type"): "device",
+    ("environment", "device_name"): "device",
+    ("num_seqs",): "num-seqs",
+    ("seq_len",): "seq-len",
+    ("coefficient_dtype",): "coefficient-dtype",
+    ("corpus", "split"): "split",
+    ("corpus", "split_seed"): "split-seed",
+    ("corpus", "text_column"): "text-column",
+    ("corpus",): "corpus",
+    ("model",): "model",
+    ("tokenizer",): "tokenizer",
+    ("sites",): "sites",
+    ("seqs_per_part",): "sequences per part",
+}
+DERIVED_PLAN_ENTRIES = {("num_tokens",), ("raw_bytes_per_token",)}
+_ABSENT = object()
+
+
+def _plan_differences(before: object, now: object, path: tuple = ()) -> list[tuple[tuple, object, object]]:
+    """(key path, value before, value now) of every entry in which two plans differ, in the plans' order."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        keys = list(dict.fromkeys([*before, *now]))
+        return [d for k in keys for d in _plan_differences(before.get(k, _ABSENT), now.get(k, _ABSENT), (*path, k))]
+    return [] if before == now else [(path, before, now)]
+
+
+def settings_changed(before: dict, now: dict) -> str:
+    """The settings in which an unfinished build's plan (`before`) differs from this build's (`now`), as the
+    build's options name them: e.g. "batch 8 -> 16, split eval -> calibration", or "model" where the
+    values (a fingerprint, a config) say nothing in a line."""
+    differences = _plan_differences(before, now)
+    named = [d for d in differences if d[0] not in DERIVED_PLAN_ENTRIES] or differences
+    values: dict[str, list[tuple[object, object]]] = {}
+    for path, old, new in named:
+        prefix = max((key for key in PLAN_SETTINGS if path[: len(key)] == key), key=len, default=None)
+        values.setdefault(PLAN_SETTINGS[prefix] if prefix else ".".join(map(str, path)), []).append((old, new))
+
+    def shown(value: object) -> str:
+        return "none" if value is _ABSENT or value is None else str(value)
+
+    def short(value: object) -> bool:
+        return (
+            value is _ABSENT
+            or isinstance(value, (int, float, type(None)))
+            or (isinstance(value, str) and len(value) <= 24)
+        )
+
+    return ", ".join(
+        f"{name} {shown(pairs[0][0])} -> {shown(pairs[0][1])}"
+        if len(pairs) == 1 and all(map(short, pairs[0]))
+        else name
+        for name, pairs in values.items()
+    )
+
+
 def _write_json_atomic(path: Path, obj: dict, indent: int | None = 1) -> None:
     """`indent=None` for files only the library reads: json's C encoder then writes them, 5x faster than
     its Python one (which `indent` needs), and a writer thread holds the GIL that much less."""
@@ -420,7 +481,8 @@ class CacheWriter:
 
     Parts may complete out of order; `progress.json` lists the complete ones. If a `.partial` directory
     with the same plan and S exists, the writer resumes: `pending_ranges()` are the sequences of the
-    incomplete parts, to be written again in full. A lock beside the destination refuses a second build.
+    incomplete parts, to be written again in full; one of another plan is deleted, and `started_over`
+    says which settings differed. A lock beside the destination refuses a second build.
 
     Every part's moments (`fca.tables.stats`: count, sums, sums of squares, per-position and per-sequence
     sums, extremes, sparse token-id sums) go beside it as `part-XXXXX.moments.npz`, named with their hash
@@ -458,6 +520,9 @@ class CacheWriter:
         self.sites = [f.name for f in schema if f.name not in KEY_COLUMNS]
         self.shard = None if shard is None else sorted({int(k) for k in shard})
         self.lock = build_lock(self.out)
+        # Why an unfinished build in `<out>.partial/` was discarded instead of resumed (its plan differs), in
+        # a line for the caller to show; None when there was none, or it was resumed.
+        self.started_over: str | None = None
         if self.shard is not None:
             bad = [k for k in self.shard if not 0 <= k < self.num_parts]
             if bad:
@@ -513,7 +578,10 @@ class CacheWriter:
                 # A part is kept only with the bytes it was recorded with (its own and its moments'): one
                 # damaged since, or cut short by a full disk, is written again, not published.
                 parts = {int(p["index"]): p for p in progress["parts"] if self._intact(p)}
-            else:
+            else:  # said, not done silently: the rerun of an interrupted build with another flag loses its parts
+                before = {**(progress.get("plan") or {}), "seqs_per_part": progress.get("seqs_per_part")}
+                changed = settings_changed(before, {**self.plan, "seqs_per_part": self.seqs_per_part})
+                self.started_over = f"{self.partial}: unfinished build with other settings ({changed}); starting over"
                 shutil.rmtree(self.partial)
         elif self.partial.exists():
             shutil.rmtree(self.partial)
