@@ -181,6 +181,7 @@ def test_manifest_refuses_what_open_cache_refuses(tmp_path):
             Manifest.from_json({**raw, **edit}, "m.json")
         with pytest.raises(CacheError, match="m.json: inconsistent manifest: no sites"):
             Manifest.from_json({**raw, "sites": {}}, "m.json")
+    site = next(iter(raw["sites"]))  # (12 gates: its axes give [12])
     # Fields of the wrong type are refused by name, never read as something else (256.7 as 256, "1" as 1)
     # nor left to fail later (a part file of 5, or one outside the cache's folder).
     for edit, said in (
@@ -193,6 +194,8 @@ def test_manifest_refuses_what_open_cache_refuses(tmp_path):
         ({"model": {**raw["model"], "path": 5}}, "model.path is 5, not text"),
         ({"model": {**raw["model"], "config": [1]}}, r"model.config is \[1\], not an object"),
         ({"seqs_per_part": True}, "seqs_per_part is true, not a whole number"),
+        ({"sites": {**raw["sites"], site: {**raw["sites"][site], "shape": [13]}}}, rf"{site}'s shape is \[13\]"),
+        ({"sites": {**raw["sites"], site: {**raw["sites"][site], "shape": 12}}}, rf"{site}'s shape is 12, but"),
     ):
         with pytest.raises(CacheError, match=f"m.json: malformed manifest: .*{said}"):
             Manifest.from_json({**raw, **edit}, "m.json")
@@ -202,6 +205,22 @@ def test_manifest_refuses_what_open_cache_refuses(tmp_path):
     entry = catalog.read_entry(tmp_path / "old")
     assert entry.error and "schema version 99" in entry.error
     assert catalog.read_entry(DEMO / "eval").model_fingerprint == raw["model"]["fingerprint"]
+
+
+def test_a_site_shape_edited_apart_from_its_axes_is_refused_by_inspect(tmp_path, capsys):
+    """A site's `shape` set to [5] for 4 channels passed `inspect --verify` (the parts' hashes still matched)."""
+    from fca.cli import main
+
+    cache = write_tiny_cache(tmp_path / "c")
+    raw = json.loads((cache / MANIFEST).read_text())
+    name, site = next((n, d) for n, d in raw["sites"].items() if d["shape"] == [4])
+    (cache / MANIFEST).write_text(json.dumps({**raw, "sites": {**raw["sites"], name: {**site, "shape": [5]}}}))
+    assert main(["inspect", str(cache), "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"fca: error: {cache / MANIFEST}: malformed manifest: site {name}'s shape is [5], but its axes "
+        f"({' x '.join(str(size) for _, size in site['axes'])}) give [4]\n"
+    )
 
 
 def test_parts_listed_twice_out_of_order_or_exchanged_are_refused_by_name(tmp_path):

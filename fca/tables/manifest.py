@@ -64,6 +64,20 @@ def _part_record(p: object, where: str) -> PartRecord:
     )
 
 
+def _site_spec(name: str, d: object, where: str) -> SiteSpec:
+    """A site's spec, its recorded `shape` held to its axes: [K], K the product of the axes' sizes. Readers
+    size the coefficients by the axes; a shape edited or damaged apart from them is said, not trusted."""
+    spec = spec_from_json(_typed(d, dict, f"site {name}", where))
+    shape = d.get("shape", [spec.num_channels])  # (recorded by every writer; not needed to read a cache)
+    if shape != [spec.num_channels] or not all(type(n) is int for n in shape):
+        axes = " x ".join(str(size) for _, size in spec.axes)
+        raise CacheError(
+            f"{where}: malformed manifest: site {name}'s shape is {json.dumps(shape)[:40]}, but its axes "
+            f"({axes}) give [{spec.num_channels}]"
+        )
+    return spec
+
+
 @dataclass(frozen=True)
 class ModelRecord:
     """The model that computed the coefficients. `path` is its directory's name (caches sit beside it)."""
@@ -183,7 +197,9 @@ class Manifest:
                 num_seqs=num_seqs,
                 num_tokens=int(raw.get("num_tokens", num_seqs * seq_len)),
                 coefficient_dtype=raw.get("coefficient_dtype", "float32"),
-                sites={name: spec_from_json(d) for name, d in _typed(raw["sites"], dict, "sites", where).items()},
+                sites={
+                    name: _site_spec(name, d, where) for name, d in _typed(raw["sites"], dict, "sites", where).items()
+                },
                 parts=tuple(_part_record(p, where) for p in _typed(raw["parts"], list, "parts", where)),
                 seqs_per_part=_typed(raw.get("seqs_per_part"), int, "seqs_per_part", where, optional=True),
                 environment=_environment(raw.get("environment"), where),
