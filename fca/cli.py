@@ -6,6 +6,7 @@ Every subcommand reports bad input as one line on stderr (`fca: error: ...`) and
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -210,6 +211,15 @@ def _whole_number(minimum: int):
 
 
 _positive_int, _seed = _whole_number(1), _whole_number(0)
+MAX_PORT = 65535  # (a TCP port is 16 bits)
+
+
+def _port(text: str) -> int:
+    """--port: a TCP port, 1 to MAX_PORT (a larger one reached the server, which failed on it)."""
+    value = _positive_int(text)
+    if value > MAX_PORT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_PORT}, not {value}")
+    return value
 
 
 def _learning_rate(text: str) -> float:
@@ -520,7 +530,15 @@ def dashboard_environment(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+# What the dashboard imports beyond the library: the `app` extra of pyproject.toml.
+DASHBOARD_MODULES = ("streamlit", "plotly")
+
+
 def cmd_dashboard(args: argparse.Namespace) -> NoReturn:
+    # Checked before the URL is printed: without them the server died at once with a bare ModuleNotFoundError.
+    missing = [name for name in DASHBOARD_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(f'the dashboard needs {" and ".join(missing)} (pip install -e ".[app]")')
     command = dashboard_command(args.address, args.port)
     print(f"FCA dashboard: http://{'localhost' if args.address == '127.0.0.1' else args.address}:{args.port}")
     sys.stdout.flush()
@@ -774,7 +792,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_command(
         "dashboard", help="start the dashboard on this machine (streamlit run app/main.py, from any folder)"
     )
-    p.add_argument("--port", type=_positive_int, default=8501, help="port to serve on (default 8501)")
+    p.add_argument("--port", type=_port, default=8501, help="port to serve on (default 8501)")
     p.add_argument(
         "--address",
         default="127.0.0.1",

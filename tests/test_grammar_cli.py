@@ -235,13 +235,15 @@ def test_conditions_given_as_specs_one_spec_or_objects():
         as_conditions([0.5])
 
 
-def test_usage_mistakes_are_one_line_naming_the_command(capsys) -> None:
+def test_usage_mistakes_are_one_line_naming_the_command(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("a mistaken dashboard command started the server"))
     for argv, said in (
         (["replay", "--num-seqs", "0"], "fca: error: replay: argument --num-seqs: must be at least 1, not 0"),
         (["replya"], "fca: error: argument COMMAND: invalid choice: 'replya'"),
         ([], "fca: error: the following arguments are required: COMMAND"),
         (["inspect", "a", "--bogus"], "fca: error: inspect: unrecognized arguments: --bogus"),
         (["dashboard", "--port", "0"], "fca: error: dashboard: argument --port: must be at least 1, not 0"),
+        (["dashboard", "--port", "70000"], "fca: error: dashboard: argument --port: must be at most 65535, not 70000"),
         (["train", "--vocab-size", "256"], "fca: error: train: argument --vocab-size: must be at least 257, not 256"),
     ):
         with pytest.raises(SystemExit) as exit_:
@@ -249,6 +251,18 @@ def test_usage_mistakes_are_one_line_naming_the_command(capsys) -> None:
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith(said), err
         assert "--help)" in err  # where the command's options are
+
+
+def test_the_dashboard_without_its_extra_says_what_to_install(monkeypatch, capsys) -> None:
+    """Without streamlit, `fca dashboard` printed its URL, then a bare `No module named streamlit`."""
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "streamlit" else found(name, *a))
+    monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("the server was started"))
+    assert main(["dashboard"]) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and said.err == 'fca: error: the dashboard needs streamlit (pip install -e ".[app]")\n'
 
 
 def test_the_dashboard_command_is_the_server(tmp_path) -> None:
