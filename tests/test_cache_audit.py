@@ -1277,7 +1277,7 @@ def test_damaged_reports_devices_and_one_path_for_two_outputs_are_refused(demo, 
     assert json.loads((tmp_path / "r.json").read_text()) == report
 
 
-def test_bench_measures_every_figure_it_documents(demo, tmp_path, monkeypatch):
+def test_bench_measures_every_figure_it_documents(demo, tmp_path, monkeypatch, capsys):
     """`fca bench` run small: every README figure is a finite number, the cache it timed replays exactly,
     and its scratch caches are gone (no timing is asserted)."""
     import tempfile
@@ -1299,7 +1299,12 @@ def test_bench_measures_every_figure_it_documents(demo, tmp_path, monkeypatch):
         stats_seqs=8,
         big_cache_factor=2,
         writer_seqs=8,
+        show_progress=True,
     )
+    # The writer-scaling step's runs (2 warm-ups, 5 repeats of 1 and 2 threads) each show on the bar.
+    shown = capsys.readouterr().err
+    assert all(f"writer scaling: run {k}/12" in shown for k in range(1, 13))
+    assert "run 12/12, 2 threads" in shown
     figures = (
         "capture_ratio", "replay_ratio", "replay_from_cache_ratio", "batched_conditions_ratio",
         "batched_conditions_ratio_one_sequence", "parquet_bytes_ratio", "long_format_ratio",

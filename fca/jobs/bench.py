@@ -214,23 +214,40 @@ WRITER_BENCH_SEQS = 256
 
 
 def writer_scaling(
-    workers: list[int], num_seqs: int = WRITER_BENCH_SEQS, seq_len: int = 1024, batch: int = 8, repeats: int = 3
+    workers: list[int],
+    num_seqs: int = WRITER_BENCH_SEQS,
+    seq_len: int = 1024,
+    batch: int = 8,
+    repeats: int = 3,
+    on_run: Callable[[int, int, int], None] | None = None,
 ) -> dict:
     """Raw MB/s of the cache writer for each worker count on MUDDPythia-1.4B-shaped coefficients
-    (median of interleaved repeats), and each count's ratio to the first."""
+    (median of interleaved repeats), and each count's ratio to the first. `on_run(k, runs, workers)` is
+    called as run k (from 1) of all `runs`, warm-ups included, starts: the runs take minutes in all."""
     specs = muddpythia_1p4b_specs()
     from fca.engine.capture import bytes_per_token
 
     raw_mb = bytes_per_token(specs) * num_seqs * seq_len / 1e6
     work = Path(tempfile.mkdtemp(prefix="fca-writer-"))
     times: dict[int, list[float]] = {w: [] for w in workers}
+    runs = len(workers) * (1 + repeats)
+    started = 0
+
+    def starting(w: int) -> None:
+        nonlocal started
+        started += 1
+        if on_run is not None:
+            on_run(started, runs, w)
+
     try:
         # Every count once before timing: a first run with new threads also pays for setting up their
         # allocator arenas (measured: 40-45% longer, with more page faults), which a build pays once.
         for w in workers:
+            starting(w)
             writer_seconds(specs, w, work / "warmup", min(num_seqs, 2 * w * batch), seq_len, batch)
         for r in range(repeats):
             for w in workers if r % 2 == 0 else workers[::-1]:
+                starting(w)
                 times[w].append(writer_seconds(specs, w, work / f"w{w}", num_seqs, seq_len, batch, seed=r))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -440,10 +457,10 @@ def stats_memory_figures(run: BenchRun, stats_seqs: int, big_cache_factor: int) 
     return figures
 
 
-def writer_figures(writer_seqs: int) -> dict:
+def writer_figures(writer_seqs: int, on_run: Callable[[int, int, int], None] | None = None) -> dict:
     """The cache writer alone, 1 and 2 worker threads, on MUDDPythia-1.4B-shaped coefficients in batches
-    of 8, as `bench/writer_scale.py` (see `WRITER_BENCH_SEQS`)."""
-    scaling = writer_scaling([1, 2], num_seqs=writer_seqs, seq_len=1024, batch=8, repeats=5)
+    of 8, as `bench/writer_scale.py` (see `WRITER_BENCH_SEQS`); `on_run` as `writer_scaling`'s."""
+    scaling = writer_scaling([1, 2], num_seqs=writer_seqs, seq_len=1024, batch=8, repeats=5, on_run=on_run)
     return {
         "writer_mb_s_1": scaling["mb_s"][1],
         "writer_mb_s_2": scaling["mb_s"][2],
@@ -504,7 +521,13 @@ def run_bench(
             lambda: batched_conditions_figures(run),
             lambda: long_format_figures(run),
             lambda: stats_memory_figures(run, stats_seqs, big_cache_factor),
-            lambda: writer_figures(writer_seqs),
+            # (its 12 runs take minutes: the bar says which one is under way)
+            lambda: writer_figures(
+                writer_seqs,
+                on_run=lambda k, runs, w: bar.set_postfix_str(
+                    f"writer scaling: run {k}/{runs}, {w} thread{'s' if w > 1 else ''}"
+                ),
+            ),
         ]
         for name, measure in zip(BENCH_STEPS, figures):
             bar.set_postfix_str(name)
