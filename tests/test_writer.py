@@ -416,6 +416,30 @@ def test_a_writer_process_error_reaches_the_caller_and_leaves_the_build_resumabl
     assert _hashes(resumed.finish()) == _hashes(clean.finish())
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_written_files_have_the_mode_open_gives_under_the_umask(artifacts, tmp_path, umask):
+    """Every file FCA writes, through a temporary file or not, is readable by whoever may read a file
+    `open(..., "w")` makes: a model's weights were written 0600 (by safetensors) beside 0644 config.json."""
+    from fca.tables.runs import save_run
+
+    from .helpers import make_model_dir
+
+    earlier = os.umask(umask)
+    try:
+        make_model_dir(tmp_path / "model", artifacts / "prose.txt")
+        plan, schema = _plan_and_schema(4)
+        cache = _write_pairs(CacheWriter(tmp_path / "c", plan, schema, 2), 0, 4).finish()
+        results = {"conditions": {"correct": {"nll": 1.0, "penalty": 0.0, "penalty_ci95": [0.0, 0.0]}}}
+        save_run(
+            cache, {"spec": {"conditions": ["correct"], "num_seqs": 4, "seed": 0}, "results": results, "created": "x"}
+        )
+    finally:
+        os.umask(earlier)
+    modes = {str(f.relative_to(tmp_path)): oct(f.stat().st_mode & 0o777) for f in tmp_path.rglob("*") if f.is_file()}
+    assert "model/model.safetensors" in modes and "c/manifest.json" in modes and len(modes) > 6
+    assert modes == dict.fromkeys(modes, oct(0o666 & ~umask))
+
+
 def test_a_small_build_journals_its_parts_and_resumes_from_the_journal(tmp_path):
     """progress.json is written once, with the plan, when a small build starts; each complete part is then
     a line of the journal (a rewrite per part had cost 8x an append); a resumed build trusts the journal,

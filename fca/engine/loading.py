@@ -100,7 +100,7 @@ def save_model(model: nn.Module, out: str | Path, tokenizer=None, extra_files: d
 
     from safetensors.torch import save_file
 
-    from fca.tables.outputs import check_replaceable
+    from fca.tables.outputs import check_replaceable, give_created_file_mode
 
     out = Path(out)
     check_replaceable(out, "model", is_model_file, "config.json", overwrite=True)
@@ -113,6 +113,7 @@ def save_model(model: nn.Module, out: str | Path, tokenizer=None, extra_files: d
         tmp / "model.safetensors",
         metadata={"format": "pt"},
     )
+    give_created_file_mode(tmp / "model.safetensors")  # (safetensors writes it 0600, unlike config.json)
     if tokenizer is not None:
         tokenizer.save(str(tmp / "tokenizer.json"))
     for name, text in (extra_files or {}).items():

@@ -48,6 +48,27 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return write_together([(Path(path), text)])[0]
 
 
+def created_file_mode() -> int:
+    """The permission bits `open(path, "w")` gives a new file under this process's umask: 0o666 & ~umask.
+    Read from /proc where it is there: `os.umask` can only be read by setting it, process-wide, under the
+    feet of threads creating files meanwhile."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def give_created_file_mode(path: str | Path) -> None:
+    """Give a file written by a library through a private temporary file of its own (safetensors writes
+    0600) the mode the files written beside it have, so that whoever may read those may read it too."""
+    os.chmod(path, created_file_mode())
+
+
 def write_together(outputs: list[tuple[Path, str]]) -> list[Path]:
     """Several files written as one: each to a temporary file beside it, and only when every one is written
     are they renamed into place, so a full disk leaves the earlier files, never a new one beside an old or
