@@ -440,6 +440,32 @@ def test_written_files_have_the_mode_open_gives_under_the_umask(artifacts, tmp_p
     assert modes == dict.fromkeys(modes, oct(0o666 & ~umask))
 
 
+def test_runs_saved_beside_a_cache_later_overwritten_are_not_listed_as_the_new_ones(tmp_path):
+    """`<cache>.runs/` outlives `build-cache --overwrite`: its runs of the old contents were listed (and shown
+    in the Replay lab) as runs of the new cache. Runs that record no fingerprint are listed as before."""
+    from fca.tables.runs import list_runs, save_run
+
+    plan, schema = _plan_and_schema(4)
+    cache = _write_pairs(CacheWriter(tmp_path / "c", plan, schema, 2), 0, 4).finish()
+    results = {"conditions": {"correct": {"nll": 1.0, "penalty": 0.0, "penalty_ci95": [0.0, 0.0]}}}
+
+    def run(created, **spec):
+        spec = {"conditions": ["correct"], "num_seqs": 4, "seed": 0, **spec}
+        save_run(cache, {"spec": spec, "results": results, "created": created})
+
+    run("2026-01-01T00:00:01Z", cache_fingerprint=open_cache(cache).fingerprint)
+    run("2026-01-01T00:00:02Z")  # (an older record: no fingerprint)
+    run("2026-01-01T00:00:03Z", cache_fingerprint="0" * 64)  # another cache's
+    assert [r["created"][-3:] for r in list_runs(cache)] == ["02Z", "01Z"]
+    plan, schema = _plan_and_schema(6)
+    _write_pairs(CacheWriter(cache, plan, schema, 2, overwrite=True), 0, 6).finish()
+    assert [r["created"][-3:] for r in list_runs(cache)] == ["02Z"]
+    run("2026-01-01T00:00:04Z", cache_fingerprint=open_cache(cache).fingerprint)
+    assert [r["created"][-3:] for r in list_runs(cache)] == ["04Z", "02Z"]
+    shutil.rmtree(cache)  # no manifest to tell them apart: all are listed
+    assert len(list_runs(cache)) == 4
+
+
 def test_a_small_build_journals_its_parts_and_resumes_from_the_journal(tmp_path):
     """progress.json is written once, with the plan, when a small build starts; each complete part is then
     a line of the journal (a rewrite per part had cost 8x an append); a resumed build trusts the journal,

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from fca.tables.conditions import Condition, parse_condition
+from fca.tables.errors import CacheError
+from fca.tables.manifest import read_manifest
 from fca.tables.outputs import atomic_write_text, strict_json
 from fca.tables.report import DAMAGED_FIELD_ERRORS
 from fca.tables.scoring import BOOTSTRAP_RESAMPLES, gap_retention
@@ -61,16 +63,35 @@ def save_run(cache_dir: str | Path, record: dict) -> Path:
 
 def list_runs(cache_dir: str | Path) -> list[dict]:
     """Saved runs of a cache, newest first by their creation time (to the millisecond; records of earlier
-    versions, to the second, sort as at its start); files that are not readable run records are skipped."""
+    versions, to the second, sort as at its start); files that are not readable run records are skipped,
+    and so are runs of other contents than the cache's now (its runs folder outlives a cache replaced by
+    `build-cache --overwrite`: those runs' figures are the old cache's). They stay on disk, unlisted."""
+    contents = _contents_fingerprint(cache_dir)
     runs = []
     for path in sorted(runs_dir(cache_dir).glob("*.json"), reverse=True):
         try:
             record = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             continue
-        if is_run_record(record):
+        if is_run_record(record) and _of_contents(record, contents):
             runs.append({**record, "path": str(path)})
     return sorted(runs, key=lambda r: _created_at(r.get("created", "")), reverse=True)  # (stable: name breaks ties)
+
+
+def _contents_fingerprint(cache_dir: str | Path) -> str | None:
+    """The cache's contents fingerprint (what a run's `spec.cache_fingerprint` records), or None where no
+    readable manifest says it: every run is then listed, as none can be told to be another cache's."""
+    try:
+        return read_manifest(cache_dir).contents_fingerprint
+    except (OSError, CacheError):
+        return None
+
+
+def _of_contents(record: dict, contents: str | None) -> bool:
+    """Whether a run may be of the cache whose contents fingerprint is `contents`: it records these contents,
+    or either side is unknown (a run saved without its cache's fingerprint, a cache without a manifest)."""
+    recorded = record["spec"].get("cache_fingerprint")
+    return contents is None or recorded is None or recorded == contents
 
 
 def _created_at(created: str) -> datetime:
