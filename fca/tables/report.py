@@ -142,7 +142,7 @@ def conditions_table(report: dict, both_intervals: bool = True) -> list[str]:
     ]
     for name, row in report["conditions"].items():
         retention = report["gap_retention"].get(name)
-        shown = f"{100 * retention:.2f}%" if retention is not None else "undefined"
+        shown = f"{100 * retention:.1f}%" if retention is not None else "undefined"
         if retention is not None and name in retention_ci:
             lo, hi = retention_ci[name]
             shown += f" [{100 * lo:.1f}%, {100 * hi:.1f}%]"
@@ -420,7 +420,7 @@ def render_markdown(report: dict) -> str:
         lines += ["| factor | share of variance |", "|---|---|"]
         lines += [f"| {k.replace('_', ' ')} | {_fmt(v, 3)} |" for k, v in var["factors"].items()]
     lines += ["", "| site | layer-identity share |", "|---|---|"]
-    lines += [f"| `{k}` | {_fmt(v, 3)} |" for k, v in var["per_site"].items()]
+    lines += [f"| `{k}` | {_share(v)} |" for k, v in var["per_site"].items()]  # (a percent, as the sentence above)
     lines += [
         "",
         "## 2. Functional dependence (controllers removed, coefficients reassigned)",
@@ -536,7 +536,7 @@ def retention_sentence(report: dict) -> str:
             "Per-token control is not clearly worth anything here (the global-mean profile's penalty CI does not lie above 0), "
             f"so the static profile's retention is undefined; {paper}."
         )
-    shown = f"gap retention {100 * retention:.0f}%"
+    shown = f"gap retention {100 * retention:.1f}%"
     if retention > 1:  # "keeps 126%" read as nonsense: the static profile scored below the own coefficients
         if quoted_interval(conditions["static_layer"])[1] < 0:
             return (
@@ -550,13 +550,13 @@ def retention_sentence(report: dict) -> str:
     if retention < 0:
         interval = (report.get("gap_retention_ci95") or {}).get("static_layer")
         if interval is not None and interval[1] >= 0:  # (reports made before the interval: said as before)
-            lo, hi = (f"{100 * x:.0f}%" for x in interval)
+            lo, hi = (f"{100 * x:.1f}%" for x in interval)
             return (
                 f"A fixed per-layer profile does no better than the global-mean profile here ({shown}, 95% CI "
                 f"{lo} to {hi}: within noise of it); {paper}."
             )
         return f"A fixed per-layer profile does worse here than the global-mean profile ({shown}); {paper}."
-    return f"A fixed per-layer profile keeps {100 * retention:.0f}% of what per-token control is worth here; {paper}."
+    return f"A fixed per-layer profile keeps {100 * retention:.1f}% of what per-token control is worth here; {paper}."
 
 
 def dependence_story_markdown(report: dict) -> list[str]:

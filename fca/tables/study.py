@@ -504,7 +504,7 @@ def render_markdown(study: dict) -> str:
         "",
         "| quantity | across models |",
         "|---|---|",
-        f"| layer-identity share of coefficient variance | {format_spread(summary['layer_identity_share'], 3)} |",
+        f"| layer-identity share of coefficient variance | {format_spread(summary['layer_identity_share'], 1, percent=True)} |",
         f"| latency vs Dense twin (x) | {format_spread(summary['latency_ratio_vs_dense'], 3, of=n)} |",
         f"| blocks executed per token (fraction) | {format_spread(summary['blocks_executed_fraction'], 3)} |",
         f"| controller FLOPs (share of forward) | {format_spread(summary['controller_flops_share'], 5)} |",
@@ -532,7 +532,11 @@ def render_markdown(study: dict) -> str:
             ]
             + [_num(r["penalty"].get(c)) for c in penalized]
             + [_num(r["gap_retention"].get(c), 1, percent=True) for c in retained]
-            + [_num(r["layer_identity_share"], 3), _num(r["latency_ratio_vs_dense"], 3), f"`{r['audit']}`"]
+            + [
+                _num(r["layer_identity_share"], 1, percent=True),
+                _num(r["latency_ratio_vs_dense"], 3),
+                f"`{r['audit']}`",
+            ]
         )
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Definitions", ""]
