@@ -51,7 +51,7 @@ PAGES = [
     # (it hands over to the default page, so that the sidebar marks the Overview as the page shown).
     st.Page("views/overview.py", title="Overview", url_path="overview", visibility="hidden"),
 ]
-OVERVIEW, OVERVIEW_ALIAS = PAGES[0], PAGES[-1]
+OVERVIEW, OVERVIEW_ALIAS, STUDY = PAGES[0], PAGES[-1], PAGES[-2]
 DEVICES = ("auto", "cuda", "cpu")
 
 
@@ -242,7 +242,7 @@ if page is OVERVIEW_ALIAS:
     st.switch_page(OVERVIEW)
 selection = sidebar()
 st.session_state[SELECTION_KEY] = selection
-if selection.cache_error:
+if selection.cache_error and page is not STUDY:  # (the Study page reads study files, not the selected cache)
     st.error(f"This cache cannot be used: {selection.cache_error}")
 page.run()
 resources.page_ran()  # the warm-up's steps wait for a quiet moment after this one

@@ -112,7 +112,18 @@ def typed_problem(typed: str, roots: list[Path], repo: Path) -> str | None:
     except ValueError as err:
         return f"{typed.strip()!r} is not a path: {err}."
     if not catalog.is_folder(path):
-        return f"there is no folder {typed.strip()} (relative paths are read from {repo})."
+        relative = not (Path(typed.strip()).is_absolute() or typed.strip().startswith("~"))
+        where = (
+            f" (relative paths are read from {repo})"  # (said only where it explains which folder was looked for)
+            if relative
+            else ""
+        )
+        outside = (
+            "; it is also outside the configured roots (set FCA_CACHE_ROOTS to allow it)"
+            if not catalog.path_allowed(path, roots)
+            else ""
+        )
+        return f"there is no folder {typed.strip()}{where}{outside}."
     if not (path / "manifest.json").is_file():
         return f"{typed.strip()} is a folder but not a cache: it has no manifest.json."
     return None
