@@ -40,6 +40,30 @@ COLORWAY = [
     "#9d755d",
     "#bab0ac",
 ]
+# One colour per condition kind, the same in every chart of every page (the retention scale, the bars, the
+# sweep, routing, the study): a condition recognised by its colour in one chart is that condition in the
+# next. Keyed by kind: `static_layer@blocks.0.gate` and `interpolate:0.25` take their kind's colour.
+CONDITION_COLOURS = {
+    "correct": "#54a24b",
+    "static_layer": "#4c78a8",
+    "global_mean": "#9d755d",
+    "cross_input": "#e45756",
+    "token_shuffle": "#f58518",
+    "position_profile": "#b279a2",
+    "interpolate": "#72b7b2",
+}
+OTHER_CONDITION = "#bab0ac"  # a kind this table does not know (a newer library's)
+
+
+def condition_kind(name: str) -> str:
+    """`static_layer@blocks.0.gate` -> `static_layer`, `interpolate:0.25` -> `interpolate`."""
+    return str(name).partition("@")[0].partition(":")[0]
+
+
+def condition_colour(name: str) -> str:
+    return CONDITION_COLOURS.get(condition_kind(name), OTHER_CONDITION)
+
+
 TEMPLATE = {"layout": {"colorway": COLORWAY, "hoverlabel": {"align": "left"}}}
 # The plotly toolbar sits on the figure's top edge; titles stand on their own lines below it (on the
 # toolbar's line they were covered by it; a vertical toolbar at the right edge covers colour bars and
@@ -47,7 +71,7 @@ TEMPLATE = {"layout": {"colorway": COLORWAY, "hoverlabel": {"align": "left"}}}
 TOOLBAR_HEIGHT, TITLE_LINE, LEGEND_ROW = 48, 22, 28
 TITLE_CHARS = 34  # characters per title line: what a chart half a 1024 px page wide holds
 LEGEND_CHARS = 56  # characters per legend line below such a chart (smaller type, and the width of the plot)
-SHARE = "share of coefficient variance (fraction)"
+SHARE = "layer-identity share (%)"  # (of the coefficient variance: short, beside a narrow chart)
 COEFFICIENT = "coefficient value (unitless)"
 NLL = "NLL (nats / token)"
 PENALTY = "penalty vs correct (nats / token)"
@@ -83,15 +107,15 @@ def _layout(fig: go.Figure, title: str, height: int = 380, legend_row: bool = Fa
 
 
 def share_by_site(df: pd.DataFrame | dict, pooled: float | None = None) -> go.Figure:
-    """df: site, share. Bars per site, a dashed line at the pooled share, named in the legend (a label on
-    the line sat on the bars)."""
+    """df: site, share (fractions, drawn as percent like every layer-identity share in the app). Bars per
+    site, a dashed line at the pooled share, named in the legend (a label on the line sat on the bars)."""
     fig = go.Figure(
         go.Bar(
             x=df["site"],
             y=df["share"],
             name="per site",
             marker_color="#4c78a8",
-            hovertemplate="%{x}: %{y:.3f}<extra></extra>",
+            hovertemplate="%{x}: %{y:.1%}<extra></extra>",
         )
     )
     if pooled is not None:
@@ -102,17 +126,20 @@ def share_by_site(df: pd.DataFrame | dict, pooled: float | None = None) -> go.Fi
                 y=[None],
                 mode="lines",
                 line=dict(dash="dash", color="#e45756"),
-                name=f"pooled over all sites: {pooled:.3f}",
+                name=f"pooled over all sites: {100 * pooled:.1f}%",
             )
         )
-    fig.update_yaxes(title=SHARE, range=[0, 1])
+    fig.update_yaxes(title=SHARE, range=[0, 1], tickformat=".0%")
     fig.update_xaxes(title="site (layer)")
     return _layout(
         fig,
         "Layer-identity share per site",
         showlegend=pooled is not None,
-        # inside the top of the plot: shares rarely reach 1, and above it the legend met the title
-        legend=dict(yanchor="top", y=0.99, xanchor="right", x=0.99, bgcolor="rgba(255,255,255,0.7)"),
+        # at the figure's foot, below the turned site names and the axis title: inside the plot it covered
+        # the y ticks of a narrow chart, and above it the legend met the title
+        legend=dict(orientation="h", yref="container", yanchor="bottom", y=0, xanchor="left", x=0),
+        height=420,
+        margin=dict(l=60, r=20, b=140),
     )
 
 
@@ -445,14 +472,24 @@ TICK_SITES = 3  # a condition's sites listed in its tick label up to this many, 
 # Beyond this many conditions a kind's name breaks after its "_" or ":" too: in a chart half a 1024 px
 # screen wide, four names on one line each ran into each other ("cross_inp|token_shuf|static_la").
 TICK_ROOMY = 3
+# The plot area's width (pixels) of a chart half a 1024 px page wide and of one the page's whole width:
+# what a condition's tick label must share with the others'. Labels whose longest line is wider than its
+# share (a sweep's "interpolate:" among eight conditions) are written whole and turned on their side.
+HALF_PLOT_PX, FULL_PLOT_PX = 185, 480
+TICK_FONT = (
+    11  # pixels: a crowded axis's type, a size smaller than plotly's 12 (four conditions at 800 px ran together)
+)
+TICK_CHAR_PX = 6.0  # the width of a tick label's character at that size, on average
 
 
-def condition_ticks(fig: go.Figure, names) -> int:
+def condition_ticks(fig: go.Figure, names, plot_px: int = HALF_PLOT_PX, positions=None) -> int:
     """Label the x axis's conditions on short lines, the sites below the kind (`static_layer` /
     `@blocks.0.gate,` / `blocks.5.gate`; more than TICK_SITES sites counted; the kind itself broken after
     "_" and ":" when more than TICK_ROOMY conditions share the axis), and return the pixels the labels
     take. At full length, names of sites were turned on their side and took most of the chart's height.
-    The hover keeps each condition's whole name."""
+    Where even the kinds' short lines are wider than a condition's share of `plot_px`, each label is written
+    on one line turned on its side (flat, they overlapped). `positions`: the conditions' x values where the
+    axis is numeric (default: the names, a category axis). The hover keeps each condition's whole name."""
     names = list(dict.fromkeys(str(n) for n in names))
     crowded = len(names) > TICK_ROOMY
     texts = []
@@ -464,7 +501,23 @@ def condition_ticks(fig: go.Figure, names) -> int:
         if len(listed) > TICK_SITES:
             listed = [f"{len(listed)} sites"]
         texts.append(kind + ("<br>@" + ",<br>".join(listed) if listed else ""))
-    fig.update_xaxes(tickmode="array", tickvals=names, ticktext=texts, tickangle=0)
+    # The kinds' lines decide (a sweep's "interpolate:" eight times over overlapped); the sites' lines are
+    # narrower than they were at full length, and turned on their side they took most of the chart again.
+    widest = max((len(line) for text in texts for line in text.split("<br>@")[0].split("<br>")), default=0)
+    values = list(positions) if positions is not None else names
+    if names and widest * TICK_CHAR_PX > plot_px / len(names):
+        texts = [text.replace("<br>", "") for text in texts]
+        fig.update_xaxes(
+            tickmode="array", tickvals=values, ticktext=texts, tickangle=-90, tickfont=dict(size=TICK_FONT)
+        )
+        return round(TICK_CHAR_PX * max(len(text) for text in texts)) + 6
+    fig.update_xaxes(
+        tickmode="array",
+        tickvals=values,
+        ticktext=texts,
+        tickangle=0,
+        tickfont=dict(size=TICK_FONT) if crowded else None,
+    )
     return TICK_LINE * max((t.count("<br>") + 1 for t in texts), default=1)
 
 
@@ -486,7 +539,7 @@ def nll_bars(df: pd.DataFrame, title: str = "NLL per condition") -> go.Figure:
         go.Bar(
             x=df["condition"],
             y=df["nll"],
-            marker_color="#4c78a8",
+            marker_color=[condition_colour(c) for c in df["condition"]],
             error_y=dict(
                 type="data", symmetric=False, array=df["ci_hi"] - df["nll"], arrayminus=df["nll"] - df["ci_lo"]
             ),
@@ -503,36 +556,51 @@ def nll_bars(df: pd.DataFrame, title: str = "NLL per condition") -> go.Figure:
     return _layout(fig, title, height=366 + ticks, margin=dict(l=60, r=20, b=46 + ticks))
 
 
-def penalty_bars(df: pd.DataFrame | dict, title: str = "Penalty vs correct (95% paired bootstrap CI)") -> go.Figure:
-    """df: condition, penalty, lo, hi; optional `run` column groups bars by saved run."""
+def penalty_title(over_documents: bool, prefix: str = "Penalty vs correct") -> str:
+    """The penalty chart's title, naming the interval its whiskers draw: over documents where every
+    condition has one (`fca.tables.scoring.quoted_interval`), else over sequences."""
+    return f"{prefix} (95% paired bootstrap CI {'over documents' if over_documents else 'over sequences'})"
+
+
+# Saved runs side by side: the bars keep their condition's colour, and each run its own fill pattern.
+RUN_PATTERNS = ("", "/", ".", "x", "\\", "+", "-", "|")
+
+
+def penalty_bars(df: pd.DataFrame | dict, title: str = penalty_title(False)) -> go.Figure:
+    """df: condition, penalty, lo, hi; optional `run` column groups bars by saved run (full page wide)."""
     fig = go.Figure()
     groups = df.groupby("run", sort=False) if "run" in df else [("", df)]
-    for run, part in groups:
+    for i, (run, part) in enumerate(groups):
+        pattern = RUN_PATTERNS[i % len(RUN_PATTERNS)]
         fig.add_trace(
             go.Bar(
                 x=part["condition"],
                 y=part["penalty"],
                 # a run's whole name, on lines that fit a chart half a page wide (it ran off the edge)
                 name=_wrap_run_name(str(run)) or "penalty",
+                marker=dict(
+                    color=[condition_colour(c) for c in part["condition"]],
+                    pattern=dict(shape=pattern, fgcolor="#222", fgopacity=0.6, solidity=0.35) if run else None,
+                ),
                 error_y=dict(
                     type="data",
                     symmetric=False,
                     array=np.subtract(part["hi"], part["penalty"]),
                     arrayminus=np.subtract(part["penalty"], part["lo"]),
                 ),
-                hovertemplate="%{x}: %{y:+.4f} nats<extra></extra>",
+                hovertemplate=("" if not run else f"{run}<br>") + "%{x}: %{y:+.4f} nats<extra></extra>",
             )
         )
     fig.add_hline(y=0, line_color="#888")
     fig.update_yaxes(title=PENALTY)
     fig.update_xaxes(title="condition")
-    ticks = condition_ticks(fig, df["condition"])
+    ticks = condition_ticks(fig, df["condition"], plot_px=FULL_PLOT_PX if "run" in df else HALF_PLOT_PX)
     if "run" not in df:
         return _layout(
             fig, title, height=366 + ticks, barmode="group", showlegend=False, margin=dict(l=60, r=20, b=46 + ticks)
         )
     # Runs are named by what they ran, at length: beside the plot their legend left it 90 px wide on a
-    # 1024 px screen. Below it (and below the condition labels), one run per row.
+    # 1024 px screen. Below it (and below the condition labels), one run per row, told by its pattern.
     plot, below_axis = 228, 76 + ticks
     extra_lines = sum(trace.name.count("<br>") for trace in fig.data)
     bottom = below_axis + 10 + LEGEND_ROW * len(fig.data) + TICK_LINE * extra_lines  # pixels
@@ -547,8 +615,9 @@ def penalty_bars(df: pd.DataFrame | dict, title: str = "Penalty vs correct (95% 
     )
 
 
-def latency_bars(df: pd.DataFrame) -> go.Figure:
-    """df: model, ms (median forward time)."""
+def latency_bars(df: pd.DataFrame, batch: Sequence[int] | None = None) -> go.Figure:
+    """df: model, ms (median forward time); batch: the timed batch's shape (sequences, tokens), named on
+    the axis, since a time per batch means nothing without its batch (a new measurement may use another)."""
     fig = go.Figure(
         go.Bar(
             x=df["model"],
@@ -558,7 +627,8 @@ def latency_bars(df: pd.DataFrame) -> go.Figure:
             textposition="outside",
         )
     )
-    fig.update_yaxes(title="median forward time (ms per batch)")
+    per = f"ms per batch of {batch[0]} x {batch[1]} tokens" if batch is not None and len(batch) == 2 else "ms per batch"
+    fig.update_yaxes(title=f"median forward time ({per})")
     fig.update_xaxes(title="model")
     return _layout(fig, "Latency: dynamic model vs its Dense twin")
 
@@ -624,6 +694,16 @@ def flops_bar(df: pd.DataFrame) -> go.Figure:
 
 
 SEED_SYMBOLS = ("circle", "diamond", "square", "triangle-up", "x", "star", "cross", "pentagon")
+SEED_GAP, SEED_STEP = 0.12, 0.08  # a seed's distance from its condition's x (the mean's), and between seeds
+
+
+def seed_offsets(n: int) -> list[float]:
+    """x offsets of n seeds from their condition's x, in seed order: the first n // 2 to its left, the rest
+    to its right, none at 0 (where the mean stands)."""
+    left = n // 2
+    return [-(SEED_GAP + SEED_STEP * (left - 1 - j)) for j in range(left)] + [
+        SEED_GAP + SEED_STEP * j for j in range(n - left)
+    ]
 
 
 def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
@@ -656,34 +736,64 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
         )
     )
     # Seeds of one configuration land close together: at one x they hid each other (seed 0 under the
-    # rest), so each seed stands at its own offset, with its own symbol as well as colour.
+    # rest), so each seed stands at its own offset, with its own symbol; none at the condition's own x,
+    # where the mean's marker and interval bar covered the middle seed. Colour is the condition's, as in
+    # every chart, so a seed's legend entry is grey.
     seeds = list(dict.fromkeys(points["seed"]))
+    offsets = seed_offsets(len(seeds))
     for i, seed in enumerate(seeds):
         part = points[(points["seed"] == seed) & points["retention"].notna()]
-        offset = 0.3 * (i - (len(seeds) - 1) / 2) / max(len(seeds) - 1, 1)  # within +-0.15 of the condition
+        symbol = SEED_SYMBOLS[i % len(SEED_SYMBOLS)]
         fig.add_trace(
             go.Scatter(
-                x=[where[c] + offset for c in part["condition"]],
+                x=[where[c] + offsets[i] for c in part["condition"]],
                 y=part["retention"],
                 customdata=part["condition"],
                 mode="markers",
                 name=f"seed {seed}",
-                marker=dict(size=10, opacity=0.85, symbol=SEED_SYMBOLS[i % len(SEED_SYMBOLS)]),
+                legendgroup=f"seed {seed}",
+                showlegend=False,
+                marker=dict(
+                    size=10,
+                    opacity=0.9,
+                    symbol=symbol,
+                    color=[condition_colour(c) for c in part["condition"]],
+                    line=dict(width=1, color="#333"),
+                ),
                 hovertemplate=f"seed {seed}, " + "%{customdata}: %{y:.1%}<extra></extra>",
             )
         )
-    for y, label in ((0.0, "global mean (no layer identity)"), (1.0, "correct (per-token control)")):
-        fig.add_hline(
-            y=y, line_dash="dot", line_color="#888", annotation_text=label, annotation_position="bottom right"
+    for i, seed in enumerate(seeds):  # the legend's entries
+        symbol = SEED_SYMBOLS[i % len(SEED_SYMBOLS)]
+        fig.add_trace(
+            go.Scatter(
+                x=[None],
+                y=[None],
+                mode="markers",
+                name=f"seed {seed}",
+                legendgroup=f"seed {seed}",
+                marker=dict(size=10, symbol=symbol, color="#bab0ac", line=dict(width=1, color="#333")),
+            )
         )
+    # Each label on the side of its line away from the axis's tick labels (below 0% it sat on them)
+    for y, label, where in (
+        (0.0, "global mean (no layer identity)", "top right"),
+        (1.0, "correct (per-token control)", "bottom right"),
+    ):
+        fig.add_hline(y=y, line_dash="dot", line_color="#888", annotation_text=label, annotation_position=where)
     values = np.concatenate([points["retention"].dropna().to_numpy(dtype=float), mean.dropna().to_numpy()])
     lo = min(-0.05, float(values.min()) - 0.05) if values.size else -0.05
     hi = max(1.05, float(values.max()) + 0.05) if values.size else 1.05
     fig.update_yaxes(title="gap retention (0% = global mean, 100% = correct)", range=[lo, hi], tickformat=".0%")
-    fig.update_xaxes(
-        title="condition", tickvals=list(range(len(order))), ticktext=order, range=[-0.5, len(order) - 0.5]
+    ticks = condition_ticks(fig, order, plot_px=FULL_PLOT_PX, positions=range(len(order)))
+    fig.update_xaxes(title="condition", range=[-0.5, len(order) - 0.5])
+    return _layout(
+        fig,
+        "Gap retention per model across seeds",
+        height=406 + ticks,
+        legend=dict(orientation="h", yanchor="top", y=-(70 + ticks) / 260),
+        margin=dict(l=60, r=20, b=100 + ticks),
     )
-    return _layout(fig, "Gap retention per model across seeds", height=420, legend=dict(orientation="h", y=-0.25))
 
 
 STORY_MARGIN = dict(l=60, r=50, t=0, b=60)  # t: what the title needs (_layout)
@@ -729,9 +839,12 @@ def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.F
             annotation_text="what per-token control is worth",
             annotation_position="top left",
         )
+    intervals = {name: _nll_interval(conditions, name) for name in names}
+    left = min((lo for lo, _ in intervals.values()), default=0.0)
+    right = max((hi for _, hi in intervals.values()), default=1.0)
     for name in names:
         row = conditions[name]
-        lo, hi = _nll_interval(conditions, name)
+        lo, hi = intervals[name]
         kept = retention.get(name)
         label = "undefined" if kept is None else f"{100 * kept:.1f}% kept"
         label = "" if name in ("correct", "global_mean") else label
@@ -742,11 +855,11 @@ def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.F
                 y=[ANCHOR_TEXT.get(name, name)],
                 mode="markers+text",
                 text=[label],
-                textposition="top center",
+                # ("1.1% kept" centred on a point at the right end ran past the chart's edge: cut to "1.1% kep")
+                textposition="top left" if row["nll"] > left + 0.75 * (right - left) else "top center",
+                cliponaxis=False,
                 marker=dict(
-                    size=13 if anchor else 10,
-                    symbol="diamond" if anchor else "circle",
-                    color="#4c78a8" if anchor else "#f58518",
+                    size=13 if anchor else 10, symbol="diamond" if anchor else "circle", color=condition_colour(name)
                 ),
                 error_x=dict(type="data", symmetric=False, array=[hi - row["nll"]], arrayminus=[row["nll"] - lo]),
                 showlegend=False,
@@ -780,8 +893,8 @@ def sweep_curve(sweep: list[dict], conditions: dict | None = None) -> go.Figure:
             x=x,
             y=y,
             mode="lines+markers",
-            marker=dict(size=9, color="#f58518"),
-            line=dict(color="#f58518"),
+            marker=dict(size=9, color=condition_colour("interpolate")),
+            line=dict(color=condition_colour("interpolate")),
             name="interpolate:alpha",
             error_y=dict(type="data", symmetric=False, array=np.subtract(hi, y), arrayminus=np.subtract(y, lo)),
             customdata=np.stack([lo, hi], axis=-1) if rows else None,
@@ -821,7 +934,8 @@ def routing_by_router(routing: dict, leave_out: Sequence[str] = ()) -> go.Figure
                 y=row["same_experts_per_router"],
                 mode="lines+markers",
                 name=name + (" (ties decided)" if ties_decided(row) else ""),
-                line=dict(dash="dot") if ties_decided(row) else None,
+                marker=dict(color=condition_colour(name)),
+                line=dict(color=condition_colour(name), dash="dot" if ties_decided(row) else None),
                 customdata=routers,
                 hovertemplate=f"{name}<br>%{{customdata}}: %{{y:.1%}} of tokens on the same experts<extra></extra>",
             )

@@ -209,12 +209,12 @@ def test_figures_are_pure_and_titled():
     # taller chart; the compare legend's run names on lines that fit, whole.
     plain = figures.nll_bars(conditions)  # one line of labels: the height and margin it always had
     assert (plain.layout.height, plain.layout.margin.b) == (366 + figures.TICK_LINE, 46 + figures.TICK_LINE)
-    named = ["correct", "static_layer@l.2.gate", "interpolate:0.6@l.0.gate,l.5.gate", "global_mean@a,b,c,d"]
+    named = ["correct", "static_layer@l.2.gate", "token_shuffle@l.0.gate,l.5.gate", "global_mean@a,b,c,d"]
     rows = {"condition": named, "nll": [1.0] * 4, "ci_lo": [0.9] * 4, "ci_hi": [1.1] * 4}
     bars = figures.nll_bars(pd.DataFrame(rows))
     # Four conditions in a chart half a screen wide: each kind broken after "_" and ":" too.
     assert list(bars.layout.xaxis.ticktext) == [
-        "correct", "static_<br>layer<br>@l.2.gate", "interpolate:<br>0.6<br>@l.0.gate,<br>l.5.gate",
+        "correct", "static_<br>layer<br>@l.2.gate", "token_<br>shuffle<br>@l.0.gate,<br>l.5.gate",
         "global_<br>mean<br>@4 sites",
     ]  # fmt: skip
     assert list(bars.layout.xaxis.tickvals) == named and bars.layout.xaxis.tickangle == 0
@@ -981,12 +981,19 @@ def test_sidebar_matches_typed_paths_and_explains_missing_ones(tiny_demo, tmp_pa
         assert match_typed(typed, [root], listed, REPO) == str(path), typed
     assert match_typed("cache/demo/nope", [root], listed, REPO) is None
 
-    missing = typed_problem(str(root / "missing"), [root], REPO)
-    assert missing == f"there is no folder {root / 'missing'} (relative paths are read from {REPO})."
-    # A folder that does not exist is a typo more often than not: said so, even outside the roots.
+    # Where relative paths are read from is said only of a relative path (an absolute one names its folder).
+    assert typed_problem(str(root / "missing"), [root], REPO) == f"there is no folder {root / 'missing'}."
+    assert typed_problem("local/missing", [root], REPO).startswith(
+        f"there is no folder local/missing (relative paths are read from {REPO})"
+    )
+    # A folder that does not exist is a typo more often than not: said so, and, outside the roots, that too
+    # (as of a folder that is there, outside the roots).
     assert not typed_outside(str(tmp_path / "nowhere"), [root], REPO)
     assert typed_outside(str(tmp_path), [root], REPO)  # a folder that is there, outside the roots: said so
-    assert typed_problem(str(tmp_path / "nowhere"), [root], REPO).startswith("there is no folder")
+    assert typed_problem(str(tmp_path / "nowhere"), [root], REPO) == (
+        f"there is no folder {tmp_path / 'nowhere'}; it is also outside the configured roots "
+        "(set FCA_CACHE_ROOTS to allow it)."
+    )
     assert "not a cache" in typed_problem("local", [root], REPO)
     assert typed_problem("local/eval/", [root], REPO) is None
     # Text the system cannot look up was an exception box (RuntimeError, ValueError, OSError).

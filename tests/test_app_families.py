@@ -148,4 +148,4 @@ def test_the_overview_shows_how_much_routing_each_condition_kept(family_root, mo
         assert [m.label for m in at.metric][2] == "Experts run per token" and at.metric[2].value == "2.00 of 4"
     else:
         assert said == [] and "routing" not in report
-        assert [m.label for m in at.metric][2] == "Latency vs Dense twin"
+        assert [m.label for m in at.metric][2] == "Time vs Dense twin"

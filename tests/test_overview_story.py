@@ -46,7 +46,7 @@ SWEEP = [
 
 def test_retention_sentence_in_plain_words():
     text = retention_sentence({"conditions": CONDITIONS, "gap_retention": RETENTION})
-    assert text.startswith("A fixed per-layer profile keeps 42% of what per-token control is worth here")
+    assert text.startswith("A fixed per-layer profile keeps 42.0% of what per-token control is worth here")
     assert text.endswith("the paper's gated models kept 98.7-99.4%.")  # PAPER_STATIC_RETENTION
     # of another architecture, the paper's range is a reference, not its own yardstick
     for model_type, qualified in (("featuregate", False), ("mixtral", True), ("muddpythia", True)):
@@ -66,10 +66,10 @@ def test_retention_sentence_in_plain_words():
         (
             row(2.9, -0.1, -0.2, 0.05),
             1.26,
-            "does as well as per-token control here (gap retention 126%; its penalty's CI",
+            "does as well as per-token control here (gap retention 126.0%; its penalty's CI",
         ),
         (row(2.9, -0.1, -0.2, -0.05), 1.26, "does better than the model's own per-token coefficients here (gap"),
-        (row(4.1, 1.1, 1.0, 1.2), -0.1, "does worse here than the global-mean profile (gap retention -10%)"),
+        (row(4.1, 1.1, 1.0, 1.2), -0.1, "does worse here than the global-mean profile (gap retention -10.0%)"),
     ):
         report = {"conditions": {**CONDITIONS, "static_layer": static}, "gap_retention": {"static_layer": retention}}
         assert said in retention_sentence(report)
@@ -81,7 +81,7 @@ def test_retention_sentence_at_the_scales_edges():
     reaches = {**CONDITIONS, "global_mean": row(2.995, -0.005, -0.01, 0.002)}
     undefined = {"conditions": reaches, "gap_retention": {"static_layer": None}}
     assert retention_sentence(undefined).startswith("Per-token control is not clearly worth anything here")
-    for retention, said in ((1.0, "keeps 100% of what"), (0.0, "keeps 0% of what")):
+    for retention, said in ((1.0, "keeps 100.0% of what"), (0.0, "keeps 0.0% of what")):
         report = {"conditions": CONDITIONS, "gap_retention": {"static_layer": retention}}
         assert retention_sentence(report).startswith(f"A fixed per-layer profile {said}"), retention
 
@@ -96,18 +96,18 @@ def test_retention_sentence_reads_the_interval_over_documents_and_retentions_own
     assert retention_sentence(report).startswith("Per-token control is not clearly worth anything here")
     beats = {**CONDITIONS, "static_layer": {**row(2.9, -0.1, -0.2, -0.05), "penalty_ci95_documents": [-0.25, 0.05]}}
     report = {"conditions": beats, "gap_retention": {"static_layer": 1.26}}
-    assert "does as well as per-token control here (gap retention 126%" in retention_sentence(report)
+    assert "does as well as per-token control here (gap retention 126.0%" in retention_sentence(report)
     worse = {
         "conditions": {**CONDITIONS, "static_layer": row(4.1, 1.1, 1.0, 1.2)},
         "gap_retention": {"static_layer": -0.84},
     }
     noisy = {**worse, "gap_retention_ci95": {"static_layer": [-7.49, 0.28]}}
     assert (
-        "does no better than the global-mean profile here (gap retention -84%, 95% CI -749% to 28%"
+        "does no better than the global-mean profile here (gap retention -84.0%, 95% CI -749.0% to 28.0%"
         in retention_sentence(noisy)
     )
     clear = {**worse, "gap_retention_ci95": {"static_layer": [-1.2, -0.5]}}
-    assert "does worse here than the global-mean profile (gap retention -84%)" in retention_sentence(clear)
+    assert "does worse here than the global-mean profile (gap retention -84.0%)" in retention_sentence(clear)
 
 
 def test_each_familys_layer_identity_share_is_given_beside_the_pooled_one():
@@ -129,10 +129,10 @@ def test_the_conditions_and_routing_tables_cell_by_cell():
     lines = conditions_table(report)
     assert lines[2:] == [
         "| correct | 3.0000 | +0.0000 | [+0.0000, +0.0000] |  |",
-        "| cross_input | 3.9000 | +0.9000 | [+0.8500, +0.9500] | 10.00% |",
-        "| static_layer | 3.5800 | +0.5800 | [+0.5000, +0.6000] | 42.00% |",
+        "| cross_input | 3.9000 | +0.9000 | [+0.8500, +0.9500] | 10.0% |",
+        "| static_layer | 3.5800 | +0.5800 | [+0.5000, +0.6000] | 42.0% |",
         "| global_mean | 4.0000 | +1.0000 | [+0.9000, +1.1000] |  |",  # (the scale's ends: no retention)
-        "| interpolate:0.5 | 3.2000 | +0.2000 | [+0.1500, +0.2500] | 80.00% |",
+        "| interpolate:0.5 | 3.2000 | +0.2000 | [+0.1500, +0.2500] | 80.0% |",
     ]
     # With the intervals over documents: a column of their own, and retention's CI beside it.
     wider = {
@@ -144,12 +144,12 @@ def test_the_conditions_and_routing_tables_cell_by_cell():
     assert "| penalty 95% CI (sequences) | penalty 95% CI (documents) | gap retention [95% CI] |" in lines[0]
     assert (
         lines[3]
-        == "| cross_input | 3.9000 | +0.9000 | [+0.8500, +0.9500] | [+0.8400, +0.9700] | 10.00% [-5.0%, 25.0%] |"
+        == "| cross_input | 3.9000 | +0.9000 | [+0.8500, +0.9500] | [+0.8400, +0.9700] | 10.0% [-5.0%, 25.0%] |"
     )
-    assert lines[4] == "| static_layer | 3.5800 | +0.5800 | [+0.5000, +0.6000] | [+0.4900, +0.6200] | 42.00% |"
+    assert lines[4] == "| static_layer | 3.5800 | +0.5800 | [+0.5000, +0.6000] | [+0.4900, +0.6200] | 42.0% |"
     narrow = conditions_table(documents, both_intervals=False)  # the Overview's: the interval to quote only
     assert "| penalty 95% CI (documents) | gap retention [95% CI] |" in narrow[0] and len(narrow[1].split("|")) == 7
-    assert narrow[3] == "| cross_input | 3.9000 | +0.9000 | [+0.8400, +0.9700] | 10.00% [-5.0%, 25.0%] |"
+    assert narrow[3] == "| cross_input | 3.9000 | +0.9000 | [+0.8400, +0.9700] | 10.0% [-5.0%, 25.0%] |"
     assert conditions_table(report, both_intervals=False) == conditions_table(report)  # nothing over documents
     figures = dict(same_experts=0.25, expert_overlap=0.5, weight_kept=0.45, tied=0.125)
     routing = {
@@ -304,7 +304,7 @@ def test_nll_bars_start_at_zero_and_pooled_label_off_the_bars():
     assert figures.nll_bars(df).layout.yaxis.range[0] == 0
     fig = figures.share_by_site({"site": ["a", "b"], "share": [0.1, 0.3]}, 0.195)
     assert not fig.layout.annotations  # the label sat on a bar; it is a legend entry now
-    assert any("0.195" in (t.name or "") for t in fig.data)
+    assert any("19.5%" in (t.name or "") for t in fig.data)  # a percent, as every layer-identity share
 
 
 def test_token_text_html_escapes_every_token_into_one_span():
@@ -532,3 +532,69 @@ def test_shipped_markdown_reports_are_their_json_rendered():
     assert ", from " not in render_markdown(report)
     report["calibration"]["corpus"] = "other.txt"
     assert "(calibration split, 32,768 tokens, from other.txt)" in render_markdown(report)
+
+
+SWEPT = ["static_layer", "global_mean", "token_shuffle", *(f"interpolate:{a:g}" for a in (0, 0.25, 0.5, 0.75, 1))]
+
+
+def test_a_sweeps_many_conditions_are_labelled_whole_on_their_side():
+    """The lab's charts after a run with a sweep: eight "interpolate:"-long kinds in a chart half a page
+    wide overlapped each other even broken after ":"; written whole and turned on their side they do not.
+    The same helper labels the full-width compare chart and the study's axis."""
+    import pandas as pd
+
+    rows = {"condition": ["correct", *SWEPT], "nll": [3.0] * 9, "ci_lo": [2.9] * 9, "ci_hi": [3.1] * 9}
+    for fig in (
+        figures.nll_bars(pd.DataFrame(rows)),
+        figures.penalty_bars(pd.DataFrame({"condition": SWEPT, "penalty": [0.1] * 8, "lo": [0] * 8, "hi": [0.2] * 8})),
+    ):
+        axis = fig.layout.xaxis
+        assert axis.tickangle == -90 and "<br>" not in "".join(axis.ticktext)
+        assert "interpolate:0.25" in axis.ticktext
+        assert fig.layout.margin.b >= figures.TICK_CHAR_PX * len("interpolate:0.25")  # room for the longest
+    # Four conditions of the Overview fit flat, broken after "_".
+    four = {"condition": SWEPT[:3] + ["cross_input"], "penalty": [0.1] * 4, "lo": [0] * 4, "hi": [0.2] * 4}
+    axis = figures.penalty_bars(four).layout.xaxis
+    assert axis.tickangle == 0 and axis.ticktext[0] == "static_<br>layer"
+
+
+def test_each_condition_has_one_colour_in_every_chart():
+    """A condition's colour is the same in the retention scale, the penalty and NLL bars (the Overview's and
+    the lab's, saved runs side by side too), the sweep and the routing chart."""
+    import pandas as pd
+
+    colour = figures.condition_colour
+    assert len({colour(k) for k in figures.CONDITION_COLOURS}) == len(figures.CONDITION_COLOURS)
+    assert colour("static_layer@blocks.0.gate") == colour("static_layer")
+    assert colour("interpolate:0.25") == colour("interpolate")
+    scale = {t.y[0]: t.marker.color for t in figures.retention_scale(CONDITIONS, RETENTION).data}
+    assert scale["static profile (layer identity)"] == colour("static_layer")
+    assert scale["cross_input"] == colour("cross_input") != scale["global mean (no layer identity)"]
+    perturbed = [c for c in CONDITIONS if c != "correct" and not c.startswith("interpolate:")]
+    bars = {
+        "condition": perturbed,
+        "penalty": [CONDITIONS[c]["penalty"] for c in perturbed],
+        "lo": [0.0] * len(perturbed),
+        "hi": [1.0] * len(perturbed),
+    }
+    assert list(figures.penalty_bars(bars).data[0].marker.color) == [colour(c) for c in perturbed]
+    runs = pd.DataFrame({**bars, "run": ["a"] * len(perturbed)})
+    runs = pd.concat([runs, runs.assign(run="b")])
+    first, second = figures.penalty_bars(runs).data
+    assert list(first.marker.color) == list(second.marker.color) == [colour(c) for c in perturbed]
+    assert first.marker.pattern.shape != second.marker.pattern.shape  # runs told apart by their pattern
+    nll = {"condition": list(CONDITIONS), "nll": [1.0] * len(CONDITIONS)}
+    nll.update(ci_lo=nll["nll"], ci_hi=nll["nll"])
+    assert list(figures.nll_bars(pd.DataFrame(nll)).data[0].marker.color) == [colour(c) for c in CONDITIONS]
+    assert figures.sweep_curve(SWEEP, CONDITIONS).data[0].line.color == colour("interpolate")
+
+
+def test_penalty_title_names_the_interval_drawn_and_latency_its_batch():
+    import pandas as pd
+
+    assert figures.penalty_title(True).endswith("(95% paired bootstrap CI over documents)")
+    assert figures.penalty_title(False).endswith("(95% paired bootstrap CI over sequences)")
+    latency = pd.DataFrame({"model": ["dynamic", "Dense twin"], "ms": [12.0, 11.0]})
+    assert figures.latency_bars(latency, [8, 128]).layout.yaxis.title.text == (
+        "median forward time (ms per batch of 8 x 128 tokens)"
+    )

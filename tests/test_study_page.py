@@ -40,12 +40,12 @@ def test_study_page_shows_seeds_and_opens_a_seed_in_the_other_pages(tiny_study, 
     assert table.loc["NLL correct"].tolist() == [f"{r['nll']['correct']:.4f}" for r in study["seeds"]]
     assert table.loc["retention static_layer"].tolist() == ["–", "–"]  # undefined: tiny models, no gap to retain
     assert table.loc["layer-id share"].tolist() == [
-        f"{r['layer_identity_share']:.3f}" for r in study["seeds"]
-    ]  # (as the summary)
+        f"{100 * r['layer_identity_share']:.1f}%" for r in study["seeds"]
+    ]  # a percent, as the summary and every page
     assert table.loc["latency x"].tolist() == [f"{r['latency_ratio_vs_dense']:.3f}x" for r in study["seeds"]]
     assert table.loc["model"].tolist() == ["featuregate", "featuregate"]
     chart = json.loads(at.get("plotly_chart")[0].proto.spec)
-    seeds = [t for t in chart["data"] if t["name"].startswith("seed ")]
+    seeds = [t for t in chart["data"] if t["name"].startswith("seed ") and t.get("showlegend") is False]
     assert [t["name"] for t in seeds] == ["seed 1", "seed 2"]  # one point per seed and condition
     assert seeds[1]["y"] == [study["seeds"][1]["gap_retention"][c] for c in seeds[1]["x"]]
     # Pick seed 2 and open it: the sidebar now selects its evaluated cache and the Overview shows it.
@@ -175,14 +175,37 @@ def test_study_retention_figure_is_pure_and_titled():
     )
     fig = figures.study_retention(points, summary)
     assert fig.layout.xaxis.title.text and fig.layout.yaxis.title.text
-    mean, *seeds = fig.data  # the mean first, so that the seeds' points are drawn on top of it
-    assert [t.name for t in seeds] == ["seed 0", "seed 1"]
-    assert mean.legendrank > 1000 and all(t.legendrank is None for t in seeds)  # listed last (default rank 1000)
+    mean, *rest = fig.data  # the mean first, so that the seeds' points are drawn on top of it
+    seeds, entries = rest[:2], rest[2:]  # the seeds' points, then their legend entries
+    assert [t.name for t in seeds] == [t.name for t in entries] == ["seed 0", "seed 1"]
+    assert all(t.showlegend is False for t in seeds) and all(t.x == (None,) for t in entries)
+    assert mean.legendrank > 1000 and all(t.legendrank is None for t in rest)  # listed last (default rank 1000)
     assert list(seeds[1].y) == [0.5]  # an undefined retention is left out, not drawn at 0
     assert list(mean.error_y.array) == pytest.approx([0.0, 0.26])
     assert list(mean.error_y.arrayminus) == pytest.approx([0.0, 0.26])
     assert fig.layout.yaxis.range[0] <= 0 and fig.layout.yaxis.range[1] >= 1
-    # Each seed beside the others (at one x, seed 0 lay hidden under the rest), in its own symbol too.
+    # Each seed beside the others (at one x, seed 0 lay hidden under the rest) and none at the mean's x
+    # (its marker and interval bar covered the middle seed of three), in its own symbol too.
     assert list(fig.layout.xaxis.ticktext) == ["cross_input", "static_layer"] and list(mean.x) == [0, 1]
-    assert list(seeds[0].x) == [0.85, -0.15] and list(seeds[1].x) == [1.15]
+    assert list(seeds[0].x) == pytest.approx([0.88, -0.12]) and list(seeds[1].x) == pytest.approx([1.12])
     assert seeds[0].marker.symbol != seeds[1].marker.symbol
+    assert figures.seed_offsets(3) == pytest.approx([-0.12, 0.12, 0.2]) and 0 not in figures.seed_offsets(5)
+    # Each point in its condition's colour, the one it has in every chart.
+    assert list(seeds[0].marker.color) == [
+        figures.condition_colour("static_layer"),
+        figures.condition_colour("cross_input"),
+    ]
+
+
+def test_study_page_does_not_show_the_sidebars_cache_error(tiny_study, tmp_path, monkeypatch):
+    """The Study page reads study files, not the sidebar's cache: a cache that cannot be used is no error
+    of this page (the other pages still say it)."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "manifest.json").write_text("{")  # listed, and selected first, but unreadable
+    at = render(app_for(monkeypatch, [tiny_study, tmp_path], broken), PAGE)
+    no_exceptions(at)
+    assert at.title[0].value == "Study across seeds"
+    assert not [e.value for e in at.error if "cannot be used" in e.value]
+    at.switch_page("views/overview.py").run()
+    assert [e.value for e in at.error if e.value.startswith("This cache cannot be used: ")]

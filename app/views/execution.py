@@ -107,7 +107,7 @@ if ratio is not None and latency_is_noisy(exe):
         "work shared the machine while they ran (a replay, a build, a second tab); measure again when it is idle."
     )
 c1.metric(
-    "Latency vs Dense twin",
+    "Time vs Dense twin",  # (as on the Overview, where a longer label was cut at 800 px)
     "not measured" if ratio is None else f"{ratio:.3f}x",
     help=None
     if ratio is None
@@ -157,10 +157,15 @@ if exe.get("uncounted_ops"):
 charts = st.columns(2)
 if ratio is not None:
     lat = pd.DataFrame({"model": ["dynamic", "Dense twin"], "ms": [exe["model_ms_median"], exe["dense_ms_median"]]})
-    charts[0].plotly_chart(figures.latency_bars(lat), key="exec_latency")
+    batch = exe.get("batch_shape")  # (sequences, tokens): a time per batch means nothing without it
+    charts[0].plotly_chart(figures.latency_bars(lat, batch), key="exec_latency")
     charts[0].caption(
-        "Bars: each model's median time. The ratio above is the median of per-pair ratios, which is robust to "
-        "a busy machine; on a noisy one the two need not agree."
+        "Bars: each model's median time for one forward of "
+        + (f"{batch[0]} sequences x {batch[1]} tokens" if batch else "the timed batch")
+        + f" on {exe.get('device', 'the device')} ("
+        + ("measured just now" if measured else "as the audit report recorded it")
+        + "). The ratio above is the median of per-pair ratios, which is robust to a busy machine; on a noisy one "
+        "the two need not agree."
     )
 else:
     charts[0].info("No Dense twin was found beside the model, so latency was not compared.")

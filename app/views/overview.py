@@ -231,7 +231,8 @@ with left:
     intervals = [quoted_interval(cond[r["condition"]]) for r in perturbed]  # (over documents where known)
     bars = {"condition": [r["condition"] for r in perturbed], "penalty": [r["penalty_nats"] for r in perturbed]}
     bars.update(lo=[lo for lo, _ in intervals], hi=[hi for _, hi in intervals])
-    chart(figures.penalty_bars(bars), "overview_penalty")
+    over_documents = all("penalty_ci95_documents" in cond[r["condition"]] for r in perturbed)  # (quoted_interval's)
+    chart(figures.penalty_bars(bars, figures.penalty_title(over_documents)), "overview_penalty")
 with right:
     sites = {"site": list(var["per_site"]), "share": list(var["per_site"].values())}
     chart(figures.share_by_site(sites, var["layer_identity_share"]), "overview_share")
@@ -254,11 +255,11 @@ with c2:
     st.markdown("#### 2. Dependence")  # (a subheader wrapped at 1024 px and set its card lower)
     static = cond.get("static_layer", {})
     static_retention = retention.get("static_layer")
-    st.metric(
-        "Static-profile penalty",
-        f"{static.get('penalty', float('nan')):+.3f} nats",
-        help="Nats per token: NLL(static_layer) - NLL(correct), the cost of replacing every token's coefficients "
-        "by the calibration mean of its site and channel",
+    st.metric(  # the unit in the label: "+0.446 nats" was cut to "+0.446 ..." in a card 800 px screens give
+        "Static penalty (nats)",
+        f"{static.get('penalty', float('nan')):+.3f}",
+        help="Static-profile penalty in nats per token: NLL(static_layer) - NLL(correct), the cost of replacing "
+        "every token's coefficients by the calibration mean of its site and channel",
     )
     shown = "undefined" if static_retention is None else f"{100 * static_retention:.1f}%"
     st.caption(
@@ -280,10 +281,13 @@ with c3:
             f"{100 * exe['controller_flops_share']:.2f}% of the FLOPs."
         )
     else:
-        st.metric(
-            "Latency vs Dense twin",
+        st.metric(  # (short: "Latency vs Dense twin" was cut in a card 800 px screens give)
+            "Time vs Dense twin",
             "n/a" if ratio is None else f"{ratio:.3f}x",
-            help="median over interleaved runs of forward time (model / Dense twin), same device and batch",
+            help="Latency: the median over interleaved runs of forward time (model / Dense twin), same device and "
+            f"batch ({' x '.join(map(str, exe['batch_shape']))} tokens)"
+            if exe.get("batch_shape")
+            else "Latency: the median over interleaved runs of forward time (model / Dense twin), same device and batch",
         )
         st.caption(
             f"Blocks executed: {100 * exe['blocks_executed_fraction']:.0f}% per token; controllers take "

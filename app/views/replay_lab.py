@@ -76,7 +76,10 @@ RESULT_COLUMNS = {
         help="95% paired bootstrap CI resampling whole documents: windows of one document are not independent",
         alignment="right",
     ),
-    "gap retention": st.column_config.NumberColumn(format="percent"),
+    # one decimal, as in the audit report and every page ("percent" gave "44.8%", "-12.44%", "70.63%")
+    "gap retention": st.column_config.NumberColumn(
+        format="%.1f%%", help="percent of the way from global mean to correct"
+    ),
     "same experts": st.column_config.NumberColumn(
         format="percent", help="tokens routed to the same top-k experts as by their own coefficients"
     ),
@@ -114,7 +117,9 @@ def result_view(result: pd.DataFrame) -> pd.DataFrame:
         view["penalty 95% CI, documents"] = interval(
             "penalty 95% CI low (documents)", "penalty 95% CI high (documents)"
         )
-    for column in ("gap retention", "same experts", "experts kept", "weight kept", "tied choices"):
+    if "gap retention" in result:
+        view["gap retention"] = 100 * result["gap retention"]  # (in percent: the column's format adds the sign)
+    for column in ("same experts", "experts kept", "weight kept", "tied choices"):
         if column in result:
             view[column] = result[column]
     return view
@@ -439,8 +444,7 @@ if job is not None and not job.running:
         )
         others = plotted[plotted["condition"] != "correct"]
         if len(others):
-            title = f"Penalty vs correct (95% paired bootstrap CI{' over documents' if by_document else ''})"
-            right.plotly_chart(figures.penalty_bars(others, title), key="lab_penalty")
+            right.plotly_chart(figures.penalty_bars(others, figures.penalty_title(by_document)), key="lab_penalty")
         else:
             right.info("Only correct ran: there is no penalty to draw. Choose a condition above to compare with it.")
         if routing := record["results"].get("routing"):  # (a model with top-k routers)
@@ -510,10 +514,15 @@ else:
     if rows:
         long = pd.DataFrame(rows)
         plotted = long.rename(columns=FIGURE_COLUMNS)
-        st.plotly_chart(
-            figures.penalty_bars(
-                plotted[plotted["condition"] != "correct"], "Penalty vs correct, saved runs side by side"
-            ),
-            key="lab_compare_chart",
-        )
+        penalized = plotted[plotted["condition"] != "correct"]
+        if len(penalized):
+            st.plotly_chart(
+                figures.penalty_bars(penalized, "Penalty vs correct, saved runs side by side"), key="lab_compare_chart"
+            )
+        # A run of correct alone has no penalty: without a word it just went missing from the chart.
+        if alone := [run for run in dict.fromkeys(plotted["run"]) if run not in set(penalized["run"])]:
+            st.caption(
+                f"{', '.join(f'`{run}`' for run in alone)}: correct only, so no penalty bars "
+                "(a penalty is a condition's NLL minus correct's); its NLL is in the CSV below."
+            )
         download(long, "saved_runs.csv")

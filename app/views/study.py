@@ -113,7 +113,7 @@ st.caption(
 cell = studies.format_spread  # the cells of the study's Markdown, so the page and its download agree
 st.markdown("\n".join(studies.conditions_table(study)))
 st.markdown(
-    f"- **Layer-identity share** of coefficient variance: {cell(summary['layer_identity_share'], 3)}\n"
+    f"- **Layer-identity share** of coefficient variance: {cell(summary['layer_identity_share'], 1, percent=True)}\n"
     f"- **Latency vs Dense twin**: {cell(summary['latency_ratio_vs_dense'], 3, of=n_models)}x\n"
     f"- **Blocks executed** per token: {cell(summary['blocks_executed_fraction'], 1, percent=True)}; "
     f"**controller FLOPs**: {cell(summary['controller_flops_share'], 2, percent=True)} of the forward"
@@ -145,8 +145,8 @@ def shown(figure: str, value: object) -> str:
         return "–"
     if figure.startswith("retention "):
         return f"{100 * value:.1f}%"
-    if figure == "layer-id share":  # a fraction, as above the table and in the study's Markdown
-        return f"{value:.3f}"
+    if figure == "layer-id share":  # a percent, as above the table, in the study's Markdown and every page
+        return f"{100 * value:.1f}%"
     if figure == "latency x":
         return f"{value:.3f}x"
     return f"{value:.4f}" if isinstance(value, float) else str(value)

@@ -67,7 +67,11 @@ with guard("Sequence"):
     shown = deviation if mode == DEVIATION else coefficient
     html, lo, hi = figures.token_text_html(tokens, shown, titles, diverging=mode == DEVIATION)
     what = f"{site}, {'channel mean' if channel == MEAN else f'channel {labels[channel]}'}: " + (
-        "coefficient minus the static profile (unitless)" if mode == DEVIATION else "coefficient value (unitless)"
+        # raw, unlike the Profiles and Variance pages' deviations in calibration SDs: said, so the two are not compared
+        "coefficient minus the static profile, the raw difference (unitless; not in calibration SDs as on the "
+        "Profiles and Variance pages)"
+        if mode == DEVIATION
+        else "coefficient value (unitless)"
     )
     st.html(figures.colour_legend_html(lo, hi, mode == DEVIATION, what))
     st.html(html)
