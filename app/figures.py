@@ -155,10 +155,10 @@ def factor_bars(df: pd.DataFrame) -> go.Figure:
             orientation="h",
             marker_color="#72b7b2",
             name="share",
-            text=[f"{v:.3f}" if np.isfinite(v) else "n/a" for v in shares],
+            text=[f"{100 * v:.1f}%" if np.isfinite(v) else "n/a" for v in shares],
             textposition="outside",
             cliponaxis=False,  # the value of a bar near the axis end is written past the plot area
-            hovertemplate="%{y}: %{x:.3f}<extra></extra>",
+            hovertemplate="%{y}: %{x:.1%}<extra></extra>",
         )
     )
     if "chance" in df and df["chance"].notna().any():
@@ -170,11 +170,12 @@ def factor_bars(df: pd.DataFrame) -> go.Figure:
                 mode="markers",
                 marker=dict(symbol="line-ns-open", size=18, color="#222", line=dict(width=2.5, color="#222")),
                 name="chance level",
-                hovertemplate="%{y}: %{x:.4f} with no effect (the groups' number alone)<extra></extra>",
+                hovertemplate="%{y}: %{x:.2%} with no effect (the groups' number alone)<extra></extra>",
             )
         )
         fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.25, x=0, entrywidth=90))
-    fig.update_xaxes(title="share of variance (fraction)", range=[0, 1.1])  # beside long factor names: short
+    # in percent, as every share in the app and the report (beside long factor names: a short title)
+    fig.update_xaxes(title="share of variance (%)", range=[0, 1.15], tickformat=".0%")
     fig.update_yaxes(title="factor", autorange="reversed")
     # right margin: the value written past the longest bar
     return _layout(fig, "What explains the variance (shares of the total; they overlap)", margin=dict(l=60, r=50, b=60))

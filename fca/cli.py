@@ -358,6 +358,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 def cmd_replay(args: argparse.Namespace) -> None:
     from fca.jobs.runs import run_replay
     from fca.tables.report import documents_note, exactness_sentences
+    from fca.tables.stats import MIN_BOOTSTRAP_VALUES
 
     if args.engine == "ray":
         from functools import partial
@@ -387,7 +388,7 @@ def cmd_replay(args: argparse.Namespace) -> None:
     width = max(map(len, rows), default=0)  # a condition naming sites can be long: the columns follow it
     for name, row in rows.items():
         lo, hi = row["penalty_ci95"]
-        ci = f"[{lo:+.4f}, {hi:+.4f}]" if math.isfinite(lo) else "(no CI from one sequence)"
+        ci = f"[{lo:+.4f}, {hi:+.4f}]" if math.isfinite(lo) else f"(no CI from under {MIN_BOOTSTRAP_VALUES} sequences)"
         if "penalty_ci95_documents" in row:  # (the cache records the windows' documents: the interval to quote)
             lo, hi = row["penalty_ci95_documents"]
             ci = f"[{lo:+.4f}, {hi:+.4f}] over documents, {ci} over sequences"

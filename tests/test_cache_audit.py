@@ -37,6 +37,7 @@ from fca.tables.conditions import (
 )
 from fca.tables.errors import CacheError
 from fca.tables.fidelity import judge_mechanism
+from fca.tables.outputs import strict_json
 from fca.tables.profiles import calibration_profiles
 from fca.tables.schema import MANIFEST
 from fca.tables.scoring import gap_retention, gap_retention_ci, summarize_conditions
@@ -521,6 +522,21 @@ def test_an_sd_over_one_sequence_is_undefined():
     assert two["correct"]["nll_sd_over_sequences"] == pytest.approx(np.std([3.0, 3.2], ddof=1))
 
 
+def test_too_few_sequences_give_no_interval_nor_retention():
+    """Under 10 sequences a percentile bootstrap's "95% CI" covers the mean far less often (2 values: half
+    the time): none is given, so no gap retention either. From 10 on, both are."""
+    rng = np.random.default_rng(0)
+    base = rng.normal(3.0, 0.1, 10)
+    nll = {"correct": base, "static_layer": base + 0.1, "global_mean": base + 0.4 + rng.normal(0, 0.01, 10)}
+    nine = summarize_conditions({k: v[:9] for k, v in nll.items()})
+    assert np.isnan(nine["global_mean"]["penalty_ci95"]).all() and nine["global_mean"]["penalty"] > 0.35
+    assert gap_retention(nine) == {"static_layer": None}
+    assert gap_retention_ci({k: v[:9] for k, v in nll.items()}, {"static_layer": 0.75}) == {}
+    ten = summarize_conditions(nll)
+    lo, hi = ten["global_mean"]["penalty_ci95"]
+    assert 0.38 < lo < hi < 0.42 and gap_retention(ten)["static_layer"] == pytest.approx(0.75, abs=0.01)
+
+
 def test_bootstrap_ci():
     lo, hi = paired_bootstrap_ci(np.full(30, 0.5))
     assert lo == hi == pytest.approx(0.5)
@@ -810,8 +826,8 @@ def test_audit_report(demo, tmp_path):
     )
     chance = report["variance"]["chance_levels"]
     assert set(chance) == {"position_within_slot", "token_id_within_slot", "sequence_within_slot"}
-    token_row = f"| token id within slot | {report['variance']['factors']['token_id_within_slot']:.3f} | "
-    assert f"{token_row}{chance['token_id_within_slot']:.4f} |" in markdown
+    token_row = f"| token id within slot | {100 * report['variance']['factors']['token_id_within_slot']:.1f}% | "
+    assert f"{token_row}{100 * chance['token_id_within_slot']:.2f}% |" in markdown
     assert main(["report", str(tmp_path / "a.json"), "--markdown", str(tmp_path / "b.md")]) == 0
     assert (tmp_path / "b.md").read_text() == (tmp_path / "a.md").read_text()
 
@@ -989,7 +1005,7 @@ def test_replay_cli_saves_runs(demo, capsys):
         device="cpu",
         save=False,
     )
-    assert again["results"]["conditions"] == runs[0]["results"]["conditions"]
+    assert json.loads(strict_json(again["results"]["conditions"])) == runs[0]["results"]["conditions"]  # (NaN: null)
     assert not (demo / "eval" / "runs").exists()  # runs live beside the cache, never inside it
     # One sequence has no CI: said so, and saved as null (strict JSON readers refuse NaN).
     base = ["replay", "--model", str(demo / "featuregate"), "--cache", str(demo / "eval")]
@@ -997,7 +1013,7 @@ def test_replay_cli_saves_runs(demo, capsys):
     one = ["--calibration", str(demo / "calibration"), "--conditions", "static_layer", "global_mean"]
     assert main([*base, *one, "--num-seqs", "1"]) == 0
     said = capsys.readouterr().out
-    assert "(no CI from one sequence)" in said
+    assert "(no CI from under 10 sequences)" in said
     long = "interpolate:0.25@blocks.0.gate,blocks.1.gate"  # longer than the columns once were
     assert main([*base, *one[:2], "--conditions", long, "--num-seqs", "2", "--no-save"]) == 0
     rows_said = [line for line in (said + capsys.readouterr().out).splitlines() if "  NLL " in line]

@@ -384,6 +384,16 @@ def test_definitions_say_what_was_run(tiny_demo):
     )
 
 
+def test_shipped_markdown_reports_are_what_their_json_renders():
+    """Every shipped audit.md is `fca report AUDIT.json` of the audit beside it: a change to the report's
+    Markdown regenerates them (README, Multi-seed studies), or they would show what this version does not."""
+    shipped = sorted((REPO / "cache").rglob("audit.json"))
+    assert len(shipped) == 6
+    for path in shipped:
+        assert path.with_suffix(".md").read_text() == render_markdown(json.loads(path.read_text())), path
+    assert "| token id within slot | 67.3% | 3.84% |" in (DEMO / "audit.md").read_text()  # (shares in percent)
+
+
 def test_shipped_demo_report_has_a_sweep_and_its_study_still_builds():
     report = json.loads((DEMO / "audit.json").read_text())
     sweep = report["interpolation_sweep"]
@@ -449,14 +459,22 @@ def test_overview_tells_the_story_of_the_shipped_demo(monkeypatch):
 
 def test_a_report_over_few_sequences_says_its_intervals_are_rough(tiny_demo, monkeypatch):
     """Three sequences give a percentile bootstrap 10 distinct means, yet a gap retention was reported as
-    defined and quoted like any other."""
+    defined and quoted like any other: under 10 there is no interval, under 20 it is said to be rough."""
     report = json.loads((DEMO / "audit.json").read_text())
-    assert "bootstrap intervals over sequences" not in render_markdown(report)
+    assert "bootstrap interval" not in render_markdown(report)
+    rough = {**report, "cache": {**report["cache"], "sequences": 12}}
+    assert "> Only 12 evaluated sequences: the bootstrap intervals over sequences" in render_markdown(rough)
     few = {**report, "cache": {**report["cache"], "sequences": 3}}
-    assert "> Only 3 evaluated sequences: the bootstrap intervals over sequences" in render_markdown(few)
+    assert "> Only 3 evaluated sequences: too few for a bootstrap interval over sequences" in render_markdown(few)
     at = _app(monkeypatch, [tiny_demo], tiny_demo / "eval").run()  # the tiny demo's audit: 8 sequences
     assert not at.exception, [e.value for e in at.exception]
-    assert [w.value for w in at.warning if w.value.startswith("Only 8 evaluated sequences: the bootstrap")]
+    assert [w.value for w in at.warning if w.value.startswith("Only 8 evaluated sequences: too few")]
+    # ... and its penalties have none: the table says so, where it had raised on the null bounds
+    assert json.loads((tiny_demo / "audit.json").read_text())["conditions"]["static_layer"]["penalty_ci95"] == [
+        None,
+        None,
+    ]
+    assert "none (under 10 sequences)" in (tiny_demo / "audit.md").read_text()
 
 
 def test_overview_of_a_calibration_cache_points_to_its_evaluated_cache(monkeypatch, tmp_path):

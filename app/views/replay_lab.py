@@ -34,6 +34,7 @@ from fca.tables.runs import (
     sweep_conditions,
     sweep_points,
 )
+from fca.tables.stats import MIN_BOOTSTRAP_VALUES
 
 JOB_KEY = "replay_job"
 KINDS = {
@@ -98,9 +99,11 @@ def result_view(result: pd.DataFrame) -> pd.DataFrame:
     """`condition_rows` as shown: short headers (units in each header's help), each interval in one cell."""
 
     def interval(lo: str, hi: str) -> list[str]:
-        # NaN bounds: one sequence gives no interval, said so rather than drawn as "nan to nan"
+        # NaN bounds: too few sequences give no interval, said so rather than drawn as "nan to nan"
         return [
-            f"{a:.4f} to {b:.4f}" if np.isfinite(a) and np.isfinite(b) else "none (one sequence)"
+            f"{a:.4f} to {b:.4f}"
+            if np.isfinite(a) and np.isfinite(b)
+            else f"none (under {MIN_BOOTSTRAP_VALUES} sequences)"
             for a, b in zip(result[lo], result[hi])
         ]
 

@@ -38,7 +38,7 @@ from fca.tables.scoring import (
     summarize_conditions,
     summarize_routing,
 )
-from fca.tables.stats import variance_decomposition
+from fca.tables.stats import MIN_BOOTSTRAP_VALUES, variance_decomposition
 from fca.tables.store import Cache
 
 
@@ -240,7 +240,7 @@ def _definitions(
     return {
         "nll": "mean next-token negative log-likelihood in nats over all predicted positions of the evaluated windows",
         "penalty": "NLL_X - NLL_correct; 95% CI: paired percentile bootstrap over sequences "
-        f"({BOOTSTRAP_RESAMPLES} resamples, seed {seed})",
+        f"({BOOTSTRAP_RESAMPLES} resamples, seed {seed}); none (null) from fewer than {MIN_BOOTSTRAP_VALUES}",
         "gap_retention": "(NLL_global_mean - NLL_X) / (NLL_global_mean - NLL_correct); "
         "null when the global_mean penalty CI reaches 0",
         # (keys of their own: a study compares the two above, and audits made before these still agree)

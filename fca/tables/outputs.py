@@ -26,7 +26,7 @@ def write_output(path: str | Path, text: str, kind: str, is_earlier: Callable[[s
 
 def strict_json(obj: object, indent: int | None = 1) -> str:
     """JSON that strict readers (jq, JavaScript, DuckDB) accept: a float that is not finite (the undefined
-    CI of a one-sequence run) is written as null, where Python's json would write NaN."""
+    CI of a run of too few sequences) is written as null, where Python's json would write NaN."""
 
     def finite(value: object) -> object:
         if type(value).__module__ == "numpy" and hasattr(value, "item"):  # a numpy scalar: as Python's

@@ -4,10 +4,12 @@ Torch-free, so the dashboard can show reports without loading a model."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
 from fca.tables.scoring import MIN_DOCUMENTS, quoted_interval
+from fca.tables.stats import MIN_BOOTSTRAP_VALUES
 
 # The sections every audit report has (README, "What is measured, exactly"); a JSON without them is some other file.
 REQUIRED_KEYS = (
@@ -79,7 +81,7 @@ def damage(err: Exception) -> str:
 
 
 def _has_interval(row: dict, key: str) -> bool:
-    """A two-ended interval of numbers (null ends: a one-sequence run's undefined CI)."""
+    """A two-ended interval of numbers (null ends: the undefined CI of a run of too few sequences)."""
     value = row.get(key)
     return isinstance(value, list) and len(value) == 2 and all(x is None or _has_number({"x": x}, "x") for x in value)
 
@@ -124,7 +126,14 @@ def interval_columns(rows, both: bool = True) -> dict[str, str]:
 
 
 def _interval_cells(row: dict, columns: dict[str, str]) -> str:
-    return " | ".join(f"[{row[key][0]:+.4f}, {row[key][1]:+.4f}]" for key in columns)
+    return " | ".join(_interval_cell(row[key]) for key in columns)
+
+
+def _interval_cell(bounds: list) -> str:
+    """[low, high] to four decimals; "none" for the null (or NaN) ends of too few sequences' interval."""
+    if any(x is None or not math.isfinite(x) for x in bounds):
+        return f"none (under {MIN_BOOTSTRAP_VALUES} sequences)"
+    return f"[{bounds[0]:+.4f}, {bounds[1]:+.4f}]"
 
 
 def conditions_table(report: dict, both_intervals: bool = True) -> list[str]:
@@ -210,8 +219,8 @@ def routing_scope(row: dict, routers: list[str]) -> str:
     return "" if len(changed) == len(routers) else f" ({len(changed)} of {len(routers)} routers)"
 
 
-def _share(value: float | None) -> str:
-    return "–" if value is None else f"{100 * value:.1f}%"
+def _share(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{100 * value:.{digits}f}%"
 
 
 def routing_table(report: dict) -> list[str]:
@@ -269,6 +278,12 @@ def few_sequences_caution(n: int) -> str | None:
     """A sentence for figures whose CIs rest on `n` < FEW_SEQUENCES evaluated sequences, else None."""
     if n >= FEW_SEQUENCES:
         return None
+    if n < MIN_BOOTSTRAP_VALUES:
+        return (
+            f"Only {n} evaluated sequence{'s' if n != 1 else ''}: too few for a bootstrap interval over sequences "
+            f"(it takes {MIN_BOOTSTRAP_VALUES}), so there is none, nor a gap retention; use at least "
+            f"{FEW_SEQUENCES} for figures to quote."
+        )
     return (
         f"Only {n} evaluated sequence{'s' if n != 1 else ''}: the bootstrap intervals over sequences (and so "
         f"whether a gap retention is defined) are rough; use at least {FEW_SEQUENCES} for figures to quote."
@@ -413,14 +428,14 @@ def render_markdown(report: dict) -> str:
     if chance:
         lines += ["| factor | share of variance | chance level (no effect) |", "|---|---|---|"]
         lines += [
-            f"| {k.replace('_', ' ')} | {_fmt(v, 3)} | {_fmt(chance[k], 4) if k in chance.keys() else ''} |"
+            f"| {k.replace('_', ' ')} | {_share(v)} | {_share(chance[k], 2) if k in chance.keys() else ''} |"
             for k, v in var["factors"].items()
         ]
     else:
         lines += ["| factor | share of variance |", "|---|---|"]
-        lines += [f"| {k.replace('_', ' ')} | {_fmt(v, 3)} |" for k, v in var["factors"].items()]
+        lines += [f"| {k.replace('_', ' ')} | {_share(v)} |" for k, v in var["factors"].items()]
     lines += ["", "| site | layer-identity share |", "|---|---|"]
-    lines += [f"| `{k}` | {_share(v)} |" for k, v in var["per_site"].items()]  # (a percent, as the sentence above)
+    lines += [f"| `{k}` | {_share(v)} |" for k, v in var["per_site"].items()]  # (percents, as the sentence above)
     lines += [
         "",
         "## 2. Functional dependence (controllers removed, coefficients reassigned)",

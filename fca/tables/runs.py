@@ -104,7 +104,7 @@ def _created_at(created: str) -> datetime:
 
 def is_run_record(record: object) -> bool:
     """Whether `record` has what the run views read: its spec (conditions, sizes) and, for each condition,
-    a numeric NLL and penalty with a two-sided CI (null ends allowed: a one-sequence run has none)."""
+    a numeric NLL and penalty with a two-sided CI (null ends allowed: a run of too few sequences has none)."""
 
     def number(x: object, nullable: bool = False) -> bool:
         return (x is None and nullable) or (isinstance(x, (int, float)) and not isinstance(x, bool))
@@ -187,7 +187,7 @@ def run_labels(records: Sequence[dict]) -> list[str]:
 
 
 def _bound(value: float | None) -> float:
-    """A saved CI bound as a number: null (one sequence has no interval) is NaN, so columns stay numeric."""
+    """A saved CI bound as a number: null (too few sequences have no interval) is NaN, so columns stay numeric."""
     return float("nan") if value is None else float(value)
 
 
@@ -196,7 +196,7 @@ def condition_rows(record: dict) -> list[dict]:
     sequences, the penalty vs correct with its 95% paired bootstrap CI (the same resampling as the
     audit's, `fca.tables.scoring`), when global_mean ran each condition's gap retention, and for a model
     with top-k routers its routing agreement (`fca.tables.scoring.summarize_routing`). A bound
-    that one sequence cannot give is NaN, never a zero-width interval."""
+    that too few sequences cannot give (`MIN_BOOTSTRAP_VALUES`) is NaN, never a zero-width interval."""
     per_seq = record["results"].get("per_sequence_nll", {})
     seed = int(record.get("spec", {}).get("seed", 0))
     retention = gap_retention(record["results"]["conditions"])  # {} unless global_mean ran
@@ -204,7 +204,7 @@ def condition_rows(record: dict) -> list[dict]:
     rows = []
     for name, row in record["results"]["conditions"].items():
         values = np.asarray(per_seq.get(name, []), dtype=np.float64)
-        lo, hi = paired_bootstrap_ci(values, BOOTSTRAP_RESAMPLES, seed)  # NaN from one sequence: no interval
+        lo, hi = paired_bootstrap_ci(values, BOOTSTRAP_RESAMPLES, seed)  # NaN from too few sequences: no interval
         rows.append(
             {
                 "condition": name,

@@ -10,7 +10,7 @@ import numpy as np
 
 from fca.tables.conditions import parse_condition
 from fca.tables.spec import SiteSpec
-from fca.tables.stats import paired_bootstrap_ci, percentile_interval, resampled_means
+from fca.tables.stats import MIN_BOOTSTRAP_VALUES, paired_bootstrap_ci, percentile_interval, resampled_means
 
 BOOTSTRAP_RESAMPLES = 2000
 # Fewer documents give no CI over them: a percentile bootstrap over 2, 3 or 5 clusters covered the true
@@ -29,8 +29,10 @@ def count_documents(documents: np.ndarray | None) -> int | None:
 
 def quoted_interval(row: dict) -> list[float]:
     """A condition's (or sweep point's) penalty 95% CI to quote: resampling documents where the report has
-    that interval, else sequences (windows of one document are not independent; `summarize_conditions`)."""
-    return row.get("penalty_ci95_documents") or row["penalty_ci95"]
+    that interval, else sequences (windows of one document are not independent; `summarize_conditions`).
+    The null ends a saved report gives too few sequences' interval are NaN, as live: compared, never less."""
+    bounds = row.get("penalty_ci95_documents") or row["penalty_ci95"]
+    return [math.nan if x is None else x for x in bounds]
 
 
 def summarize_conditions(
@@ -39,7 +41,8 @@ def summarize_conditions(
     reference: str = "correct",
     documents: np.ndarray | None = None,
 ) -> dict:
-    """condition -> NLL, penalty vs `reference` and its paired bootstrap 95% CI over sequences; given
+    """condition -> NLL, penalty vs `reference` and its paired bootstrap 95% CI over sequences (NaN from
+    fewer than MIN_BOOTSTRAP_VALUES, `fca.tables.stats`); given
     `documents` [n] (the document each sequence's window begins in) of at least MIN_DOCUMENTS, also the CI
     resampling whole documents (`penalty_ci95_documents`): windows cut one after another from a text are
     not independent where they share a document, and resampling them one by one makes the CI too narrow.
@@ -80,7 +83,7 @@ def gap_retention_ci(
     names = [name for name, value in retention.items() if value is not None]
     if (count_documents(documents) or 0) < MIN_DOCUMENTS:
         documents = None  # (as the penalty's: too few documents to resample, so sequences, said as such)
-    if not names or len(per_seq_nll["correct"]) < 2:
+    if not names or len(per_seq_nll["correct"]) < MIN_BOOTSTRAP_VALUES:  # (the penalty has no CI either)
         return {}
     base = per_seq_nll["correct"]
     diffs = np.stack([per_seq_nll[name] - base for name in ["global_mean", *names]], axis=1)  # [n, 1 + k]
@@ -94,8 +97,8 @@ def gap_retention_ci(
 
 def gap_retention(table: dict) -> dict:
     """(NLL_global - NLL_X) / (NLL_global - NLL_correct) for every condition; None when the gap is not
-    clearly positive: its bootstrap CI does not lie above zero, or is undefined (one sequence: NaN live,
-    null once saved as JSON)."""
+    clearly positive: its bootstrap CI does not lie above zero, or is undefined (fewer than
+    MIN_BOOTSTRAP_VALUES sequences: NaN live, null once saved as JSON)."""
     if "global_mean" not in table or "correct" not in table:
         return {}
     gap = table["global_mean"]["nll"] - table["correct"]["nll"]

@@ -369,12 +369,19 @@ def variance_decomposition(m: Moments, layout: SlotLayout) -> dict:
     }
 
 
+# Fewer values give no bootstrap interval of their mean: resampling 2, 3, 5 or 8 independent normal values,
+# the 95% percentile interval covered the true mean 51%, 76%, 85% and 90% of the time (1000 trials each);
+# from 10 on, 91% and more (20: 93%). A "95% CI" from three sequences would be one in name only.
+MIN_BOOTSTRAP_VALUES = 10
+
+
 def paired_bootstrap_ci(
     differences: np.ndarray, num_resamples: int = 2000, seed: int = 0, level: float = 0.95
 ) -> tuple[float, float]:
-    """Percentile CI of the mean of per-sequence paired differences, resampling sequences."""
+    """Percentile CI of the mean of per-sequence paired differences, resampling sequences; NaN from fewer
+    than MIN_BOOTSTRAP_VALUES sequences."""
     d = np.asarray(differences, dtype=np.float64)
-    if d.size < 2:
+    if d.size < MIN_BOOTSTRAP_VALUES:
         return (float("nan"), float("nan"))
     return percentile_interval(resampled_means(d[:, None], None, num_resamples, seed)[:, 0], level)
 
