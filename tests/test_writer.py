@@ -522,13 +522,17 @@ def test_a_lost_writer_process_fails_the_build_and_the_next_starts_afresh(tmp_pa
     plan, schema = _plan_and_schema(8)
     writer = CacheWriter(tmp_path / "c", plan, schema, 2, workers=2, processes=True)
     _write_pairs(writer, 0, 2)
-    for proc in writer_pool(2).procs:
+    lost = writer_pool(2)
+    for proc in lost.procs:
         proc.kill()
         proc.wait()
     with pytest.raises(CacheError, match=r"c.partial: writer process \d exited"):
         _write_pairs(writer, 2, 8, pause=0.05).finish()
     writer.abort()
     again = CacheWriter(tmp_path / "d", plan, schema, 2, workers=2, processes=True)  # a new pool
+    # The lost pool's reader was seen out before its sockets were closed: it had read from their numbers,
+    # reused by the new pool's sockets, and failed the new build now and then.
+    assert writer_pool(2) is not lost and not lost.reader.is_alive()
     assert open_cache(_write_pairs(again, 0, 8).finish(), verify=True).num_seqs == 8
 
 

@@ -128,7 +128,19 @@ class _Pool:
         return not self.broken and all(proc.poll() is None for proc in self.procs)
 
     def shutdown(self) -> None:
-        for conn in self.conns:  # a writer reads the end of its socket and exits
+        # The sockets are shut down, and the reader thread seen out, before their descriptors are closed:
+        # closed under a reader blocked on them, their numbers went to the next pool's sockets, from which
+        # the old reader then read (a new build failed at once with "writer process 0 exited").
+        for conn in self.conns:  # a writer reads the end of its socket and exits; our reader, its EOF
+            try:
+                with socket.socket(fileno=os.dup(conn.fileno())) as end:
+                    end.shutdown(socket.SHUT_RDWR)
+            except OSError:  # (already closed, or its writer gone)
+                pass
+        reader = getattr(self, "reader", None)  # (none while the writers are still being started)
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(timeout=5)
+        for conn in self.conns:
             conn.close()
         for proc in self.procs:
             try:
