@@ -178,7 +178,8 @@ def factor_bars(df: pd.DataFrame) -> go.Figure:
     fig.update_xaxes(title="share of variance (%)", range=[0, 1.15], tickformat=".0%")
     fig.update_yaxes(title="factor", autorange="reversed")
     # right margin: the value written past the longest bar
-    return _layout(fig, "What explains the variance (shares of the total; they overlap)", margin=dict(l=60, r=50, b=60))
+    # (a 34-character first line, "What explains the variance (shares", ran past a chart at 800 px)
+    return _layout(fig, "What explains the variance: overlapping shares", margin=dict(l=60, r=50, b=60))
 
 
 def channel_groups(labels: list[str]) -> list[tuple[str, int, int]]:

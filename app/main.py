@@ -237,6 +237,9 @@ def sidebar() -> Selection:
 
 
 resources.page_ran()
+# A Markdown table wider than its column (the Overview's conditions on an 800 px screen) scrolls sideways
+# inside it, as a data grid does; Streamlit's own style cut it at the page's edge. (Style only: no space.)
+st.html('<style>[data-testid="stMarkdownContainer"] table { display: block; overflow-x: auto; }</style>')
 page = st.navigation(PAGES)
 if page is OVERVIEW_ALIAS:
     st.switch_page(OVERVIEW)

@@ -1288,6 +1288,7 @@ def test_lab_results_show_their_own_settings_and_join_the_comparison(tiny_demo, 
     # 4 of the tiny cache's 8 sequences: said so, and that 4 give no intervals.
     assert any("on the first **4** of the cache's 8 sequences" in m.value for m in at.markdown)
     assert [w.value for w in at.warning if w.value.startswith("Only 4 evaluated sequences: too few for a bootstrap")]
+    assert any("without CIs (under 10 sequences)" in c.value for c in at.caption)  # (nor a chart title naming one)
     commands = [c.value for c in at.code]
     assert any("--seed 4" in c for c in commands) and any("--seed 3" in c for c in commands)
     result_command = next(c for c in commands if "--seed 3" in c)

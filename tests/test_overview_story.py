@@ -510,18 +510,23 @@ def test_the_other_pages_of_a_calibration_cache_say_what_it_is(tiny_demo, monkey
     assert not at.exception and "deviation" in " ".join(at.radio(key="tt_mode").options)
 
 
+def _page_html(at) -> list[str]:
+    """The page's st.html bodies, without the style every page gets from app/main.py."""
+    return [h.proto.body for h in at.get("html") if not h.proto.body.startswith("<style>")]
+
+
 def test_token_text_page_colours_every_token(tiny_demo, monkeypatch):
     at = _app(monkeypatch, [tiny_demo], tiny_demo / "eval")
     at.switch_page("views/token_text.py")
     at.run()
     assert not at.exception, [e.value for e in at.exception]
-    legend, text = (h.proto.body for h in at.get("html"))
+    legend, text = _page_html(at)
     seq_len = json.loads((tiny_demo / "audit.json").read_text())["cache"]["seq_len"]
     assert text.count("<span ") == seq_len and "white =" in legend
     at.radio(key="tt_mode").set_value("deviation from the static profile").run()
     at.selectbox(key="tt_channel").set_value(1).run()
     assert not at.exception, [e.value for e in at.exception]
-    legend, text = (h.proto.body for h in at.get("html"))
+    legend, text = _page_html(at)
     assert "equal to the static profile" in legend and "channel attn.1" in legend  # (named as on Variance)
     assert text.count("<span ") == seq_len and "deviation" in text
     # The values themselves: channel 1 of the first site at position 2 of sequence 0, against the calibration

@@ -427,9 +427,14 @@ if job is not None and not job.running:
         st.success("  \n".join([*checks, f"Saved `{rel(record.get('path', ''))}`."]))
         result = pd.DataFrame(condition_rows(record))
         by_document = "penalty 95% CI low (documents)" in result  # (a cache built from a corpus records them)
+        intervals = spec["num_seqs"] >= MIN_BOOTSTRAP_VALUES  # (fewer have none: `paired_bootstrap_ci`)
         st.caption(
-            "NLL and penalty in nats/token, each with its 95% bootstrap CI over sequences (paired for the penalty)"
-            + (", and the penalty's over documents. " if by_document else ". ")
+            (
+                "NLL and penalty in nats/token, each with its 95% bootstrap CI over sequences (paired for the penalty)"
+                + (", and the penalty's over documents. " if by_document else ". ")
+                if intervals
+                else f"NLL and penalty in nats/token, without CIs (under {MIN_BOOTSTRAP_VALUES} sequences). "
+            )
             + (documents_note(record["spec"]["num_seqs"], record["results"].get("documents")) or "")
         )
         st.dataframe(
@@ -442,12 +447,12 @@ if job is not None and not job.running:
                 result["penalty 95% CI high (documents)"],
             )
         left, right = st.columns(2)
-        left.plotly_chart(
-            figures.nll_bars(plotted, "NLL per condition (95% CI of the mean over sequences)"), key="lab_nll"
-        )
+        nll_title = "NLL per condition" + (" (95% CI of the mean over sequences)" if intervals else "")
+        left.plotly_chart(figures.nll_bars(plotted, nll_title), key="lab_nll")
         others = plotted[plotted["condition"] != "correct"]
         if len(others):
-            right.plotly_chart(figures.penalty_bars(others, figures.penalty_title(by_document)), key="lab_penalty")
+            penalty_title = figures.penalty_title(by_document) if intervals else "Penalty vs correct"
+            right.plotly_chart(figures.penalty_bars(others, penalty_title), key="lab_penalty")
         else:
             right.info("Only correct ran: there is no penalty to draw. Choose a condition above to compare with it.")
         if routing := record["results"].get("routing"):  # (a model with top-k routers)
