@@ -3,6 +3,7 @@ caches), a replay through the UI equal to the Python API, and the error paths.""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
@@ -826,6 +827,15 @@ def test_variance_page_controls_and_colour_scales(tiny_demo, monkeypatch):
     at.selectbox(key="var_summary").set_value("RMS deviation from slot mean (SDs)").run()
     at.session_state["var_section"] = VARIANCE_SECTIONS[0]
     at.run()
+    # Per slot, the layer-identity share in percent, as everywhere else on the page (it was a fraction).
+    at.selectbox(key="var_quantity").set_value("layer-identity share").run()
+    no_exceptions(at)
+    heat = next(t for c in _charts(at) for t in c["data"] if t["type"] == "heatmap")
+    z = heat["z"]  # (plotly sends a numpy array as typed bytes)
+    shares = (
+        np.frombuffer(base64.b64decode(z["bdata"]), dtype=z["dtype"]) if isinstance(z, dict) else np.array(z, float)
+    )
+    assert "(%)" in heat["colorbar"]["title"]["text"] and 1 < np.nanmax(shares) <= 100
     at.selectbox(key="var_quantity").set_value("standard deviation").run()
     no_exceptions(at)
     assert not at.error

@@ -36,7 +36,7 @@ if stats is None:
 QUANTITIES = {  # shown per slot: colour bar title, column name in slots.csv
     "mean": ("mean coefficient over tokens (unitless)", "mean_coefficient"),
     "standard deviation": ("SD of the coefficient over tokens (unitless)", "sd_coefficient"),
-    "layer-identity share": ("layer-identity share of the slot (fraction)", "layer_identity_share"),
+    "layer-identity share": ("layer-identity share of the slot (%)", "layer_identity_share_percent"),
 }
 CELLS = {  # token x layer cell value: colour bar title, diverging (signed around 0)
     "mean over channels": ("mean coefficient over the site's channels (unitless)", False),
@@ -93,7 +93,9 @@ def _slot_section() -> None:
     values = {
         "mean": stats["slot_mean"],
         "standard deviation": stats["slot_sd"],
-        "layer-identity share": np.array([np.nan if s is None else s for s in dec["per_slot_share"]], dtype=float),
+        # in percent, as every layer-identity share on these pages
+        "layer-identity share": 100
+        * np.array([np.nan if s is None else s for s in dec["per_slot_share"]], dtype=float),
     }[quantity]
     rows, structured = [], []
     offset = 0
