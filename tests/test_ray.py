@@ -94,6 +94,22 @@ def test_lost_workers_then_resume_give_the_same_cache(tiny_demo, single, tmp_pat
     _same_cache(_distributed(tiny_demo, out), single)
 
 
+def test_an_unfinished_build_of_other_settings_is_said_to_start_over(tiny_demo, tmp_path, capsys):
+    """As the single-process build: the parts an interrupted build kept are not silently lost to a rerun
+    with another flag; the line names the setting that differs."""
+    out = tmp_path / "eval"
+    with pytest.raises(CacheError, match="every build worker failed"):
+        _distributed(tiny_demo, out, fail_after=1)
+    capsys.readouterr()
+    settings = {**SIZES, "num_seqs": 6}
+    build_cache_distributed(
+        tiny_demo / "featuregate", tiny_demo / "corpus.txt", "eval", out, workers=2, show_progress=True, **settings
+    )
+    said = capsys.readouterr().err
+    assert f"{out}.partial: unfinished build with other settings (num-seqs 8 -> 6); starting over" in said
+    assert open_cache(out, verify=True).num_seqs == 6
+
+
 def test_build_to_a_filesystem_uri_commits_parts_and_resumes(tiny_demo, single, tmp_path):
     """`--out` a pyarrow filesystem URI (here file://, through the same pyarrow filesystem calls as
     s3:// or gs://): actors commit parts under `<uri>.partial/`, a stopped build keeps them and resumes,
