@@ -506,20 +506,18 @@ def condition_ticks(fig: go.Figure, names, plot_px: int = HALF_PLOT_PX, position
     # The kinds' lines decide (a sweep's "interpolate:" eight times over overlapped); the sites' lines are
     # narrower than they were at full length, and turned on their side they took most of the chart again.
     widest = max((len(line) for text in texts for line in text.split("<br>@")[0].split("<br>")), default=0)
-    values = list(positions) if positions is not None else names
-    if names and widest * TICK_CHAR_PX > plot_px / len(names):
+    turned = bool(names) and widest * TICK_CHAR_PX > plot_px / len(names)
+    if turned:
         texts = [text.replace("<br>", "") for text in texts]
-        fig.update_xaxes(
-            tickmode="array", tickvals=values, ticktext=texts, tickangle=-90, tickfont=dict(size=TICK_FONT)
-        )
-        return round(TICK_CHAR_PX * max(len(text) for text in texts)) + 6
     fig.update_xaxes(
         tickmode="array",
-        tickvals=values,
+        tickvals=list(positions) if positions is not None else names,
         ticktext=texts,
-        tickangle=0,
-        tickfont=dict(size=TICK_FONT) if crowded else None,
+        tickangle=-90 if turned else 0,
+        tickfont=dict(size=TICK_FONT) if turned or crowded else None,
     )
+    if turned:
+        return round(TICK_CHAR_PX * max(len(text) for text in texts)) + 6
     return TICK_LINE * max((t.count("<br>") + 1 for t in texts), default=1)
 
 

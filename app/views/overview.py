@@ -180,6 +180,9 @@ var, cond, exe, retention = (
     report["execution"],
     report.get("gap_retention", {}),
 )
+# Every condition has an interval over documents, or none does: the one quoted_interval, the charts and the
+# table then use.
+over_documents = all("penalty_ci95_documents" in row for row in cond.values())
 # Column names say what they hold (the CSV download uses them as they are).
 rows = [
     {
@@ -231,7 +234,6 @@ with left:
     intervals = [quoted_interval(cond[r["condition"]]) for r in perturbed]  # (over documents where known)
     bars = {"condition": [r["condition"] for r in perturbed], "penalty": [r["penalty_nats"] for r in perturbed]}
     bars.update(lo=[lo for lo, _ in intervals], hi=[hi for _, hi in intervals])
-    over_documents = all("penalty_ci95_documents" in cond[r["condition"]] for r in perturbed)  # (quoted_interval's)
     chart(figures.penalty_bars(bars, figures.penalty_title(over_documents)), "overview_penalty")
 with right:
     sites = {"site": list(var["per_site"]), "share": list(var["per_site"].values())}
@@ -284,10 +286,8 @@ with c3:
         st.metric(  # (short: "Latency vs Dense twin" was cut in a card 800 px screens give)
             "Time vs Dense twin",
             "n/a" if ratio is None else f"{ratio:.3f}x",
-            help="Latency: the median over interleaved runs of forward time (model / Dense twin), same device and "
-            f"batch ({' x '.join(map(str, exe['batch_shape']))} tokens)"
-            if exe.get("batch_shape")
-            else "Latency: the median over interleaved runs of forward time (model / Dense twin), same device and batch",
+            help="Latency: the median over interleaved runs of forward time (model / Dense twin), same device and batch"
+            + (f" ({' x '.join(map(str, exe['batch_shape']))} tokens)" if exe.get("batch_shape") else ""),
         )
         st.caption(
             f"Blocks executed: {100 * exe['blocks_executed_fraction']:.0f}% per token; controllers take "
@@ -298,8 +298,10 @@ with c3:
 # A Markdown table, not st.dataframe: the first page then needs no data-grid bundle in the browser.
 st.markdown("\n".join(conditions_table(report, both_intervals=False)))  # (both would not fit 1024 px)
 if documents := documents_sentence(report):
-    both = all("penalty_ci95_documents" in row for row in cond.values())  # (the table shows the one over documents)
-    st.caption(documents + (" The report (Markdown and JSON) gives the interval over sequences too." if both else ""))
+    # (the table shows the one over documents)
+    st.caption(
+        documents + (" The report (Markdown and JSON) gives the interval over sequences too." if over_documents else "")
+    )
 if used := global_mean_sentence(report):
     st.caption(used)
 if routing := routing_table(report):  # (a model with top-k routers: how much routing each condition kept)

@@ -21,7 +21,7 @@ from app import figures, resources
 from app.jobs import ReplayJob
 from app.views.common import download, guard, require_cache, teach
 from fca.tables.conditions import Condition
-from fca.tables.report import condition_cell, documents_note, exactness_sentences, few_sequences_caution
+from fca.tables.report import NO_INTERVAL, condition_cell, documents_note, exactness_sentences, few_sequences_caution
 from fca.tables.runs import (
     SWEEP_ALPHAS,
     condition_rows,
@@ -101,9 +101,7 @@ def result_view(result: pd.DataFrame) -> pd.DataFrame:
     def interval(lo: str, hi: str) -> list[str]:
         # NaN bounds: too few sequences give no interval, said so rather than drawn as "nan to nan"
         return [
-            f"{a:.4f} to {b:.4f}"
-            if np.isfinite(a) and np.isfinite(b)
-            else f"none (under {MIN_BOOTSTRAP_VALUES} sequences)"
+            f"{a:.4f} to {b:.4f}" if np.isfinite(a) and np.isfinite(b) else NO_INTERVAL
             for a, b in zip(result[lo], result[hi])
         ]
 

@@ -8,6 +8,7 @@ the weights (`model.safetensors`, a sharded safetensors index, or a `pytorch_mod
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import torch
@@ -100,7 +101,7 @@ def save_model(model: nn.Module, out: str | Path, tokenizer=None, extra_files: d
 
     from safetensors.torch import save_file
 
-    from fca.tables.outputs import check_replaceable, give_created_file_mode
+    from fca.tables.outputs import check_replaceable, created_file_mode
 
     out = Path(out)
     check_replaceable(out, "model", is_model_file, "config.json", overwrite=True)
@@ -113,7 +114,7 @@ def save_model(model: nn.Module, out: str | Path, tokenizer=None, extra_files: d
         tmp / "model.safetensors",
         metadata={"format": "pt"},
     )
-    give_created_file_mode(tmp / "model.safetensors")  # (safetensors writes it 0600, unlike config.json)
+    os.chmod(tmp / "model.safetensors", created_file_mode())  # (safetensors writes it 0600, unlike config.json)
     if tokenizer is not None:
         tokenizer.save(str(tmp / "tokenizer.json"))
     for name, text in (extra_files or {}).items():

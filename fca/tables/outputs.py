@@ -63,12 +63,6 @@ def created_file_mode() -> int:
     return 0o666 & ~umask
 
 
-def give_created_file_mode(path: str | Path) -> None:
-    """Give a file written by a library through a private temporary file of its own (safetensors writes
-    0600) the mode the files written beside it have, so that whoever may read those may read it too."""
-    os.chmod(path, created_file_mode())
-
-
 def write_together(outputs: list[tuple[Path, str]]) -> list[Path]:
     """Several files written as one: each to a temporary file beside it, and only when every one is written
     are they renamed into place, so a full disk leaves the earlier files, never a new one beside an old or

@@ -129,10 +129,13 @@ def _interval_cells(row: dict, columns: dict[str, str]) -> str:
     return " | ".join(_interval_cell(row[key]) for key in columns)
 
 
+NO_INTERVAL = f"none (under {MIN_BOOTSTRAP_VALUES} sequences)"  # a CI's cell where too few sequences give none
+
+
 def _interval_cell(bounds: list) -> str:
-    """[low, high] to four decimals; "none" for the null (or NaN) ends of too few sequences' interval."""
+    """[low, high] to four decimals; NO_INTERVAL for the null (or NaN) ends of too few sequences' interval."""
     if any(x is None or not math.isfinite(x) for x in bounds):
-        return f"none (under {MIN_BOOTSTRAP_VALUES} sequences)"
+        return NO_INTERVAL
     return f"[{bounds[0]:+.4f}, {bounds[1]:+.4f}]"
 
 
