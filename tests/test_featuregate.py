@@ -22,6 +22,7 @@ from fca.engine.models.featuregate import (
 from fca.engine.sites import Site, find_sites, site_modes
 from fca.jobs.train import TrainSettings, heldout_nll, train
 from fca.tables import data
+from fca.tables.conditions import check_sites_named
 from fca.tables.errors import CacheError
 
 from .helpers import TINY, make_model_dir, write_corpus
@@ -98,6 +99,41 @@ def test_static_replay_differs_and_broadcasts():
     assert not torch.equal(fca.replay(model, ids, static), live)
     with pytest.raises(KeyError, match="blocks.1.gate"):
         fca.replay(model, ids, {"blocks.0.gate": static["blocks.0.gate"]})
+
+
+def test_replay_refuses_bad_coefficients_with_a_value_error_naming_the_site():
+    """Site names the model lacks, sites left without coefficients, shapes that do not broadcast and
+    values that are no numbers: each a ValueError naming the site (site-name errors stay KeyErrors too),
+    its message without a KeyError's quotes, never torch's own error."""
+    model = tiny()
+    ids = torch.randint(0, 97, (2, 16))
+    coefficients = fca.capture(model, ids)
+    static = {k: v.mean((0, 1)) for k, v in coefficients.items()}
+    bad = {
+        r"site\(s\) \['blocks\.9\.gate'\] that the model lacks": (
+            {**static, "blocks.9.gate": static["blocks.0.gate"]},
+            None,
+        ),
+        r"no coefficients given for site\(s\) \['blocks\.1\.gate'\]": (
+            {"blocks.0.gate": static["blocks.0.gate"]},
+            None,
+        ),
+        r"unknown site\(s\) \['blocks\.9\.gate'\]": (static, {"blocks.9.gate"}),
+        r"site 'blocks\.0\.gate': replay coefficients of shape \[2, 16, 3\] do not broadcast": (
+            {k: v[..., :3] for k, v in coefficients.items()},
+            None,
+        ),
+        r"site 'blocks\.0\.gate': replay coefficients must be an array of numbers, not None": (
+            dict.fromkeys(static),
+            None,
+        ),
+    }
+    for message, (given, only) in bad.items():
+        with pytest.raises(ValueError, match=message) as raised:
+            fca.replay(model, ids, given, only=only)
+        assert not str(raised.value).startswith(("'", '"'))
+    with pytest.raises(ValueError, match=r"condition static_layer@gatee: unknown site\(s\) \['gatee'\]"):
+        check_sites_named([fca.Condition("static_layer", sites=("gatee",))], list(static))
 
 
 def test_find_sites_names_sites_as_named_modules_does():

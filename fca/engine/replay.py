@@ -24,7 +24,7 @@ from fca.engine.sites import (
     vocab_rows,
 )
 from fca.tables.conditions import Condition, condition_coefficients, derangement
-from fca.tables.errors import CacheError, Cancelled, ExactnessError  # noqa: F401  (ExactnessError re-exported)
+from fca.tables.errors import CacheError, Cancelled, ExactnessError, SiteError  # noqa: F401  (ExactnessError re-exported)
 from fca.tables.fidelity import (
     MECHANISM_TOLERANCE,
     FidelityMeasure,
@@ -88,7 +88,12 @@ class DeviceCoefficients(Mapping):
         return len(self.values)
 
     def _move(self, name: str) -> torch.Tensor:
-        t = _host_tensor(self.values[name])
+        try:
+            t = _host_tensor(self.values[name])
+        except (TypeError, ValueError):  # None, text, ragged lists: not an array torch can take
+            raise ValueError(
+                f"site {name!r}: replay coefficients must be an array of numbers, not {self.values[name]!r}"[:200]
+            ) from None
         if self.device.type == "cuda" and t.device.type == "cpu":
             compute = torch.cuda.current_stream(self.device)
             copy = _copy_stream(self.device)
@@ -108,7 +113,9 @@ def replay(
     """Logits [B, T, V] of the frozen model fed `coefficients` (site -> array broadcastable to [B, T, K_s]).
 
     Every site is replayed unless `only` names a subset (a set of names, or one name; the rest run live).
-    The replayed controllers are never called. On CUDA, host coefficients given in pinned memory are copied
+    The replayed controllers are never called. A site name the model lacks, a replayed site given no
+    coefficients (`SiteError`: a ValueError, and a KeyError) and coefficients that are not floating-point
+    numbers broadcastable to the site's shape raise a ValueError naming the site. On CUDA, host coefficients given in pinned memory are copied
     from that very memory, asynchronously, as any non-blocking copy: refill such a buffer only after the
     logits are used (or the device synchronized).
     """
@@ -131,13 +138,13 @@ def _replay_staged(
     with site_modes(model, "replay", provider=tensor_provider(staged), only=only) as chosen:
         missing = sorted(set(chosen) - set(coefficients))
         if missing:
-            raise KeyError(f"no coefficients given for site(s) {missing}")
+            raise SiteError(f"no coefficients given for site(s) {missing}")
         # A cache's rows may be given whole (their key columns are not sites), and with `only` the other
         # sites' coefficients too; a misspelt site would otherwise be left out without a word.
         sites = list(find_sites(model))
         unknown = sorted(set(coefficients) - set(sites) - set(KEY_COLUMNS))
         if unknown:
-            raise KeyError(f"coefficients given for site(s) {unknown} that the model lacks; its sites: {sites}")
+            raise SiteError(f"coefficients given for site(s) {unknown} that the model lacks; its sites: {sites}")
         try:
             output = run_model(model, ids)
         except RuntimeError as err:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fca.tables.errors import SiteError
 from fca.tables.spec import SiteSpec
 
 Mode = Literal["live", "record", "replay"]
@@ -197,7 +198,7 @@ def site_modes(
     if only is not None:
         unknown = sorted(set(only) - set(sites))
         if unknown:
-            raise KeyError(f"unknown site(s) {unknown}; the model has {list(sites)}")
+            raise SiteError(f"unknown site(s) {unknown}; the model has {list(sites)}")
     if mode == "record" and sink is None:
         raise ValueError("record mode needs a sink")
     if mode == "replay" and provider is None:
@@ -319,6 +320,6 @@ def tensor_provider(coefficients: Mapping[str, torch.Tensor]) -> Provider:
         try:
             return coefficients[site.site_name]
         except KeyError:
-            raise KeyError(f"no coefficients given for site {site.site_name!r}") from None
+            raise SiteError(f"no coefficients given for site {site.site_name!r}") from None
 
     return provide

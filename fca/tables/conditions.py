@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fca.tables.errors import SiteError
+
 if TYPE_CHECKING:  # the annotation only: profiles pulls in the Parquet store, which conditions never need
     from fca.tables.profiles import Profiles
 
@@ -162,7 +164,7 @@ def check_sites_named(conditions: Sequence[Condition], sites: Sequence[str]) -> 
     for condition in conditions:
         unknown = sorted(set(condition.sites or ()) - set(sites))
         if unknown:
-            raise KeyError(f"condition {condition.name}: unknown site(s) {unknown}; the sites: {list(sites)}")
+            raise SiteError(f"condition {condition.name}: unknown site(s) {unknown}; the sites: {list(sites)}")
 
 
 def condition_coefficients(
