@@ -344,6 +344,29 @@ def test_nan_coefficients(demo, tmp_path, capsys):
     assert _snapshot(bad) == before
 
 
+def test_null_values_in_a_part_are_refused_in_one_line(demo, tmp_path, capsys):
+    """A site column of null rows was read as too few values (a bare IndexError), a null token as NaN
+    ("cannot convert float NaN to integer"); a null live NLL passed for a fidelity failure."""
+    import pyarrow as pa
+
+    for column in ("blocks.0.gate", "token", "live_nll"):
+        bad = tmp_path / column
+        shutil.copytree(demo / "eval", bad)
+        part = bad / "part-00000.parquet"
+        table = pq.read_table(part)
+        field = table.schema.field(column)
+        nulls = pa.array([None] * table.num_rows, type=field.type)
+        table = table.set_column(table.schema.get_field_index(column), field.with_nullable(True), nulls)
+        pq.write_table(table, part)
+        manifest = json.loads((bad / MANIFEST).read_text())  # recorded as it now is: only the nulls are wrong
+        manifest["parts"][0].update(sha256=fca.tables.schema.file_sha256(part), bytes=part.stat().st_size)
+        (bad / MANIFEST).write_text(json.dumps(manifest))
+        args = ["replay", "--model", str(demo / "featuregate"), "--cache", str(bad), "--calibration"]
+        assert main([*args, str(demo / "calibration"), "--num-seqs", "2", "--device", "cpu", "--no-save"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]  # (after the progress bar)
+        assert err == f"fca: error: {bad}: column(s) {column} hold missing (null) values", err
+
+
 def test_missing_site_column(demo, tmp_path, capsys):
     bad = _copy(demo, tmp_path)
     part = bad / "part-00000.parquet"

@@ -220,6 +220,10 @@ class Cache:
             raise CacheError(
                 f"{self.path}: expected {len(wanted) * T} rows for {len(wanted)} sequences, found {table.num_rows}"
             )
+        # (a null row would be dropped from a site's values or read as NaN in an integer column: refused here)
+        nulls = [name for name in table.column_names if table.column(name).null_count]
+        if nulls:
+            raise CacheError(f"{self.path}: column(s) {', '.join(nulls)} hold missing (null) values")
         order = np.lexsort((table.column("pos").to_numpy(), table.column("seq").to_numpy()))
         row_of = {s: i for i, s in enumerate(wanted)}
         pick = np.array([row_of[s] for s in seqs])
