@@ -342,6 +342,21 @@ def test_corpus_loaders(tmp_path):
         data.load_documents(folder, text_column="body")
 
 
+def test_a_corpus_folder_without_text_files_is_named_as_such(tmp_path, capsys):
+    """A folder of other files (a model directory given by mistake) was called an empty corpus."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    out = tmp_path / "m"
+    assert main(["train", "--corpus", str(folder), "--out", str(out), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"fca: error: {folder}: a folder without .txt or .md files; a corpus folder holds one document per such file, or Parquet files with a text column"
+    ), err
+    assert not out.exists()
+
+
 def test_cli_train_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
     assert main(["train", "--corpus", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "m"), "--steps", "1"]) == 2

@@ -70,6 +70,11 @@ def load_documents(path: str | Path, text_column: str = "text") -> list[str]:
         docs = _read_table_texts(path, text_column)
     elif path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
+        if not files:  # (it was "corpus is empty", of a folder that may hold much, only not as text files)
+            raise CorpusError(
+                f"{path}: a folder without .txt or .md files; a corpus folder holds one document per such file, "
+                "or Parquet files with a text column"
+            )
         docs = [t for t in (_read_text(f).strip() for f in files) if t]
     elif not path.is_file():  # a device (/dev/zero) or a pipe would be read without end, into memory
         raise CorpusError(f"{path}: not a regular file; give a text file, a folder of them, or a Parquet table")
