@@ -138,6 +138,17 @@ def test_help_is_quick() -> None:
     assert time.perf_counter() - start < 2.0  # about 0.1 s; generous for a busy machine
 
 
+def test_an_undefined_layer_identity_share_is_not_reported_as_zero(tmp_path, capsys) -> None:
+    report = json.loads((ROOT / "cache" / "demo" / "audit.json").read_text())
+    report["variance"]["layer_identity_share"] = None  # (null where the coefficients hardly vary)
+    path = tmp_path / "audit.json"
+    path.write_text(json.dumps(report))
+    assert main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "explains an undefined share of the coefficient variance (the coefficients hardly vary)" in out
+    assert "**0.0%**" not in out
+
+
 @pytest.mark.parametrize("content", [{"schema_version": 1, "sites": {}, "parts": []}, [1, 2], {"exactness": {}}])
 def test_report_of_another_json_is_one_line(tmp_path, capsys, content) -> None:
     path = tmp_path / "manifest.json"

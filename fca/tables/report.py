@@ -422,7 +422,11 @@ def render_markdown(report: dict) -> str:
         "",
         "## 1. Coefficient variation",
         "Layer identity (the site and channel alone) explains "
-        f"**{100 * (var['layer_identity_share'] or 0):.1f}%** of the coefficient variance"
+        + (  # null: the coefficients hardly vary, so no share is defined (it read "0.0%")
+            f"**{100 * var['layer_identity_share']:.1f}%** of the coefficient variance"
+            if var["layer_identity_share"] is not None
+            else "an undefined share of the coefficient variance (the coefficients hardly vary)"
+        )
         + (f", pooled over its families (within each: {each})" if (each := family_shares(var)) else "")
         + ".",
         "",
