@@ -206,9 +206,15 @@ def test_save_load_round_trip(tmp_path, model_dir):
     assert torch.equal(fca.load_model(model_dir)(ids).logits, expected)
 
 
-def test_missing_or_corrupt_checkpoint_errors(tmp_path, model_dir):
+def test_missing_or_corrupt_checkpoint_errors(tmp_path, model_dir, corpus, capsys):
     with pytest.raises(ModelLoadError, match="model directory not found"):
         fca.load_model(tmp_path / "nowhere")
+    (tmp_path / "audit.json").write_text("{}")  # a file given for the model: named as such (was "<file>/config.json")
+    with pytest.raises(ModelLoadError, match=f"^{tmp_path / 'audit.json'}: a file, not a model directory$"):
+        fca.load_model(tmp_path / "audit.json")
+    build = ["build-cache", "--model", str(tmp_path / "audit.json"), "--corpus", str(corpus), "--split", "eval"]
+    assert main([*build, "--out", str(tmp_path / "c"), "--num-seqs", "2", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == f"fca: error: {tmp_path / 'audit.json'}: a file, not a model directory\n"
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((model_dir / "config.json").read_text())

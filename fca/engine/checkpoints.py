@@ -22,6 +22,8 @@ def read_config(path: Path) -> dict:
     config_path = path / "config.json"
     if not path.exists():
         raise ModelLoadError(f"{path}: model directory not found")
+    if not path.is_dir():  # (it was "<file>/config.json: missing")
+        raise ModelLoadError(f"{path}: a file, not a model directory")
     if not config_path.is_file():
         raise ModelLoadError(f"{config_path}: missing (a model directory needs config.json)")
     try:
