@@ -420,6 +420,9 @@ def test_lab_settings_survive_a_visit_to_another_page(tiny_demo, monkeypatch):
     assert {k: at.session_state[k] for k in chosen} == chosen
     assert at.number_input(key="lab_num_seqs").value == 4 and at.slider(key="lab_alpha").value == 0.25
     assert "--num-seqs 4 " in at.code[0].value and "--seed 7" in at.code[0].value
+    # One option a line, the first too (beside the program's name it ran past the box at 800 px), and a line
+    # still too long for the box wraps in it rather than scrolling sideways.
+    assert at.code[0].value.startswith("python -m fca replay \\\n    --model ") and at.code[0].proto.wrap_lines
 
 
 def test_a_page_opened_while_torch_is_being_imported_offers_devices(tiny_demo, monkeypatch):
@@ -1302,6 +1305,7 @@ def test_lab_results_show_their_own_settings_and_join_the_comparison(tiny_demo, 
     commands = [c.value for c in at.code]
     assert any("--seed 4" in c for c in commands) and any("--seed 3" in c for c in commands)
     result_command = next(c for c in commands if "--seed 3" in c)
+    assert all(c.proto.wrap_lines for c in at.code)  # the result's command wraps in its box as the preview does
     assert f"--num-seqs {first['spec']['num_seqs']}" in result_command
     assert f"--batch {first['spec']['batch_size']}" in result_command
     assert at.subheader[0].value == f"Result: {run_label(first['spec'], condition_cell)}"

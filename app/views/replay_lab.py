@@ -342,7 +342,9 @@ def settings_form() -> None:
             "**Preview, not yet run**: the command these settings give"
             + (" (locked while a run is in progress)" if locked else "")
         )
-        st.code(replay_command(settings, Path.cwd(), one_option_per_line=True), language="bash")
+        # One option a line; a line still too long (many conditions, a long path) wraps in the box, which
+        # scrolled sideways at 800 px (copying gives the command as it is, unwrapped).
+        st.code(replay_command(settings, Path.cwd(), one_option_per_line=True), language="bash", wrap_lines=True)
         if st.button("Run", type="primary", disabled=locked, key="lab_run"):
             with guard("Replay"):
                 started = ReplayJob(settings, total=settings["num_seqs"])
@@ -420,7 +422,7 @@ if job is not None and not job.running:
         if caution := few_sequences_caution(spec["num_seqs"]):
             st.warning(caution)
         st.caption("The command that reproduces this result:")
-        st.code(replay_command(ran, Path.cwd(), one_option_per_line=True), language="bash")
+        st.code(replay_command(ran, Path.cwd(), one_option_per_line=True), language="bash", wrap_lines=True)
         checks = exactness_sentences(record["results"]["exactness"])  # mechanism, fidelity, calibration
         st.success("  \n".join([*checks, f"Saved `{rel(record.get('path', ''))}`."]))
         result = pd.DataFrame(condition_rows(record))

@@ -274,8 +274,8 @@ def sweep_points(conditions: dict) -> list[dict]:
 def replay_command(settings: dict, relative_to: str | Path | None = None, one_option_per_line: bool = False) -> str:
     """The `python -m fca replay` command for `run_replay`'s keyword arguments (`settings`: model,
     cache, calibration, conditions, num_seqs, seed, batch_size, device); paths are shown relative to
-    `relative_to` when they lie inside it. `one_option_per_line`: continued lines (`\\`), for a narrow
-    screen, where a wrapped line broke inside the options' names."""
+    `relative_to` when they lie inside it. `one_option_per_line`: continued lines (`\\`), every option on
+    its own, the first too, for a narrow screen, where a wrapped line broke inside the options' names."""
     import shlex
 
     def rel(p: str | Path) -> str:
@@ -299,4 +299,6 @@ def replay_command(settings: dict, relative_to: str | Path | None = None, one_op
         f"--device {settings.get('device', 'auto')}",
         *([] if settings.get("save", True) else ["--no-save"]),
     ]
-    return "python -m fca replay " + (" \\\n    " if one_option_per_line else " ").join(parts)
+    if one_option_per_line:
+        return "python -m fca replay \\\n    " + " \\\n    ".join(parts)
+    return "python -m fca replay " + " ".join(parts)
