@@ -66,17 +66,14 @@ FIGURE_COLUMNS = {
 
 
 # The result as shown: nats to four decimals, as the audit report gives them, each 95% CI in one cell so
-# that a row fits a 1024 px screen (eight columns scrolled sideways); the CSV keeps every bound apart.
+# that a row fits a 1024 px screen (eight columns scrolled sideways); the CSV keeps every bound apart. One
+# penalty interval, the one to quote (over documents where the run has it, as the chart and the Overview's
+# table), and the NLL's drawn in the chart below: with three intervals the table scrolled sideways at 800 px.
 RESULT_COLUMNS = {
     "condition": st.column_config.TextColumn(pinned=True),
     "NLL": st.column_config.NumberColumn(format="%.4f", help="mean NLL over sequences, nats/token"),
-    "NLL 95% CI": st.column_config.TextColumn(help="95% bootstrap CI of the mean over sequences", alignment="right"),
     "penalty": st.column_config.NumberColumn(format="%.4f", help="NLL minus correct's, nats/token"),
     "penalty 95% CI": st.column_config.TextColumn(help="95% paired bootstrap CI over sequences", alignment="right"),
-    "penalty 95% CI, documents": st.column_config.TextColumn(
-        help="95% paired bootstrap CI resampling whole documents: windows of one document are not independent",
-        alignment="right",
-    ),
     # one decimal, as in the audit report and every page ("percent" gave "44.8%", "-12.44%", "70.63%")
     "gap retention": st.column_config.NumberColumn(
         format="%.1f%%", help="percent of the way from global mean to correct"
@@ -96,7 +93,8 @@ RESULT_COLUMNS = {
 
 
 def result_view(result: pd.DataFrame) -> pd.DataFrame:
-    """`condition_rows` as shown: short headers (units in each header's help), each interval in one cell."""
+    """`condition_rows` as shown: short headers (units in each header's help), the penalty's interval to quote
+    in one cell (over documents where the run has it; every interval is in the CSV, the NLL's in its chart)."""
 
     def interval(lo: str, hi: str) -> list[str]:
         # NaN bounds: too few sequences give no interval, said so rather than drawn as "nan to nan"
@@ -109,15 +107,13 @@ def result_view(result: pd.DataFrame) -> pd.DataFrame:
         {
             "condition": result["condition"],
             "NLL": result["NLL (nats/token)"],
-            "NLL 95% CI": interval("NLL 95% CI low", "NLL 95% CI high"),
             "penalty": result["penalty (nats/token)"],
-            "penalty 95% CI": interval("penalty 95% CI low", "penalty 95% CI high"),
+            # (a cache built from a corpus records its documents)
+            "penalty 95% CI": interval("penalty 95% CI low (documents)", "penalty 95% CI high (documents)")
+            if "penalty 95% CI low (documents)" in result
+            else interval("penalty 95% CI low", "penalty 95% CI high"),
         }
     )
-    if "penalty 95% CI low (documents)" in result:  # (a cache built from a corpus records its documents)
-        view["penalty 95% CI, documents"] = interval(
-            "penalty 95% CI low (documents)", "penalty 95% CI high (documents)"
-        )
     if "gap retention" in result:
         view["gap retention"] = 100 * result["gap retention"]  # (in percent: the column's format adds the sign)
     for column in ("same experts", "experts kept", "weight kept", "tied choices"):
@@ -430,16 +426,19 @@ if job is not None and not job.running:
         intervals = spec["num_seqs"] >= MIN_BOOTSTRAP_VALUES  # (fewer have none: `paired_bootstrap_ci`)
         st.caption(
             (
-                "NLL and penalty in nats/token, each with its 95% bootstrap CI over sequences (paired for the penalty)"
-                + (", and the penalty's over documents. " if by_document else ". ")
+                "NLL and penalty in nats/token; the penalty's 95% paired bootstrap CI "
+                + ("resampling documents (over sequences in the CSV)" if by_document else "over sequences")
+                + ", the NLL's over sequences in the chart below. "
                 if intervals
                 else f"NLL and penalty in nats/token, without CIs (under {MIN_BOOTSTRAP_VALUES} sequences). "
             )
             + (documents_note(record["spec"]["num_seqs"], record["results"].get("documents")) or "")
         )
-        st.dataframe(
-            result_view(result), hide_index=True, key="lab_result", column_config=RESULT_COLUMNS, placeholder="–"
-        )
+        columns = RESULT_COLUMNS
+        if by_document:  # the table's interval is the one over documents
+            help = "95% paired bootstrap CI resampling whole documents: windows of one document are not independent"
+            columns = {**columns, "penalty 95% CI": st.column_config.TextColumn(help=help, alignment="right")}
+        st.dataframe(result_view(result), hide_index=True, key="lab_result", column_config=columns, placeholder="–")
         plotted = result.rename(columns=FIGURE_COLUMNS)
         if by_document:  # the interval to quote (`fca.tables.scoring.quoted_interval`)
             plotted["lo"], plotted["hi"] = (
