@@ -43,7 +43,13 @@ def test_study_page_shows_seeds_and_opens_a_seed_in_the_other_pages(tiny_study, 
         f"{100 * r['layer_identity_share']:.1f}%" for r in study["seeds"]
     ]  # a percent, as the summary and every page
     assert table.loc["latency x"].tolist() == [f"{r['latency_ratio_vs_dense']:.3f}x" for r in study["seeds"]]
-    assert table.loc["model"].tolist() == ["featuregate", "featuregate"]
+    # What each seed is, in a line above the table (in it, names and paths made the columns scroll sideways at
+    # 800 px): its model, fingerprint, training device and audit.
+    assert not set(table.index) & {"model", "fingerprint", "trained on", "audit"}
+    seeds_said = next(m.value for m in at.markdown if m.value.startswith("- **seed 1**"))
+    for r, line in zip(study["seeds"], seeds_said.splitlines(), strict=True):
+        assert line.startswith(f"- **seed {r['seed']}**: `featuregate` ({r['fingerprint'][:12]})"), line
+        assert line.endswith(f", audit `{r['audit']}`") and ", trained on " in line, line
     chart = json.loads(at.get("plotly_chart")[0].proto.spec)
     seeds = [t for t in chart["data"] if t["name"].startswith("seed ") and t.get("showlegend") is False]
     assert [t["name"] for t in seeds] == ["seed 1", "seed 2"]  # one point per seed and condition

@@ -152,20 +152,35 @@ def shown(figure: str, value: object) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
-def by_figure(table: pd.DataFrame, rows: list[dict]) -> pd.DataFrame:
-    """The seeds' table turned: one row per figure, one column per seed, so that a figure's values across the
-    seeds read along a row (a column per figure, fourteen of them, scrolled sideways on a 1024 px screen)."""
+# What each seed is, said above the table: in it, the model's name, fingerprint and audit path made the
+# seeds' columns so wide that three seeds scrolled sideways at 800 px.
+IDENTITY = ("model", "fingerprint", "trained on", "audit")
+
+
+def seed_names(rows: list[dict]) -> list[str]:
     names = [f"seed {r['seed']}" if r["seed"] is not None else r["name"] for r in rows]
-    names = [n if names.count(n) == 1 else f"{n} (#{i + 1})" for i, n in enumerate(names)]  # two audits of a seed
-    measures = [c for c in table.columns if c != "seed"]
+    return [n if names.count(n) == 1 else f"{n} (#{i + 1})" for i, n in enumerate(names)]  # two audits of a seed
+
+
+def by_figure(table: pd.DataFrame, rows: list[dict]) -> pd.DataFrame:
+    """The seeds' figures turned: one row per figure, one column per seed, so that a figure's values across
+    the seeds read along a row (a column per figure, fourteen of them, scrolled sideways on a 1024 px screen)."""
+    measures = [c for c in table.columns if c != "seed" and c not in IDENTITY]
     return pd.DataFrame(
         {
             "figure": measures,
-            **{n: [shown(f, row[f]) for f in measures] for n, (_, row) in zip(names, table.iterrows())},
+            **{n: [shown(f, row[f]) for f in measures] for n, (_, row) in zip(seed_names(rows), table.iterrows())},
         }
     )
 
 
+def identity(name: str, row: pd.Series) -> str:
+    """One seed's line above the table: its model, fingerprint, training device (where recorded) and audit."""
+    trained = f", trained on {row['trained on']}" if pd.notna(row["trained on"]) else ""
+    return f"- **{name}**: `{row['model']}` ({row['fingerprint']}){trained}, audit `{row['audit']}`"
+
+
+st.markdown("\n".join(identity(name, row) for name, (_, row) in zip(seed_names(rows), table.iterrows())))
 turned = by_figure(table, rows)
 st.dataframe(
     turned,
