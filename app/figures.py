@@ -775,12 +775,30 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
                 marker=dict(size=10, symbol=symbol, color="#bab0ac", line=dict(width=1, color="#333")),
             )
         )
-    # Each label on the side of its line away from the axis's tick labels (below 0% it sat on them)
-    for y, label, where in (
-        (0.0, "global mean (no layer identity)", "top right"),
-        (1.0, "correct (per-token control)", "bottom right"),
+    # Each label on the side of its line away from the axis's tick labels (below 0% it sat on them), on two
+    # short lines over the condition whose points keep farthest from that line: at the plot's right end it
+    # ran over the seeds of the condition beside (at 800 px "global mean" touched a marker near 0%).
+    drawn: dict[str, list[float]] = {c: [] for c in order}  # every point drawn, per condition
+    pairs = [zip(points["condition"], points["retention"])]
+    pairs += [zip(summary["condition"], summary[k]) for k in ("mean", "lo", "hi")]
+    for c, v in (pair for column in pairs for pair in column):
+        if v is not None and v == v and c in drawn:  # (None or NaN: not drawn)
+            drawn[c].append(float(v))
+    lowest = {c: min(v) for c, v in drawn.items() if v}
+    highest = {c: max(v) for c, v in drawn.items() if v}
+    for y, label, side, clearest in (
+        (0.0, "global mean<br>(no layer identity)", "bottom", max(lowest, key=lowest.get, default=None)),
+        (1.0, "correct<br>(per-token control)", "top", min(highest, key=highest.get, default=None)),
     ):
-        fig.add_hline(y=y, line_dash="dot", line_color="#888", annotation_text=label, annotation_position=where)
+        fig.add_hline(y=y, line_dash="dot", line_color="#888")
+        fig.add_annotation(
+            x=where[clearest] if clearest is not None else len(order) - 1,
+            y=y,
+            text=label,
+            showarrow=False,
+            yanchor=side,
+            font=dict(size=11, color="#777"),
+        )
     values = np.concatenate([points["retention"].dropna().to_numpy(dtype=float), mean.dropna().to_numpy()])
     lo = min(-0.05, float(values.min()) - 0.05) if values.size else -0.05
     hi = max(1.05, float(values.max()) + 0.05) if values.size else 1.05
