@@ -796,6 +796,11 @@ def test_flops_bar_states_the_controller_share():
     fig = figures.flops_bar(pd.DataFrame({"part": ["controllers", "rest of the model"], "gflops": [0.0283, 6.241]}))
     assert sum(t.x[0] for t in fig.data) == pytest.approx(100)
     assert "controllers: 0.45%" in fig.layout.annotations[0].text
+    # Each legend entry on two short lines (on one, "rest of the model: ..." ran past the chart at 800 px).
+    assert [t.name for t in fig.data] == [
+        "controllers: 0.45%<br>(0.0283 GFLOP)",
+        "rest of the model: 99.55%<br>(6.2410 GFLOP)",
+    ]
 
 
 def test_variance_page_controls_and_colour_scales(tiny_demo, monkeypatch):
