@@ -173,13 +173,14 @@ def factor_bars(df: pd.DataFrame) -> go.Figure:
                 hovertemplate="%{y}: %{x:.2%} with no effect (the groups' number alone)<extra></extra>",
             )
         )
-        fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.25, x=0, entrywidth=90))
+        # at the figure's foot, below the axis title (just under the plot, it sat on the title)
+        fig.update_layout(legend=dict(orientation="h", yref="container", yanchor="bottom", y=0, x=0, entrywidth=90))
     # in percent, as every share in the app and the report (beside long factor names: a short title)
     fig.update_xaxes(title="share of variance (%)", range=[0, 1.15], tickformat=".0%")
-    fig.update_yaxes(title="factor", autorange="reversed")
+    fig.update_yaxes(title=dict(text="factor", standoff=10), autorange="reversed", automargin=True)
     # right margin: the value written past the longest bar
     # (a 34-character first line, "What explains the variance (shares", ran past a chart at 800 px)
-    return _layout(fig, "What explains the variance: overlapping shares", margin=dict(l=60, r=50, b=60))
+    return _layout(fig, "What explains the variance: overlapping shares", height=420, margin=dict(l=60, r=50, b=100))
 
 
 def channel_groups(labels: list[str]) -> list[tuple[str, int, int]]:
