@@ -23,7 +23,7 @@ teach(
     "control treats differently. Hover a token for its values."
 )
 
-c1, c2, c3, c4 = st.columns([2, 3, 3, 3])  # narrower, the Sequence label broke and the channel was cut at 1024 px
+c1, c2, c3, c4 = st.columns([5, 6, 6, 6])  # the Sequence label and its help whole at 800 px ([2, 3, 3, 3] broke it)
 keep("tt_seq", 0, in_range(0, cache.num_seqs - 1))
 keep("tt_site", cache.sites[0], one_of(cache.sites))
 seq = int(c1.number_input("Sequence", 0, cache.num_seqs - 1, key="tt_seq", help=f"0 to {cache.num_seqs - 1}"))
