@@ -341,15 +341,13 @@ with st.expander("What each figure means (the report's definitions)"):
         else:
             st.markdown(f"**{key}**: {value}")
 
-d1, d2, d3 = st.columns(3)
-with d1:
+# One row that wraps: in three columns, "Audit report (Markdown)" was cut at 800 px.
+with st.container(horizontal=True):
     st.download_button(
         "Audit report (JSON)", json.dumps(report, indent=1), file_name="audit.json", mime="application/json"
     )
-with d2:
     with guard("Markdown rendering"):
         st.download_button(
             "Audit report (Markdown)", render_markdown(report), file_name="audit.md", mime="text/markdown"
         )
-with d3:
     download(rows, "conditions.csv", "Conditions (CSV)")
