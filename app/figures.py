@@ -393,7 +393,8 @@ def profile_lines(df: pd.DataFrame, token_label: str, band: str = "") -> go.Figu
             name=f"live: {token_label}",
         )
     )
-    fig.update_xaxes(title="slot (site / channel, in execution order)", type="category", tickangle=-60)
+    # upright: at -60 degrees neighbouring slot names ran into each other at 800 px
+    fig.update_xaxes(title="slot (site / channel, in execution order)", type="category", tickangle=-90)
     fig.update_yaxes(title=COEFFICIENT)
     return _layout(
         fig,
