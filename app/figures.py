@@ -84,11 +84,20 @@ def colorbar(title: str) -> dict:
     return dict(title=dict(text="<br>".join(textwrap.wrap(title, 26)), side="right"))
 
 
+def _title_lines(title: str) -> list[str]:
+    return textwrap.wrap(title, TITLE_CHARS, break_on_hyphens=False) or [""]
+
+
+def _title_height(title: str) -> int:
+    """Pixels from the figure's top to below its title (the toolbar's line, the title's lines, a gap)."""
+    return TOOLBAR_HEIGHT + TITLE_LINE * len(_title_lines(title)) + 12
+
+
 def _layout(fig: go.Figure, title: str, height: int = 380, legend_row: bool = False, **kwargs) -> go.Figure:
     """Title wrapped (to stay inside a chart on a 1024 px screen) and placed below the toolbar's line,
     above the plot area; `legend_row`: a horizontal legend sits between the title and the plot."""
-    lines = textwrap.wrap(title, TITLE_CHARS, break_on_hyphens=False) or [""]
-    title_height = TOOLBAR_HEIGHT + TITLE_LINE * len(lines) + 12 + (LEGEND_ROW if legend_row else 0)
+    lines = _title_lines(title)
+    title_height = _title_height(title) + (LEGEND_ROW if legend_row else 0)
     margin = kwargs.setdefault("margin", dict(l=60, r=20, t=title_height, b=60))
     margin["t"] = max(margin.get("t", 0), title_height)
     title_below_toolbar = dict(
@@ -858,8 +867,18 @@ def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.F
             x1=max(x0, x1),
             fillcolor="rgba(76,120,168,0.08)",
             line_width=0,
-            annotation_text="what per-token control is worth",
-            annotation_position="top left",
+        )
+        # Named above the plot, from the band's left end: inside it, on the global mean's row, the name ran
+        # into the global mean's marker at the band's other end on a narrow chart (800 px).
+        fig.add_annotation(
+            x=min(x0, x1),
+            xanchor="left",
+            y=1,
+            yref="paper",
+            yanchor="bottom",
+            text="what per-token control is worth",
+            showarrow=False,
+            font=dict(size=12, color="#777"),
         )
     intervals = {name: _nll_interval(conditions, name) for name in names}
     left = min((lo for lo, _ in intervals.values()), default=0.0)
@@ -893,11 +912,16 @@ def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.F
     fig.update_xaxes(title="NLL (nats / token; lower is better)")  # the caption below explains the bars
     order = [ANCHOR_TEXT.get(n, n) for n in reversed(names)]
     fig.update_yaxes(title="", type="category", categoryorder="array", categoryarray=order)
-    return _story_layout(
+    title = "Retention scale: where each condition sits between global mean and correct"
+    return _layout(
         fig,
-        "Retention scale: where each condition sits between global mean and correct",
-        height=max(260, 110 + 45 * len(names)),
+        title,
+        height=max(260, 110 + 45 * len(names)) + BAND_LABEL,
+        margin=dict(STORY_MARGIN, t=_title_height(title) + BAND_LABEL),  # room for the band's name
     )
+
+
+BAND_LABEL = 18  # pixels: the line above the retention scale's plot that names its band
 
 
 def sweep_curve(sweep: list[dict], conditions: dict | None = None) -> go.Figure:
