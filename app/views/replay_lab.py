@@ -92,9 +92,10 @@ RESULT_COLUMNS = {
 }
 
 
-def result_view(result: pd.DataFrame) -> pd.DataFrame:
+def result_view(result: pd.DataFrame, intervals: bool = True) -> pd.DataFrame:
     """`condition_rows` as shown: short headers (units in each header's help), the penalty's interval to quote
-    in one cell (over documents where the run has it; every interval is in the CSV, the NLL's in its chart)."""
+    in one cell (over documents where the run has it; every interval is in the CSV, the NLL's in its chart);
+    not `intervals` (a run too short for them): no interval column."""
 
     def interval(lo: str, hi: str) -> list[str]:
         # NaN bounds: too few sequences give no interval, said so rather than drawn as "nan to nan"
@@ -114,6 +115,8 @@ def result_view(result: pd.DataFrame) -> pd.DataFrame:
             else interval("penalty 95% CI low", "penalty 95% CI high"),
         }
     )
+    if not intervals:
+        view = view.drop(columns="penalty 95% CI")
     if "gap retention" in result:
         view["gap retention"] = 100 * result["gap retention"]  # (in percent: the column's format adds the sign)
     for column in ("same experts", "experts kept", "weight kept", "tied choices"):
@@ -438,7 +441,10 @@ if job is not None and not job.running:
         if by_document:  # the table's interval is the one over documents
             help = "95% paired bootstrap CI resampling whole documents: windows of one document are not independent"
             columns = {**columns, "penalty 95% CI": st.column_config.TextColumn(help=help, alignment="right")}
-        st.dataframe(result_view(result), hide_index=True, key="lab_result", column_config=columns, placeholder="–")
+        # Under MIN_BOOTSTRAP_VALUES sequences no interval column: the caption says there are none (a column
+        # saying "none (under 10 sequences)" on each row made the table scroll sideways at 800 px).
+        shown = result_view(result, intervals)
+        st.dataframe(shown, hide_index=True, key="lab_result", column_config=columns, placeholder="–")
         plotted = result.rename(columns=FIGURE_COLUMNS)
         if by_document:  # the interval to quote (`fca.tables.scoring.quoted_interval`)
             plotted["lo"], plotted["hi"] = (
