@@ -142,6 +142,16 @@ LAYOUT_DEFECTS = """() => {
 }"""
 
 
+# In a page: what scrolls sideways, with its widths, among the first `n` elements matching each [selector, n]
+# (n null: all). A data grid scrolls in its own scroller, a code box in its <pre> (a grid's own element is
+# wider than its column by a hidden part that scrolls nothing).
+SIDEWAYS = """pairs => pairs.flatMap(([selector, n]) => [...document.querySelectorAll(selector)].slice(0, n ?? undefined)
+  .flatMap(box => [...box.querySelectorAll('.dvn-scroller, pre')])
+  .filter(e => ['auto', 'scroll'].includes(getComputedStyle(e).overflowX) && e.scrollWidth > e.clientWidth + 1)
+  .map(e => `${selector}: ${e.scrollWidth} px wide in ${e.clientWidth}`))"""
+GRID = '[data-testid="stDataFrame"]'
+
+
 # Pages' lazy tabs: (tab, the start of the title of the chart it draws).
 LAZY_SECTIONS = {
     "variance": [("Distributions per site", "Distribution"), ("One sequence: token x layer", "Sequence 0")],
@@ -173,6 +183,25 @@ def test_pages_fit_a_1024px_screen(server):
                     )
                     page.wait_for_timeout(500)
                     assert page.evaluate(LAYOUT_DEFECTS) == [], tab
+        finally:
+            browser.close()
+
+
+def test_study_fits_an_800px_screen(server):
+    """At 800 px (sidebar open) the shipped demo study's seeds table shows its three seeds without scrolling
+    sideways, and no chart title or legend is cut."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = new_page(browser, width=800, height=3000)
+            open_drawn(page, f"{server}/study", GRID)
+            page.wait_for_timeout(500)
+            shown = page.inner_text("body")
+            assert all(f"seed {s}:" in shown for s in (0, 1, 2)), shown[-1500:]  # (a shipped study: seeds 0, 1, 2)
+            assert page.evaluate(SIDEWAYS, [[GRID, None]]) == []  # (the page's one grid: the seeds' figures)
+            assert page.evaluate(LAYOUT_DEFECTS) == []
         finally:
             browser.close()
 
@@ -311,6 +340,13 @@ def test_replay_lab_in_chromium(tiny_demo, tmp_path):
             second = newest_record()
             check_result(second)
             assert second["spec"]["seed"] == 5 and "Cancelled after" not in body()
+            # At 800 px (sidebar open) the result's table and both command boxes fit their column (the
+            # boxes wrap a line too long for them): they scrolled sideways.
+            page.set_viewport_size({"width": 800, "height": 1000})
+            page.wait_for_timeout(1000)
+            sideways = page.evaluate(SIDEWAYS, [[GRID, 1], ['[data-testid="stCode"]', None]])  # (1: the result's)
+            assert sideways == [], sideways
+            page.set_viewport_size({"width": 1400, "height": 1000})
             labels = ["static_layer + global_mean, n=2, seed 3", "static_layer + global_mean, n=2, seed 5"]
             page.wait_for_selector(".js-plotly-plot .legendtext", timeout=30_000)
             wait_settled(page)
