@@ -46,6 +46,9 @@ def test_study_page_shows_seeds_and_opens_a_seed_in_the_other_pages(tiny_study, 
     # What each seed is, in a line above the table (in it, names and paths made the columns scroll sideways at
     # 800 px): its model, fingerprint, training device and audit.
     assert not set(table.index) & {"model", "fingerprint", "trained on", "audit"}
+    # The figures' column wider than its longest name needs (sized exactly, "token_shuffle" lost a letter).
+    figure_column = json.loads(at.dataframe[0].proto.columns)["figure"]
+    assert figure_column["width"] >= 7 * max(map(len, table.index)) + 16 and figure_column["pinned"], figure_column
     seeds_said = next(m.value for m in at.markdown if m.value.startswith("- **seed 1**"))
     for r, line in zip(study["seeds"], seeds_said.splitlines(), strict=True):
         assert line.startswith(f"- **seed {r['seed']}**: `featuregate` ({r['fingerprint'][:12]})"), line

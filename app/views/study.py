@@ -180,6 +180,15 @@ def identity(name: str, row: pd.Series) -> str:
     return f"- **{name}**: `{row['model']}` ({row['fingerprint']}){trained}, audit `{row['audit']}`"
 
 
+# The figures' column a little wider than its longest name: sized by the grid to the name's measured width
+# exactly, "retention token_shuffle" had no room to spare and could lose its last letter.
+LABEL_CHAR_PX, LABEL_PAD_PX = 7, 24
+
+
+def label_width(labels: pd.Series) -> int:
+    return LABEL_PAD_PX + LABEL_CHAR_PX * max((len(str(label)) for label in labels), default=0)
+
+
 st.markdown("\n".join(identity(name, row) for name, (_, row) in zip(seed_names(rows), table.iterrows())))
 turned = by_figure(table, rows)
 st.dataframe(
@@ -188,7 +197,7 @@ st.dataframe(
     hide_index=True,
     key="study_table",
     column_config={
-        "figure": st.column_config.TextColumn(pinned=True),
+        "figure": st.column_config.TextColumn(pinned=True, width=label_width(turned["figure"])),
         **{name: st.column_config.TextColumn(alignment="right") for name in turned.columns[1:]},
     },
 )
