@@ -970,6 +970,23 @@ def test_execution_of_a_model_that_skips_blocks_says_so_and_draws_them(tiny_demo
     assert blocks["data"][0]["text"][:2] == ["100%", "50%"]
 
 
+def test_an_undefined_layer_identity_share_is_not_shown_as_zero(tiny_demo, tmp_path, monkeypatch):
+    """Where the coefficients hardly vary the audit writes a null share; the Overview had shown it as 0.0%,
+    the opposite of what it means (the Markdown report says "undefined")."""
+    from app.views.common import share_text
+
+    assert (share_text(None), share_text(0.0), share_text(0.8766)) == ("n/a", "0.0%", "87.7%")
+    for name in ("featuregate", "dense", "eval", "calibration", "audit.json"):
+        (shutil.copytree if (tiny_demo / name).is_dir() else shutil.copy)(tiny_demo / name, tmp_path / name)
+    report = json.loads((tmp_path / "audit.json").read_text())
+    report["variance"]["layer_identity_share"] = None
+    report["variance"]["per_site"] = dict.fromkeys(report["variance"]["per_site"])
+    (tmp_path / "audit.json").write_text(json.dumps(report))
+    at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), "views/overview.py")
+    no_exceptions(at)
+    assert [m.value for m in at.metric if m.label == "Layer-identity share"] == ["n/a"]
+
+
 def test_execution_measurement_belongs_to_its_cache(tiny_demo, tmp_path, monkeypatch):
     other = tmp_path / "other"
     for name in ("featuregate", "dense", "eval", "calibration", "audit.json"):

@@ -186,6 +186,12 @@ def teach(text: str) -> None:
     st.markdown(text)
 
 
+def share_text(share: float | None) -> str:
+    """A layer-identity share as the pages show it; None (the coefficients hardly vary, so no share is
+    defined) as "n/a", never as 0.0%."""
+    return "n/a" if share is None else f"{100 * share:.1f}%"
+
+
 def csv_bytes(table: pd.DataFrame | list[dict]) -> bytes:
     """CSV of a DataFrame, or of a list of row dicts written without pandas (the Overview stays
     pandas-free to draw its first chart sooner); both give the same bytes for the same rows."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import streamlit as st
 
 from app import figures, resources
-from app.views.common import Selection, download, guard, require_cache, teach
+from app.views.common import Selection, download, guard, require_cache, share_text, teach
 from fca.tables import catalog
 from fca.tables.report import (
     ReportError,
@@ -155,7 +155,7 @@ if report is None:
         dec = stats["decomposition"]
         st.metric(
             "Layer-identity share",
-            f"{100 * (dec['layer_identity_share'] or 0):.1f}%",
+            share_text(dec["layer_identity_share"]),
             help="share of the coefficient variance explained by the site and channel alone",
         )
         sites = {"site": list(dec["per_site"]), "share": list(dec["per_site"].values())}
@@ -245,7 +245,7 @@ with c1:
     st.markdown("#### 1. Variation")  # (a subheader wrapped at 1024 px and set its card lower)
     st.metric(
         "Layer-identity share",
-        f"{100 * (var['layer_identity_share'] or 0):.1f}%",
+        share_text(var["layer_identity_share"]),
         help="Share of the coefficient variance explained by the site and channel alone: SS between slot "
         "(site x channel) means / SS total, within each coefficient family",
     )

@@ -439,8 +439,8 @@ if job is not None and not job.running:
         )
         columns = RESULT_COLUMNS
         if by_document:  # the table's interval is the one over documents
-            help = "95% paired bootstrap CI resampling whole documents: windows of one document are not independent"
-            columns = {**columns, "penalty 95% CI": st.column_config.TextColumn(help=help, alignment="right")}
+            tip = "95% paired bootstrap CI resampling whole documents: windows of one document are not independent"
+            columns = {**columns, "penalty 95% CI": st.column_config.TextColumn(help=tip, alignment="right")}
         # Under MIN_BOOTSTRAP_VALUES sequences no interval column: the caption says there are none (a column
         # saying "none (under 10 sequences)" on each row made the table scroll sideways at 800 px).
         shown = result_view(result, intervals)

@@ -7,7 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from app import figures, resources
-from app.views.common import download, guard, in_range, keep, one_of, require_cache, teach
+from app.views.common import download, guard, in_range, keep, one_of, require_cache, share_text, teach
 from fca.tables.profiles import slot_deviation
 
 # Positions shown at once in the token x layer heatmap: every label stays legible on a 1024 px screen.
@@ -52,12 +52,12 @@ def overview_charts() -> None:
     cols = st.columns(1 + min(len(families), 4))
     cols[0].metric(
         "Layer-identity share (pooled)",
-        f"{100 * (dec['layer_identity_share'] or 0):.1f}%",
+        share_text(dec["layer_identity_share"]),
         help=f"over {dec['num_tokens']:,} tokens of this cache",
     )
     if len(families) > 1:
         for col, (f, v) in zip(cols[1:], families.items()):
-            col.metric(f"family {f}", "n/a" if v is None else f"{100 * v:.1f}%")
+            col.metric(f"family {f}", share_text(v))
 
     per_site = pd.DataFrame({"site": list(dec["per_site"]), "share": list(dec["per_site"].values())})
     chance = dec.get("chance_levels", {})
