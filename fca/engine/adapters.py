@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fca.engine.sites import OutputSelector, Site, SiteSpec, assign_site_names
+from fca.engine.sites import OutputSelector, Site, SiteSpec, assign_site_names, unwrapped
 
 TokenLayout = Literal["batched", "flat"]
 Axes = tuple[tuple[str, int], ...]
@@ -234,8 +234,10 @@ def _restore_controller_keys(module: nn.Module, state_dict: dict, prefix: str, *
 
 
 def match_modules(model: nn.Module, pattern: str) -> list[str]:
-    """Paths of the modules matching `pattern`, one glob per dotted component, in module-tree order."""
+    """Paths of the modules matching `pattern`, one glob per dotted component, in module-tree order (a
+    compiled model's paths are its original module's, as its site names are)."""
     parts = pattern.split(".")
+    model = unwrapped(model)
     return [
         name
         # Every path, also a second one to a module reached twice: a controller shared by the blocks is
@@ -265,7 +267,7 @@ def candidate_paths(model: nn.Module, pattern: str, limit: int = 8) -> list[str]
     after `blocks.0.gate`, since a number component is an index into a module list.
     """
     parts = pattern.split(".")
-    names = [name for name, _ in model.named_modules() if name]
+    names = [name for name, _ in unwrapped(model).named_modules() if name]
     split = {name: name.split(".") for name in names}
 
     fits: dict[tuple[int, str], str] = {}  # (differing position, name there) -> first such path
@@ -344,8 +346,11 @@ def attach_sites(
     the model returns neither a tensor nor an object with `.logits`: an index into a tuple (`0`), a key
     or attribute name (`"logits"`), or a function of the output; it is kept as `model.fca_output` and
     read by `fca.engine.sites.model_logits`. A declaration that matches nothing, or matches a module
-    inside another matched module, raises `SiteDeclarationError` listing candidates.
+    inside another matched module, raises `SiteDeclarationError` listing candidates. A compiled model
+    (`torch.compile(model)`) is adapted through its original module, so paths, site names and weight names
+    are the uncompiled model's; it is `model` that is returned, and its forward passes stay compiled.
     """
+    compiled, model = model, unwrapped(model)
     # Every declaration is checked before any module is swapped, so an error leaves the model as it was.
     planned: dict[str, tuple[nn.Module, SiteDeclaration, SiteSpec]] = {}
     slots: dict[tuple[int, str], str] = {}  # (id of the parent module, attribute) -> the first path to it
@@ -401,7 +406,7 @@ def attach_sites(
     if output is not None:
         model.fca_output = output
     assign_site_names(model)
-    return model
+    return compiled
 
 
 def _blocks(model: nn.Module, path: str) -> list[nn.Module]:
@@ -410,6 +415,7 @@ def _blocks(model: nn.Module, path: str) -> list[nn.Module]:
 
 def detach_sites(model: nn.Module) -> nn.Module:
     """Undo `attach_sites`: put every wrapped module back in place and remove the hooks."""
+    compiled, model = model, unwrapped(model)
     for name, module in list(model.named_modules()):
         if isinstance(module, ModuleSite):
             parent, _, leaf = name.rpartition(".")
@@ -418,4 +424,4 @@ def detach_sites(model: nn.Module) -> nn.Module:
         hook.remove()
     model.fca_adapter_hooks = []
     vars(model).pop("fca_output", None)  # only the instance's: a selector the class declares stays
-    return model
+    return compiled

@@ -28,11 +28,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 
 from fca.engine.families import family_of
-from fca.engine.sites import find_sites
+from fca.engine.sites import find_sites, unwrapped
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks in execution order, as its family (`fca.engine.families`) names them."""
+    model = unwrapped(model)
     return list(family_of(model).blocks(model))
 
 
@@ -43,7 +44,10 @@ def _tokens_in(args: tuple, kwargs: dict) -> int:
 
 @torch.no_grad()
 def blocks_executed(model: nn.Module, input_ids: torch.Tensor) -> dict:
-    """Count, with forward hooks, how many tokens each block processed in one forward."""
+    """Count, with forward hooks, how many tokens each block processed in one forward. A compiled model is
+    counted on its original module: a graph compiled before the hooks were added does not call them
+    (torch does not guard on module hooks), and counted 0 tokens in every block."""
+    model = unwrapped(model)
     blocks = model_blocks(model)
     processed = [0] * len(blocks)
 
@@ -106,7 +110,9 @@ class _OperatorsRun(TorchDispatchMode):
 @torch.no_grad()
 def controller_flops(model: nn.Module, input_ids: torch.Tensor) -> dict:
     """FLOPs of one forward, the share spent inside controller sites, and the heavy operators that ran
-    without a formula (`uncounted_ops`; their FLOPs are missing from both counts)."""
+    without a formula (`uncounted_ops`; their FLOPs are missing from both counts). A compiled model is
+    counted on its original module (the same operators), whose module names are the site names."""
+    model = unwrapped(model)
     counted = {**flop_registry, **MISSING_FORMULAS}
     with FlopCounterMode(display=False, depth=None, custom_mapping=MISSING_FORMULAS) as counter, _OperatorsRun() as ran:
         model(input_ids)

@@ -16,6 +16,7 @@ from torch import nn
 
 from fca.engine.checkpoints import read_config
 from fca.engine.families import family_for_type, registered_families
+from fca.engine.sites import unwrapped
 from fca.tables.errors import ModelLoadError
 
 
@@ -76,9 +77,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def fingerprint_state(model: nn.Module) -> str:
-    """sha256 over the weights (names, dtypes, shapes and bytes, in name order): the model's identity."""
+    """sha256 over the weights (names, dtypes, shapes and bytes, in name order): the model's identity.
+    A compiled model's is its original module's (`unwrapped`), without the wrapper's `_orig_mod.` prefix."""
     digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
+    for name, tensor in sorted(unwrapped(model).state_dict().items()):
         t = tensor.detach().to("cpu").contiguous()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -110,7 +112,8 @@ def save_model(model: nn.Module, out: str | Path, tokenizer=None, extra_files: d
     tmp.mkdir(parents=True)
     model.config.to_json_file(tmp / "config.json")
     save_file(
-        {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+        # (a compiled model's weights under the original names, which its loader reads)
+        {k: v.detach().cpu().contiguous() for k, v in unwrapped(model).state_dict().items()},
         tmp / "model.safetensors",
         metadata={"format": "pt"},
     )

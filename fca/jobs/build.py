@@ -15,7 +15,7 @@ from fca.engine.capture import ROW_KEY_BYTES, bytes_per_token, check_embedded_id
 from fca.engine.checkpoints import read_config
 from fca.engine.environment import current_environment, model_dtype_name
 from fca.engine.loading import fingerprint_state, load_model
-from fca.engine.sites import model_logits, site_specs, vocab_rows
+from fca.engine.sites import model_logits, site_specs, unwrapped, vocab_rows
 from fca.tables import data
 from fca.tables.errors import CacheError
 from fca.tables.remote import RemoteParts, is_uri
@@ -246,8 +246,8 @@ def build_cache(
         batch_size,
         coefficient_dtype,
         model_record={
-            "path": model_name or type(model).__name__,
-            "model_type": (config or {}).get("model_type", type(model).__name__),
+            "path": model_name or type(unwrapped(model)).__name__,  # (a compiled model's: the original's class)
+            "model_type": (config or {}).get("model_type", type(unwrapped(model)).__name__),
             "config": config,
         },
         corpus={"name": corpus_name, "fingerprint": hashlib.sha256(windows.tobytes()).hexdigest(), "split": split},

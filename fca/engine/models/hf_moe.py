@@ -35,7 +35,7 @@ from fca.engine.adapters import SiteDeclaration, attach_sites, match_modules
 from fca.engine.checkpoints import check_safetensors_files, read_config
 from fca.engine.family import Family
 from fca.engine.routing import TopKRouter
-from fca.engine.sites import as_input_ids, find_sites
+from fca.engine.sites import as_input_ids, find_sites, unwrapped
 from fca.tables.errors import ModelLoadError
 
 ROUTER_FAMILY = "router"
@@ -202,8 +202,10 @@ def expert_execution(
     dispatch that actually happens, whatever mode the sites are in) and counts the distinct experts each
     token runs. Returns, per MoE layer and overall, `experts_available` (E), `top_k`,
     `experts_run_per_token_mean` and `expert_fraction` (= run / available); plus `experts_hit`, the
-    distinct experts that ran for at least one token of the batch; and `note`.
+    distinct experts that ran for at least one token of the batch; and `note`. A compiled model is counted
+    on its original module, as `fca.engine.execution.blocks_executed` says why.
     """
+    model = unwrapped(model)
     if not expert_paths:
         raise ValueError(f"{type(model).__name__}: no expert modules given (its family's expert_paths)")
     modules = {n: model.get_submodule(n) for p in expert_paths for n in match_modules(model, p)}
