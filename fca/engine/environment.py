@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from functools import lru_cache
 
 import torch
@@ -73,8 +74,31 @@ def numerics(device: torch.device) -> str:
 
 def current_environment(model: nn.Module) -> dict:
     """The environment `model` computes in now: device, its name and capability, dtype, torch, threads and
-    the numeric settings that choose kernels."""
-    return environment_on(next(model.parameters()).device, model_dtype_name(model))
+    the numeric settings that choose kernels, among them the `torch.compile` backend a compiled model runs
+    through. Inductor fuses operators into kernels of its own: on a CPU, the coefficients of a tiny
+    FeatureGate compiled with it differed from the uncompiled model's by 1.2e-7, and a cache built
+    uncompiled was refused as "not this model's output" in what its manifest recorded as this very
+    environment. Compiled, the model computes in another one (eager and aot_eager were bit-identical)."""
+    env = environment_on(next(model.parameters()).device, model_dtype_name(model))
+    backend = compile_backend(model)
+    if backend is not None:
+        compiled = f"torch.compile {backend}"
+        env["numerics"] = compiled if env["numerics"] == "default" else f"{env['numerics']}, {compiled}"
+    return env
+
+
+def compile_backend(model: nn.Module) -> str | None:
+    """The backend of `torch.compile(model)` ('inductor', 'aot_eager', 'eager', or a function's name), None
+    for a model not wrapped by it. Read from torch's private wrapper, as torch offers no public way; a model
+    can only be one once `torch._dynamo` is imported, so nothing is imported here."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None or not isinstance(model, eval_frame.OptimizedModule):
+        return None
+    try:
+        backend = eval_frame.innermost_backend(model.dynamo_ctx.callback)
+    except (AttributeError, AssertionError):  # (another torch's wrapper: compiled, by an unknown backend)
+        return "unknown backend"
+    return str(getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None) or type(backend).__name__)
 
 
 def environment_on(device: torch.device, model_dtype: str) -> dict:
