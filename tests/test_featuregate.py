@@ -13,13 +13,14 @@ from torch import nn
 
 import fca
 from fca.cli import main
-from fca.engine.loading import ModelLoadError
+from fca.engine.environment import current_environment
+from fca.engine.loading import ModelLoadError, fingerprint_state
 from fca.engine.models.featuregate import (
     FeatureGateConfig,
     FeatureGateModel,
     build_featuregate,
 )
-from fca.engine.sites import Site, find_sites, site_modes
+from fca.engine.sites import Site, controller_parameters, find_sites, site_modes
 from fca.jobs.train import TrainSettings, heldout_nll, train
 from fca.tables import data
 from fca.tables.conditions import check_sites_named
@@ -89,6 +90,41 @@ def test_exact_correct_replay_and_controller_never_runs():
     assert torch.isnan(model(ids).logits).all()  # live now really is broken
     for h in handles:
         h.remove()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_compiled_model_is_the_uncompiled_one_and_replays_without_its_controllers(backend):
+    """`torch.compile` wraps the model in a module whose tree and state dict prefix every name with
+    `_orig_mod.`: its site names, fingerprint and controller parameters are still the uncompiled model's,
+    so one cache serves both. Its replays go through compiled graphs, equal to the uncompiled model's, and
+    those graphs hold no controller: NaN controller weights leave a replay unchanged, while the compiled
+    live pass turns NaN (the graphs read the weights as they are now, so a controller in them would show)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()  # (graphs another test compiled, and its recompiles, stay out of this one)
+    torch._dynamo.utils.counters.clear()
+    model = tiny()
+    compiled = torch.compile(model, backend=backend)
+    assert list(find_sites(compiled)) == list(find_sites(model)) == ["blocks.0.gate", "blocks.1.gate"]
+    assert fingerprint_state(compiled) == fingerprint_state(model)
+    assert controller_parameters(compiled) == controller_parameters(model)
+    assert current_environment(compiled)["numerics"].endswith(f"torch.compile {backend}")
+    assert "torch.compile" not in current_environment(model)["numerics"]
+    ids = torch.randint(0, 97, (4, 16))
+    with torch.no_grad():
+        live = model(ids).logits
+    coefficients = fca.capture(compiled, ids)
+    static = {k: v.mean((0, 1)) for k, v in coefficients.items()}
+    assert torch.equal(fca.replay(compiled, ids, coefficients), live)  # bit-exact
+    assert torch.equal(fca.replay(compiled, ids, static), fca.replay(model, ids, static))
+    with torch.no_grad():
+        for site in find_sites(compiled).values():
+            for p in site.controller.parameters():
+                p.fill_(float("nan"))
+    assert torch.equal(fca.replay(compiled, ids, coefficients), live)
+    with torch.no_grad():
+        assert torch.isnan(compiled(ids).logits).all()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # compiled, not run eagerly
 
 
 def test_static_replay_differs_and_broadcasts():

@@ -11,6 +11,8 @@ from torch import nn
 import fca
 from fca.engine.adapters import SiteDeclaration
 from fca.engine.families import Family
+from fca.engine.loading import fingerprint_state
+from fca.engine.sites import site_specs
 from fca.jobs.build import as_windows
 from fca.jobs.runs import run_replay
 from fca.tables.errors import CacheError, ExactnessError
@@ -122,6 +124,38 @@ def test_the_dashboard_on_caches_of_a_model_held_in_memory(adapted, tmp_path, mo
     said = " ".join(m.value for m in at.markdown)
     assert "**Every block ran for every token (2 of 2)**, as counted at block level." in said
     assert "save no compute" not in said and "`Family.expert_paths`); this one names none" in said
+
+
+def test_a_compiled_model_is_audited_on_caches_of_the_uncompiled_one(adapted, tmp_path):
+    """Caches built with the model serve it compiled (`torch.compile`, whose module tree names everything
+    `_orig_mod.`...): same sites and fingerprint, an exact Correct replay, the same conditions' NLLs, and the
+    blocks counted (hooks added after compiling are not called by its graphs). Sites declared through the
+    compiled model are the ones declared on the model."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    tokens = np.random.default_rng(8).integers(0, 64, 2_000)
+    fca.build_cache(adapted, tokens[:1_000], tmp_path / "eval", seq_len=32, split="eval")
+    fca.build_cache(adapted, tokens[1_000:], tmp_path / "calibration", seq_len=32, split="calibration")
+    conditions = ["static_layer", "interpolate:0.5"]
+    uncompiled = fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "calibration").run(conditions, 8)
+    compiled = torch.compile(adapted, backend="eager")
+    experiment = fca.Experiment.open(compiled, tmp_path / "eval", tmp_path / "calibration")
+    results = experiment.run(conditions, 8)
+    assert experiment.name == "TinyGatedLM" and results.exactness["max_abs_logit_diff"] == 0.0
+    assert results.exactness["fidelity"]["verdict"] == "bit-identical"  # (in another environment: compiled)
+    assert results.exactness["fidelity"]["differing_fields"] == ["numeric settings"]
+    for name in conditions:
+        assert np.array_equal(results.per_seq_nll[name], uncompiled.per_seq_nll[name])
+    report = fca.audit(compiled, tmp_path / "eval", tmp_path / "calibration", num_seqs=8, latency_runs=1, sweep=())
+    assert report["model"]["name"] == "TinyGatedLM" and report["model"]["model_type"] == "TinyGatedLM"
+    assert report["execution"]["blocks_executed_fraction"] == 1.0 and report["execution"]["controller_flops"] > 0
+
+    declared_compiled = torch.compile(TinyGatedLM().eval(), backend="eager")
+    gate = SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate", coefficient="gate logits")
+    assert fca.attach_sites(declared_compiled, [gate], blocks="blocks", output=0) is declared_compiled
+    assert site_specs(declared_compiled) == site_specs(adapted)
+    assert fingerprint_state(declared_compiled) == experiment.model_fingerprint
 
 
 def test_same_windows_give_the_same_cache(adapted, tmp_path):
