@@ -125,6 +125,9 @@ def test_a_compiled_model_is_the_uncompiled_one_and_replays_without_its_controll
     with torch.no_grad():
         assert torch.isnan(compiled(ids).logits).all()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # compiled, not run eagerly
+    # Each pass one graph: a replayed site's check whether it may hand on the caller's tensor (`data_ptr`)
+    # broke the graph at every site.
+    assert not torch._dynamo.utils.counters["graph_break"], list(torch._dynamo.utils.counters["graph_break"])
 
 
 def test_static_replay_differs_and_broadcasts():

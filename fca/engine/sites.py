@@ -85,8 +85,9 @@ class Site(nn.Module):
                 f"site {self.site_name!r}: replay coefficients of shape {list(coefficients.shape)} do not broadcast "
                 f"to this call's [B, T, K] = {[B, T, self.spec.num_channels]}"
             ) from None
-        shared = coefficients.untyped_storage().data_ptr() == given.untyped_storage().data_ptr()
-        if shared or not coefficients.is_contiguous():
+        # Compiled (torch.compile), always a copy: dynamo cannot trace `data_ptr`, and the test broke the
+        # graph at every replayed site.
+        if torch.compiler.is_compiling() or not coefficients.is_contiguous() or _shares_storage(coefficients, given):
             coefficients = coefficients.clone(memory_format=torch.contiguous_format)
         return coefficients
 
@@ -122,6 +123,10 @@ class Site(nn.Module):
 
     def extra_repr(self) -> str:
         return f"name={self.site_name!r}, K={self.spec.num_channels}, family={self.spec.family!r}"
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
