@@ -88,15 +88,25 @@ def current_environment(model: nn.Module) -> dict:
 
 
 def compile_backend(model: nn.Module) -> str | None:
-    """The backend of `torch.compile(model)` ('inductor', 'aot_eager', 'eager', or a function's name), None
-    for a model not wrapped by it. Read from torch's private wrapper, as torch offers no public way; a model
-    can only be one once `torch._dynamo` is imported, so nothing is imported here."""
+    """The backend a compiled model runs through ('inductor', 'aot_eager', 'eager', or a function's name):
+    `torch.compile(model)`, or `model.compile()` (in place: no wrapper, the compiled call kept in
+    `_compiled_call_impl`); None for a model compiled neither way. Read from torch's private objects, as
+    torch offers no public way; a model can only be compiled once `torch._dynamo` is imported, so nothing is
+    imported here."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is None or not isinstance(model, eval_frame.OptimizedModule):
+    if eval_frame is None:
+        return None
+    if isinstance(model, eval_frame.OptimizedModule):
+        context = getattr(model, "dynamo_ctx", None)
+    elif getattr(model, "_compiled_call_impl", None) is not None:
+        # (the compiled call is dynamo's wrapper of the module's call, whose closure holds its context)
+        cells = getattr(model._compiled_call_impl, "__closure__", None) or ()
+        context = next((c.cell_contents for c in cells if hasattr(c.cell_contents, "callback")), None)
+    else:
         return None
     try:
-        backend = eval_frame.innermost_backend(model.dynamo_ctx.callback)
-    except (AttributeError, AssertionError):  # (another torch's wrapper: compiled, by an unknown backend)
+        backend = eval_frame.innermost_backend(context.callback)
+    except (AttributeError, AssertionError):  # (another torch's objects: compiled, by an unknown backend)
         return "unknown backend"
     return str(getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None) or type(backend).__name__)
 
