@@ -85,8 +85,8 @@ class Site(nn.Module):
                 f"site {self.site_name!r}: replay coefficients of shape {list(coefficients.shape)} do not broadcast "
                 f"to this call's [B, T, K] = {[B, T, self.spec.num_channels]}"
             ) from None
-        # Compiled (torch.compile), always a copy: dynamo cannot trace `data_ptr`, and the test broke the
-        # graph at every replayed site.
+        # Compiled (torch.compile), always a copy: dynamo cannot trace `data_ptr`, so asking whether the
+        # tensor shares the caller's storage broke the graph at every replayed site.
         if torch.compiler.is_compiling() or not coefficients.is_contiguous() or _shares_storage(coefficients, given):
             coefficients = coefficients.clone(memory_format=torch.contiguous_format)
         return coefficients
