@@ -131,6 +131,9 @@ def test_a_compiled_model_is_the_uncompiled_one_and_replays_without_its_controll
     # Compiled in place (`model.compile()`: no wrapper), the backend is recorded too: with inductor, whose
     # kernels differ from the uncompiled model's by 1.2e-7, a cache built uncompiled was refused as "not this
     # model's output" in what its manifest recorded as this very environment.
+    compiled.train()  # (messages name the model's class, not the wrapper's)
+    with pytest.raises(ValueError, match="^FeatureGateModel is in training mode"):
+        fca.capture(compiled, ids)
     in_place = tiny()
     in_place.compile(backend=backend)
     assert current_environment(in_place)["numerics"].endswith(f"torch.compile {backend}")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fca.engine.sites import as_input_ids, capture_tensors, find_sites, site_specs, vocab_rows
+from fca.engine.sites import as_input_ids, capture_tensors, find_sites, model_class_name, site_specs, vocab_rows
 from fca.tables.errors import CacheError
 from fca.tables.schema import COEFFICIENT_BYTES, cache_schema, coefficient_arrow_type, record_batch
 from fca.tables.timings import Timings
@@ -26,7 +26,7 @@ from fca.tables.writer import CacheWriter
 def capture(model: nn.Module, input_ids) -> dict[str, np.ndarray]:
     """Site name -> coefficients [B, T, K_s] float32, in execution order."""
     if not find_sites(model):
-        raise ValueError(f"{type(model).__name__} has no controller sites to capture")
+        raise ValueError(f"{model_class_name(model)} has no controller sites to capture")
     _, coefficients = capture_tensors(model, as_input_ids(input_ids, model))
     return {name: c.float().cpu().numpy() for name, c in coefficients.items()}
 
@@ -62,7 +62,7 @@ def check_embedded_ids(model: nn.Module, windows: np.ndarray, out: str | Path) -
     vocab = vocab_rows(model)
     if vocab is not None and (windows.min() < 0 or windows.max() >= vocab):
         raise ValueError(
-            f"{out}: token ids from {windows.min()} to {windows.max()}, but {type(model).__name__} embeds ids in "
+            f"{out}: token ids from {windows.min()} to {windows.max()}, but {model_class_name(model)} embeds ids in "
             f"[0, {vocab}): the tokenizer (or the windows) do not belong to this model"
         )
 

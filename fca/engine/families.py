@@ -20,7 +20,7 @@ import threading
 from torch import nn
 
 from fca.engine.family import Family
-from fca.engine.sites import unwrapped
+from fca.engine.sites import model_class_name
 from fca.tables.catalog import DENSE_TWINS
 
 __all__ = ["Family", "register_family", "registered_families", "family_for_type", "family_of"]
@@ -75,4 +75,4 @@ def family_of(model: nn.Module) -> Family:
     if isinstance(declared, Family):
         return declared
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return family_for_type(model_type) or Family(model_type or type(unwrapped(model)).__name__)
+    return family_for_type(model_type) or Family(model_type or model_class_name(model))

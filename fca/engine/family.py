@@ -11,6 +11,7 @@ from pathlib import Path
 
 from torch import nn
 
+from fca.engine.sites import model_class_name
 from fca.tables.catalog import DenseTwin
 
 
@@ -18,7 +19,7 @@ def longest_module_list(model: nn.Module) -> list[nn.Module]:
     """The blocks of a model that names none: the longest `nn.ModuleList` in its module tree."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     if not lists:
-        raise ValueError(f"{type(model).__name__}: cannot find its blocks (declare a Family with `blocks`)")
+        raise ValueError(f"{model_class_name(model)}: cannot find its blocks (declare a Family with `blocks`)")
     return list(max(lists, key=len))
 
 

@@ -17,6 +17,7 @@ from fca.engine.routing import RoutingTally, TopKRouter
 from fca.engine.sites import (
     capture_tensors,
     find_sites,
+    model_class_name,
     model_logits,
     run_model,
     site_modes,
@@ -153,7 +154,7 @@ def _replay_staged(
             # The live model runs, so what differs is what the sites handed on: a declaration whose axes
             # the consumer does not expect (a capture, which checks the controller's output, would say so).
             raise ValueError(
-                f"{type(model).__name__} failed on the replayed coefficients ({str(err).splitlines()[0]}); do the "
+                f"{model_class_name(model)} failed on the replayed coefficients ({str(err).splitlines()[0]}); do the "
                 "sites' declared axes match what their consumers expect? (fca.capture checks them)"
             ) from err
         return model_logits(output, model), staged.moved

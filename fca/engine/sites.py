@@ -143,6 +143,12 @@ def unwrapped(model: nn.Module) -> nn.Module:
     return model
 
 
+def model_class_name(model: nn.Module) -> str:
+    """The model's class name in messages and records: a compiled model's is its original module's, not
+    `OptimizedModule`."""
+    return type(unwrapped(model)).__name__
+
+
 def assign_site_names(model: nn.Module) -> None:
     """Name every site after its path in the module tree (e.g. `blocks.3.gate`) now, as each pass's
     `find_sites` does, so that a model's sites have their names before its first pass."""
@@ -213,9 +219,11 @@ def site_modes(
     """
     sites = find_sites(model)
     if not sites:
-        raise ValueError(f"{type(model).__name__} has no controller sites")
+        raise ValueError(f"{model_class_name(model)} has no controller sites")
     if model.training:  # dropout would make the live pass and its replay differ by chance
-        raise ValueError(f"{type(model).__name__} is in training mode; call model.eval() before recording or replaying")
+        raise ValueError(
+            f"{model_class_name(model)} is in training mode; call model.eval() before recording or replaying"
+        )
     if only is not None:
         unknown = sorted(set(only) - set(sites))
         if unknown:
@@ -229,7 +237,7 @@ def site_modes(
         busy = next((name for name, site in sites.items() if site._in_pass), None)
         if busy is not None:
             raise RuntimeError(
-                f"{type(model).__name__}: site {busy!r} is already in a record or replay pass (another "
+                f"{model_class_name(model)}: site {busy!r} is already in a record or replay pass (another "
                 "thread's, or one this pass was started inside); run one pass at a time per model object"
             )
         for site in sites.values():
@@ -258,7 +266,7 @@ def as_input_ids(input_ids, model: nn.Module) -> torch.Tensor:
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= vocab:
             raise ValueError(
-                f"input_ids must lie in [0, {vocab}) for {type(model).__name__}, got ids from {low} to {high}"
+                f"input_ids must lie in [0, {vocab}) for {model_class_name(model)}, got ids from {low} to {high}"
             )
     return ids.to(device=device, dtype=torch.long)
 
@@ -270,7 +278,7 @@ def run_model(model: nn.Module, ids: torch.Tensor) -> Any:
         return model(ids)
     except IndexError as err:
         raise ValueError(
-            f"{type(model).__name__} raised IndexError ({str(err).splitlines()[0] if str(err) else 'no message'}) "
+            f"{model_class_name(model)} raised IndexError ({str(err).splitlines()[0] if str(err) else 'no message'}) "
             f"on input ids from {int(ids.min())} to {int(ids.max())}: ids beyond its embedding? (a model with "
             "get_input_embeddings() or config.vocab_size has them checked before the pass)"
         ) from None

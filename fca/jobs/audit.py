@@ -15,7 +15,7 @@ import torch
 from fca.engine.environment import model_dtype_name
 from fca.engine.families import family_of
 from fca.engine.loading import fingerprint_state
-from fca.engine.sites import controller_parameters, unwrapped
+from fca.engine.sites import controller_parameters, model_class_name
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource, check_condition_sites
 from fca.tables.conditions import PAPER_CONDITIONS, Condition, as_conditions
 from fca.tables.fidelity import (
@@ -123,7 +123,7 @@ def audit_experiment(
         "fca_report_version": REPORT_VERSION,
         "model": {
             "name": experiment.name,
-            "model_type": model.config.model_type if hasattr(model, "config") else type(unwrapped(model)).__name__,
+            "model_type": model.config.model_type if hasattr(model, "config") else model_class_name(model),
             "fingerprint": experiment.model_fingerprint,
             "parameters": params,
             "controller_parameters": controller_params,

@@ -15,7 +15,7 @@ from fca.engine.capture import ROW_KEY_BYTES, bytes_per_token, check_embedded_id
 from fca.engine.checkpoints import read_config
 from fca.engine.environment import current_environment, model_dtype_name
 from fca.engine.loading import fingerprint_state, load_model
-from fca.engine.sites import model_logits, site_specs, unwrapped, vocab_rows
+from fca.engine.sites import model_class_name, model_logits, site_specs, vocab_rows
 from fca.tables import data
 from fca.tables.errors import CacheError
 from fca.tables.remote import RemoteParts, is_uri
@@ -226,9 +226,11 @@ def build_cache(
     windows = as_windows(windows, seq_len)  # [N, T + 1]
     specs = site_specs(model)
     if not specs:
-        raise ValueError(f"{type(model).__name__}: the model has no controller sites (declare them with attach_sites)")
+        raise ValueError(
+            f"{model_class_name(model)}: the model has no controller sites (declare them with attach_sites)"
+        )
     if model.training:  # refused before anything is written (record passes refuse it too, later)
-        raise ValueError(f"{type(model).__name__} is in training mode; call model.eval() before building a cache")
+        raise ValueError(f"{model_class_name(model)} is in training mode; call model.eval() before building a cache")
     config = model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None
     vocab_size = _vocab_size(model, windows, out)
     # A model without a known embedding (`vocab_rows`) is held to its logits' width, before anything is
@@ -236,7 +238,7 @@ def build_cache(
     check_embedded_ids(model, windows, out)
     if vocab_rows(model) is None and (windows.min() < 0 or windows.max() >= vocab_size):
         raise ValueError(
-            f"{out}: token ids from {windows.min()} to {windows.max()}, but {type(model).__name__} predicts ids in "
+            f"{out}: token ids from {windows.min()} to {windows.max()}, but {model_class_name(model)} predicts ids in "
             f"[0, {vocab_size}): the windows do not belong to this model"
         )
     _probe_window(model, windows, out)  # (after the ids are known to fit: its failure is then the context)
@@ -246,8 +248,8 @@ def build_cache(
         batch_size,
         coefficient_dtype,
         model_record={
-            "path": model_name or type(unwrapped(model)).__name__,  # (a compiled model's: the original's class)
-            "model_type": (config or {}).get("model_type", type(unwrapped(model)).__name__),
+            "path": model_name or model_class_name(model),  # (a compiled model's: the original's class)
+            "model_type": (config or {}).get("model_type", model_class_name(model)),
             "config": config,
         },
         corpus={"name": corpus_name, "fingerprint": hashlib.sha256(windows.tobytes()).hexdigest(), "split": split},
@@ -305,7 +307,7 @@ def _probe(model: nn.Module, ids: torch.Tensor, out: str | Path):
     except (IndexError, RuntimeError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(
-            f"{out}: {type(model).__name__} fails on a window of {ids.shape[1]} tokens, so nothing was written "
+            f"{out}: {model_class_name(model)} fails on a window of {ids.shape[1]} tokens, so nothing was written "
             f"({reason}); a window longer than the model's context fails this way"
         ) from None
 

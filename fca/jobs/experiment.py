@@ -21,7 +21,7 @@ from fca.engine.environment import model_dtype_name
 from fca.engine.execution import execution_audit
 from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.replay import ReplayResults, check_exactness, check_finite, check_token_ids, run_conditions
-from fca.engine.sites import controller_parameters, find_sites, site_specs, unwrapped, vocab_rows
+from fca.engine.sites import controller_parameters, find_sites, model_class_name, site_specs, vocab_rows
 from fca.tables.catalog import DENSE_TWINS, is_dense_twin
 from fca.tables.conditions import Condition, as_conditions, check_sites_named
 from fca.tables.errors import CacheError, ModelLoadError
@@ -62,7 +62,7 @@ def _parameters(model: nn.Module) -> int:
 
 def model_name(source: ModelSource) -> str:
     """A model's name in reports: its directory's name, or its class name when held in memory."""
-    return type(unwrapped(source)).__name__ if isinstance(source, nn.Module) else Path(source).name
+    return model_class_name(source) if isinstance(source, nn.Module) else Path(source).name
 
 
 DEFAULT_BATCH_SIZE = 16  # sequences per replayed batch when neither the run nor the cache says
