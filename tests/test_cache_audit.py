@@ -1300,6 +1300,12 @@ def test_damaged_reports_devices_and_one_path_for_two_outputs_are_refused(demo, 
         assert said in _cli_error(["report", str(bad)], capsys)
         if studied:
             assert said in _cli_error(["study", str(bad), str(tmp_path / "r.json")], capsys)
+    # NaN is not JSON (FCA writes null): a report edited to hold it was rendered as "nan", with exit code 0.
+    correct = {**report["conditions"]["correct"], "nll": float("nan")}
+    bad.write_text(json.dumps({**report, "conditions": {**report["conditions"], "correct": correct}}))
+    said = "bad.json: not a readable audit report (NaN is not JSON; FCA writes null where a figure is undefined)"
+    assert said in _cli_error(["report", str(bad)], capsys)
+    assert said in _cli_error(["study", str(bad), str(tmp_path / "r.json")], capsys)
     (tmp_path / "future.json").write_text(json.dumps({**report, "fca_report_version": 99}))
     assert "report version 99" in _cli_error(["study", str(tmp_path / "future.json"), str(bad)], capsys)
     fifo = tmp_path / "fifo"

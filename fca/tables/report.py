@@ -306,10 +306,16 @@ def read_report(path: str | Path, required: tuple[str, ...] = REQUIRED_KEYS) -> 
     if Path(path).stat().st_size > MAX_REPORT_BYTES:
         raise ReportError(f"{path}: not an audit report ({Path(path).stat().st_size:,} bytes; reports are small)")
     try:
-        report = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        report = json.loads(Path(path).read_text(), parse_constant=_no_constant)
+    except (OSError, UnicodeDecodeError, ValueError) as err:  # (json.JSONDecodeError is a ValueError)
         raise ReportError(f"{path}: not a readable audit report ({err})") from None
     return check_report(report, path, required)
+
+
+def _no_constant(name: str) -> float:
+    # Python's json reads NaN and Infinity, which are not JSON: FCA writes null where a figure is undefined,
+    # so a report holding them was edited by hand, and rendered it read "nan" (exit code 0).
+    raise ValueError(f"{name} is not JSON; FCA writes null where a figure is undefined")
 
 
 def _fmt(x, digits: int = 4) -> str:
