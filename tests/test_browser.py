@@ -341,12 +341,15 @@ def test_replay_lab_in_chromium(tiny_demo, tmp_path):
             check_result(second)
             assert second["spec"]["seed"] == 5 and "Cancelled after" not in body()
             # At 800 px (sidebar open) the result's table and both command boxes fit their column (the
-            # boxes wrap a line too long for them): they scrolled sideways.
+            # boxes wrap a line too long for them): they scrolled sideways. The saved runs fit at 1400 px (they
+            # scrolled there too); at 800 they scroll, their pinned names in view.
             page.set_viewport_size({"width": 800, "height": 1000})
             page.wait_for_timeout(1000)
             sideways = page.evaluate(SIDEWAYS, [[GRID, 1], ['[data-testid="stCode"]', None]])  # (1: the result's)
             assert sideways == [], sideways
             page.set_viewport_size({"width": 1400, "height": 1000})
+            page.wait_for_timeout(1000)
+            assert page.evaluate(SIDEWAYS, [[GRID, 2]]) == []  # (the second: the saved runs')
             labels = ["static_layer + global_mean, n=2, seed 3", "static_layer + global_mean, n=2, seed 5"]
             page.wait_for_selector(".js-plotly-plot .legendtext", timeout=30_000)
             wait_settled(page)

@@ -484,14 +484,13 @@ if not runs:
 else:
     ids = [Path(r["path"]).stem for r in runs]  # newest first
     labels = dict(zip(ids, run_labels(runs)))
+    # The run's label says its conditions, sequences and seed ("static_layer + global_mean, n=16, seed 3"):
+    # as columns of their own too, they made the table scroll sideways even at 1400 px (the CSV keeps them).
     table = pd.DataFrame(
         [
             {
                 "run": labels[i],
                 "created": r.get("created"),
-                "conditions": ", ".join(r["spec"]["conditions"]),
-                "sequences": r["spec"]["num_seqs"],
-                "seed": r["spec"]["seed"],
                 "batch size": r["spec"].get("batch_size"),
                 "device": r.get("device"),
                 "model ok": r["spec"].get("model_fingerprint") == cache.manifest.model.fingerprint,
