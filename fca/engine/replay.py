@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,8 +93,8 @@ class DeviceCoefficients(Mapping):
         try:
             t = _host_tensor(self.values[name])
         except (TypeError, ValueError):  # None, text, ragged lists: not an array torch can take
-            raise ValueError(
-                f"site {name!r}: replay coefficients must be an array of numbers, not {self.values[name]!r}"[:200]
+            raise ValueError(  # (reprlib: a long text or list is shown cut short)
+                f"site {name!r}: replay coefficients must be an array of numbers, not {reprlib.repr(self.values[name])}"
             ) from None
         if self.device.type == "cuda" and t.device.type == "cpu":
             compute = torch.cuda.current_stream(self.device)
@@ -116,9 +117,9 @@ def replay(
     Every site is replayed unless `only` names a subset (a set of names, or one name; the rest run live).
     The replayed controllers are never called. A site name the model lacks, a replayed site given no
     coefficients (`SiteError`: a ValueError, and a KeyError) and coefficients that are not floating-point
-    numbers broadcastable to the site's shape raise a ValueError naming the site. On CUDA, host coefficients given in pinned memory are copied
-    from that very memory, asynchronously, as any non-blocking copy: refill such a buffer only after the
-    logits are used (or the device synchronized).
+    numbers broadcastable to the site's shape raise a ValueError naming the site. On CUDA, host coefficients
+    given in pinned memory are copied from that very memory, asynchronously, as any non-blocking copy:
+    refill such a buffer only after the logits are used (or the device synchronized).
     """
     logits, fed = _replay_staged(model, input_ids, coefficients, only)
     check_finite_coefficients(logits, fed)
