@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from fca.engine.sites import model_class_name
@@ -27,6 +28,22 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
     """The block list `attach_sites(..., blocks=PATH)` recorded on the model, else the longest ModuleList."""
     adapted = getattr(model, "fca_blocks", None)  # set by fca.engine.adapters.attach_sites
     return list(adapted()) if callable(adapted) else longest_module_list(model)
+
+
+def transformers_expert_selection(
+    experts: nn.Module, args: tuple, kwargs: dict
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The selection an experts module is handed, read from its call: transformers' MoE layers call
+    `experts(hidden [N, D], top_k_index [N, k], top_k_weights [N, k])`. Returns (index [N, k], weights
+    [N, k] or None); an index >= the module's `num_experts` is an empty slot (no expert runs)."""
+    index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+    weights = args[2] if len(args) > 2 else kwargs.get("top_k_weights")
+    if not isinstance(index, torch.Tensor):
+        raise ValueError(
+            f"{type(experts).__name__}: not called as experts(hidden, top_k_index, top_k_weights); its family "
+            "must say how to read the experts it runs (Family.expert_selection)"
+        )
+    return index, weights if isinstance(weights, torch.Tensor) else None
 
 
 def no_definitions(model: nn.Module) -> dict:
@@ -55,6 +72,9 @@ class Family:
       softmax (as transformers' MoE routers): site name -> k, or `fca.engine.routing.TopKRouter(k,
       renormalize)` where the top-k weights are not renormalised. Replays then report each condition's
       routing agreement (`fca.engine.routing`). {} (the default): no such sites.
+    - `expert_selection(experts, args, kwargs)`: the (index [N, k], weights [N, k] or None) an experts module
+      matching `expert_paths` is handed in its call, read by a forward pre-hook: what the model actually
+      dispatched. The default reads transformers' `experts(hidden, top_k_index, top_k_weights)`.
     """
 
     model_type: str
@@ -66,3 +86,6 @@ class Family:
     expert_paths: tuple[str, ...] = ()
     execution_note: str = ""
     routers: Callable[[nn.Module], dict] = no_routers
+    expert_selection: Callable[[nn.Module, tuple, dict], tuple[torch.Tensor, torch.Tensor | None]] = (
+        transformers_expert_selection
+    )
