@@ -18,7 +18,6 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from fca.tables.report import ties_decided
 from fca.tables.scoring import quoted_interval
 
 if TYPE_CHECKING:
@@ -979,9 +978,9 @@ def routing_by_router(routing: dict, leave_out: Sequence[str] = ()) -> go.Figure
                 x=short,
                 y=row["same_experts_per_router"],
                 mode="lines+markers",
-                name=name + (" (ties decided)" if ties_decided(row) else ""),
+                name=name,
                 marker=dict(color=condition_colour(name)),
-                line=dict(color=condition_colour(name), dash="dot" if ties_decided(row) else None),
+                line=dict(color=condition_colour(name)),
                 customdata=routers,
                 hovertemplate=f"{name}<br>%{{customdata}}: %{{y:.1%}} of tokens on the same experts<extra></extra>",
             )

@@ -383,7 +383,7 @@ def cmd_replay(args: argparse.Namespace) -> None:
     print(f"{args.cache}: {n} sequences replayed" + (f" (all it has; {asked} asked for)" if n < asked else ""))
     for sentence in exactness_sentences(record["results"]["exactness"]):
         print(sentence)
-    routing = record["results"].get("routing", {}).get("conditions", {})  # (models with top-k routers)
+    routing = record["results"].get("routing", {}).get("conditions", {})  # (models with observed routers)
     rows = record["results"]["conditions"]
     width = max(map(len, rows), default=0)  # a condition naming sites can be long: the columns follow it
     for name, row in rows.items():
@@ -400,29 +400,33 @@ def cmd_replay(args: argparse.Namespace) -> None:
     if routing:
         chance = record["results"]["routing"]["chance"]
         print(
-            f"same experts: tokens routed to the same top-k experts as by their own coefficients; kept: the share "
-            f"of those experts kept; weight kept: the share of each token's mixing weight left on them; ties "
-            f"decided: most choices, the token's own or the condition's, were ties. Experts drawn at random: "
-            f"{100 * chance['same_experts']:.1f}% and {100 * chance['expert_overlap']:.1f}%."
+            f"same experts: tokens that ran the same experts as on their own coefficients (read at the experts); "
+            f"kept: the share of those experts kept; weight kept: the share of each token's mixing weight left "
+            f"on them. Experts drawn at random: {100 * chance['same_experts']:.1f}% and "
+            f"{100 * chance['expert_overlap']:.1f}%."
         )
+    if note := record["results"].get("routing", {}).get("not_reported"):
+        print(note)
     if record.get("path"):
         print(f"saved {record['path']}")
 
 
 def _routing_figures(record: dict, name: str) -> str:
-    """A replay line's routing figures (models with top-k routers), with what they are taken over."""
-    from fca.tables.report import routing_mark
+    """A replay line's routing figures (models with observed routers), with what they are taken over."""
+    from fca.tables.report import routing_scope
 
     routing = record["results"].get("routing")
-    if not routing or name not in routing["conditions"]:
+    if not routing or name not in routing.get("conditions", {}):
         return ""
     row = routing["conditions"][name]
-    mark = routing_mark(row, list(routing["routers"]))
+    mark = routing_scope(row, list(routing["routers"]))
     if row["same_experts"] is None:
         return f" {mark}"
+    weight = row.get("weight_kept")
     return (
-        f"  same experts {100 * row['same_experts']:.1f}%, kept {100 * row['expert_overlap']:.1f}%, weight kept "
-        f"{100 * row['weight_kept']:.1f}%{mark}"
+        f"  same experts {100 * row['same_experts']:.1f}%, kept {100 * row['expert_overlap']:.1f}%"
+        + (f", weight kept {100 * weight:.1f}%" if weight is not None else "")
+        + mark
     )
 
 

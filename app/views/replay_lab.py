@@ -79,15 +79,11 @@ RESULT_COLUMNS = {
         format="%.1f%%", help="percent of the way from global mean to correct"
     ),
     "same experts": st.column_config.NumberColumn(
-        format="percent", help="tokens routed to the same top-k experts as by their own coefficients"
+        format="percent", help="tokens that ran the same experts as on their own coefficients (read at the experts)"
     ),
     "experts kept": st.column_config.NumberColumn(format="percent", help="mean share of each token's k experts kept"),
     "weight kept": st.column_config.NumberColumn(
         format="percent", help="mean share of each token's own mixing weight left on the same experts"
-    ),
-    "tied choices": st.column_config.NumberColumn(
-        format="percent",
-        help="tokens whose choice, their own or the condition's, was decided by a tie (e.g. one value for every expert)",
     ),
 }
 
@@ -119,7 +115,7 @@ def result_view(result: pd.DataFrame, intervals: bool = True) -> pd.DataFrame:
         view = view.drop(columns="penalty 95% CI")
     if "gap retention" in result:
         view["gap retention"] = 100 * result["gap retention"]  # (in percent: the column's format adds the sign)
-    for column in ("same experts", "experts kept", "weight kept", "tied choices"):
+    for column in ("same experts", "experts kept", "weight kept"):
         if column in result:
             view[column] = result[column]
     return view
@@ -460,18 +456,21 @@ if job is not None and not job.running:
             right.plotly_chart(figures.penalty_bars(others, penalty_title), key="lab_penalty")
         else:
             right.info("Only correct ran: there is no penalty to draw. Choose a condition above to compare with it.")
-        if routing := record["results"].get("routing"):  # (a model with top-k routers)
+        routing = record["results"].get("routing") or {}  # (a model with routers)
+        if "conditions" in routing:
             chance = routing["chance"]
             st.caption(
-                "Routing: *same experts* is the share of tokens a condition sends to the top-k experts their own "
-                "coefficients select, over the routers it changes; *experts kept*, the mean share of those "
-                "experts kept; *weight kept*, the share of each token's mixing weight left on the same experts. "
+                "Routing, read from what each MoE layer's experts were handed: *same experts* is the share of "
+                "tokens that ran the same experts under a condition as on their own coefficients, over the routers "
+                "it changes; *experts kept*, the mean share of those experts kept; *weight kept*, the share of "
+                "each token's mixing weight left on the same experts. "
                 f"Experts drawn at random: {chance['same_experts']:.1%} and "
-                f"{chance['expert_overlap']:.1%}. A condition whose choices are mostly ties (one value for "
-                "every expert) runs the same experts for every token: its agreement is not the coefficients'. "
+                f"{chance['expert_overlap']:.1%}. "
                 "A condition on sites that are no router changes no routing: its cells are empty."
             )
             st.plotly_chart(figures.routing_by_router(routing), key="lab_routing")
+        if routing.get("not_reported"):
+            st.text(routing["not_reported"])  # (names read from the file: shown as text)
         sweep = sweep_points(record["results"]["conditions"])
         if len(sweep) >= 2:  # a curve, drawn like the report's, with the run's reference lines
             st.plotly_chart(figures.sweep_curve(sweep, record["results"]["conditions"]), key="lab_sweep_chart")

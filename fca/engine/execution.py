@@ -171,7 +171,9 @@ def execution_audit(model: nn.Module, input_ids: torch.Tensor, dense: nn.Module 
     if family.expert_paths:  # conditional execution happens at expert level: count the experts run
         from fca.engine.models.hf_moe import expert_execution
 
-        report["experts"] = expert_execution(model, input_ids, family.expert_paths, family.execution_note)
+        report["experts"] = expert_execution(
+            model, input_ids, family.expert_paths, family.execution_note, family.expert_selection
+        )
     if family.execution_note:
         report["note"] = family.execution_note
     if dense is not None:

@@ -156,8 +156,12 @@ def audit_experiment(
         "gap_retention_ci95": gap_retention_ci(results.per_seq_nll, retention, seed, documents),
         **({"interpolation_sweep": _sweep_section(table, swept)} if swept else {}),
         **(
-            {"routing": summarize_routing(results.routers, evaluated.site_specs, results.routing, results.renormalized)}
-            if results.routers
+            {
+                "routing": summarize_routing(
+                    results.routers, evaluated.site_specs, results.routing, results.routing_unobserved
+                )
+            }
+            if results.routers or results.routing_unobserved
             else {}
         ),
         "variance": variance,
@@ -165,7 +169,7 @@ def audit_experiment(
         "definitions": {
             **_definitions(evaluated, calibration, layout, seed, conditions, swept, family_of(model).coefficient_kind),
             **family_of(model).definitions(model),
-            **({"routing": ROUTING_DEFINITION} if results.routers else {}),
+            **({"routing": ROUTING_DEFINITION} if results.routers or results.routing_unobserved else {}),
         },
         # The seed and training run travel inside the report: a study of committed audits needs no models.
         **({"training": experiment.training} if experiment.training else {}),

@@ -363,6 +363,14 @@ def merge_results(shards: Sequence[ReplayResults], bounds: Sequence[tuple[int, i
             out[lo:hi] = get(r)[lo:hi]
         return out
 
+    # A router one shard could not observe has no figure in the merged run; the others keep their columns.
+    unobserved = {s: why for r in shards for s, why in r.routing_unobserved.items()}
+    kept = [s for s in first.routers if s not in unobserved]
+
+    def columns(r: ReplayResults) -> list[int]:
+        order = list(r.routers)
+        return [order.index(s) for s in kept]
+
     measure = FidelityMeasure()
     for r in shards:
         measure.merge(r.fidelity)
@@ -383,12 +391,12 @@ def merge_results(shards: Sequence[ReplayResults], bounds: Sequence[tuple[int, i
         replayed_on=first.replayed_on,
         coefficient_dtype=first.coefficient_dtype,
         replayed_per_seq=replayed,
-        routers=first.routers,
-        renormalized=first.renormalized,
+        routers={s: max(r.routers.get(s, 0) for r in shards) for s in kept},
         routing={
-            name: {figure: joined(lambda r: r.routing[name][figure]) for figure in figures}
-            for name, figures in first.routing.items()
+            name: {figure: joined(lambda r: r.routing[name][figure][:, columns(r)]) for figure in figures}
+            for name, figures in (first.routing.items() if kept else ())
         },
+        routing_unobserved=unobserved,
     )
 
 

@@ -83,10 +83,10 @@ def run_replay(
             **(
                 {
                     "routing": summarize_routing(
-                        results.routers, experiment.evaluated.site_specs, results.routing, results.renormalized
+                        results.routers, experiment.evaluated.site_specs, results.routing, results.routing_unobserved
                     )
                 }
-                if results.routers
+                if results.routers or results.routing_unobserved
                 else {}
             ),
         },

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
@@ -199,20 +200,6 @@ def documents_note(sequences: int, documents: int | None, retention_interval: bo
     )
 
 
-# A routing figure whose choices were mostly ties is said to be decided by them (tie order, not coefficients).
-TIES_DECIDE = 0.5
-
-
-def ties_decided(row: dict) -> bool:
-    """Whether most of a condition's routing choices, the tokens' own or the condition's, were ties."""
-    return (row.get("tied") or 0) >= TIES_DECIDE
-
-
-def routing_mark(row: dict, routers: list[str]) -> str:
-    """What follows a condition's routing figure: what it is taken over, and whether ties decided it."""
-    return routing_scope(row, routers) + (" (ties decided)" if ties_decided(row) else "")
-
-
 def routing_scope(row: dict, routers: list[str]) -> str:
     """What a condition's routing figures are taken over, to follow its name: "" for every router,
     " (1 of 2 routers)", or " (no router changed)" for one whose figures are null."""
@@ -226,25 +213,33 @@ def _share(value: float | None, digits: int = 1) -> str:
     return "–" if value is None else f"{100 * value:.{digits}f}%"
 
 
+def markdown_literal(text: object) -> str:
+    """Text read from a file, for Markdown: every character Markdown gives a meaning to is escaped, so module
+    names and reasons are shown as written (never as emphasis, links or HTML)."""
+    return re.sub(r"([\\`*_{}\[\]()<>#+!|~-])", r"\\\1", str(text))
+
+
 def routing_table(report: dict) -> list[str]:
     """Markdown lines for a report's (or saved run's results') `routing` section: the experts each condition
-    routes tokens to, against their own; [] when the model has no top-k routers."""
+    had tokens run, against their own, and the sentence saying which routers have no figure and why; []
+    when the model has no routers."""
     routing = report.get("routing")
     if not routing:
         return []
+    note = routing.get("not_reported")
+    if "conditions" not in routing:  # (no router's selection could be observed)
+        return ["", f"**Routing.** {markdown_literal(note)}"]
     routers = list(routing["routers"])
     k = "/".join(map(str, sorted(set(routing["routers"].values()))))
     chance = routing.get("chance")
-    weights = set((routing.get("weights") or {}).values())  # (reports made before it was kept: not said)
     lines = [
         "",
-        f"**Routing.** Which experts run under each condition (each router's top-{k} of the coefficients fed to "
-        f"it, {len(routers)} routers), against those the token's own coefficients select; shares of tokens, over "
-        "the routers the condition changes. Routed weight kept: the share of each token's own mixing weight "
-        "still on the same experts (the smaller of the two weights, expert by expert"
-        + (f"; the weights are the {next(iter(weights))}" if len(weights) == 1 else "")
-        + "). Tied: the token's own choice or the condition's was decided by a tie. A penalty says what a "
-        "condition costs; this says how much routing it changed."
+        f"**Routing.** Which experts each token ran under each condition (top-{k}, {len(routers)} routers; read "
+        "from what each MoE layer's experts were handed in the replay), against those it ran on its own "
+        "coefficients; shares of tokens, over the routers the condition changes. Routed weight kept: the share "
+        "of each token's own mixing weight still on the same experts (the smaller of the two weights the "
+        "experts were handed, expert by expert). A penalty says what a condition costs; this says how much "
+        "routing it changed."
         + (
             f" Experts drawn at random would be the same set for {100 * chance['same_experts']:.1f}% of tokens and "
             f"keep {100 * chance['expert_overlap']:.1f}% of them."
@@ -252,23 +247,16 @@ def routing_table(report: dict) -> list[str]:
             else ""
         ),
         "",
-        "| condition | same experts | experts kept (mean share) | routed weight kept | choice decided by a tie |",
-        "|---|---|---|---|---|",
+        "| condition | same experts | experts kept (mean share) | routed weight kept |",
+        "|---|---|---|---|",
     ]
     for name, row in routing["conditions"].items():
         lines.append(
             f"| {condition_cell(name)}{routing_scope(row, routers)} | {_share(row['same_experts'])} | "
-            f"{_share(row['expert_overlap'])} | {_share(row.get('weight_kept'))} | {_share(row['tied'])} |"
+            f"{_share(row['expert_overlap'])} | {_share(row.get('weight_kept'))} |"
         )
-    if any(map(ties_decided, routing["conditions"].values())):
-        lines += [
-            "",
-            "Where most choices were ties (as when a condition gives every expert the same value), the order "
-            "torch.topk breaks ties in decided the experts, not the coefficients (every such token ran the "
-            "same experts, which may differ between devices): those rows' agreement is the share of tokens "
-            "whose own experts happen to be that set, and the penalty of such a condition rests on that "
-            "choice too.",
-        ]
+    if note:
+        lines += ["", markdown_literal(note)]
     return lines
 
 

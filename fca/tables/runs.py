@@ -195,7 +195,7 @@ def condition_rows(record: dict) -> list[dict]:
     """One row per condition of a run, in plain words: mean NLL with the 95% bootstrap CI of the mean over
     sequences, the penalty vs correct with its 95% paired bootstrap CI (the same resampling as the
     audit's, `fca.tables.scoring`), when global_mean ran each condition's gap retention, and for a model
-    with top-k routers its routing agreement (`fca.tables.scoring.summarize_routing`). A bound
+    with routers its routing agreement (`fca.tables.scoring.summarize_routing`). A bound
     that too few sequences cannot give (`MIN_BOOTSTRAP_VALUES`) is NaN, never a zero-width interval."""
     per_seq = record["results"].get("per_sequence_nll", {})
     seed = int(record.get("spec", {}).get("seed", 0))
@@ -229,7 +229,6 @@ def condition_rows(record: dict) -> list[dict]:
                         "same experts": routing[name]["same_experts"],
                         "experts kept": routing[name]["expert_overlap"],
                         "weight kept": routing[name].get("weight_kept"),  # (runs saved before it: none)
-                        "tied choices": routing[name]["tied"],
                     }
                     if name in routing
                     else {}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fca.tables.catalog import read_json_object
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
-from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, condition_cell, damage, read_report, routing_mark
+from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, condition_cell, damage, read_report, routing_scope
 
 STUDY_VERSION = 1
 # Keys every audit report has (README, "What is measured, exactly"); anything else is passed through or optional.
@@ -335,7 +335,7 @@ def check_seeds(rows: Sequence[dict], reports: Sequence[dict]) -> None:
 def seed_row(report: dict, audit: str, training: dict) -> dict:
     """One model's line of the study: identity, seed, and the numbers the summary averages."""
     conditions = report["conditions"]
-    routing = (report.get("routing") or {}).get("conditions") or {}  # (models with top-k routers)
+    routing = (report.get("routing") or {}).get("conditions") or {}  # (models with observed routers)
     return {
         "audit": audit,
         "name": field(report, "model.name"),
@@ -356,10 +356,10 @@ def seed_row(report: dict, audit: str, training: dict) -> dict:
             else {}
         ),
         "gap_retention": dict(report.get("gap_retention") or {}),
-        # (models with top-k routers: the share of tokens each condition keeps on their own experts, and
-        # what it is taken over: "(1 of 2 routers)", "(ties decided)")
+        # (models with observed routers: the share of tokens each condition keeps on their own experts, and
+        # what it is taken over: "(1 of 2 routers)")
         "same_experts": {c: row["same_experts"] for c, row in routing.items()},
-        "routing_marks": {c: routing_mark(row, list(report["routing"]["routers"])) for c, row in routing.items()},
+        "routing_marks": {c: routing_scope(row, list(report["routing"]["routers"])) for c, row in routing.items()},
         **{key: field(report, path) for key, path in SCALARS.items()},
         "training": training,
         "exactness": report.get("exactness"),  # passed through as the audit wrote it
@@ -407,8 +407,8 @@ def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | 
             "sequences and, where its cache records them, over documents, are in its audit and in its row of the "
             "study's JSON (seeds[].penalty_ci95, seeds[].penalty_ci95_documents)",
             "gap_retention": "averaged over the models where it is defined; n says how many",
-            "same_experts": "models with top-k routers: the share of tokens a condition keeps on the experts their "
-            "own coefficients select (each audit's routing section), averaged over models",
+            "same_experts": "models with routers: the share of tokens that run the same experts under a condition "
+            "as on their own coefficients, read at the experts (each audit's routing section), averaged over models",
             "compared_fields": "audits are refused unless these agree: "
             + ", ".join(COMPARED_FIELDS)
             + "; and, where both reports have them, "
