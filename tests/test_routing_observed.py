@@ -118,30 +118,31 @@ def deepseek_v4() -> nn.Module:
     return model
 
 
-def handed(model: nn.Module) -> tuple[dict[str, torch.Tensor], list]:
-    """Hooks of the test's own on the experts modules: experts module -> the weight each expert was handed
-    in the last call, dense [N, E] (0 where it did not run)."""
+def handed(model: nn.Module, names: list[str]) -> tuple[dict[str, torch.Tensor], list]:
+    """Hooks of the test's own on the experts modules `names`: module -> the weight each expert was handed in
+    the last call, dense [N, E] (0 where it did not run; an index E is an empty slot)."""
     seen: dict[str, torch.Tensor] = {}
 
     def keep(name, module, args, kwargs):
         index, weights = args[1], args[2]  # [N, k] each
-        seen[name] = torch.zeros(len(index), E).scatter_add_(1, index.long(), weights.float())
+        seen[name] = torch.zeros(len(index), E + 1).scatter_add_(1, index.long(), weights.float())[:, :E]
 
     hooks = [
         model.get_submodule(name).register_forward_pre_hook(
             lambda m, a, kw, n=name: keep(n, m, a, kw), with_kwargs=True
         )
-        for name in (f"model.layers.{i}.mlp.experts" for i in range(2))
+        for name in names
     ]
     return seen, hooks
 
 
-def observed_figures(model, cache, profiles) -> dict[str, np.ndarray]:
-    """condition -> [SEQS, 2 layers, 3 figures], counted from the experts' inputs: each condition replayed
+def observed_figures(model, cache, profiles, names: list[str] | None = None) -> dict[str, np.ndarray]:
+    """condition -> [SEQS, layers, 3 figures], counted from the experts' inputs: each condition replayed
     alone, batch by batch, against the same batch's Correct replay."""
-    seen, hooks = handed(model)
+    names = names or [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    seen, hooks = handed(model, names)
     partner = derangement(SEQS, 0)
-    out = {name: np.zeros((SEQS, 2, 3)) for name in CONDITIONS}
+    out = {name: np.zeros((SEQS, len(names), 3)) for name in CONDITIONS}
     try:
         for lo in range(0, SEQS, BATCH):
             index = list(range(lo, lo + BATCH))
@@ -153,11 +154,13 @@ def observed_figures(model, cache, profiles) -> dict[str, np.ndarray]:
                 other = cache.coefficients([int(partner[i]) for i in index])
                 fed = condition_coefficients(parse_condition(name), own, index, profiles, other)
                 fca.replay(model, rows["token"], fed)
-                for layer in range(2):
-                    a, b = mine[f"model.layers.{layer}.mlp.experts"], seen[f"model.layers.{layer}.mlp.experts"]
+                for layer, module in enumerate(names):
+                    a, b = mine[module], seen[module]
                     same = ((a > 0) == (b > 0)).all(-1).double()  # [N]
-                    kept = ((a > 0) & (b > 0)).sum(-1) / (a > 0).sum(-1)
-                    weight = torch.minimum(a, b).sum(-1) / a.sum(-1)
+                    count = (a > 0).sum(-1)
+                    kept = torch.where(count > 0, ((a > 0) & (b > 0)).sum(-1) / count.clamp_min(1), same)
+                    total = a.sum(-1)
+                    weight = torch.where(total > 0, torch.minimum(a, b).sum(-1) / total.clamp_min(1e-30), same)
                     figures = torch.stack([same, kept.double(), weight.double()], -1).reshape(BATCH, T, 3)
                     out[name][index, layer] = figures.mean(1).numpy()
     finally:
@@ -179,7 +182,7 @@ def softmax_top_k_same(cache, profiles, name: str) -> float:
     return float(np.mean(same))
 
 
-def replayed(model, tmp_path):
+def replayed(model: nn.Module, tmp_path):
     rng = np.random.default_rng(0)
     windows = rng.integers(0, VOCAB, size=(2 * SEQS, T + 1))
     evaluated = fca.build_cache(model, windows[:SEQS], tmp_path / "eval", split="eval", batch_size=BATCH)
@@ -192,11 +195,11 @@ def replayed(model, tmp_path):
     return results, cache, profiles
 
 
-def assert_report_is_observed(results, observed) -> None:
-    routers = [f"model.layers.{i}.mlp.gate" for i in range(2)]
+def assert_report_is_observed(results, observed, routers: list[str] | None = None) -> None:
+    routers = routers or [f"model.layers.{i}.mlp.gate" for i in range(2)]
     assert results.routers == dict.fromkeys(routers, TOP_K) and results.routing_unobserved == {}
     for f in ("same_experts", "expert_overlap", "weight_kept"):
-        assert results.routing["correct"][f].tolist() == [[1.0, 1.0]] * SEQS
+        assert results.routing["correct"][f].tolist() == [[1.0] * len(routers)] * SEQS
     for name in CONDITIONS:
         for i, figure in enumerate(("same_experts", "expert_overlap", "weight_kept")):
             np.testing.assert_allclose(results.routing[name][figure], observed[name][:, :, i], rtol=1e-6, atol=1e-12)
@@ -272,3 +275,78 @@ def test_routing_that_cannot_be_observed_is_not_reported_and_said_so(tmp_path):
         "its experts module model.layers.0.mlp.expert_list was never called"
         in record["results"]["routing"]["not_reported"]
     )
+
+
+class Experts(nn.Module):
+    """Experts called as transformers' are: experts(hidden [N, D], index [N, k], weights [N, k]); an index
+    of `num_experts` is an empty slot."""
+
+    def __init__(self, d: int, experts: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.up = nn.Parameter(torch.randn(experts, d, d) / d**0.5)
+
+    def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for slot in range(index.shape[1]):
+            for expert in range(self.num_experts):
+                rows = index[:, slot] == expert
+                out[rows] += torch.tanh(hidden[rows] @ self.up[expert]) * weights[rows, slot, None]
+        return out
+
+
+class CapacityMoE(nn.Module):
+    """Top-k of a softmax router, each expert taking at most `capacity` tokens of each sequence, in token
+    order: a token routed to a full expert gets an empty slot (index E, weight 0) and skips it."""
+
+    def __init__(self, d: int, capacity: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d, E, bias=False)
+        self.experts = Experts(d, E)
+        self.capacity = capacity
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, T, D]
+        B, T_, D = h.shape
+        flat = h.reshape(-1, D)  # [N, D]
+        probs = self.gate(flat).softmax(-1)  # [N, E]
+        weights, index = probs.topk(TOP_K, dim=-1)  # [N, k]
+        routed = nn.functional.one_hot(index, E).reshape(B, T_ * TOP_K, E)  # token-major per sequence
+        place = (routed.cumsum(1) * routed).sum(-1).reshape(B * T_, TOP_K)  # 1-based place in its expert's queue
+        full = place > self.capacity
+        return self.experts(flat, index.masked_fill(full, E), weights.masked_fill(full, 0.0)).reshape(B, T_, D)
+
+
+class CapacityModel(nn.Module):
+    def __init__(self, d: int = 32, capacity: int = 5) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(CapacityMoE(d, capacity) for _ in range(2))
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+@pytest.mark.slow
+def test_capacity_limited_routing_is_reported_with_the_tokens_it_dropped(tmp_path):
+    """Experts that take a limited number of tokens: a token dropped by a full expert ran none there, and the
+    figures say so (a softmax top-k of the logits would count it as routed)."""
+    torch.manual_seed(0)
+    model = CapacityModel().eval()
+    routers = SiteDeclaration(path="blocks.*.gate", axes=(("expert", E),), family="router", token_layout="flat")
+    fca.attach_sites(model, [routers], blocks="blocks")
+    names = [f"blocks.{i}.gate" for i in range(2)]
+    model.fca_family = Family(
+        "capacity_moe", expert_paths=("blocks.*.experts",), routers=lambda m: dict.fromkeys(names, TOP_K)
+    )
+    seen, hooks = handed(model, ["blocks.0.experts"])
+    model(torch.randint(0, VOCAB, (BATCH, T)))
+    hooks[0].remove()
+    dropped = ((seen["blocks.0.experts"] > 0).sum(-1) < TOP_K).double().mean().item()
+    assert 0.05 < dropped < 0.95  # (the capacity binds: some tokens lose an expert)
+    results, cache, profiles = replayed(model, tmp_path)
+    observed = observed_figures(model, cache, profiles, [f"blocks.{i}.experts" for i in range(2)])
+    assert_report_is_observed(results, observed, names)
