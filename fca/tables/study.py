@@ -451,7 +451,7 @@ def conditions_table(study: dict) -> list[str]:
         retention = format_spread(s["gap_retention"], 1, percent=True, of=n) if "gap_retention" in s else ""
         penalty = format_spread(s["penalty"]) if name != "correct" else ""
         marks = {r.get("routing_marks", {}).get(name, "") for r in study["seeds"]}  # (the same in every audit, or said)
-        mark = next(iter(marks)) if len(marks) == 1 else " (scope or ties differ between models)"
+        mark = next(iter(marks)) if len(marks) == 1 else " (routers taken over differ between models)"
         same = f" {format_spread(s['same_experts'], 1, percent=True)}{mark} |" if "same_experts" in s else " |"
         lines.append(
             f"| {condition_cell(name)} | {format_spread(s['nll'])} | {penalty} | {retention} |"
