@@ -286,7 +286,9 @@ class Experts(nn.Module):
         self.num_experts = experts
         self.up = nn.Parameter(torch.randn(experts, d, d) / d**0.5)
 
-    def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, index=None, weights=None, selection=None) -> torch.Tensor:
+        if selection is not None:  # (another call convention: the selection packed in one keyword)
+            index, weights = selection
         out = torch.zeros_like(hidden)
         for slot in range(index.shape[1]):
             for expert in range(self.num_experts):
@@ -299,11 +301,11 @@ class CapacityMoE(nn.Module):
     """Top-k of a softmax router, each expert taking at most `capacity` tokens of each sequence, in token
     order: a token routed to a full expert gets an empty slot (index E, weight 0) and skips it."""
 
-    def __init__(self, d: int, capacity: int) -> None:
+    def __init__(self, d: int, capacity: int, packed: bool = False) -> None:
         super().__init__()
         self.gate = nn.Linear(d, E, bias=False)
         self.experts = Experts(d, E)
-        self.capacity = capacity
+        self.capacity, self.packed = capacity, packed
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, T, D]
         B, T_, D = h.shape
@@ -313,14 +315,16 @@ class CapacityMoE(nn.Module):
         routed = nn.functional.one_hot(index, E).reshape(B, T_ * TOP_K, E)  # token-major per sequence
         place = (routed.cumsum(1) * routed).sum(-1).reshape(B * T_, TOP_K)  # 1-based place in its expert's queue
         full = place > self.capacity
-        return self.experts(flat, index.masked_fill(full, E), weights.masked_fill(full, 0.0)).reshape(B, T_, D)
+        index, weights = index.masked_fill(full, E), weights.masked_fill(full, 0.0)
+        out = self.experts(flat, selection=(index, weights)) if self.packed else self.experts(flat, index, weights)
+        return out.reshape(B, T_, D)
 
 
 class CapacityModel(nn.Module):
-    def __init__(self, d: int = 32, capacity: int = 5) -> None:
+    def __init__(self, d: int = 32, capacity: int = 5, packed: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, d)
-        self.blocks = nn.ModuleList(CapacityMoE(d, capacity) for _ in range(2))
+        self.blocks = nn.ModuleList(CapacityMoE(d, capacity, packed) for _ in range(2))
         self.head = nn.Linear(d, VOCAB)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -350,3 +354,25 @@ def test_capacity_limited_routing_is_reported_with_the_tokens_it_dropped(tmp_pat
     results, cache, profiles = replayed(model, tmp_path)
     observed = observed_figures(model, cache, profiles, [f"blocks.{i}.experts" for i in range(2)])
     assert_report_is_observed(results, observed, names)
+
+
+def test_the_familys_expert_selection_reads_experts_called_otherwise():
+    """Experts called as experts(hidden, selection=(index, weights)): the execution audit and the routing
+    observer read them through the family's `expert_selection`; without it the audit says what to declare."""
+    from fca.engine.models.hf_moe import expert_execution
+    from fca.engine.routing import ExpertObserver
+
+    torch.manual_seed(0)
+    model = CapacityModel(packed=True).eval()
+    ids = torch.randint(0, VOCAB, (BATCH, T))
+    with pytest.raises(ValueError, match=r"blocks\.0\.experts: not an experts module .* expert_selection"):
+        expert_execution(model, ids, ("blocks.*.experts",))
+    packed = lambda experts, args, kwargs: kwargs["selection"]  # noqa: E731
+    report = expert_execution(model, ids, ("blocks.*.experts",), "", packed)
+    with ExpertObserver(model, ("blocks.*.experts",), packed) as observer, observer.recording() as taken:
+        model(ids)
+    index = taken["blocks.0.experts"][0].index  # [N, k]
+    assert index.shape == (BATCH * T, TOP_K) and bool((index == E).any())  # (dropped slots: index E)
+    ran = (index < E).sum(-1).double().mean().item()  # experts run per token, empty slots left out
+    assert report["layers"]["blocks.0.experts"]["experts_run_per_token_mean"] == pytest.approx(ran)
+    assert report["layers"]["blocks.0.experts"]["experts_available"] == E and report["moe_layers"] == 2
