@@ -147,6 +147,15 @@ def test_the_overview_shows_how_much_routing_each_condition_kept(family_root, mo
         assert "global_mean" in lines  # (read at the experts: no tie mark)
         # Its execution card: the experts each token runs (what an MoE skips), not a Dense twin's "n/a".
         assert [m.label for m in at.metric][2] == "Experts run per token" and at.metric[2].value == "2.00 of 4"
+        # Routing that could not be read at the experts: one sentence, no table and no chart.
+        note = "No routing figure is reported for any router: which experts ran could not be read (a_b: why)."
+        write_report({**report, "routing": {"not_reported": note}}, tmp_path / "audit.json")
+        at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), "views/overview.py")
+        no_exceptions(at)
+        said = [m.value for m in at.markdown if m.value.startswith("**Routing.**")]
+        assert said == ["**Routing.** No routing figure is reported for any router: which experts ran could not be "
+                        "read \\(a\\_b: why\\)."]  # fmt: skip
+        assert not any("Routing kept" in c.proto.spec for c in at.get("plotly_chart"))
     else:
         assert said == [] and "routing" not in report
         assert [m.label for m in at.metric][2] == "Time vs Dense twin"

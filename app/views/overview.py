@@ -304,10 +304,11 @@ if documents := documents_sentence(report):
     )
 if used := global_mean_sentence(report):
     st.caption(used)
-if routing := routing_table(report):  # (a model with top-k routers: how much routing each condition kept)
+if routing := routing_table(report):  # (a model with routers: how much routing each condition kept, or why not)
     st.markdown("\n".join(routing))
-    swept = [row["condition"] for row in report.get("interpolation_sweep") or [] if "condition" in row]
-    chart(figures.routing_by_router(report["routing"], leave_out=swept), "overview_routing")  # (sweep: its table)
+    if "conditions" in report["routing"]:  # (none where no router's selection could be observed)
+        swept = [row["condition"] for row in report.get("interpolation_sweep") or [] if "condition" in row]
+        chart(figures.routing_by_router(report["routing"], leave_out=swept), "overview_routing")  # (sweep: its table)
 if caution := few_sequences_caution(report["cache"]["sequences"]):
     st.warning(caution)
 
