@@ -242,7 +242,7 @@ def test_a_hash_routed_layer_keeps_every_token_on_its_experts(tmp_path):
 
 
 @pytest.mark.slow
-def test_routing_that_cannot_be_observed_is_not_reported_and_said_so(tmp_path):
+def test_routing_that_cannot_be_observed_is_not_reported_and_said_so(tmp_path, monkeypatch, capsys):
     """No experts modules declared, or experts that are never called: no routing figure, one sentence why,
     in the run's JSON, its Markdown and the CLI's words."""
     from fca.jobs.runs import run_replay
@@ -263,6 +263,15 @@ def test_routing_that_cannot_be_observed_is_not_reported_and_said_so(tmp_path):
         "(Family.expert_paths))."
     }
     assert routing_table(record["results"])[-1].startswith("**Routing.** No routing figure is reported for any")
+    # `fca replay` says it too (the run is the one above: the CLI loads models by path)
+    from fca.cli import main
+
+    monkeypatch.setattr("fca.jobs.runs.run_replay", lambda *args, **kwargs: record)
+    capsys.readouterr()
+    assert main(["replay", "--model", str(tmp_path), "--cache", str(evaluated), "--calibration", str(calibration),
+                 "--conditions", "global_mean", "--no-save", "--device", "cpu"]) == 0  # fmt: skip
+    said = capsys.readouterr().out
+    assert routing["not_reported"] in said.splitlines() and "same experts" not in said
     # experts modules that are never called (a list the model indexes)
     for layer in model.model.layers:
         layer.mlp.expert_list = nn.ModuleList()  # (no weights: the cache's model still)
