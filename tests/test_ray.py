@@ -314,3 +314,11 @@ def test_merged_shards_keep_each_shards_rows_of_routing_agreement():
         merge_results([shard(0, 2), elsewhere], bounds)
     for figure in ROUTING_FIGURES:
         np.testing.assert_array_equal(merged.routing["cross_input"][figure], whole[figure])
+    # A router one shard could not observe has no figure in the merged run; the other keeps its column.
+    blind = shard(2, 4)
+    blind.routers, blind.routing_unobserved = {"a": 2}, {"b": "its experts module m.b was never called"}
+    blind.routing = {"cross_input": {f: v[:, :1] for f, v in blind.routing["cross_input"].items()}}
+    merged = merge_results([shard(0, 2), blind], bounds)
+    assert merged.routers == {"a": 2} and merged.routing_unobserved == blind.routing_unobserved
+    for figure in ROUTING_FIGURES:
+        np.testing.assert_array_equal(merged.routing["cross_input"][figure], whole[figure][:, :1])
