@@ -441,7 +441,7 @@ def study_from_files(paths: Sequence[str | Path], relative_to: str | Path | None
 
 def conditions_table(study: dict) -> list[str]:
     """The study's conditions as Markdown table lines (its page and the dashboard's Study page): NLL,
-    penalty and gap retention across models, and for models with top-k routers the share of tokens kept
+    penalty and gap retention across models, and for models with routers the share of tokens kept
     on their own experts."""
     conditions, n = study["summary"]["conditions"], study["num_models"]
     routed = any("same_experts" in s for s in conditions.values())
