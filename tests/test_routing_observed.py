@@ -385,3 +385,16 @@ def test_the_familys_expert_selection_reads_experts_called_otherwise():
     ran = (index < E).sum(-1).double().mean().item()  # experts run per token, empty slots left out
     assert report["layers"]["blocks.0.experts"]["experts_run_per_token_mean"] == pytest.approx(ran)
     assert report["layers"]["blocks.0.experts"]["experts_available"] == E and report["moe_layers"] == 2
+    # A replay whose family keeps the default reader: no routing figure, and why (not a traceback).
+    from fca.engine.family import transformers_expert_selection
+    from fca.engine.routing import RoutingTally
+
+    with ExpertObserver(model, ("blocks.*.experts",), transformers_expert_selection) as observer:
+        tally = RoutingTally(["blocks.0.gate", "blocks.1.gate"], observer, ["correct"], BATCH)
+        tally.start_batch(list(range(BATCH)), T)
+        with observer.recording() as taken:
+            model(ids)
+        tally.set_own(taken)
+    assert tally.observed == [] and tally.unobserved["blocks.0.gate"].startswith(
+        "its experts module's call could not be read (Experts: not called as experts(hidden, top_k_index, "
+    )

@@ -111,6 +111,7 @@ class ExpertObserver:
         model = unwrapped(model)
         self.modules = {name: model.get_submodule(name) for p in expert_paths for name in match_modules(model, p)}
         self.expert_selection = expert_selection
+        self.unreadable: dict[str, str] = {}  # experts module -> why its call could not be read
         self._taken: dict[str, list[Selection]] | None = None
         self._handles: list = []
 
@@ -127,8 +128,14 @@ class ExpertObserver:
         self._handles = []
 
     def _keep(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._taken is not None:
-            self._taken.setdefault(name, []).append(Selection(*self.expert_selection(module, args, kwargs)))
+        if self._taken is None or name in self.unreadable:
+            return
+        try:
+            selection = Selection(*self.expert_selection(module, args, kwargs))
+        except (ValueError, KeyError, IndexError, TypeError) as err:  # a call the family's reader does not fit
+            self.unreadable[name] = str(err) or type(err).__name__
+            return
+        self._taken.setdefault(name, []).append(selection)
 
     @contextmanager
     def recording(self) -> Iterator[dict[str, list[Selection]]]:
@@ -164,6 +171,7 @@ class RoutingTally:
                 else:
                     self.experts[router] = module
         self.num_experts = {r: observer.modules[m].num_experts for r, m in self.experts.items()} if observer else {}
+        self._observer = observer
         self.top_k: dict[str, int] = {}  # router -> the width of the selections its experts were handed
         self._figures: list[tuple[str, list[int], str, dict[str, torch.Tensor]]] = []  # condition, rows, router
         self._index: list[int] = []
@@ -232,6 +240,11 @@ class RoutingTally:
         for router in self.observed:
             module = self.experts[router]
             calls = taken.get(module, [])
+            if module in self._observer.unreadable:
+                self.unobserved[router] = (
+                    f"its experts module's call could not be read ({self._observer.unreadable[module]})"
+                )
+                continue
             if len(calls) != 1:
                 self.unobserved[router] = (
                     f"its experts module {module} was never called"
