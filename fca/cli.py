@@ -178,10 +178,11 @@ def load_families(args: argparse.Namespace) -> None:
     """Run the family files FCA_FAMILIES and --family name (in that order: a later one's family of a
     model_type replaces an earlier one's), before the command loads any model; kept in
     `args.family_files` for the processes the command starts."""
-    from fca.engine.user_families import family_files_from_env, load_family_files
-
-    args.family_files = [*family_files_from_env(), *args.family]
+    listed = os.environ.get("FCA_FAMILIES", "").split(os.pathsep)
+    args.family_files = [*(p.strip() for p in listed if p.strip()), *args.family]
     if args.family_files:
+        from fca.engine.user_families import load_family_files  # (torch: only once there is a family to load)
+
         load_family_files(args.family_files)
 
 
