@@ -127,10 +127,7 @@ def family_files() -> None:
         except ModelLoadError as err:
             st.error(f"Family file (FCA_FAMILIES): {as_text(str(err))}")
     if declared:
-        st.caption(
-            "Families from files: "
-            + ", ".join(f"{as_text(t)} ({as_text(Path(p).name)})" for t, p in declared)
-        )
+        st.caption("Families from files: " + ", ".join(f"{as_text(t)} ({as_text(Path(p).name)})" for t, p in declared))
 
 
 def sidebar() -> Selection:

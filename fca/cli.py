@@ -176,14 +176,18 @@ def _add_family_flag(p: argparse.ArgumentParser) -> None:
 
 def load_families(args: argparse.Namespace) -> None:
     """Run the family files FCA_FAMILIES and --family name (in that order: a later one's family of a
-    model_type replaces an earlier one's), before the command loads any model; kept in
-    `args.family_files` for the processes the command starts."""
+    model_type replaces an earlier one's), and load installed packages' families, before the command
+    starts its work; the files are kept in `args.family_files` for the processes the command starts."""
     listed = os.environ.get("FCA_FAMILIES", "").split(os.pathsep)
     args.family_files = [*(p.strip() for p in listed if p.strip()), *args.family]
     if args.family_files:
         from fca.engine.user_families import load_family_files  # (torch: only once there is a family to load)
 
         load_family_files(args.family_files)
+    elif args.command != "dashboard":  # (the app's server imports torch when a page needs it, not sooner)
+        from fca.engine.families import registered_families
+
+        registered_families()  # installed packages' families: a broken one is said before the work starts
 
 
 def _add_engine_flags(p: argparse.ArgumentParser, what: str) -> None:

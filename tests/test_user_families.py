@@ -57,7 +57,10 @@ BAD_FILES = {  # name -> (file text, or None for no file; what the one line must
     "missing": (None, "no such family file"),
     "syntax": (TOY + "FAMILY = Family('toy'\n", "line 3: syntax error: '(' was never closed"),
     "import": (TOY + "import no_such_module_here\n", "line 3: running it raised ModuleNotFoundError: No module named"),
-    "raises": (TOY + "\n\ndef f():\n    raise RuntimeError('bad config')\n\nf()\n", "line 6: running it raised RuntimeError"),
+    "raises": (
+        TOY + "\n\ndef f():\n    raise RuntimeError('bad config')\n\nf()\n",
+        "line 6: running it raised RuntimeError",
+    ),
     "exits": ("import sys\nsys.exit(3)\n", "line 2: running it raised SystemExit: 3"),
     "nothing": (TOY + "x = 1\n", "declares no family (define FAMILY = Family(...) or FAMILIES"),
     "not_a_family": ("FAMILY = 'deepseek_v3'\n", "declares a str ('deepseek_v3'), not a Family"),
@@ -126,14 +129,18 @@ def test_a_family_without_a_load_function_is_said_when_a_directory_of_it_is_load
     load_family_file(path)
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "toy_noload"}))
-    with pytest.raises(ModelLoadError, match=rf"toy_noload' \(declared in {tmp_path}.*family.py\) has no load function"):
+    with pytest.raises(
+        ModelLoadError, match=rf"toy_noload' \(declared in {tmp_path}.*family.py\) has no load function"
+    ):
         fca.load_model(tmp_path / "m")
 
 
 def test_the_dashboard_command_checks_its_family_files_and_hands_them_on(tmp_path, capsys, monkeypatch):
     bad = family_file(tmp_path, "FAMILY = 3\n")
     assert main(["dashboard", "--family", str(bad)]) == 2
-    assert capsys.readouterr().err == f"fca: error: {bad}: declares a int (3), not a Family (fca.engine.family.Family)\n"
+    assert (
+        capsys.readouterr().err == f"fca: error: {bad}: declares a int (3), not a Family (fca.engine.family.Family)\n"
+    )
     monkeypatch.chdir(tmp_path)
     env = dashboard_environment({"FCA_FAMILIES": f" mine.py{os.pathsep}{tmp_path}/b.py "})
     assert env["FCA_FAMILIES"] == f"{tmp_path / 'mine.py'}{os.pathsep}{tmp_path / 'b.py'}"
@@ -170,11 +177,11 @@ def test_installed_packages_declare_families_by_entry_point(tmp_path, monkeypatc
     (tmp_path / "toyplugin.py").write_text(textwrap.dedent(PLUGIN) + "FAMILIES = [FAMILY]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     points = lambda group: [p for p in distribution.entry_points if p.group == group]  # noqa: E731
-    found = entry_point_families(points)
-    assert sorted(f.model_type for f in found) == ["toy_plugin", "toy_plugin_b"]
+    found, complete = entry_point_families(points)
+    assert complete and sorted(f.model_type for f in found) == ["toy_plugin", "toy_plugin_b"]
     assert next(f for f in found if f.model_type == "toy_plugin").coefficient_kind == "from a package"
     monkeypatch.setenv("FCA_FAMILY_ENTRY_POINTS", "0")
-    assert entry_point_families(points) == []
+    assert entry_point_families(points) == ([], True)
 
 
 @pytest.mark.slow

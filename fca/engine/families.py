@@ -36,6 +36,7 @@ _FAMILIES: dict[str, Family] = {}
 _BUILTINS_LOCK = threading.RLock()
 _builtins_loaded = False
 _builtins_loading = False
+_registered_first: set[str] | None = None  # the model_types registered before the first lookup
 
 
 def register_family(family: Family) -> Family:
@@ -48,7 +49,7 @@ def register_family(family: Family) -> Family:
 
 
 def _builtins() -> None:
-    global _builtins_loaded, _builtins_loading
+    global _builtins_loaded, _builtins_loading, _registered_first
     if _builtins_loaded:
         return
     with _BUILTINS_LOCK:  # (a second thread waits until every built-in family is in)
@@ -61,14 +62,18 @@ def _builtins() -> None:
             from fca.engine.models import BUILTIN_FAMILIES
             from fca.engine.user_families import entry_point_families
 
-            registered = set(_FAMILIES)
-            for family in BUILTIN_FAMILIES:
-                if family.model_type not in registered:
+            if _registered_first is None:
+                _registered_first = set(_FAMILIES)
+                for family in BUILTIN_FAMILIES:
+                    if family.model_type not in _registered_first:
+                        register_family(family)
+            # (a broken package raises here, at every lookup, until fixed; one whose module is still being
+            # imported, having looked a family up as it loads, joins at the next lookup)
+            families, complete = entry_point_families()
+            for family in families:
+                if family.model_type not in _registered_first:
                     register_family(family)
-            for family in entry_point_families():  # (a broken one raises here, at every lookup, until fixed)
-                if family.model_type not in registered:
-                    register_family(family)
-            _builtins_loaded = True
+            _builtins_loaded = complete
         finally:
             _builtins_loading = False
 

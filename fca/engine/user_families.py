@@ -190,14 +190,23 @@ def _checked(declared: list, shown: str, nothing: str) -> tuple[Family, ...]:
     return tuple(families)
 
 
-def entry_point_families(select: Callable[..., Iterable[EntryPoint]] = entry_points) -> list[Family]:
-    """The families installed packages declare (entry-point group `fca.families`), none when
-    FCA_FAMILY_ENTRY_POINTS=0; each recorded with its entry point as its source. A model_type declared
-    by two entry points, or one that fails to load, is one ModelLoadError line naming them."""
+def entry_point_families(
+    select: Callable[..., Iterable[EntryPoint]] = entry_points,
+) -> tuple[list[Family], bool]:
+    """(the families installed packages declare under the entry-point group `fca.families`, whether that is
+    all of them): none when FCA_FAMILY_ENTRY_POINTS=0; an entry point whose module is being imported right
+    now (it looked a family up as it loads, before any other lookup) is left for a later call. Each family
+    is recorded with its entry point as its source. A model_type declared by two entry points, or one that
+    fails to load, is one ModelLoadError line naming them."""
     if os.environ.get(ENTRY_POINTS_ENV, "").strip() == "0":
-        return []
+        return [], True
     found: dict[str, tuple[Family, str]] = {}
+    complete = True
     for point in sorted(select(group=ENTRY_POINT_GROUP), key=lambda p: p.name):
+        importing = sys.modules.get(point.module)
+        if importing is not None and getattr(getattr(importing, "__spec__", None), "_initializing", False):
+            complete = False
+            continue
         package = point.dist.name if point.dist is not None else "an unknown package"
         shown = f"entry point {point.name} = {point.value} of {package} (group {ENTRY_POINT_GROUP})"
         try:
@@ -224,4 +233,4 @@ def entry_point_families(select: Callable[..., Iterable[EntryPoint]] = entry_poi
     with _LOCK:
         for model_type, (family, shown) in found.items():
             _SOURCES.setdefault(model_type, (family, shown))
-    return [family for family, _ in found.values()]
+    return [family for family, _ in found.values()], complete
