@@ -38,7 +38,7 @@ if st.context.ip_address is not None and not st.get_option("server.address"):
 from app import resources  # noqa: E402
 from app.views.common import SELECTION_KEY, Selection, match_typed, typed_outside, typed_path, typed_problem  # noqa: E402
 from fca.tables import catalog  # noqa: E402
-from fca.tables.errors import CacheError, ModelLoadError  # noqa: E402
+from fca.tables.errors import CacheError  # noqa: E402
 
 PAGES = [
     # (The default page is served at the root URL; its url_path only has to differ from the alias's below.)
@@ -118,14 +118,11 @@ def family_files() -> None:
     files = resources.family_files()
     if not files:
         return
-    from fca.engine.user_families import load_family_file  # (torch: only when families are declared)
+    from fca.jobs.families import load_each_family_file  # (torch: only when families are declared)
 
-    declared = []
-    for path in files:
-        try:
-            declared += [(family.model_type, path) for family in load_family_file(path)]
-        except ModelLoadError as err:
-            st.error(f"Family file (FCA_FAMILIES): {as_text(str(err))}")
+    declared, errors = load_each_family_file(files)
+    for error in errors:
+        st.error(f"Family file (FCA_FAMILIES): {as_text(error)}")
     if declared:
         st.caption("Families from files: " + ", ".join(f"{as_text(t)} ({as_text(Path(p).name)})" for t, p in declared))
 
