@@ -74,6 +74,9 @@ def load_family_file(path: str | Path) -> tuple[Family, ...]:
     resolved = path.resolve()
     stat = resolved.stat()
     stamp = (stat.st_mtime_ns, stat.st_size)
+    # Built-in and installed families first (outside the lock, which the registry's first lookup in another
+    # thread would otherwise wait on), so that what the file registers replaces them.
+    registered_families()
     with _LOCK:
         known = _FILES.get(resolved)
         if known is not None and known[0] == stamp:
@@ -81,7 +84,6 @@ def load_family_file(path: str | Path) -> tuple[Family, ...]:
                 register_family(family)
                 _SOURCES[family.model_type] = (family, shown)
             return known[1]
-        registered_families()  # built-in and installed families first, so that what the file registers replaces them
         before = dict(_FAMILIES)
         module = _run(resolved, shown)
         declared = _declared(module, shown)
@@ -230,7 +232,6 @@ def entry_point_families(
                     f"{shown}: model_type {family.model_type!r} is declared by {found[family.model_type][1]} too"
                 )
             found[family.model_type] = (family, shown)
-    with _LOCK:
-        for model_type, (family, shown) in found.items():
-            _SOURCES.setdefault(model_type, (family, shown))
+    for model_type, (family, shown) in found.items():  # (no lock: a file being loaded may be waiting on this)
+        _SOURCES.setdefault(model_type, (family, shown))
     return [family for family, _ in found.values()], complete
