@@ -41,7 +41,6 @@ from fca.tables.errors import ModelLoadError
 
 ENTRY_POINT_GROUP = "fca.families"
 ENTRY_POINTS_ENV = "FCA_FAMILY_ENTRY_POINTS"  # "0": installed families are left out
-FAMILY_FILES_ENV = "FCA_FAMILIES"  # family files (os.pathsep-separated) the CLI and the dashboard load
 CONVENTION = "define FAMILY = Family(...) or FAMILIES = [Family(...), ...], or call register_family(...)"
 
 _LOCK = threading.RLock()
@@ -49,12 +48,6 @@ _LOCK = threading.RLock()
 _FILES: dict[Path, tuple[tuple[int, int], tuple[Family, ...]]] = {}
 # model_type -> (a family declared outside FCA, where: "path/to/family.py", "entry point x of package y").
 _SOURCES: dict[str, tuple[Family, str]] = {}
-
-
-def family_files_from_env(environ: os._Environ | dict | None = None) -> list[str]:
-    """The family files named by FCA_FAMILIES (os.pathsep-separated), in order."""
-    text = (os.environ if environ is None else environ).get(FAMILY_FILES_ENV, "")
-    return [p.strip() for p in text.split(os.pathsep) if p.strip()]
 
 
 def load_family_file(path: str | Path) -> tuple[Family, ...]:
