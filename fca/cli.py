@@ -568,10 +568,11 @@ def cmd_dashboard(args: argparse.Namespace) -> NoReturn:
     sys.stdout.flush()
     # This process becomes streamlit, started in the repository (its settings live there): a signal sent to
     # it (Ctrl-C, kill, a timeout) reaches the server itself, and the server's exit status is the command's.
+    # The family files (checked above, by `load_families`) reach the app as FCA_FAMILIES. Paths are made
+    # absolute here, before leaving the folder the command was given in.
+    environ = dashboard_environment({**os.environ, "FCA_FAMILIES": os.pathsep.join(args.family_files)})
     os.chdir(Path(command[4]).parent.parent)
-    # The family files (checked above, by `load_families`) reach the app as FCA_FAMILIES.
-    environ = {**os.environ, "FCA_FAMILIES": os.pathsep.join(args.family_files)}
-    os.execve(command[0], command, dashboard_environment(environ))
+    os.execve(command[0], command, environ)
 
 
 MODEL_HELP = "model directory (config.json, weights, tokenizer.json)"

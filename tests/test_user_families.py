@@ -135,7 +135,7 @@ def test_a_family_without_a_load_function_is_said_when_a_directory_of_it_is_load
         fca.load_model(tmp_path / "m")
 
 
-def test_the_dashboard_command_checks_its_family_files_and_hands_them_on(tmp_path, capsys, monkeypatch):
+def test_the_dashboard_command_checks_its_family_files_and_hands_them_on(tmp_path, capsys, monkeypatch, registry_guard):
     bad = family_file(tmp_path, "FAMILY = 3\n")
     assert main(["dashboard", "--family", str(bad)]) == 2
     assert (
@@ -144,6 +144,22 @@ def test_the_dashboard_command_checks_its_family_files_and_hands_them_on(tmp_pat
     monkeypatch.chdir(tmp_path)
     env = dashboard_environment({"FCA_FAMILIES": f" mine.py{os.pathsep}{tmp_path}/b.py "})
     assert env["FCA_FAMILIES"] == f"{tmp_path / 'mine.py'}{os.pathsep}{tmp_path / 'b.py'}"
+    # Given relative to the folder the command runs in, the files reach the server (started in the
+    # repository) as absolute paths, FCA_FAMILIES's first. (The server itself is not started: the
+    # process it would become is caught at the exec.)
+    good = family_file(tmp_path, "from fca.engine.family import Family\nFAMILY = Family('toy_dash')\n", "good.py")
+    monkeypatch.setenv("FCA_FAMILIES", "good.py")
+    monkeypatch.setenv("FCA_CACHE_ROOTS", "caches")
+    started = {}
+
+    def exec_server(path, argv, environ):
+        started.update(environ=environ, cwd=os.getcwd())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "execve", exec_server)
+    assert main(["dashboard", "--family", "good.py"]) == 130
+    assert started["environ"]["FCA_FAMILIES"] == f"{good}{os.pathsep}{good}" and started["cwd"] == str(REPO)
+    assert started["environ"]["FCA_CACHE_ROOTS"] == str(tmp_path / "caches")
 
 
 # ------------------------------------------------------------------------------ installed packages
