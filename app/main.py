@@ -3,12 +3,14 @@
 The sidebar picks a cache (every cache under the configured roots, re-scanned as you go), the model it
 belongs to and the device; the selection is handed to the page through `st.session_state`.
 Roots: `cache/` of this repository plus the folders in FCA_CACHE_ROOTS (os.pathsep-separated);
-FCA_DEFAULT_CACHE names the cache selected first (default: cache/demo/eval).
+FCA_DEFAULT_CACHE names the cache selected first (default: cache/demo/eval); FCA_FAMILIES names family files
+(os.pathsep-separated) declaring models FCA does not know, as `--family` does for the other commands.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -104,11 +106,33 @@ def _on_cache_typed(roots: list[Path]) -> None:
             st.session_state["cache"] = matched
 
 
+def as_text(text: str) -> str:
+    """A string from a file or an error, escaped so that Markdown shows it as it is."""
+    return re.sub(r"([\\`*_{}\[\]<>#|~$])", r"\\\1", text)
+
+
+def family_files() -> None:
+    """Run the family files FCA_FAMILIES names, before any model is loaded (each file once per version:
+    `fca.engine.user_families` keeps what it declared); a bad one is said, and the others still load.
+    Files are only given when the dashboard starts, never typed in the page: loading one runs its code."""
+    files = resources.family_files()
+    if not files:
+        return
+    from fca.jobs.families import load_each_family_file  # (torch: only when families are declared)
+
+    declared, errors = load_each_family_file(files)
+    for error in errors:
+        st.error(f"Family file (FCA_FAMILIES): {as_text(error)}")
+    if declared:
+        st.caption("Families from files: " + ", ".join(f"{as_text(t)} ({as_text(Path(p).name)})" for t, p in declared))
+
+
 def sidebar() -> Selection:
     roots = catalog.configured_roots(REPO)
     sel = Selection(roots=roots)
     with st.sidebar:
         st.markdown("### Data")
+        family_files()
         entries = resources.caches(tuple(str(r) for r in roots))
         sel.entries = entries
         if not entries:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -182,13 +183,20 @@ def model_bytes(model_dir: str | Path) -> int:
     return path.stat().st_size
 
 
+def family_files() -> list[str]:
+    """The family files FCA_FAMILIES names (os.pathsep-separated; `python -m fca dashboard --family FILE`
+    sets it), read here without importing torch."""
+    return [p.strip() for p in os.environ.get("FCA_FAMILIES", "").split(os.pathsep) if p.strip()]
+
+
 def _experiment_key(
     model_dir: str | Path, device: str, cache: Cache, calibration: Cache | None, dense_dir: str | Path | None
 ) -> tuple[str, ...]:
     return (
         str(model_dir),
         device,
-        file_stamp(weights_path(Path(model_dir))),
+        # (an edited family file may load the model another way: the model is loaded again)
+        ":".join([file_stamp(weights_path(Path(model_dir))), *map(file_stamp, family_files())]),
         str(cache.path),
         cache.fingerprint,
         str(calibration.path) if calibration else "",

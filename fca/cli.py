@@ -170,6 +170,26 @@ def cmd_build_cache(args: argparse.Namespace) -> None:
     )
 
 
+def _add_family_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--family", action="append", default=[], metavar="FILE", help=FAMILY_HELP)
+
+
+def load_families(args: argparse.Namespace) -> None:
+    """Run the family files FCA_FAMILIES and --family name (in that order: a later one's family of a
+    model_type replaces an earlier one's), and load installed packages' families, before the command
+    starts its work; the files are kept in `args.family_files` for the processes the command starts."""
+    listed = os.environ.get("FCA_FAMILIES", "").split(os.pathsep)
+    args.family_files = [*(p.strip() for p in listed if p.strip()), *args.family]
+    if args.family_files:
+        from fca.engine.user_families import load_family_files  # (torch: only once there is a family to load)
+
+        load_family_files(args.family_files)
+    elif args.command != "dashboard":  # (the app's server imports torch when a page needs it, not sooner)
+        from fca.engine.families import registered_families
+
+        registered_families()  # installed packages' families: a broken one is said before the work starts
+
+
 def _add_engine_flags(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--engine",
@@ -529,6 +549,9 @@ def dashboard_environment(environ: Mapping[str, str]) -> dict[str, str]:
     env = dict(environ)
     if env.get("FCA_DEFAULT_CACHE", "").strip():
         env["FCA_DEFAULT_CACHE"] = str(Path(env["FCA_DEFAULT_CACHE"].strip()).expanduser().absolute())
+    if env.get("FCA_FAMILIES", "").strip():
+        files = [p.strip() for p in env["FCA_FAMILIES"].split(os.pathsep) if p.strip()]
+        env["FCA_FAMILIES"] = os.pathsep.join(str(Path(p).expanduser().absolute()) for p in files)
     if env.get("FCA_CACHE_ROOTS", "").strip():
         roots = [p.strip() for p in env["FCA_CACHE_ROOTS"].split(os.pathsep) if p.strip()]
         env["FCA_CACHE_ROOTS"] = os.pathsep.join(str(Path(p).expanduser().absolute()) for p in roots)
@@ -549,11 +572,20 @@ def cmd_dashboard(args: argparse.Namespace) -> NoReturn:
     sys.stdout.flush()
     # This process becomes streamlit, started in the repository (its settings live there): a signal sent to
     # it (Ctrl-C, kill, a timeout) reaches the server itself, and the server's exit status is the command's.
+    # The family files (checked above, by `load_families`) reach the app as FCA_FAMILIES. Paths are made
+    # absolute here, before leaving the folder the command was given in.
+    environ = dashboard_environment({**os.environ, "FCA_FAMILIES": os.pathsep.join(args.family_files)})
     os.chdir(Path(command[4]).parent.parent)
-    os.execve(command[0], command, dashboard_environment(os.environ))
+    os.execve(command[0], command, environ)
 
 
 MODEL_HELP = "model directory (config.json, weights, tokenizer.json)"
+FAMILY_HELP = (
+    "a Python file declaring model families (FAMILY = fca.Family(...) or FAMILIES = [...]), for models FCA does "
+    "not know: the file is run, so give only files you trust; may be repeated, and a later file's family "
+    "replaces an earlier one's and a built-in one of the same model_type; FCA_FAMILIES (os.pathsep-separated) "
+    "names more, loaded first. Families of installed packages (entry points fca.families) are always loaded"
+)
 DEVICE_HELP = "auto (cuda when available), cpu, cuda or cuda:N"
 BATCH_HELP = "sequences per forward pass"
 REPLAY_BATCH_HELP = (
@@ -686,6 +718,7 @@ def build_parser() -> argparse.ArgumentParser:
         "parts where batches allow; see docs/scale.md)",
     )
     _add_engine_flags(p, "windows")
+    _add_family_flag(p)
     p.set_defaults(func=cmd_build_cache)
 
     p = add_command("audit", help="the three-property report of a model on an evaluated and a calibration cache")
@@ -710,6 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
         "'none' to skip it",
     )
     _add_engine_flags(p, "replayed sequences")
+    _add_family_flag(p)
     p.set_defaults(func=cmd_audit)
 
     p = add_command("report", help="render an audit JSON as Markdown")
@@ -739,6 +773,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
     p.add_argument("--no-save", action="store_true", help="do not save the run in <cache>.runs/")
     _add_engine_flags(p, "replayed sequences")
+    _add_family_flag(p)
     p.set_defaults(func=cmd_replay)
 
     p = add_command(
@@ -752,6 +787,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
     p.add_argument("--json", help="also write the figures here")
+    _add_family_flag(p)
     p.set_defaults(func=cmd_bench)
 
     p = add_command("demo", help="regenerate the shipped demo: models, caches and audit report")
@@ -803,6 +839,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 serves every network interface)",
     )
+    _add_family_flag(p)
     p.set_defaults(func=cmd_dashboard)
     return parser
 
@@ -822,6 +859,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # argparse would report a command's unknown arguments as the top level's: name the command
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        if hasattr(args, "family"):  # (the commands that load models)
+            load_families(args)
         args.func(args)
     except ExactnessError as err:
         print(f"fca: error: {err}", file=sys.stderr)

@@ -441,7 +441,9 @@ def test_registered_family_loads_and_has_a_dense_twin(tmp_path, registry_guard):
     model = fca.load_model(model_dir)
     assert isinstance(model, ConfiguredModel) and not model.training and len(model_blocks(model)) == 2
     assert catalog.find_dense_twin(model_dir) == tmp_path / "twin"  # the catalog learned the family's twin
-    with pytest.raises(ModelLoadError, match="unsupported model_type 'nobody'.*featuregate.*fca.attach_sites"):
+    with pytest.raises(
+        ModelLoadError, match="unsupported model_type 'nobody'.*featuregate.*attach_sites.*--family FILE"
+    ):
         (tmp_path / "x").mkdir()
         (tmp_path / "x" / "config.json").write_text(json.dumps({"model_type": "nobody"}))
         fca.load_model(tmp_path / "x")

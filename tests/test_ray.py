@@ -322,3 +322,34 @@ def test_merged_shards_keep_each_shards_rows_of_routing_agreement():
     assert merged.routers == {"a": 2} and merged.routing_unobserved == blind.routing_unobserved
     for figure in ROUTING_FIGURES:
         np.testing.assert_array_equal(merged.routing["cross_input"][figure], whole[figure][:, :1])
+
+
+def test_workers_run_the_family_files_the_driver_ran(tiny_demo, single, tmp_path):
+    """A model of a family declared in a file loads in every actor (a process of its own), as in the
+    driver: the build is the single-process build of the same weights."""
+    import shutil
+
+    from fca.engine import families as registry
+    from fca.engine.user_families import load_family_file
+
+    model = shutil.copytree(tiny_demo / "featuregate", tmp_path / "renamed")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "featuregate_by_file"}))
+    family = tmp_path / "family.py"
+    family.write_text(
+        "import dataclasses\nfrom fca.engine.models.featuregate import FAMILY as BUILT_IN\n"
+        "FAMILY = dataclasses.replace(BUILT_IN, model_type='featuregate_by_file')\n"
+    )
+    saved = dict(registry.registered_families())
+    try:
+        load_family_file(family)
+        out = build_cache_distributed(
+            model, tiny_demo / "corpus.txt", "eval", tmp_path / "eval", workers=2, show_progress=False, **SIZES
+        )
+    finally:
+        registry._FAMILIES.clear()
+        registry._FAMILIES.update(saved)
+    a, b = open_cache(out, verify=True), open_cache(single, verify=True)
+    assert a.manifest.model.fingerprint == b.manifest.model.fingerprint
+    seqs = list(range(a.num_seqs))
+    assert np.array_equal(a.read_seqs(seqs)["blocks.0.gate"], b.read_seqs(seqs)["blocks.0.gate"])

@@ -85,14 +85,32 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def _load_family_files(family_files: Sequence[str]) -> None:
+    # A model of a family declared in a file (`--family`) loads in each actor only once the actor has
+    # run the files the driver ran: an actor is a process of its own, with the built-in registry.
+    if family_files:
+        from fca.engine.user_families import load_family_files
+
+        load_family_files(family_files)
+
+
+def _driver_family_files() -> list[str]:
+    from fca.engine.user_families import loaded_family_files
+
+    return loaded_family_files()
+
+
 # ------------------------------------------------------------------------------------------ build
 
 
 class _BuildWorker:
     """One build actor: the model loaded once, the windows held, parts written on request."""
 
-    def __init__(self, args: dict, threads: int | None, fail_after: int | None = None) -> None:
+    def __init__(
+        self, args: dict, threads: int | None, fail_after: int | None = None, family_files: Sequence[str] = ()
+    ) -> None:
         _set_threads(threads)
+        _load_family_files(family_files)
         self.args = args
         self.fail_after = fail_after  # tests: raise after this many parts, as a lost worker would
         self.written = 0
@@ -198,7 +216,8 @@ def build_cache_distributed(
         coefficient_dtype=coefficient_dtype,
     )
     Worker = ray.remote(max_restarts=0)(_BuildWorker)
-    actors = [Worker.options(**options).remote(args, threads, fail_after) for _ in range(count)]
+    family_files = _driver_family_files()
+    actors = [Worker.options(**options).remote(args, threads, fail_after, family_files) for _ in range(count)]
     try:
         plan_ref, windows_ref = actors[0].prepare.options(num_returns=2).remote()
         plan = ray.get(plan_ref)
@@ -336,8 +355,11 @@ def drive_parts(
 class _ReplayWorker:
     """One replay actor: the experiment opened once; scores shards of a run."""
 
-    def __init__(self, model, cache, calibration, device: str, dtype, threads: int | None) -> None:
+    def __init__(
+        self, model, cache, calibration, device: str, dtype, threads: int | None, family_files: Sequence[str] = ()
+    ) -> None:
         _set_threads(threads)
+        _load_family_files(family_files)
         self.experiment = Experiment.open(model, cache, calibration, device=device, dtype=dtype)
 
     def run(self, conditions: list[Condition], n: int, batch_size: int, seed: int, shard) -> ReplayResults:
@@ -432,7 +454,8 @@ class ShardedExperiment(Experiment):
             threads = torch.get_num_threads()
         Worker = ray.remote(max_restarts=0)(_ReplayWorker)
         paths = [str(p) if p is not None else None for p in (model, base.evaluated.path, _path(base.calibration))]
-        actors = [Worker.options(**options).remote(*paths, device, dtype, threads) for _ in range(count)]
+        family_files = _driver_family_files()
+        actors = [Worker.options(**options).remote(*paths, device, dtype, threads, family_files) for _ in range(count)]
         return cls(**{f.name: getattr(base, f.name) for f in fields(Experiment)}, actors=actors)
 
     def run(
