@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from fca.engine.capture import as_input_ids, token_nll
 from fca.engine.environment import current_environment
+from fca.engine.execution import ExecutionTally
 from fca.engine.families import family_of
 from fca.engine.routing import RoutingTally, TopKRouter
 from fca.engine.sites import (
@@ -204,6 +206,9 @@ class ReplayResults:
     routing: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     renormalized: dict[str, bool] = field(default_factory=dict)  # router site -> top-k weights renormalised
     replayed_per_seq: np.ndarray | None = None  # [n] Correct replay of the recorded coefficients (check 1)
+    # What ran: condition -> [n, L] tokens each block processed per sequence, counted at the blocks during
+    # that condition's replay (`fca.engine.execution.ExecutionTally`); None where they cannot be counted.
+    executed: dict[str, np.ndarray] | None = None
     exactness: dict | None = None  # `check_exactness`'s verdict, once judged (`Experiment.run` judges)
 
     def nll(self, name: str) -> float:
@@ -322,12 +327,15 @@ def _check_batch(
     cache: Cache,
     batch_seqs: list[int],
     measure: FidelityMeasure,
+    executed: ExecutionTally | None = None,
 ) -> _BatchCheck:
     """Both exactness checks on one batch. Check 1: the live pass records its coefficients, and replaying
     exactly those must reproduce it. Check 2 (accumulated in `measure`): how far the cache is from what
-    this model computes here, coefficients and stored per-token live NLL."""
+    this model computes here, coefficients and stored per-token live NLL. `executed` counts what the
+    Correct replay runs."""
     live, recorded = capture_tensors(model, ids)
-    replayed = replay(model, ids, recorded)
+    with executed.counting(ids.shape[0]) if executed is not None else nullcontext():
+        replayed = replay(model, ids, recorded)
     live_tokens = token_nll(live, targets)  # [b, T]
     build_batch = is_build_batch(batch_seqs, cache.build_batches())
     measure.same_batches = measure.same_batches and build_batch
@@ -424,6 +432,7 @@ def run_conditions(
         s: k for s, k in (family_of(model).routers(model) if routers is None else routers).items() if s in cache.sites
     }
     tally = RoutingTally(routers, names, len(seqs))
+    executed = ExecutionTally(model, names, len(seqs))
     # The next batch is read and decoded on a background thread while this one runs.
     reads = cache.prefetch([seqs[lo : lo + batch_size] for lo in starts])
     try:
@@ -439,8 +448,10 @@ def run_conditions(
             coefficients = {name: own[name] for name in cache.sites}
             b = len(index)
             cache_is_recorded = False
+            check_executed = None  # [b, L] what the check's Correct replay ran
             if check_exactness:
-                check = _check_batch(model, ids, targets, own, cache, batch_seqs, measure)
+                check = _check_batch(model, ids, targets, own, cache, batch_seqs, measure, executed)
+                check_executed = executed.last
                 max_diff = max(max_diff, check.max_abs_logit_diff)
                 live_nll[index], replayed_nll[index] = check.live_nll, check.replayed_nll
                 batches += 1
@@ -452,6 +463,9 @@ def run_conditions(
             if check_exactness and not cache_is_recorded and not any(map(_is_plain_correct, conditions)):
                 to_run.append(Condition("correct"))  # the fidelity check needs Correct-from-cache even unasked
             scored: dict[Condition, np.ndarray] = {}  # condition -> [b] NLL
+            for c in conditions:
+                if c not in to_run:  # Correct, not replayed again: it ran what the check's replay ran
+                    executed.add(c.name, index, check_executed)
             if routers:  # routing agreement: against the experts of the tokens' own coefficients
                 dtypes = {s: sites[s]._produced_dtype or model_dtype for s in routers}  # (as `Site.replayed`)
                 tally.start_batch(index, {s: _host_tensor(coefficients[s]).to(device) for s in routers}, dtypes)
@@ -462,7 +476,11 @@ def run_conditions(
                 group = to_run[start : start + per_pass]
                 parts = [condition_coefficients(c, coefficients, index, profiles, other) for c in group]
                 stacked = stack_conditions(parts, b, T)
-                nll, fed = _replay_nll(model, ids, targets, stacked, len(group))
+                with executed.counting(len(group) * b):
+                    nll, fed = _replay_nll(model, ids, targets, stacked, len(group))
+                if executed.last is not None:
+                    for c, counted in zip(group, executed.last.reshape(len(group), b, -1)):
+                        executed.add(c.name, index, counted)
                 scored.update(zip(group, nll))
                 if routers:  # (the check's own Correct, when not asked for, is not reported)
                     tally.add_fed([c.name if c in conditions else None for c in group], fed)
@@ -493,4 +511,5 @@ def run_conditions(
         routers={site: router.k for site, router in tally.routers.items()},
         renormalized={site: router.renormalize for site, router in tally.routers.items()},
         routing=tally.figures() if routers else {},
+        executed=executed.counts,
     )

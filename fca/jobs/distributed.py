@@ -389,6 +389,9 @@ def merge_results(shards: Sequence[ReplayResults], bounds: Sequence[tuple[int, i
             name: {figure: joined(lambda r: r.routing[name][figure]) for figure in figures}
             for name, figures in first.routing.items()
         },
+        executed=None
+        if any(r.executed is None for r in shards)
+        else {name: joined(lambda r: r.executed[name]).astype(np.int64) for name in first.executed},
     )
 
 
