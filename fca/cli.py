@@ -767,7 +767,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_command("demo-skip", help="regenerate the second shipped demo: a mixture-of-depths model that skips work")
     p.add_argument("--out", default="cache/demo-skip", help="folder of the demo's models, caches and report")
     p.add_argument("--corpus", default="data/kjv.txt", help="extracted first if missing (needs Debian's bible-kjv)")
-    p.add_argument("--steps", type=_positive_int, help="optimizer steps (for models not yet trained; default 250)")
+    p.add_argument("--steps", type=_positive_int, help="optimizer steps (for models not yet trained; default 160)")
     p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
     p.set_defaults(func=cmd_demo_skip)
 

@@ -51,7 +51,7 @@ DEMO_SEQS = 256
 DEMO_AUDIT = Path("cache/demo/audit.json")  # seed 0 of every demo study
 # The second demo: small enough to train on 2 CPU cores in minutes and to ship under 15 MB.
 SKIP_DEMO_CONFIG = dict(d_model=128, n_layers=4, n_heads=4, max_seq_len=128, capacity=0.5)
-SKIP_DEMO_SETTINGS = TrainSettings(steps=250, batch_size=16)
+SKIP_DEMO_SETTINGS = TrainSettings(steps=160, batch_size=16, eval_every=40)
 SKIP_DEMO_MODEL = "mod"
 
 
