@@ -218,7 +218,11 @@ def _train(
     step_seconds, since = 0.0, time.perf_counter()
     # Losses stay on the device until the next evaluation: reading one per step would wait for the GPU.
     pending: list[tuple[dict, torch.Tensor]] = []
-    bar = tqdm(range(settings.steps), desc=f"train {config.model_type if is_dynamic(config) else 'dense'}", disable=not show_progress)
+    bar = tqdm(
+        range(settings.steps),
+        desc=f"train {config.model_type if is_dynamic(config) else 'dense'}",
+        disable=not show_progress,
+    )
     for step in bar:
         model.train()
         starts = torch.randint(0, len(train_stream) - T - 1, (settings.batch_size,), generator=batches)
