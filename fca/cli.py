@@ -526,6 +526,13 @@ def cmd_demo(args: argparse.Namespace) -> None:
     make_demo(Path(args.out), Path(args.corpus), steps=args.steps, retrain=args.retrain)
 
 
+def cmd_demo_skip(args: argparse.Namespace) -> None:
+    from fca.jobs.demo import make_skip_demo
+
+    steps = {} if args.steps is None else {"steps": args.steps}  # (the demo's own unless told)
+    make_skip_demo(Path(args.out), Path(args.corpus), retrain=args.retrain, **steps)
+
+
 def dashboard_command(address: str, port: int) -> list[str]:
     """`streamlit run app/main.py` bound to `address`, with the repository's settings (no usage statistics,
     no file watching) whichever folder it is started from: streamlit reads `.streamlit/config.toml` only
@@ -796,6 +803,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, default=800, help="optimizer steps (for models not yet trained)")
     p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
     p.set_defaults(func=cmd_demo)
+
+    p = add_command("demo-skip", help="regenerate the second shipped demo: a mixture-of-depths model that skips work")
+    p.add_argument("--out", default="cache/demo-skip", help="folder of the demo's models, caches and report")
+    p.add_argument("--corpus", default="data/kjv.txt", help="extracted first if missing (needs Debian's bible-kjv)")
+    p.add_argument("--steps", type=_positive_int, help="optimizer steps (for models not yet trained; default 160)")
+    p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
+    p.set_defaults(func=cmd_demo_skip)
 
     p = add_command("study", help="one table across models (seeds) from their audit reports: mean, SD and 95%% CI")
     p.add_argument("audits", nargs="+", metavar="AUDIT.json", help="audit reports of independently trained models")

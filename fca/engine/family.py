@@ -49,6 +49,15 @@ def transformers_expert_selection(
     return index, weights if isinstance(weights, torch.Tensor) else None
 
 
+def whole_sequences(block: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The tokens of each sequence a block is called with, [B]: every position of its input [B, T, ...];
+    None when its first input is not such a tensor (nothing to read the sequences from)."""
+    x = args[0] if args else next(iter(kwargs.values()), None)
+    if not isinstance(x, torch.Tensor) or x.dim() < 3:
+        return None
+    return torch.full((x.shape[0],), x.shape[1], dtype=torch.long, device=x.device)
+
+
 def no_definitions(model: nn.Module) -> dict:
     return {}
 
@@ -80,6 +89,10 @@ class Family:
     - `expert_selection(experts, args, kwargs)`: the (index [N, k], weights [N, k] or None) an experts module
       matching `expert_paths` is handed in its call, read by a forward pre-hook: what the model actually
       dispatched. The default reads transformers' `experts(hidden, top_k_index, top_k_weights)`.
+    - `tokens_per_sequence(block, args, kwargs)`: how many tokens of each sequence of the batch a block (one
+      of `blocks`) is called with, [B], read from its call by a forward pre-hook: what each replay condition
+      runs. The default: every position of an input [B, T, ...]; a family whose blocks run on some tokens
+      only says how to read them. None: not readable from this call (no per-condition figures).
     """
 
     model_type: str
@@ -92,3 +105,4 @@ class Family:
     execution_note: str = ""
     routers: Callable[[nn.Module], dict] = no_routers
     expert_selection: ExpertSelection = transformers_expert_selection
+    tokens_per_sequence: Callable[[nn.Module, tuple, dict], torch.Tensor | None] = whole_sequences

@@ -14,6 +14,7 @@ from torch import nn
 
 from fca.engine.capture import as_input_ids, token_nll
 from fca.engine.environment import current_environment
+from fca.engine.execution import ExecutionTally
 from fca.engine.families import family_of
 from fca.engine.routing import ExpertObserver, RoutingTally, Selection
 from fca.engine.sites import (
@@ -206,6 +207,9 @@ class ReplayResults:
     routing: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     routing_unobserved: dict[str, str] = field(default_factory=dict)
     replayed_per_seq: np.ndarray | None = None  # [n] Correct replay of the recorded coefficients (check 1)
+    # What ran: condition -> [n, L] tokens each block processed per sequence, counted at the blocks during
+    # that condition's replay (`fca.engine.execution.ExecutionTally`); None where they cannot be counted.
+    executed: dict[str, np.ndarray] | None = None
     exactness: dict | None = None  # `check_exactness`'s verdict, once judged (`Experiment.run` judges)
 
     def nll(self, name: str) -> float:
@@ -327,13 +331,17 @@ def _check_batch(
     batch_seqs: list[int],
     measure: FidelityMeasure,
     observer: ExpertObserver | None = None,
+    executed: ExecutionTally | None = None,
 ) -> _BatchCheck:
     """Both exactness checks on one batch. Check 1: the live pass records its coefficients, and replaying
     exactly those must reproduce it. Check 2 (accumulated in `measure`): how far the cache is from what
     this model computes here, coefficients and stored per-token live NLL. With an `observer`, the experts'
-    selection in the Correct replay is kept."""
+    selection in the Correct replay is kept; `executed` counts what the Correct replay runs."""
     live, recorded = capture_tensors(model, ids)
-    with observer.recording() if observer is not None else nullcontext() as selection:
+    with (
+        observer.recording() if observer is not None else nullcontext() as selection,
+        executed.counting(ids.shape[0]) if executed is not None else nullcontext(),
+    ):
         replayed = replay(model, ids, recorded)
     live_tokens = token_nll(live, targets)  # [b, T]
     build_batch = is_build_batch(batch_seqs, cache.build_batches())
@@ -433,6 +441,7 @@ def run_conditions(
     )
     tally = RoutingTally(routers, observer, names, len(seqs))
     observing = observer is not None and bool(tally.observed)
+    executed = ExecutionTally(model, names, len(seqs))
     # The next batch is read and decoded on a background thread while this one runs.
     reads = cache.prefetch([seqs[lo : lo + batch_size] for lo in starts])
     stack = ExitStack()
@@ -453,10 +462,12 @@ def run_conditions(
             cache_is_recorded = False
             if observing:
                 tally.start_batch(index, T)
+            check_executed = None  # [b, L] what the check's Correct replay ran
             if check_exactness:
                 check = _check_batch(
-                    model, ids, targets, own, cache, batch_seqs, measure, observer if observing else None
+                    model, ids, targets, own, cache, batch_seqs, measure, observer if observing else None, executed
                 )
+                check_executed = executed.last
                 max_diff = max(max_diff, check.max_abs_logit_diff)
                 live_nll[index], replayed_nll[index] = check.live_nll, check.replayed_nll
                 batches += 1
@@ -472,6 +483,9 @@ def run_conditions(
             elif observing and not cache_is_recorded and not any(map(_is_plain_correct, to_run)):
                 to_run.append(Condition("correct"))  # routing needs the tokens' own selection
             scored: dict[Condition, np.ndarray] = {}  # condition -> [b] NLL
+            for c in conditions:
+                if c not in to_run:  # Correct, not replayed again: it ran what the check's replay ran
+                    executed.add(c.name, index, check_executed)
             if observing:
                 for c in conditions:
                     if c not in to_run:  # Correct, not replayed again: fed the tokens' own coefficients
@@ -480,8 +494,11 @@ def run_conditions(
                 group = to_run[start : start + per_pass]
                 parts = [condition_coefficients(c, coefficients, index, profiles, other) for c in group]
                 stacked = stack_conditions(parts, b, T)
-                with observer.recording() if observing else nullcontext() as taken:
+                with observer.recording() if observing else nullcontext() as taken, executed.counting(len(group) * b):
                     nll = _replay_nll(model, ids, targets, stacked, len(group))
+                if executed.last is not None:
+                    for c, counted in zip(group, executed.last.reshape(len(group), b, -1)):
+                        executed.add(c.name, index, counted)
                 scored.update(zip(group, nll))
                 if observing:  # (a Correct replayed only for the checks is not reported)
                     own_at = next((i for i, c in enumerate(group) if _is_plain_correct(c)), None)
@@ -516,4 +533,5 @@ def run_conditions(
         routers={site: tally.top_k.get(site, 0) for site in tally.observed},
         routing=tally.figures() if tally.observed else {},
         routing_unobserved=tally.unobserved,
+        executed=executed.counts,
     )

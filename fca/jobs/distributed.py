@@ -419,6 +419,9 @@ def merge_results(shards: Sequence[ReplayResults], bounds: Sequence[tuple[int, i
             for name, figures in (first.routing.items() if kept else ())
         },
         routing_unobserved=unobserved,
+        executed=None
+        if any(r.executed is None for r in shards)
+        else {name: joined(lambda r: r.executed[name]).astype(np.int64) for name in first.executed},
     )
 
 

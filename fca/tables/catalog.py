@@ -47,10 +47,12 @@ class DenseTwin:
 # model_type -> its Dense twin, per family. Kept here, free of torch, so the dashboard finds twins
 # without importing the models; `fca.engine.families` reads the built-in entries from this table and
 # adds those of families registered later, so there is one source. FeatureGate's switch is `gated`,
-# MUDDPythia's `dense` (the public config's own switch; its twin also drops `dynamic_dense`).
+# MUDDPythia's `dense` (the public config's own switch; its twin also drops `dynamic_dense`), mixture of
+# depths' `routed`.
 DENSE_TWINS: dict[str, DenseTwin] = {
     "featuregate": DenseTwin("gated"),
     "muddpythia": DenseTwin("dense", ("dynamic_dense",)),
+    "mixture_of_depths": DenseTwin("routed"),
 }
 # Integer config keys that say nothing about a model's size (seeds, controller internals), ignored
 # when checking that a Dense twin has the same sizes.

@@ -35,6 +35,27 @@ class ReportError(ValueError):
     """A file that is not a readable FCA audit report; the message is one line naming the file."""
 
 
+def condition_execution_table(exe: dict) -> list[str]:
+    """Markdown lines: the blocks each condition's replay ran (`execution.conditions`), or none."""
+    under = exe.get("conditions")
+    if not isinstance(under, dict) or not under:
+        return []
+    lines = [
+        "",
+        "What ran under each condition (tokens the blocks processed during its replay, all evaluated sequences):",
+        "",
+        "| condition | blocks executed per token | share | per block |",
+        "|---|---|---|---|",
+    ]
+    for name, row in under.items():
+        per_block = " / ".join(f"{100 * f:.0f}%" for f in row["per_block_fraction"])
+        lines.append(
+            f"| {name} | {row['blocks_executed_per_token']:.2f} | {100 * row['blocks_executed_fraction']:.1f}% | "
+            f"{per_block} |"
+        )
+    return lines
+
+
 def check_report(report: object, source: str | Path = "report", required: tuple[str, ...] = REQUIRED_KEYS) -> dict:
     """`report` itself if it has every `required` section of an audit report (all of them to render it; a
     study needs fewer), each of the right shape, else a `ReportError` naming `source`."""
@@ -459,6 +480,11 @@ def render_markdown(report: dict) -> str:
         f"({100 * exe['blocks_executed_fraction']:.1f}%), counted by forward hooks.",
         f"- Controller FLOPs: {100 * exe['controller_flops_share']:.2f}% of the forward's FLOPs.",
     ]
+    if exe.get("flops_ratio_vs_dense") is not None:
+        lines.append(
+            f"- FLOPs per token vs the Dense twin: **{exe['flops_ratio_vs_dense']:.3f}x** "
+            f"({exe['flops_per_token']:,.0f} and {exe['dense_flops_per_token']:,.0f}, counted on the same batch)."
+        )
     if exe.get("uncounted_ops"):  # (reports made before the list was kept have no such key)
         lines.append(
             f"- Not counted (no FLOP formula in this torch): {', '.join(exe['uncounted_ops'])}; the share leaves "
@@ -504,6 +530,7 @@ def render_markdown(report: dict) -> str:
         )
     if exe.get("note"):
         lines.append(f"- Note: {exe['note']}")
+    lines += condition_execution_table(exe)
     lines += ["", "## Definitions", ""]
     for key, value in report["definitions"].items():
         if isinstance(value, dict):  # (condition_specs: a dict per condition; its names say enough here)
