@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fca.tables.environment import check_environment
 from fca.tables.errors import CacheError
+from fca.tables.jsonfile import read_json
 from fca.tables.schema import COEFFICIENT_BYTES, MANIFEST, SCHEMA_VERSION, spec_from_json
 from fca.tables.spec import SiteSpec
 
@@ -283,8 +284,4 @@ class Manifest:
 def read_manifest(cache_dir: str | Path) -> Manifest:
     """The typed manifest of a cache directory (only `manifest.json` is read; parts are not checked)."""
     path = Path(cache_dir) / MANIFEST
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CacheError(f"{path}: not valid JSON ({err})") from None
-    return Manifest.from_json(raw, str(path))
+    return Manifest.from_json(read_json(path, CacheError), str(path))

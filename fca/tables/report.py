@@ -3,10 +3,10 @@ Torch-free, so the dashboard can show reports without loading a model."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
+from fca.tables.jsonfile import read_json
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
 from fca.tables.scoring import MIN_DOCUMENTS, quoted_interval
 from fca.tables.stats import MIN_BOOTSTRAP_VALUES
@@ -306,9 +306,9 @@ def read_report(path: str | Path, required: tuple[str, ...] = REQUIRED_KEYS) -> 
     if Path(path).stat().st_size > MAX_REPORT_BYTES:
         raise ReportError(f"{path}: not an audit report ({Path(path).stat().st_size:,} bytes; reports are small)")
     try:
-        report = json.loads(Path(path).read_text(), parse_constant=_no_constant)
-    except (OSError, UnicodeDecodeError, ValueError) as err:  # (json.JSONDecodeError is a ValueError)
-        raise ReportError(f"{path}: not a readable audit report ({err})") from None
+        report = read_json(path, ReportError, MAX_REPORT_BYTES, constants=False)
+    except ReportError as err:
+        raise ReportError(f"{path}: not a readable audit report ({str(err).removeprefix(f'{path}: ')})") from None
     return check_report(report, path, required)
 
 

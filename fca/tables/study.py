@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fca.tables.catalog import read_json_object
+from fca.tables.jsonfile import read_json
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
 from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, condition_cell, damage, read_report, routing_mark
 
@@ -585,9 +586,9 @@ def load_study(path: str | Path) -> dict:
     """A study written by `write_study`, or a one-line StudyError naming the file."""
     path = Path(path)
     try:
-        study = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise StudyError(f"{path}: not a readable study ({err})") from None
+        study = read_json(path, StudyError)
+    except StudyError as err:
+        raise StudyError(f"{path}: not a readable study ({str(err).removeprefix(f'{path}: ')})") from None
     if not isinstance(study, dict) or "fca_study_version" not in study or "seeds" not in study:
         raise StudyError(f"{path}: not an FCA study (no 'fca_study_version' or 'seeds')")
     if study["fca_study_version"] != STUDY_VERSION:
