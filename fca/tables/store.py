@@ -418,7 +418,7 @@ def _size_mismatch(part: Path, recorded: int) -> str:
 
 def open_cache(path: str | Path, verify: bool = False) -> Cache:
     """Open a finished cache: checks the manifest, that every part file is there with its recorded
-    size, and the first part's schema (the others' when first read; `verify=True` checks every part's
+    size and row count (its footer's), and the first part's schema (the others' when first read; `verify=True` checks every part's
     hash). Raises `CacheError` with a one-line reason."""
     path = Path(path).resolve() if str(path) in ("", ".") else Path(path)  # ("" and "." name no folder)
     manifest_path = path / MANIFEST
@@ -441,6 +441,18 @@ def open_cache(path: str | Path, verify: bool = False) -> Cache:
             if verify:
                 cache.verify()  # names the first part that differs, by its hash or its size
             raise CacheError(_size_mismatch(part, record.bytes))
+        # The manifest's counts, which readers size arrays and batch lists by, against the rows the part's
+        # footer holds (a manifest claiming 10^12 sequences of the parts of 256 is refused here, not in a
+        # MemoryError): only the footer is read.
+        try:
+            rows = pq.read_metadata(part).num_rows
+        except (pa.ArrowInvalid, OSError) as err:
+            raise CacheError(f"{part}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
+        if rows != record.rows:
+            raise CacheError(
+                f"{part}: holds {rows:,} rows, but the manifest records {record.rows:,} ({record.num_seqs:,} "
+                f"sequences of {cache.seq_len:,} tokens): an edited manifest or another cache's part"
+            )
     if cache.manifest.parts:
         first = path / cache.manifest.parts[0].file
         try:
