@@ -1,0 +1,31 @@
+"""Strings from files (a condition's name, a site's, a device's, a note) shown inside Markdown: as the text
+they are, never as markup. Caches, reports and runs come from other people: `[x](https://...)` must not
+become a link, `![i](https://...)` must not make the reader's browser fetch anything, and `<a href=...>`
+must not reach the page as HTML."""
+
+from __future__ import annotations
+
+import re
+
+# What makes Markdown markup mid-line (CommonMark and GitHub's; Streamlit's adds $ for LaTeX): escaped with a
+# backslash, which CommonMark allows before any ASCII punctuation. `[` opens every link and image (so `]`, `(`
+# and `!` need nothing); `_` only where it could open or close emphasis (`static_layer` stays as written);
+# `:` only in `://`, `.` only in `www.` and `@` (e-mail) everywhere: what GitHub turns into links unasked.
+_MARKUP = re.compile(r"[\\`*\[<>|~$@&]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])|:(?=//)|(?<=www)\.", re.IGNORECASE)
+_BLOCK_START = re.compile(r"^(\s*\d*)([#>+=-]|(?<=\d)[.)])")  # what would open a heading, quote, list or rule
+
+
+def markdown_text(value: object) -> str:
+    """`value` as one line of Markdown text that renders as exactly its characters."""
+    text = " ".join(str(value).splitlines())
+    text = _MARKUP.sub(lambda m: "\\" + m.group(0), text)
+    return _BLOCK_START.sub(lambda m: m.group(1) + "\\" + m.group(2), text, count=1)
+
+
+def markdown_code(value: object) -> str:
+    """`value` as a Markdown code span (what it holds is never markup), safe in a table cell too: a fence
+    longer than any run of backticks inside, and `|` escaped (GitHub splits table cells on it even there)."""
+    text = " ".join(str(value).splitlines()).replace("|", "\\|")
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    padded = f" {text} " if text.startswith("`") or text.endswith("`") else text
+    return f"{fence}{padded}{fence}"
