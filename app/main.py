@@ -37,6 +37,7 @@ from app import resources  # noqa: E402
 from app.views.common import SELECTION_KEY, Selection, match_typed, typed_outside, typed_path, typed_problem  # noqa: E402
 from fca.tables import catalog  # noqa: E402
 from fca.tables.errors import CacheError  # noqa: E402
+from fca.tables.text import markdown_code, markdown_text  # noqa: E402
 
 PAGES = [
     # (The default page is served at the root URL; its url_path only has to differ from the alias's below.)
@@ -120,7 +121,9 @@ def sidebar() -> Selection:
         if problem := default_cache_problem(entries, roots):
             st.warning(problem)
         if missing := [str(r) for r in roots[1:] if not catalog.is_folder(r)]:  # (roots[0] is this repository's cache/)
-            st.warning(f"FCA_CACHE_ROOTS names {', '.join(missing)}: no such folder, so no cache is listed from it.")
+            st.warning(
+                f"FCA_CACHE_ROOTS names {markdown_text(', '.join(missing))}: no such folder, so no cache is listed from it."
+            )
         by_path = {str(e.path): e for e in entries}
         # Caches inside the repository are named from its root (`cache/demo/eval`), so typing the path
         # one would type in a shell filters to the listed cache instead of offering "Add: ...".
@@ -168,7 +171,7 @@ def sidebar() -> Selection:
         if choice in by_path or matched is not None:
             sel.entry = by_path[choice if choice in by_path else matched]
         elif typed and typed_outside(typed, roots, REPO):
-            st.error(f"{typed}: outside the configured roots; set FCA_CACHE_ROOTS to allow it")
+            st.error(f"{markdown_text(typed)}: outside the configured roots; set FCA_CACHE_ROOTS to allow it")
         elif typed and (problem := typed_problem(typed, roots, REPO)):
             sel.cache_error = problem  # shown by the page as "This cache cannot be used: ..."
             return sel
@@ -207,8 +210,8 @@ def sidebar() -> Selection:
             st.caption(
                 "No model directory beside this cache: replay and execution are unavailable."
                 + (
-                    f" Its manifest names `{Path(recorded).name}`: a model folder of that name (or a link to one) "
-                    f"in `{entry.path.parent.name}/` would be used."
+                    f" Its manifest names {markdown_code(Path(recorded).name)}: a model folder of that name (or a link to one) "
+                    f"in {markdown_code(entry.path.parent.name + '/')} would be used."
                     if recorded
                     else ""
                 )
@@ -224,14 +227,14 @@ def sidebar() -> Selection:
             try:
                 sel.calibration_cache = resources.open_cache(str(sel.calibration.path), sel.calibration.manifest_hash)
             except CacheError as err:
-                st.error(f"Calibration cache: {err}")
+                st.error(f"Calibration cache: {markdown_text(err)}")
         sel.dense_dir = catalog.find_dense_twin(sel.model_dir) if sel.model_dir else None
         sel.report_path = catalog.find_report(entry.path)
         no_calibration = "none: this is a calibration split" if entry.split == "calibration" else "none found"
         st.caption(
-            f"Calibration: `{sel.calibration.label if sel.calibration else no_calibration}`  \n"
-            f"Dense twin: `{sel.dense_dir.name if sel.dense_dir else 'none found'}`  \n"
-            f"Audit report: `{sel.report_path.name if sel.report_path else 'none'}`"
+            f"Calibration: {markdown_code(sel.calibration.label if sel.calibration else no_calibration)}  \n"
+            f"Dense twin: {markdown_code(sel.dense_dir.name if sel.dense_dir else 'none found')}  \n"
+            f"Audit report: {markdown_code(sel.report_path.name if sel.report_path else 'none')}"
         )
     return sel
 
@@ -246,7 +249,7 @@ if page is OVERVIEW_ALIAS:
 selection = sidebar()
 st.session_state[SELECTION_KEY] = selection
 if selection.cache_error and page is not STUDY:  # (the Study page reads study files, not the selected cache)
-    st.error(f"This cache cannot be used: {selection.cache_error}")
+    st.error(f"This cache cannot be used: {markdown_text(selection.cache_error)}")
 page.run()
 resources.page_ran()  # the warm-up's steps wait for a quiet moment after this one
 if selection.cache is not None:  # after the page: fill the caches the next pages will need
