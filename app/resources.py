@@ -94,8 +94,9 @@ def site_quantiles(path: str, fingerprint: str) -> pd.DataFrame:
     """Per-site quantiles over the tokens of the first sequences (at most SAMPLE_TOKENS tokens)."""
     import pandas as pd  # here, not at the top: the sidebar imports this module on every page
 
-    cache = _open_cache(path)
+    cache = _checked_reader(path, fingerprint)
     seqs = list(range(min(cache.num_seqs, max(2, SAMPLE_TOKENS // cache.seq_len))))
+    cache.verify(range(len(seqs)))  # the parts read, against their hashes, as every other reader
     values = cache.coefficients(seqs)
     rows = []
     for site, v in values.items():
