@@ -8,12 +8,10 @@ import hashlib
 import json
 import os
 import re
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import zipfile
 from pathlib import Path
 
@@ -24,6 +22,20 @@ REPO = Path(__file__).resolve().parent.parent
 TORCH_FREE_LIMIT = 1 << 30  # address space for a torch-free child (pyarrow and numpy reserve ~0.3 GB)
 TORCH_LIMIT = 3 << 30  # torch alone reserves ~0.9 GB of address space; a replay's threads and model more
 DEEP = "[" * 10**6
+# Sets the limit and runs the command in a child of its own, reporting that child's peak resident memory (KB)
+# to a file: a process started from pytest's would count pytest's resident pages in its peak (Linux keeps the
+# largest across exec), one forked from this small launcher does not.
+LAUNCH = """
+import os, resource, sys
+limit, peak_file, command = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+pid = os.fork()
+if pid == 0:
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    os.execv(command[0], command)
+_, status, usage = os.wait4(pid, 0)
+open(peak_file, "w").write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status) % 256)
+"""
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -32,25 +44,18 @@ DEEP = "[" * 10**6
 def child(args: list[str], limit: int, cwd: Path, timeout: float = 180) -> tuple[int, str, str, int]:
     """(exit code, stdout, stderr, peak resident MB) of `python args` under an address-space limit,
     killed after `timeout` seconds."""
-
-    def limited() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
     env.pop("FCA_DEBUG", None)
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, preexec_fn=limited, stdout=out, stderr=err)
-        timer = threading.Timer(timeout, proc.kill)
-        timer.start()
+    with tempfile.TemporaryDirectory() as scratch:
+        peak_file = Path(scratch) / "peak"
+        command = [sys.executable, "-c", LAUNCH, str(limit), str(peak_file), sys.executable, *args]
         try:
-            _, status, usage = os.wait4(proc.pid, 0)  # (the child's own rusage: its peak resident memory)
-        finally:
-            timer.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        assert proc.returncode != -9, f"{args}: killed after {timeout} s"
-        out.seek(0)
-        err.seek(0)
-        return proc.returncode, out.read().decode(), err.read().decode(), usage.ru_maxrss // 1024
+            done = subprocess.run(
+                command, cwd=cwd, env=env, capture_output=True, timeout=timeout, start_new_session=True
+            )
+        except subprocess.TimeoutExpired as expired:
+            raise AssertionError(f"{args}: still running after {timeout} s") from expired
+        return done.returncode, done.stdout.decode(), done.stderr.decode(), int(peak_file.read_text()) // 1024
 
 
 def fca(args: list[str], cwd: Path, limit: int = TORCH_LIMIT) -> tuple[str, int]:
