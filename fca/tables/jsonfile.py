@@ -5,6 +5,7 @@ and anything else is a one-line error naming the file, of the caller's error cla
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 MAX_JSON_BYTES = 256 * 2**20  # a manifest of 10^5 parts is ~25 MB; anything far larger is no file of ours
@@ -25,7 +26,9 @@ def read_json(
         if not path.is_file():
             raise error(f"{path}: {'not a regular file' if path.exists() else 'no such file'}")
         with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
+            size = os.fstat(f.fileno()).st_size
+            # (read(n) allocates n bytes at once: the file's own size, not the limit, and never past the limit)
+            data = f.read(min(size, max_bytes) + 1)
     except OSError as err:
         raise error(f"{path}: unreadable ({err.strerror or err})") from None
     if len(data) > max_bytes:
