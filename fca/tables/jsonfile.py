@@ -42,6 +42,8 @@ def parse_json(data: bytes | str, where: str, error: type[Exception] = ValueErro
         value = json.loads(data, parse_constant=None if constants else _no_constant)
     except RecursionError:  # (json's parser recurses per level: `[` x 10^6 would be a traceback)
         raise error(f"{where}: not valid JSON (nested deeper than {MAX_JSON_DEPTH} levels)") from None
+    except NotJSON as err:
+        raise error(f"{where}: {err}") from None
     except (UnicodeDecodeError, ValueError) as err:  # (json.JSONDecodeError is a ValueError)
         raise error(f"{where}: not valid JSON ({str(err).splitlines()[0][:200]})") from None
     if _depth(value) > MAX_JSON_DEPTH:
@@ -64,7 +66,10 @@ def _depth(value: object) -> int:
     return deepest
 
 
+class NotJSON(ValueError):
+    """NaN or Infinity, which Python's json reads and JSON does not have."""
+
+
 def _no_constant(name: str) -> float:
-    # FCA writes null where a figure is undefined: NaN or Infinity (read by Python's json, not JSON) was
-    # written by hand.
-    raise ValueError(f"{name} is not JSON; FCA writes null where a figure is undefined")
+    # FCA writes null where a figure is undefined: NaN or Infinity in a file was written by hand.
+    raise NotJSON(f"{name} is not JSON; FCA writes null where a figure is undefined")

@@ -401,6 +401,13 @@ def family_shares(variance: dict) -> str | None:
     return ", ".join(shown) if len(shares) > 1 else None
 
 
+def _numbers(values: object) -> str:
+    """A list of whole numbers as Python writes it ([8, 128]); anything else as text."""
+    if isinstance(values, list) and all(type(v) is int for v in values):
+        return str(values)
+    return markdown_text(values)
+
+
 def render_markdown(report: dict) -> str:
     # Every string the report holds came from a file, maybe someone else's: shown as text (`t`) or code (`c`).
     m, ex, var, exe = report["model"], report["exactness"], report["variance"], report["execution"]
@@ -477,7 +484,7 @@ def render_markdown(report: dict) -> str:
     if exe.get("latency_ratio_vs_dense") is not None:
         lines.append(
             f"- Latency vs the Dense twin: **{exe['latency_ratio_vs_dense']:.3f}x** "
-            f"(the median of {exe['runs']} interleaved runs' ratios, batch {t(exe['batch_shape'])}, {t(exe['device'])}; "
+            f"(the median of {exe['runs']} interleaved runs' ratios, batch {_numbers(exe['batch_shape'])}, {t(exe['device'])}; "
             f"median times {exe['model_ms_median']:.1f} ms and {exe['dense_ms_median']:.1f} ms, whose quotient "
             "need not be the median ratio)."
         )
