@@ -347,6 +347,7 @@ def test_markdown_text_and_code_escape_what_makes_markup():
     assert markdown_text("# a\n1. b") == "\\# a 1. b"
     assert markdown_text("1. b") == "1\\. b"
     assert markdown_code("a`b|c") == "``a`b\\|c``"
+    assert markdown_text("a|b") == "a|b" and markdown_text("a|b", cell=True) == "a\\|b"
 
 
 def strings_in(value) -> str:

@@ -114,7 +114,7 @@ def latency_is_noisy(exe: dict) -> bool:
 def condition_cell(name: str) -> str:
     """A condition's name in a Markdown table: one naming sites as code, or "cross_input@model.layers.0.gate"
     is rendered as a link to an e-mail address."""
-    return markdown_code(name) if "@" in name else markdown_text(name)
+    return markdown_code(name) if "@" in name else markdown_text(name, cell=True)
 
 
 def interval_columns(rows, both: bool = True) -> dict[str, str]:
@@ -446,12 +446,12 @@ def render_markdown(report: dict) -> str:
     if chance:
         lines += ["| factor | share of variance | chance level (no effect) |", "|---|---|---|"]
         lines += [
-            f"| {t(k.replace('_', ' '))} | {_share(v)} | {_share(chance[k], 2) if k in chance.keys() else ''} |"
+            f"| {t(k.replace('_', ' '), cell=True)} | {_share(v)} | {_share(chance[k], 2) if k in chance.keys() else ''} |"
             for k, v in var["factors"].items()
         ]
     else:
         lines += ["| factor | share of variance |", "|---|---|"]
-        lines += [f"| {t(k.replace('_', ' '))} | {_share(v)} |" for k, v in var["factors"].items()]
+        lines += [f"| {t(k.replace('_', ' '), cell=True)} | {_share(v)} |" for k, v in var["factors"].items()]
     lines += ["", "| site | layer-identity share |", "|---|---|"]
     lines += [f"| {c(k)} | {_share(v)} |" for k, v in var["per_site"].items()]  # (percents, as the sentence above)
     lines += [

@@ -529,7 +529,7 @@ def render_markdown(study: dict) -> str:
         cells = (
             [
                 str(r["seed"]) if r["seed"] is not None else "?",
-                t(r["name"]),
+                t(r["name"], cell=True),
                 c(r["fingerprint"][:12]),
                 _num(r["nll"].get("correct")),
             ]

@@ -11,14 +11,16 @@ import re
 # backslash, which CommonMark allows before any ASCII punctuation. `[` opens every link and image (so `]`, `(`
 # and `!` need nothing); `_` only where it could open or close emphasis (`static_layer` stays as written);
 # `:` only in `://`, `.` only in `www.` and `@` (e-mail) everywhere: what GitHub turns into links unasked.
-_MARKUP = re.compile(r"[\\`*\[<>|~$@&]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])|:(?=//)|(?<=www)\.", re.IGNORECASE)
+_MARKUP = re.compile(r"[\\`*\[<>~$@&]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])|:(?=//)|(?<=www)\.", re.IGNORECASE)
 _BLOCK_START = re.compile(r"^(\s*\d*)([#>+=-]|(?<=\d)[.)])")  # what would open a heading, quote, list or rule
 
 
-def markdown_text(value: object) -> str:
-    """`value` as one line of Markdown text that renders as exactly its characters."""
+def markdown_text(value: object, cell: bool = False) -> str:
+    """`value` as one line of Markdown text that renders as exactly its characters; `cell`: in a table's
+    cell, where `|` would end it."""
     text = " ".join(str(value).splitlines())
     text = _MARKUP.sub(lambda m: "\\" + m.group(0), text)
+    text = text.replace("|", "\\|") if cell else text
     return _BLOCK_START.sub(lambda m: m.group(1) + "\\" + m.group(2), text, count=1)
 
 
