@@ -9,9 +9,9 @@ import re
 
 # What makes Markdown markup mid-line (CommonMark and GitHub's; Streamlit's adds $ for LaTeX): escaped with a
 # backslash, which CommonMark allows before any ASCII punctuation. `[` opens every link and image (so `]`, `(`
-# and `!` need nothing); `_` only where it could open or close emphasis (`static_layer` stays as written);
+# and `!` need nothing); `_` only where it could open or close emphasis (`static_layer`, `aten._int_mm` stay);
 # `:` only in `://`, `.` only in `www.` and `@` (e-mail) everywhere: what GitHub turns into links unasked.
-_MARKUP = re.compile(r"[\\`*\[<>~$@&]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])|:(?=//)|(?<=www)\.", re.IGNORECASE)
+_MARKUP = re.compile(r"[\\`*\[<>~$@&]|(?<![A-Za-z0-9.])_|_(?![A-Za-z0-9])|:(?=//)|(?<=www)\.", re.IGNORECASE)
 _BLOCK_START = re.compile(r"^(\s*\d*)([#>+=-]|(?<=\d)[.)])")  # what would open a heading, quote, list or rule
 
 
