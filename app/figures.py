@@ -83,9 +83,11 @@ def _escape_tags(value: dict | list | np.ndarray) -> bool:
             value[key] = list(item)
             changed |= _escape_tags(value[key])
         elif isinstance(item, np.ndarray) and item.dtype.kind in "OU":
-            if item.dtype.kind == "U":  # (fixed-width text: an escaped string may not fit)
-                value[key] = item.astype(object)
-            changed |= _escape_tags(value[key])
+            # A copy: the figure's arrays may be read-only views of the caller's (a DataFrame's column), and
+            # fixed-width text may not hold an escaped string.
+            copy = item.astype(object)
+            if _escape_tags(copy):
+                value[key], changed = copy, True
         elif isinstance(item, (dict, list)):
             changed |= _escape_tags(item)
     return changed

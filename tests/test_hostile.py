@@ -335,14 +335,15 @@ def test_report_markdown_shows_hostile_strings_as_text(tiny_demo):
 
     text = render_markdown(hostile_report(json.loads((tiny_demo / "audit.json").read_text())))
     assert not markup_left(text), markup_left(text)
-    assert "\\[x](https\\://attacker.example/link)" in text and "\\<a href=" in text  # the names, escaped
+    assert "\\[x](https:\u2060//attacker.example/link)" in text and "\\<a href=" in text  # the names, escaped
 
 
 def test_markdown_text_and_code_escape_what_makes_markup():
     from fca.tables.text import markdown_code, markdown_text
 
     assert markdown_text("static_layer") == "static_layer"
-    assert markdown_text("[x](https://e.com)") == "\\[x](https\\://e.com)"
+    assert markdown_text("[x](https://e.com)") == "\\[x](https:\u2060//e.com)"  # (a word joiner: no autolink)
+    assert markdown_text("www.e.com a@b.c") == "www\u2060.e.com a\\@\u2060b.c"
     assert markdown_text("<img src=x>") == "\\<img src=x\\>"
     assert markdown_text("# a\n1. b") == "\\# a 1. b"
     assert markdown_text("1. b") == "1\\. b"
@@ -369,6 +370,10 @@ def test_figures_show_hostile_labels_as_text():
     assert "<a " not in shown and "<img" not in shown and "&lt;a href" in shown and "&lt;img" in shown
     shown = strings_in(figures.share_by_site({"site": HOSTILE_NAMES[2:4], "share": [0.5, 0.25]}, 0.4).to_dict())
     assert "<a " not in shown and "<img" not in shown and "&lt;img" in shown
+    import pandas as pd
+
+    shown = strings_in(figures.penalty_bars(pd.DataFrame(bars)).to_dict())  # (a DataFrame's arrays are read-only)
+    assert "<a " not in shown and "&lt;a href" in shown
     shown = strings_in(figures.penalty_bars({**bars, "condition": ["a<br>b <b>c</b>"] * 5}).to_dict())
     assert "a<br>b <b>c</b>" in shown  # (line breaks and emphasis: kept)
 
@@ -604,3 +609,73 @@ def test_fuzzed_json_files_end_in_one_line(tiny_demo, tmp_path_factory):
         shutil.rmtree(root)
 
     check()
+
+
+# ------------------------------------------------------------------------------ in a browser
+
+# Every link and image source on a page, HTML and plotly's SVG alike, that names another host than this one.
+FOREIGN_LINKS = """() => [...document.querySelectorAll('a, img, image, link, script, iframe, source')]
+  .map(e => [e, e.getAttribute('href') || e.getAttribute('xlink:href') || e.getAttribute('src') || ''])
+  .filter(([e, u]) => u && !u.startsWith('#'))
+  .map(([e, u]) => [e, new URL(u, location.href)])
+  .filter(([e, u]) => ['http:', 'https:', 'ws:', 'wss:'].includes(u.protocol) ?
+          !['127.0.0.1', 'localhost', '[::1]'].includes(u.hostname) : u.protocol === 'mailto:')
+  .map(([e, u]) => `${e.tagName} ${u.href} in ${e.closest('[data-testid]')?.getAttribute('data-testid')}`)"""
+
+
+def hostile_run(tiny_demo: Path, root: Path) -> None:
+    """A real saved run of `root/eval`, its conditions renamed to hostile strings, as a shared runs folder may hold."""
+    from fca.jobs.runs import run_replay
+
+    record = run_replay(
+        root / "featuregate",
+        root / "eval",
+        root / "calibration",
+        ["static_layer", "cross_input"],
+        num_seqs=4,
+        device="cpu",
+    )
+    path = Path(record["path"])
+    saved = json.loads(path.read_text())
+    for old, new in zip(["static_layer", "cross_input"], HOSTILE_NAMES[2:4]):
+        saved["results"]["conditions"][new] = saved["results"]["conditions"].pop(old)
+    saved["device"] = HOSTILE_NAMES[0]
+    path.write_text(json.dumps(saved))
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_hostile_reports_and_runs_make_no_request_and_no_link_in_a_browser(tiny_demo, tmp_path):
+    """Every page in Chromium over a cache whose report and saved run carry links, images and HTML in their
+    names: no request leaves loopback (each is blocked and counted) and no page links to another host."""
+    from bench.browser import CHROMIUM, CHROMIUM_ARGS, new_page, start_server, stop_server, wait_settled
+
+    if not Path(CHROMIUM).is_file():
+        pytest.skip(f"{CHROMIUM} is absent")
+    from playwright.sync_api import sync_playwright
+
+    copy_demo(tiny_demo, tmp_path, ("featuregate", "dense", "eval", "calibration"))
+    (tmp_path / "audit.json").write_text(json.dumps(hostile_report(json.loads((tiny_demo / "audit.json").read_text()))))
+    hostile_run(tiny_demo, tmp_path)
+    proc, url, _ = start_server({"FCA_CACHE_ROOTS": str(tmp_path), "FCA_DEFAULT_CACHE": str(tmp_path / "eval")})
+    outside: list[str] = []
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = new_page(browser, outside=outside)
+                for path in ("", "variance", "profiles", "replay_lab", "execution"):
+                    page.goto(f"{url}/{path}")
+                    wait_settled(page)
+                    page.wait_for_timeout(1500)  # (charts and images draw after the run settles)
+                    errors = page.locator('[data-testid="stException"]')
+                    assert errors.count() == 0, f"{path}: {errors.first.inner_text()[:2000]}"
+                    links = page.evaluate(FOREIGN_LINKS)
+                    assert links == [], f"{path}: {links}"
+                    if path == "":
+                        assert "attacker.example" in page.inner_text("body")  # shown, as text
+            finally:
+                browser.close()
+    finally:
+        stop_server(proc)
+    assert not outside, f"requests left loopback: {outside}"

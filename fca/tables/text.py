@@ -9,9 +9,13 @@ import re
 
 # What makes Markdown markup mid-line (CommonMark and GitHub's; Streamlit's adds $ for LaTeX): escaped with a
 # backslash, which CommonMark allows before any ASCII punctuation. `[` opens every link and image (so `]`, `(`
-# and `!` need nothing); `_` only where it could open or close emphasis (`static_layer`, `aten._int_mm` stay);
-# `:` only in `://`, `.` only in `www.` and `@` (e-mail) everywhere: what GitHub turns into links unasked.
-_MARKUP = re.compile(r"[\\`*\[<>~$@&]|(?<![A-Za-z0-9.])_|_(?![A-Za-z0-9])|:(?=//)|(?<=www)\.", re.IGNORECASE)
+# and `!` need nothing); `_` only where it could open or close emphasis (`static_layer`, `aten._int_mm` stay).
+_MARKUP = re.compile(r"[\\`*\[<>~$@&]|(?<![A-Za-z0-9.])_|_(?![A-Za-z0-9])")
+# GitHub's and Streamlit's renderers turn URLs and e-mail addresses in text into links after the escapes are
+# read (so no escape stops them): a word joiner (U+2060, invisible, no line break) inside `://`, `www.` and
+# after `@` leaves nothing they recognise.
+_AUTOLINKED = re.compile(r"(?<=:)(?=//)|(?<=www)(?=\.)|(?<=@)", re.IGNORECASE)
+WORD_JOINER = "\u2060"
 _BLOCK_START = re.compile(r"^(\s*\d*)([#>+=-]|(?<=\d)[.)])")  # what would open a heading, quote, list or rule
 
 
@@ -20,6 +24,7 @@ def markdown_text(value: object, cell: bool = False) -> str:
     cell, where `|` would end it."""
     text = " ".join(str(value).splitlines())
     text = _MARKUP.sub(lambda m: "\\" + m.group(0), text)
+    text = _AUTOLINKED.sub(WORD_JOINER, text)
     text = text.replace("|", "\\|") if cell else text
     return _BLOCK_START.sub(lambda m: m.group(1) + "\\" + m.group(2), text, count=1)
 
