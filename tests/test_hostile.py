@@ -657,6 +657,11 @@ def test_hostile_reports_and_runs_make_no_request_and_no_link_in_a_browser(tiny_
     copy_demo(tiny_demo, tmp_path, ("featuregate", "dense", "eval", "calibration"))
     (tmp_path / "audit.json").write_text(json.dumps(hostile_report(json.loads((tiny_demo / "audit.json").read_text()))))
     hostile_run(tiny_demo, tmp_path)
+    study = json.loads((REPO / "cache" / "demo-study" / "study.json").read_text())
+    for row, name in zip(study["seeds"], HOSTILE_NAMES):
+        row["name"], row["audit"] = name, HOSTILE_NAMES[2]
+    (tmp_path / "study").mkdir()
+    (tmp_path / "study" / "study.json").write_text(json.dumps(study))
     proc, url, _ = start_server({"FCA_CACHE_ROOTS": str(tmp_path), "FCA_DEFAULT_CACHE": str(tmp_path / "eval")})
     outside: list[str] = []
     try:
@@ -664,7 +669,7 @@ def test_hostile_reports_and_runs_make_no_request_and_no_link_in_a_browser(tiny_
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
                 page = new_page(browser, outside=outside)
-                for path in ("", "variance", "profiles", "replay_lab", "execution"):
+                for path in ("", "variance", "profiles", "token_text", "replay_lab", "execution", "study"):
                     page.goto(f"{url}/{path}")
                     wait_settled(page)
                     page.wait_for_timeout(1500)  # (charts and images draw after the run settles)
@@ -672,8 +677,8 @@ def test_hostile_reports_and_runs_make_no_request_and_no_link_in_a_browser(tiny_
                     assert errors.count() == 0, f"{path}: {errors.first.inner_text()[:2000]}"
                     links = page.evaluate(FOREIGN_LINKS)
                     assert links == [], f"{path}: {links}"
-                    if path == "":
-                        assert "attacker.example" in page.inner_text("body")  # shown, as text
+                    if path in ("", "study"):
+                        assert "attacker.example" in page.inner_text("body"), path  # shown, as text
             finally:
                 browser.close()
     finally:
