@@ -133,6 +133,20 @@ def test_site_axes_beyond_a_parquet_list_are_one_line(tiny_demo, tmp_path):
         open_cache(tmp_path / "eval")
 
 
+@pytest.mark.parametrize("page", ["views/overview.py", "views/replay_lab.py"])
+def test_the_dashboard_refuses_a_claim_of_10_to_the_12_sequences_in_one_error(page, tiny_demo, tmp_path, monkeypatch):
+    """The Replay lab's server grew from 2.4 to 5.9 GB at "Replaying: 0 / 96" on such a cache."""
+    from .test_app import app_for, no_exceptions, render
+
+    copy_demo(tiny_demo, tmp_path)
+    edit_manifest(tmp_path / "eval", claim_sequences(10**12))
+    at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), page)
+    no_exceptions(at)
+    errors = [e.value for e in at.error]
+    assert len(errors) == 1 and re.search(REFUSED_CLAIM.replace(r"\(", r"\\?\("), errors[0]), errors
+    assert not [b for b in at.button if b.label == "Run"]  # nothing to start
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["inspect", "inspect --verify", "replay", "audit"])
 def test_every_command_refuses_a_claim_of_10_to_the_12_sequences_in_one_line(command, tiny_demo, tmp_path):
