@@ -105,6 +105,13 @@ def _on_cache_typed(roots: list[Path]) -> None:
             st.session_state["cache"] = matched
 
 
+def unreadable_reason(error: str, width: int = 60) -> str:
+    """What is wrong with a listed cache, short enough for its entry in the cache box (the whole line is
+    shown when it is picked)."""
+    reason = error.split(": not a readable manifest (", 1)[-1].removesuffix(")")
+    return reason if len(reason) <= width else reason[: width - 3] + "..."
+
+
 def sidebar() -> Selection:
     roots = catalog.configured_roots(REPO)
     sel = Selection(roots=roots)
@@ -142,7 +149,7 @@ def sidebar() -> Selection:
             accept_new_options=True,
             format_func=lambda p: (
                 (
-                    f"{shown[p]} (unreadable)"
+                    f"{shown[p]} (unreadable: {unreadable_reason(by_path[p].error)})"
                     if by_path[p].error
                     else f"{shown[p]} ({by_path[p].split or '?'}, {by_path[p].num_seqs} seq)"
                 )

@@ -240,9 +240,22 @@ def test_a_deep_manifest_under_the_roots_is_listed_as_unreadable_and_breaks_no_p
     at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), "views/overview.py")
     no_exceptions(at)
     assert not at.error and len(at.get("plotly_chart")) >= 1
+    listed = at.sidebar.selectbox(key="cache").options
+    assert "deep (unreadable: not valid JSON (nested deeper than 64 levels))" in listed, listed
     at.sidebar.selectbox(key="cache").set_value(str(tmp_path / "deep")).run()
     no_exceptions(at)
     assert any("nested deeper than" in e.value for e in at.error), [e.value for e in at.error]
+    # A deep study, a deep saved run and a deep report beside the caches: each page goes on.
+    (tmp_path / "studies").mkdir()
+    (tmp_path / "studies" / "study.json").write_text(DEEP)
+    (tmp_path / "eval.runs").mkdir()
+    (tmp_path / "eval.runs" / "20260101T000000Z-0000000000.json").write_text(DEEP)
+    (tmp_path / "audit.json").write_text(DEEP)
+    for page in ("views/overview.py", "views/replay_lab.py", "views/study.py"):
+        at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), page)
+        no_exceptions(at)
+        if page == "views/overview.py":
+            assert any("audit.json: not a readable audit report" in e.value for e in at.error), page
 
 
 # ------------------------------------------------------------------------- moments.npz bombs
