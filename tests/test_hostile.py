@@ -456,13 +456,13 @@ def test_a_weights_index_naming_a_file_outside_its_folder_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_transformers_folder_whose_pickle_is_no_state_dict_is_one_line(tmp_path):
+def test_a_transformers_folder_whose_pickle_is_no_state_dict_is_one_line(tiny_demo, tmp_path):
     """A Mixtral folder whose pytorch_model.bin pickles something else (43 lines of UnpicklingError before)."""
     import pickle
 
     import transformers
 
-    import fca
+    from fca import load_model
     from fca.tables.errors import ModelLoadError
 
     transformers.MixtralConfig(
@@ -474,12 +474,16 @@ def test_a_transformers_folder_whose_pickle_is_no_state_dict_is_one_line(tmp_pat
         num_key_value_heads=1,
         num_local_experts=2,
         num_experts_per_tok=1,
-    ).save_pretrained(tmp_path)
-    (tmp_path / "pytorch_model.bin").write_bytes(pickle.dumps({"w": {1, 2}}))
+    ).save_pretrained(tmp_path / "mixtral")
+    (tmp_path / "mixtral" / "pytorch_model.bin").write_bytes(pickle.dumps({"w": {1, 2}}))
     with pytest.raises(ModelLoadError) as caught:
-        fca.load_model(tmp_path)
+        load_model(tmp_path / "mixtral")
     said = str(caught.value)
-    assert said.startswith(f"{tmp_path / 'pytorch_model.bin'}: not a weights-only state dict (") and "\n" not in said
+    assert said.startswith(f"{tmp_path / 'mixtral' / 'pytorch_model.bin'}: not a weights-only state dict (")
+    assert "\n" not in said
+    copy_demo(tiny_demo, tmp_path, ("eval", "calibration"))
+    line, _ = fca(["replay", "--model", "mixtral", "--cache", "eval", "--calibration", "calibration"], tmp_path)
+    assert line == f"fca: error: {said}".replace(str(tmp_path / "mixtral"), "mixtral"), line
 
 
 # ------------------------------------------------------------------------- property-based fuzz

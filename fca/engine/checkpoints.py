@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import pickle as _pickle
+import warnings
 from pathlib import Path
 
 import torch
@@ -51,7 +52,9 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             return _read_shards(path, index, weight_map(index))
         if pickle.is_file():
             _check_readable(pickle)
-            state = torch.load(pickle, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # (torch's note on a pickle's protocol, before it refuses or reads it)
+                warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+                state = torch.load(pickle, map_location="cpu", weights_only=True)
             state = state.get("model", state) if isinstance(state, dict) else state
             if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
                 raise ModelLoadError(

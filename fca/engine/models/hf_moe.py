@@ -25,6 +25,7 @@ import io
 import logging
 import pickle
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,9 +166,11 @@ def load_hf_moe(path: Path) -> nn.Module:
     hf_logging.add_handler(handler)
     hf_logging.disable_progress_bar()  # ("Loading weights" bars among the command's own progress)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=torch.float32, output_loading_info=True
-        )
+        with warnings.catch_warnings():  # (torch's note on a pickle's protocol, before it refuses or reads it)
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, dtype=torch.float32, output_loading_info=True
+            )
     except pickle.UnpicklingError as err:  # a pytorch_model.bin that is no weights-only pickle: refused, never run
         raise ModelLoadError(
             f"{path / 'pytorch_model.bin'}: not a weights-only state dict ({_unpickler_said(err)})"
