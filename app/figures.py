@@ -9,6 +9,7 @@ charts before pandas is imported (see app/views/overview.py).
 
 from __future__ import annotations
 
+import functools
 import re
 import textwrap
 from collections.abc import Sequence
@@ -52,6 +53,53 @@ CONDITION_COLOURS = {
     "interpolate": "#72b7b2",
 }
 OTHER_CONDITION = "#bab0ac"  # a kind this table does not know (a newer library's)
+
+
+# Plotly draws a subset of HTML in every label it shows (hover text, ticks, legend, titles, annotations), and
+# `<a href=...>` there is a live link: the names these charts show come from caches, reports and runs.
+_NOT_FORMATTING = re.compile(r"<(?!/?(?:br|b|i|em|sub|sup|extra)\s*/?>)", re.IGNORECASE)
+
+
+def plain_labels(fig: go.Figure) -> go.Figure:
+    """`fig` with every `<` in its strings that opens no line break or emphasis of ours shown as the
+    character (`&lt;`, which plotly draws as text): a figure holding none is returned as it is."""
+    spec = fig.to_dict()
+    return go.Figure(spec) if _escape_tags(spec) else fig
+
+
+def _escape_tags(value: dict | list | np.ndarray) -> bool:
+    """Escape, in place, the markup in every string inside `value` (dicts, lists, object arrays); whether any was."""
+    if isinstance(value, np.ndarray):
+        value, items = value.reshape(-1), enumerate(value.reshape(-1).tolist())  # (object arrays: a view)
+    else:
+        items = list(value.items() if isinstance(value, dict) else enumerate(value))
+    changed = False
+    for key, item in items:
+        if isinstance(item, str) and "<" in item:
+            value[key] = _NOT_FORMATTING.sub("&lt;", item)
+            changed |= value[key] != item
+        elif isinstance(item, tuple):
+            value[key] = list(item)
+            changed |= _escape_tags(value[key])
+        elif isinstance(item, np.ndarray) and item.dtype.kind in "OU":
+            # A copy: the figure's arrays may be read-only views of the caller's (a DataFrame's column), and
+            # fixed-width text may not hold an escaped string.
+            copy = item.astype(object)
+            if _escape_tags(copy):
+                value[key], changed = copy, True
+        elif isinstance(item, (dict, list)):
+            changed |= _escape_tags(item)
+    return changed
+
+
+def text_labels(build):
+    """A figure builder whose figure shows its strings as text (`plain_labels`)."""
+
+    @functools.wraps(build)
+    def built(*args, **kwargs) -> go.Figure:
+        return plain_labels(build(*args, **kwargs))
+
+    return built
 
 
 def condition_kind(name: str) -> str:
@@ -114,6 +162,7 @@ def _layout(fig: go.Figure, title: str, height: int = 380, legend_row: bool = Fa
     return fig
 
 
+@text_labels
 def share_by_site(df: pd.DataFrame | dict, pooled: float | None = None) -> go.Figure:
     """df: site, share (fractions, drawn as percent like every layer-identity share in the app). Bars per
     site, a dashed line at the pooled share, named in the legend (a label on the line sat on the bars)."""
@@ -151,6 +200,7 @@ def share_by_site(df: pd.DataFrame | dict, pooled: float | None = None) -> go.Fi
     )
 
 
+@text_labels
 def factor_bars(df: pd.DataFrame) -> go.Figure:
     """df: factor, share (None allowed: shown as 'n/a'), and optionally chance (the share a factor of that
     many groups takes with no effect; None where it does not apply). Horizontal bars, one per factor, a
@@ -204,6 +254,7 @@ def channel_groups(labels: list[str]) -> list[tuple[str, int, int]]:
     return runs
 
 
+@text_labels
 def slot_heatmap(df: pd.DataFrame, value_title: str, title: str, diverging: bool = False) -> go.Figure:
     """df: site, channel (int), value, label. Sites may have different widths (ragged): the missing
     cells are NaN and show blank. The channel axis is labelled by the channel labels where every site
@@ -249,6 +300,7 @@ def slot_heatmap(df: pd.DataFrame, value_title: str, title: str, diverging: bool
     return _layout(fig, title, height=max(300, 60 + 28 * len(sites)))
 
 
+@text_labels
 def axis_heatmaps(df: pd.DataFrame, value_title: str, title: str) -> go.Figure:
     """Structured sites (two axes, e.g. MUDD stream x source): one heatmap per first-axis entry.
     df: site, group (first-axis name, e.g. stream 'q'), index (second-axis position), value."""
@@ -282,6 +334,7 @@ def axis_heatmaps(df: pd.DataFrame, value_title: str, title: str) -> go.Figure:
     return _layout(fig, title, height=max(300, 60 + 28 * len(sites)))
 
 
+@text_labels
 def site_distributions(df: pd.DataFrame) -> go.Figure:
     """df: site, q01, q05, q25, q50, q75, q95, q99, mean. Precomputed box plots (whiskers 5-95%), so
     the chart costs the same for any cache size."""
@@ -336,6 +389,7 @@ def token_axis(fig: go.Figure, labels: list[str]) -> None:
     )
 
 
+@text_labels
 def token_layer_heatmap(
     z: pd.DataFrame, tokens: list[str], value_title: str, title: str, diverging: bool = False
 ) -> go.Figure:
@@ -365,6 +419,7 @@ def token_layer_heatmap(
     return _layout(fig, title, height=max(360, 200 + 28 * len(z.index)), margin=dict(l=60, r=20, t=50, b=110))
 
 
+@text_labels
 def profile_lines(df: pd.DataFrame, token_label: str, band: str = "") -> go.Figure:
     """df: slot (label 'site/channel'), live, static, lo, hi. The chosen token's coefficients against the
     calibration mean and its quantile band (`band`: its name in the legend, e.g. "5-95%"), slot by slot."""
@@ -412,6 +467,7 @@ def profile_lines(df: pd.DataFrame, token_label: str, band: str = "") -> go.Figu
     )
 
 
+@text_labels
 def deviation_heatmap(z: np.ndarray, slots: list[str], tokens: list[str], title: str, first: int = 0) -> go.Figure:
     """z: [t, C] standardised deviation (live - static) / calibration SD of positions first..first+t-1;
     drawn with slots as rows and positions as columns, so long sequences run along the page. Signed,
@@ -440,6 +496,7 @@ def deviation_heatmap(z: np.ndarray, slots: list[str], tokens: list[str], title:
     return _layout(fig, title, height=min(1000, max(400, 200 + 11 * len(slots))), margin=dict(l=60, r=20, t=50, b=110))
 
 
+@text_labels
 def token_strip(df: pd.DataFrame, chosen: int | None = None, max_labels: int = 16) -> go.Figure:
     """df: pos, token, deviation. One point per token; click a point to choose that token. Text labels
     only for the chosen token and the most deviating ones, at least len/max_labels positions apart (all
@@ -543,6 +600,7 @@ def _wrap_run_name(name: str) -> str:
     return "<br>".join(lines)
 
 
+@text_labels
 def nll_bars(df: pd.DataFrame, title: str = "NLL per condition") -> go.Figure:
     """df: condition, nll, ci_lo, ci_hi (95% CI of the mean NLL over sequences)."""
     fig = go.Figure(
@@ -576,6 +634,7 @@ def penalty_title(over_documents: bool, prefix: str = "Penalty vs correct") -> s
 RUN_PATTERNS = ("", "/", ".", "x", "\\", "+", "-", "|")
 
 
+@text_labels
 def penalty_bars(df: pd.DataFrame | dict, title: str = penalty_title(False)) -> go.Figure:
     """df: condition, penalty, lo, hi; optional `run` column groups bars by saved run (full page wide)."""
     fig = go.Figure()
@@ -625,6 +684,7 @@ def penalty_bars(df: pd.DataFrame | dict, title: str = penalty_title(False)) -> 
     )
 
 
+@text_labels
 def latency_bars(df: pd.DataFrame, batch: Sequence[int] | None = None) -> go.Figure:
     """df: model, ms (median forward time); batch: the timed batch's shape (sequences, tokens), named on
     the axis, since a time per batch means nothing without its batch (a new measurement may use another)."""
@@ -645,6 +705,7 @@ def latency_bars(df: pd.DataFrame, batch: Sequence[int] | None = None) -> go.Fig
     return _layout(fig, "Latency: dynamic model vs its Dense twin")
 
 
+@text_labels
 def blocks_bar(df: pd.DataFrame) -> go.Figure:
     """df: block, fraction (tokens processed / tokens in the batch). Worth drawing only when some block
     was skipped (the Execution page says "every block ran for every token" in words otherwise)."""
@@ -662,6 +723,7 @@ def blocks_bar(df: pd.DataFrame) -> go.Figure:
     return _layout(fig, "Blocks executed per token")
 
 
+@text_labels
 def flops_bar(df: pd.DataFrame) -> go.Figure:
     """df: part, gflops (controllers first). One stacked bar of 100% of the forward's FLOPs, each part's
     share annotated: a controller share under 1% is a sliver, so the numbers are written beside it."""
@@ -718,6 +780,7 @@ def seed_offsets(n: int) -> list[float]:
     ]
 
 
+@text_labels
 def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
     """One point per model (seed) and condition on the gap-retention scale, where 0 is the global mean
     profile and 1 is the correct coefficients; beside them the mean over models with its 95% t interval.
@@ -849,6 +912,7 @@ def _nll_interval(conditions: dict, name: str) -> tuple[float, float]:
     return base + lo, base + hi
 
 
+@text_labels
 def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.Figure:
     """One NLL axis from the global-mean profile through the static profile to correct, every condition
     of a report placed on it (one row each, anchors first) with its 95% paired CI.
@@ -923,6 +987,7 @@ def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.F
 BAND_LABEL = 18  # pixels: the line above the retention scale's plot that names its band
 
 
+@text_labels
 def sweep_curve(sweep: list[dict], conditions: dict | None = None) -> go.Figure:
     """NLL against alpha for `interpolate:alpha` = alpha * own + (1 - alpha) * static profile, with 95%
     paired CIs. sweep: a report's `interpolation_sweep` [{alpha, nll, penalty, penalty_ci95}];
@@ -963,6 +1028,7 @@ def sweep_curve(sweep: list[dict], conditions: dict | None = None) -> go.Figure:
     )
 
 
+@text_labels
 def routing_by_router(routing: dict, leave_out: Sequence[str] = ()) -> go.Figure:
     """Share of tokens kept on their own top-k experts, per router in execution order, one line per
     condition (Correct, always 100%, and `leave_out` left out), with a dashed line at chance. routing: a

@@ -334,14 +334,15 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
-    from fca.engine.environment import environment_on
-    from fca.engine.loading import resolve_device
     from fca.tables.environment import describe
     from fca.tables.fidelity import replay_standard
     from fca.tables.store import open_cache
 
+    cache = open_cache(args.cache, verify=args.verify)  # (before torch is imported: a refusal costs ~80 MB, not 270)
+    from fca.engine.environment import environment_on
+    from fca.engine.loading import resolve_device
+
     device = resolve_device(args.device)
-    cache = open_cache(args.cache, verify=args.verify)
     if args.verify:  # the stored moments too: hashed and read, as the audit and the dashboard read them
         from fca.tables.profiles import slot_layout, stored_moments
 

@@ -16,6 +16,7 @@ from fca.tables import catalog
 from fca.tables.catalog import CacheEntry
 from fca.tables.errors import CacheError, ExactnessError, ModelLoadError
 from fca.tables.store import Cache
+from fca.tables.text import markdown_text
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -149,7 +150,7 @@ def guard(what: str) -> Iterator[None]:
         yield
     except USER_ERRORS as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
-        st.error(f"{what}: {message}")
+        st.error(f"{what}: {markdown_text(message)}")  # (its paths and names come from files)
 
 
 KEPT_KEY = "fca_kept_widgets"

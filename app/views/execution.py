@@ -10,6 +10,7 @@ from app import figures, resources
 from app.views.common import download, guard, require_cache, teach
 from fca.tables import catalog
 from fca.tables.report import latency_is_noisy, report_mismatch
+from fca.tables.text import markdown_code
 
 MEASURED_KEY = "execution_measured"
 # Families whose controllers scale or mix what every block computes (gates, dynamic dense weights): when
@@ -75,7 +76,7 @@ with left:
     st.caption(
         "Source: "
         + (
-            f"measured just now in this session (cache `{sel.entry.label if sel.entry else cache.path}`)"
+            f"measured just now in this session (cache {markdown_code(sel.entry.label if sel.entry else cache.path)})"
             if measured
             else "the audit report beside the cache"
             if report_exe

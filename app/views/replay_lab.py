@@ -35,6 +35,7 @@ from fca.tables.runs import (
     sweep_points,
 )
 from fca.tables.stats import MIN_BOOTSTRAP_VALUES
+from fca.tables.text import markdown_code, markdown_text
 
 JOB_KEY = "replay_job"
 KINDS = {
@@ -150,7 +151,7 @@ if sel.is_calibration:
         "This is a calibration cache: it provides the static profile, and the lab replays an evaluated cache "
         "of the same model against it. "
         + (
-            f"Pick `{evaluated[0].label}` in the sidebar."
+            f"Pick {markdown_code(evaluated[0].label)} in the sidebar."
             if evaluated
             else "Build one with `python -m fca build-cache --split eval`."
         )
@@ -158,7 +159,7 @@ if sel.is_calibration:
     running: ReplayJob | None = st.session_state.get(JOB_KEY)
     if running is not None and running.running:  # its progress and Cancel are on the page of its cache
         st.caption(
-            f"A run of `{rel(running.settings['cache'])}` is in progress: select that cache to follow or cancel it."
+            f"A run of {markdown_code(rel(running.settings['cache']))} is in progress: select that cache to follow or cancel it."
         )
     st.stop()
 
@@ -177,13 +178,13 @@ if resources.experiment_ready(*selection):
         st.stop()
     experiment = opened[0]
     st.caption(
-        f"Model `{sel.model_dir.name}` (fingerprint `{experiment.model_fingerprint[:12]}`) on **{experiment.device}** "
-        f"matches the cache; calibration: `{sel.calibration.label}`."
+        f"Model {markdown_code(sel.model_dir.name)} (fingerprint {markdown_code(experiment.model_fingerprint[:12])}) on **{experiment.device}** "
+        f"matches the cache; calibration: {markdown_code(sel.calibration.label)}."
     )
 else:  # not loaded yet: the page draws at once, and a run loads it as its first step
     st.caption(
-        f"Model `{sel.model_dir.name}`: loaded and checked against the cache when the first run starts (shown "
-        f"as the run's first step), then kept for the next runs; calibration: `{sel.calibration.label}`."
+        f"Model {markdown_code(sel.model_dir.name)}: loaded and checked against the cache when the first run starts (shown "
+        f"as the run's first step), then kept for the next runs; calibration: {markdown_code(sel.calibration.label)}."
     )
 
 job: ReplayJob | None = st.session_state.get(JOB_KEY)
@@ -382,7 +383,7 @@ def progress_panel() -> None:
                 text=f"Replaying: {current.done} / {current.total} sequences ({elapsed})",
             )
         if current.settings["cache"] != str(cache.path):
-            st.caption(f"This run replays `{rel(current.settings['cache'])}`.")
+            st.caption(f"This run replays {markdown_code(rel(current.settings['cache']))}.")
         stopping = current.stop.is_set()
         st.button("Cancel", key="lab_cancel", disabled=stopping, on_click=cancel, args=(current,))
         if stopping:
@@ -397,7 +398,7 @@ if job is not None and not job.running:
     if job.cancelled:
         st.warning(f"Cancelled after {job.done} of {job.total} sequences; nothing was saved.")
     elif job.error:
-        st.error(f"The run failed: {job.error}")
+        st.error(f"The run failed: {markdown_text(job.error)}")
     elif job.record is not None:
         record = job.record
         spec = record["spec"]
@@ -411,15 +412,15 @@ if job is not None and not job.running:
             else f"the first **{n}** of the cache's {cache.num_seqs} sequences (NLLs of those, not the audit's)"
         )
         st.markdown(
-            f"Conditions {', '.join(f'`{c}`' for c in spec['conditions'])} on {which}, "
-            f"seed **{spec['seed']}**, batch **{spec['batch_size']}**, on **{record.get('device')}**."
+            f"Conditions {', '.join(f'{markdown_code(c)}' for c in spec['conditions'])} on {which}, "
+            f"seed **{spec['seed']}**, batch **{spec['batch_size']}**, on **{markdown_text(record.get('device'))}**."
         )
         if caution := few_sequences_caution(spec["num_seqs"]):
             st.warning(caution)
         st.caption("The command that reproduces this result:")
         st.code(replay_command(ran, Path.cwd(), one_option_per_line=True), language="bash", wrap_lines=True)
         checks = exactness_sentences(record["results"]["exactness"])  # mechanism, fidelity, calibration
-        st.success("  \n".join([*checks, f"Saved `{rel(record.get('path', ''))}`."]))
+        st.success("  \n".join([*map(markdown_text, checks), f"Saved {markdown_code(rel(record.get('path', '')))}."]))
         result = pd.DataFrame(condition_rows(record))
         by_document = "penalty 95% CI low (documents)" in result  # (a cache built from a corpus records them)
         intervals = spec["num_seqs"] >= MIN_BOOTSTRAP_VALUES  # (fewer have none: `paired_bootstrap_ci`)
@@ -533,7 +534,7 @@ else:
         # A run of correct alone has no penalty: without a word it just went missing from the chart.
         if alone := [run for run in dict.fromkeys(plotted["run"]) if run not in set(penalized["run"])]:
             st.caption(
-                f"{', '.join(f'`{run}`' for run in alone)}: correct only, so no penalty bars "
+                f"{', '.join(f'{markdown_code(run)}' for run in alone)}: correct only, so no penalty bars "
                 "(a penalty is a condition's NLL minus correct's); its NLL is in the CSV below."
             )
         download(long, "saved_runs.csv")

@@ -22,6 +22,7 @@ from app import figures, resources
 from app.views.common import download, guard, selection, teach
 from fca.tables import study as studies
 from fca.tables.report import render_markdown
+from fca.tables.text import markdown_code
 
 # The sidebar's cache selectbox key (app/main.py): the seed picker sets it to open a seed's cache.
 SIDEBAR_CACHE_KEY = "cache"
@@ -45,7 +46,9 @@ if st.session_state.pop(OPEN_REQUEST, False):
 found = studies.find_studies(sel.roots)
 if not found:
     st.info(
-        "No study found under " + ", ".join(f"`{r}`" for r in sel.roots) + ". A study is a `study.json` in a "
+        "No study found under "
+        + ", ".join(f"{markdown_code(r)}" for r in sel.roots)
+        + ". A study is a `study.json` in a "
         "root or one folder below it. Make the demo's (trains seeds 1 and 2 of the demo configuration, adds the "
         "shipped demo as seed 0):"
     )
@@ -177,7 +180,7 @@ def by_figure(table: pd.DataFrame, rows: list[dict]) -> pd.DataFrame:
 def identity(name: str, row: pd.Series) -> str:
     """One seed's line above the table: its model, fingerprint, training device (where recorded) and audit."""
     trained = f", trained on {row['trained on']}" if pd.notna(row["trained on"]) else ""
-    return f"- **{name}**: `{row['model']}` ({row['fingerprint']}){trained}, audit `{row['audit']}`"
+    return f"- **{name}**: {markdown_code(row['model'])} ({row['fingerprint']}){trained}, audit {markdown_code(row['audit'])}"
 
 
 # The figures' column a little wider than its longest name: sized by the grid to the name's measured width
@@ -231,7 +234,7 @@ listed = by_path.get(str(evaluated_cache(row)))
 other_model = listed is not None and listed.model_fingerprint not in (None, row["fingerprint"])
 if listed is not None and not other_model:
     st.caption(
-        f"Its evaluated cache `{label(evaluated_cache(row))}` is on this machine: opening it selects it in the "
+        f"Its evaluated cache {markdown_code(label(evaluated_cache(row)))} is on this machine: opening it selects it in the "
         "sidebar (with its model, calibration cache and audit) and shows the Overview."
     )
     st.button("Open in the other pages", key="study_open", on_click=open_seed, args=(index,), type="primary")
@@ -239,14 +242,14 @@ else:
     audit_path = (study_path.parent / row["audit"]).resolve()
     if other_model:
         st.warning(
-            f"`{label(evaluated_cache(row))}` holds another model's cache (model {listed.model_fingerprint[:12]}, "
+            f"{markdown_code(label(evaluated_cache(row)))} holds another model's cache (model {listed.model_fingerprint[:12]}, "
             f"not this seed's {row['fingerprint'][:12]}): its audit was written outside its own folder. This seed's "
             "audit report follows."
         )
     else:
         st.caption(
             f"Its evaluated cache is not among the caches this dashboard lists (`cache/` and `FCA_CACHE_ROOTS`; "
-            f"for the shipped studies only its audit, `{label(audit_path)}`, was kept), so the other pages cannot "
+            f"for the shipped studies only its audit, {markdown_code(label(audit_path))}, was kept), so the other pages cannot "
             "open it; its audit report follows. Add its folder to FCA_CACHE_ROOTS, or regenerate models and caches "
             "with the command that made the study (the README's Multi-seed studies gives the shipped studies')."
         )

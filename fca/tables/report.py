@@ -3,14 +3,15 @@ Torch-free, so the dashboard can show reports without loading a model."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 
+from fca.tables.jsonfile import read_json
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
 from fca.tables.scoring import MIN_DOCUMENTS, quoted_interval
 from fca.tables.stats import MIN_BOOTSTRAP_VALUES
+from fca.tables.text import markdown_code, markdown_text
 
 # The sections every audit report has (README, "What is measured, exactly"); a JSON without them is some other file.
 REQUIRED_KEYS = (
@@ -50,7 +51,7 @@ def condition_execution_table(exe: dict) -> list[str]:
     for name, row in under.items():
         per_block = " / ".join(f"{100 * f:.0f}%" for f in row["per_block_fraction"])
         lines.append(
-            f"| {name} | {row['blocks_executed_per_token']:.2f} | {100 * row['blocks_executed_fraction']:.1f}% | "
+            f"| {condition_cell(name)} | {row['blocks_executed_per_token']:.2f} | {100 * row['blocks_executed_fraction']:.1f}% | "
             f"{per_block} |"
         )
     return lines
@@ -135,7 +136,7 @@ def latency_is_noisy(exe: dict) -> bool:
 def condition_cell(name: str) -> str:
     """A condition's name in a Markdown table: one naming sites as code, or "cross_input@model.layers.0.gate"
     is rendered as a link to an e-mail address."""
-    return f"`{name}`" if "@" in name else name
+    return markdown_code(name) if "@" in name else markdown_text(name, cell=True)
 
 
 def interval_columns(rows, both: bool = True) -> dict[str, str]:
@@ -315,16 +316,10 @@ def read_report(path: str | Path, required: tuple[str, ...] = REQUIRED_KEYS) -> 
     if Path(path).stat().st_size > MAX_REPORT_BYTES:
         raise ReportError(f"{path}: not an audit report ({Path(path).stat().st_size:,} bytes; reports are small)")
     try:
-        report = json.loads(Path(path).read_text(), parse_constant=_no_constant)
-    except (OSError, UnicodeDecodeError, ValueError) as err:  # (json.JSONDecodeError is a ValueError)
-        raise ReportError(f"{path}: not a readable audit report ({err})") from None
+        report = read_json(path, ReportError, MAX_REPORT_BYTES, constants=False)
+    except ReportError as err:
+        raise ReportError(f"{path}: not a readable audit report ({str(err).removeprefix(f'{path}: ')})") from None
     return check_report(report, path, required)
-
-
-def _no_constant(name: str) -> float:
-    # Python's json reads NaN and Infinity, which are not JSON: FCA writes null where a figure is undefined,
-    # so a report holding them was edited by hand, and rendered it read "nan" (exit code 0).
-    raise ValueError(f"{name} is not JSON; FCA writes null where a figure is undefined")
 
 
 def _fmt(x, digits: int = 4) -> str:
@@ -402,7 +397,7 @@ def global_mean_sentence(report: dict) -> str | None:
     used = report["calibration"].get("family_grand_means")
     if not used:
         return None
-    values = ", ".join(f"{family} {value:.6g}" for family, value in used.items())
+    values = ", ".join(f"{markdown_text(family)} {value:.6g}" for family, value in used.items())
     return f"global_mean gives every coefficient its family's calibration grand mean: {values}."
 
 
@@ -411,29 +406,39 @@ def family_shares(variance: dict) -> str | None:
     coefficients are of more than one family (the pooled share can be mostly one family's: a shared-expert
     gate beside the routers, say); None for one family."""
     shares = variance.get("per_family") or {}
-    return ", ".join(f"{family} {_share(share)}" for family, share in shares.items()) if len(shares) > 1 else None
+    shown = (f"{markdown_text(family)} {_share(share)}" for family, share in shares.items())
+    return ", ".join(shown) if len(shares) > 1 else None
+
+
+def _numbers(values: object) -> str:
+    """A list of whole numbers as Python writes it ([8, 128]); anything else as text."""
+    if isinstance(values, list) and all(type(v) is int for v in values):
+        return str(values)
+    return markdown_text(values)
 
 
 def render_markdown(report: dict) -> str:
+    # Every string the report holds came from a file, maybe someone else's: shown as text (`t`) or code (`c`).
     m, ex, var, exe = report["model"], report["exactness"], report["variance"], report["execution"]
+    t, c = markdown_text, markdown_code
     lines = [
-        f"# FCA audit: {m['name']}",
+        f"# FCA audit: {t(m['name'])}",
         "",
-        f"Model type `{m['model_type']}`, {m['parameters']:,} parameters ({m['controller_parameters']:,} in controllers), "
-        f"fingerprint `{m['fingerprint'][:16]}`, {m['dtype']} on {m['device']}.",
-        f"Evaluated cache `{report['cache']['path']}` ({report['cache']['split']} split, "
+        f"Model type {c(m['model_type'])}, {m['parameters']:,} parameters ({m['controller_parameters']:,} in "
+        f"controllers), fingerprint {c(m['fingerprint'][:16])}, {t(m['dtype'])} on {t(m['device'])}.",
+        f"Evaluated cache {c(report['cache']['path'])} ({t(report['cache']['split'])} split, "
         f"{report['cache']['sequences']} x {report['cache']['seq_len']} tokens); "
-        f"calibration cache `{report['calibration']['path']}` "
-        f"({report['calibration']['split']} split, {report['calibration']['tokens']:,} tokens"
+        f"calibration cache {c(report['calibration']['path'])} "
+        f"({t(report['calibration']['split'])} split, {report['calibration']['tokens']:,} tokens"
         + (  # a calibration of another corpus is allowed (independent by construction): said when so
-            f", from {report['calibration']['corpus']}"
+            f", from {t(report['calibration']['corpus'])}"
             if report["calibration"].get("corpus") not in (None, report["cache"].get("corpus"))
             else ""
         )
         + ")."
         + storage_sentence(report["cache"].get("coefficient_dtype", "float32")),
         "",
-        "**Exactness.** " + " ".join(exactness_sentences(ex)),
+        "**Exactness.** " + " ".join(map(t, exactness_sentences(ex))),
         "",
         "## 1. Coefficient variation",
         "Layer identity (the site and channel alone) explains "
@@ -450,14 +455,14 @@ def render_markdown(report: dict) -> str:
     if chance:
         lines += ["| factor | share of variance | chance level (no effect) |", "|---|---|---|"]
         lines += [
-            f"| {k.replace('_', ' ')} | {_share(v)} | {_share(chance[k], 2) if k in chance.keys() else ''} |"
+            f"| {t(k.replace('_', ' '), cell=True)} | {_share(v)} | {_share(chance[k], 2) if k in chance.keys() else ''} |"
             for k, v in var["factors"].items()
         ]
     else:
         lines += ["| factor | share of variance |", "|---|---|"]
-        lines += [f"| {k.replace('_', ' ')} | {_share(v)} |" for k, v in var["factors"].items()]
+        lines += [f"| {t(k.replace('_', ' '), cell=True)} | {_share(v)} |" for k, v in var["factors"].items()]
     lines += ["", "| site | layer-identity share |", "|---|---|"]
-    lines += [f"| `{k}` | {_share(v)} |" for k, v in var["per_site"].items()]  # (percents, as the sentence above)
+    lines += [f"| {c(k)} | {_share(v)} |" for k, v in var["per_site"].items()]  # (percents, as the sentence above)
     lines += [
         "",
         "## 2. Functional dependence (controllers removed, coefficients reassigned)",
@@ -469,7 +474,7 @@ def render_markdown(report: dict) -> str:
     if used := global_mean_sentence(report):
         lines += ["", used]
     caution = few_sequences_caution(report["cache"]["sequences"])
-    lines += ["", f"> {caution}"] if caution else []
+    lines += ["", f"> {caution}"] if caution else []  # (FCA's words and a count)
     lines += routing_table(report)
     lines += dependence_story_markdown(report)
     lines += [
@@ -487,13 +492,13 @@ def render_markdown(report: dict) -> str:
         )
     if exe.get("uncounted_ops"):  # (reports made before the list was kept have no such key)
         lines.append(
-            f"- Not counted (no FLOP formula in this torch): {', '.join(exe['uncounted_ops'])}; the share leaves "
+            f"- Not counted (no FLOP formula in this torch): {t(', '.join(exe['uncounted_ops']))}; the share leaves "
             "their work out of both the controllers' and the forward's FLOPs."
         )
     if exe.get("latency_ratio_vs_dense") is not None:
         lines.append(
             f"- Latency vs the Dense twin: **{exe['latency_ratio_vs_dense']:.3f}x** "
-            f"(the median of {exe['runs']} interleaved runs' ratios, batch {exe['batch_shape']}, {exe['device']}; "
+            f"(the median of {exe['runs']} interleaved runs' ratios, batch {_numbers(exe['batch_shape'])}, {t(exe['device'])}; "
             f"median times {exe['model_ms_median']:.1f} ms and {exe['dense_ms_median']:.1f} ms, whose quotient "
             "need not be the median ratio)."
         )
@@ -529,16 +534,16 @@ def render_markdown(report: dict) -> str:
             + ("; a shared expert runs for every token besides them." if e.get("shared_experts") else ".")
         )
     if exe.get("note"):
-        lines.append(f"- Note: {exe['note']}")
+        lines.append(f"- Note: {t(exe['note'])}")
     lines += condition_execution_table(exe)
     lines += ["", "## Definitions", ""]
     for key, value in report["definitions"].items():
         if isinstance(value, dict):  # (condition_specs: a dict per condition; its names say enough here)
             lines.append(
-                f"- **{key}**: " + "; ".join(k if isinstance(v, dict) else f"{k}: {v}" for k, v in value.items())
+                f"- **{t(key)}**: " + "; ".join(t(k if isinstance(v, dict) else f"{k}: {v}") for k, v in value.items())
             )
         else:
-            lines.append(f"- **{key}**: {value}")
+            lines.append(f"- **{t(key)}**: {t(value)}")
     return "\n".join(lines) + "\n"
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from fca.tables.conditions import Condition, parse_condition
 from fca.tables.errors import CacheError
+from fca.tables.jsonfile import read_json
 from fca.tables.manifest import read_manifest
 from fca.tables.outputs import atomic_write_text, strict_json
 from fca.tables.report import DAMAGED_FIELD_ERRORS
@@ -70,8 +71,8 @@ def list_runs(cache_dir: str | Path) -> list[dict]:
     runs = []
     for path in sorted(runs_dir(cache_dir).glob("*.json"), reverse=True):
         try:
-            record = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            record = read_json(path)
+        except ValueError:
             continue
         if is_run_record(record) and _of_contents(record, contents):
             runs.append({**record, "path": str(path)})

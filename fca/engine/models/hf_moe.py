@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import io
 import logging
+import pickle
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,9 +165,15 @@ def load_hf_moe(path: Path) -> nn.Module:
     hf_logging.add_handler(handler)
     hf_logging.disable_progress_bar()  # ("Loading weights" bars among the command's own progress)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=torch.float32, output_loading_info=True
-        )
+        with warnings.catch_warnings():  # (torch's note on a pickle's protocol, before it refuses or reads it)
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, dtype=torch.float32, output_loading_info=True
+            )
+    except pickle.UnpicklingError as err:  # a pytorch_model.bin that is no weights-only pickle: refused, never run
+        raise ModelLoadError(
+            f"{path / 'pytorch_model.bin'}: not a weights-only state dict ({_unpickler_said(err)})"
+        ) from None
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         said = str(err).splitlines()[0]
         rows = _load_report_rows(report.getvalue())
@@ -187,6 +195,13 @@ def load_hf_moe(path: Path) -> nn.Module:
             label = "weights of another shape" if kind == "mismatched_keys" else "weights"
             raise ModelLoadError(f"{path}: the checkpoint {what} {label} ({shown}); it is not this model's checkpoint")
     return adapt_moe(model)
+
+
+def _unpickler_said(err: Exception) -> str:
+    """What torch's weights-only unpickler found, from its many-line message (the line naming the operand or
+    global it refused)."""
+    said = str(err).split("WeightsUnpickler error:")[-1].split("Check the documentation")[0]
+    return " ".join(said.split())[:160] or "refused by torch's weights-only unpickler"
 
 
 @torch.no_grad()
