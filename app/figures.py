@@ -18,6 +18,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from fca.tables import paper
 from fca.tables.report import ties_decided
 from fca.tables.scoring import quoted_interval
 
@@ -812,6 +813,17 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
             yanchor=side,
             font=dict(size=11, color="#777"),
         )
+    lo_paper, hi_paper = paper.STATIC_RETENTION
+    fig.add_hrect(y0=lo_paper, y1=hi_paper, fillcolor=PAPER_COLOUR, line_width=0, layer="below")
+    fig.add_annotation(
+        x=-0.5,
+        xanchor="left",
+        y=lo_paper,
+        yanchor="top",
+        text=f"the paper's static profiles: {100 * lo_paper:.2f}-{100 * hi_paper:.2f}% ({paper.CITATION})",
+        showarrow=False,
+        font=dict(size=12, color=PAPER_TEXT),
+    )
     values = np.concatenate([points["retention"].dropna().to_numpy(dtype=float), mean.dropna().to_numpy()])
     lo = min(-0.05, float(values.min()) - 0.05) if values.size else -0.05
     hi = max(1.05, float(values.max()) + 0.05) if values.size else 1.05
@@ -880,6 +892,7 @@ def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.F
             showarrow=False,
             font=dict(size=12, color="#777"),
         )
+    paper_band(fig, conditions)
     intervals = {name: _nll_interval(conditions, name) for name in names}
     left = min((lo for lo, _ in intervals.values()), default=0.0)
     right = max((hi for _, hi in intervals.values()), default=1.0)
@@ -922,6 +935,39 @@ def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.F
 
 
 BAND_LABEL = 18  # pixels: the line above the retention scale's plot that names its band
+PAPER_COLOUR = "rgba(178,121,162,0.28)"  # the paper's range, in every chart that draws it
+PAPER_TEXT = "#7b4a70"  # its label: 7.0:1 on white
+
+
+def paper_band(fig: go.Figure, conditions: dict) -> None:
+    """On an NLL axis (x): where a condition keeping the paper's static-layer retention range would sit, i.e.
+    NLL_gm - r * (NLL_gm - NLL_correct) for r in the range; drawn only where this model's gap is positive."""
+    if "correct" not in conditions or "global_mean" not in conditions:
+        return
+    correct, global_mean = conditions["correct"]["nll"], conditions["global_mean"]["nll"]
+    if not global_mean > correct:
+        return
+    x0, x1 = (global_mean - r * (global_mean - correct) for r in paper.STATIC_RETENTION)
+    lo, hi = (f"{100 * r:.2f}" for r in paper.STATIC_RETENTION)
+    fig.add_vrect(
+        x0=min(x0, x1),
+        x1=max(x0, x1),
+        fillcolor=PAPER_COLOUR,
+        line_width=0,
+        layer="below",
+        name=f"the paper's static profiles ({lo}-{hi}% kept, {paper.CITATION})",
+        showlegend=False,
+    )
+    fig.add_annotation(
+        x=max(x0, x1),
+        xanchor="left",
+        y=0,
+        yref="paper",
+        yanchor="bottom",
+        text=f"paper: {lo}-{hi}%",
+        showarrow=False,
+        font=dict(size=12, color=PAPER_TEXT),
+    )
 
 
 def sweep_curve(sweep: list[dict], conditions: dict | None = None) -> go.Figure:

@@ -16,7 +16,7 @@ import streamlit as st
 
 from app import figures, resources
 from app.views.common import Selection, download, guard, require_cache, share_text, teach
-from fca.tables import catalog
+from fca.tables import catalog, paper
 from fca.tables.report import (
     ReportError,
     conditions_table,
@@ -310,6 +310,9 @@ if routing := routing_table(report):  # (a model with top-k routers: how much ro
     chart(figures.routing_by_router(report["routing"], leave_out=swept), "overview_routing")  # (sweep: its table)
 if caution := few_sequences_caution(report["cache"]["sequences"]):
     st.warning(caution)
+st.subheader("This model beside the paper")
+st.markdown("\n".join(paper.comparison_markdown(report)[2:-2]))  # (the heading above; the citation below)
+st.caption(paper.citation_sentence() + " The band on the retention scale marks its static-profile range.")
 
 m, ex = report["model"], report["exactness"]
 st.subheader("Model and data")

@@ -20,6 +20,7 @@ import streamlit as st
 
 from app import figures, resources
 from app.views.common import download, guard, selection, teach
+from fca.tables import paper
 from fca.tables import study as studies
 from fca.tables.report import render_markdown
 
@@ -101,6 +102,7 @@ spreads = pd.DataFrame(
 )
 if retained:
     st.plotly_chart(figures.study_retention(points, spreads), key="study_retention")
+    st.caption(paper.citation_sentence() + " Its band: the static-layer retention of its two gated configurations.")
 
 
 n_models = study["num_models"]
