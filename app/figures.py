@@ -818,15 +818,15 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
     fig.add_annotation(
         x=-0.5,
         xanchor="left",
-        y=lo_paper,
-        yanchor="top",
+        y=1.0,
+        yanchor="bottom",  # above the band and the correct line (whose label hangs below it)
         text=f"the paper's static profiles: {100 * lo_paper:.2f}-{100 * hi_paper:.2f}% ({paper.CITATION})",
         showarrow=False,
         font=dict(size=12, color=PAPER_TEXT),
     )
     values = np.concatenate([points["retention"].dropna().to_numpy(dtype=float), mean.dropna().to_numpy()])
     lo = min(-0.05, float(values.min()) - 0.05) if values.size else -0.05
-    hi = max(1.05, float(values.max()) + 0.05) if values.size else 1.05
+    hi = max(1.1, float(values.max()) + 0.05) if values.size else 1.1  # (room for the paper's label)
     fig.update_yaxes(title="gap retention (0% = global mean, 100% = correct)", range=[lo, hi], tickformat=".0%")
     ticks = condition_ticks(fig, order, plot_px=FULL_PLOT_PX, positions=range(len(order)))
     fig.update_xaxes(title="condition", range=[-0.5, len(order) - 0.5])

@@ -41,6 +41,7 @@ from fca.tables.errors import CacheError  # noqa: E402
 PAGES = [
     # (The default page is served at the root URL; its url_path only has to differ from the alias's below.)
     st.Page("views/overview.py", title="Overview", icon=":material/fact_check:", url_path="home", default=True),
+    st.Page("views/lecture.py", title="Lecture", icon=":material/co_present:", url_path="lecture"),
     st.Page("views/variance.py", title="Variance", icon=":material/grid_on:", url_path="variance"),
     st.Page("views/profiles.py", title="Profiles", icon=":material/show_chart:", url_path="profiles"),
     st.Page("views/token_text.py", title="Token text", icon=":material/text_fields:", url_path="token_text"),

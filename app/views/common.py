@@ -210,3 +210,37 @@ def download(table: pd.DataFrame | list[dict], name: str, label: str = "Download
     st.download_button(
         label, lambda: csv_bytes(table), file_name=name, mime="text/csv", key=key or f"dl-{name}", on_click="ignore"
     )
+
+
+def study_retention_frames(study: dict) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A study's gap retention as `figures.study_retention` draws it: (points: condition, seed, retention;
+    summary: condition, mean, lo, hi), for the conditions whose retention the study summarises."""
+    import pandas as pd  # (here: the Overview and the sidebar draw without pandas)
+
+    conditions = study["summary"]["conditions"]
+    retained = [c for c, s in conditions.items() if "gap_retention" in s]
+    points = pd.DataFrame(
+        [
+            {
+                "condition": c,
+                "seed": str(r["seed"]) if r["seed"] is not None else r["name"],
+                "retention": r["gap_retention"].get(c),
+            }
+            for r in study["seeds"]
+            for c in retained
+        ],
+        columns=["condition", "seed", "retention"],
+    )
+    summary = pd.DataFrame(
+        [
+            {
+                "condition": c,
+                "mean": conditions[c]["gap_retention"]["mean"],
+                "lo": (conditions[c]["gap_retention"]["ci95"] or [None, None])[0],
+                "hi": (conditions[c]["gap_retention"]["ci95"] or [None, None])[1],
+            }
+            for c in retained
+        ],
+        columns=["condition", "mean", "lo", "hi"],
+    )
+    return points, summary
