@@ -1120,3 +1120,44 @@ def colour_legend_html(lo: float, hi: float, diverging: bool, what: str) -> str:
         f'<div style="font-size:0.85rem">{escape(what)}<div style="height:12px;max-width:420px;border:1px solid #ccc;'
         f'background:linear-gradient(to right, {gradient})"></div>{escape(ends)}</div>'
     )
+
+
+SLIDE_TEXT = "#1a1a1a"  # 17.4:1 on white
+SLIDE_GRID = "#d9d9d9"
+CAPTION_ROW = 30  # pixels below the figure for its caption line
+
+
+def for_slides(fig: go.Figure, caption: str) -> go.Figure:
+    """A copy of `fig` for a slide or a paper: white background, near-black text (the dashboard's theme
+    does not travel with the file), and `caption` as a line at its foot saying what it shows."""
+    out = go.Figure(fig)
+    height = (out.layout.height or 450) + CAPTION_ROW
+    margin = out.layout.margin
+    top = margin.t if margin.t is not None else 80
+    bottom = (margin.b if margin.b is not None else 60) + CAPTION_ROW
+    left = margin.l if margin.l is not None else 60
+    out.update_layout(
+        height=height,
+        margin=dict(b=bottom),
+        paper_bgcolor="white",
+        plot_bgcolor="white",
+        font=dict(color=SLIDE_TEXT),
+    )
+    if out.layout.title.text:  # on one line: wrapped for half a 1024 px page, a slide's figure is wider
+        out.layout.title.text = out.layout.title.text.replace("<br>", " ")
+    out.update_xaxes(gridcolor=SLIDE_GRID, linecolor=SLIDE_TEXT, zerolinecolor=SLIDE_GRID)
+    out.update_yaxes(gridcolor=SLIDE_GRID, linecolor=SLIDE_TEXT, zerolinecolor=SLIDE_GRID)
+    plot_height = max(1, height - top - bottom)
+    out.add_annotation(  # (annotations place by the plot area only: the figure's foot-left in its terms)
+        text=caption,
+        x=0,
+        xref="paper",
+        xanchor="left",
+        xshift=10 - left,
+        y=-(bottom - 6) / plot_height,
+        yref="paper",
+        yanchor="bottom",
+        showarrow=False,
+        font=dict(size=12, color=SLIDE_TEXT),
+    )
+    return out

@@ -149,3 +149,43 @@ def test_the_lecture_says_which_steps_a_cache_without_report_or_study_lacks(tiny
     assert len(lacking) == 5
     assert all(m.startswith("This step has no figure for this cache: ") for m in lacking)
     assert "no audit report" in lacking[0] and "no study" in lacking[-1]
+
+
+# ------------------------------------------------------------------ figures for slides
+
+
+def test_the_renderer_loads_nothing_from_the_network():
+    from kaleido import PageGenerator
+
+    from app import export
+
+    options = export.renderer_options()
+    page = PageGenerator(plotly=options["plotlyjs"], mathjax=options["mathjax"]).generate_index()
+    assert "http" not in page and export.PLOTLY_JS.as_uri() in page
+
+
+def test_a_figure_for_slides_carries_its_caption_on_white():
+    report = demo_report()
+    fig = figures.retention_scale(report["conditions"], report["gap_retention"])
+    slide = figures.for_slides(fig, "model featuregate | cache demo/eval | 256 sequences")
+    assert slide.layout.height == fig.layout.height + figures.CAPTION_ROW
+    assert slide.layout.paper_bgcolor == "white" and slide.layout.font.color == figures.SLIDE_TEXT
+    assert slide.layout.annotations[-1].text == "model featuregate | cache demo/eval | 256 sequences"
+    assert len(fig.layout.annotations) == len(slide.layout.annotations) - 1  # the page's figure is untouched
+
+
+@pytest.mark.slow
+def test_figures_render_as_svg_and_png_at_2x_and_3x_on_this_machine():
+    import struct
+
+    from app import export
+
+    report = demo_report()
+    fig = figures.for_slides(figures.retention_scale(report["conditions"], report["gap_retention"]), "a caption")
+    svg = export.image_bytes(fig, "svg").decode()
+    assert svg.startswith("<svg") and "a caption" in svg and "98.70-99.43%" in svg
+    for scale in (2, 3):
+        png = export.image_bytes(fig, "png", scale)
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+        width, height = struct.unpack(">II", png[16:24])
+        assert (width, height) == (export.WIDTH * scale, fig.layout.height * scale)

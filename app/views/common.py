@@ -244,3 +244,55 @@ def study_retention_frames(study: dict) -> tuple[pd.DataFrame, pd.DataFrame]:
         columns=["condition", "mean", "lo", "hi"],
     )
     return points, summary
+
+
+def figure_caption(sel: Selection, conditions=None, sites=None, seed=None) -> str:
+    """The line an exported figure carries: model, cache, sequences, seed, conditions, sites. `conditions`
+    and `sites`: what the figure's run or report covered (None: the figure is of the cache itself, or of
+    every site); `seed`: the run's (None: the model's training seed, where its config records one)."""
+    cache = sel.cache
+    if cache is None:
+        return ""
+    model = cache.manifest.model
+    seed = seed if seed is not None else (model.config or {}).get("init_seed")
+    every = cache.sites
+    shown_sites = (
+        f"all {len(every)} sites" if sites is None or list(sites) == every else "sites " + ", ".join(map(str, sites))
+    )
+    parts = [
+        f"model {Path(str(model.path)).name or model.model_type} ({model.model_type}, {model.fingerprint[:12]})",
+        f"cache {sel.entry.label if sel.entry is not None else cache.path.name}",
+        f"{cache.num_seqs} sequences x {cache.seq_len} tokens",
+        f"seed {'n/a' if seed is None else seed}",
+        "conditions " + (", ".join(map(str, conditions)) if conditions else "none (coefficients as cached)"),
+        shown_sites,
+    ]
+    return " | ".join(parts)
+
+
+CHART_CONFIG = {"displaylogo": False}
+
+
+def chart(fig, key: str, caption: str = "", where=None, **kwargs):
+    """A plotly chart and, beside it, its downloads for slides: SVG, PNG at 2x and 3x, each with `caption`
+    at its foot (`figures.for_slides`), rendered on this machine only when clicked. `where`: the container
+    to draw in (default: the page); `kwargs` go to st.plotly_chart (selection events)."""
+    import html
+
+    from app import export, figures
+
+    where = where or st
+    event = where.plotly_chart(fig, key=key, config=CHART_CONFIG, **kwargs)
+    # Escaped: the caption holds names from files (a cache's folder, a model's), and plotly reads markup.
+    slide = lambda: figures.for_slides(fig, html.escape(caption, quote=False))  # noqa: E731
+    with where.popover("Figure for slides", icon=":material/download:", type="tertiary"):
+        for label, (fmt, scale) in export.FORMATS.items():
+            st.download_button(
+                label,
+                lambda fmt=fmt, scale=scale: export.image_bytes(slide(), fmt, scale),
+                file_name=f"{key}{'' if scale == 1 else f'@{scale}x'}.{fmt}",
+                mime=export.MIME[fmt],
+                key=f"fig-{key}-{fmt}{scale}",
+                on_click="ignore",
+            )
+    return event

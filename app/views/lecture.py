@@ -14,7 +14,16 @@ import numpy as np
 import streamlit as st
 
 from app import figures, resources
-from app.views.common import Selection, guard, require_cache, share_text, study_retention_frames
+from app.views.common import (
+    Selection,
+    figure_caption,
+    guard,
+    require_cache,
+    selection,
+    share_text,
+    study_retention_frames,
+)
+from app.views.common import chart as figure_chart
 from fca.tables import paper
 from fca.tables import study as studies
 from fca.tables.report import retention_sentence
@@ -24,8 +33,8 @@ STEP_KEY = "lecture_step"
 TOKENS_SHOWN = 32  # positions of the first sequence in step 1: every label legible on a projected chart
 
 
-def chart(fig, key: str) -> None:
-    st.plotly_chart(fig, key=key, config={"displaylogo": False})
+def chart(fig, key: str, conditions=None) -> None:
+    figure_chart(fig, key, figure_caption(selection(), conditions=conditions))
 
 
 def no_data(why: str) -> None:
@@ -111,7 +120,7 @@ def step_replay(sel: Selection, report: dict | None) -> None:
         "sequence's (cross_input), the same tokens' shuffled (token_shuffle), a fixed per-layer profile "
         "(static_layer), one number per family (global_mean). Each bar is how many nats per token that costs."
     )
-    chart(figures.penalty_bars(bars, figures.penalty_title(over_documents)), "lecture_replay")
+    chart(figures.penalty_bars(bars, figures.penalty_title(over_documents)), "lecture_replay", list(cond))
     if sel.model_dir is not None:
         st.page_link("views/replay_lab.py", label="Run a replay now, in the Replay lab", icon=":material/science:")
 
@@ -123,7 +132,7 @@ def step_static(sel: Selection, report: dict | None) -> None:
     if not all(k in cond for k in ("correct", "global_mean", "static_layer")):
         return no_data("its report lacks the correct, static_layer or global_mean condition.")
     st.markdown(retention_sentence(report))
-    chart(figures.retention_scale(cond, report.get("gap_retention")), "lecture_static")
+    chart(figures.retention_scale(cond, report.get("gap_retention")), "lecture_static", list(cond))
     st.caption(paper.citation_sentence() + " Its band: the static-profile retention of its two gated models.")
 
 
@@ -137,7 +146,7 @@ def step_sweep(sel: Selection, report: dict | None) -> None:
         "Between the static profile (alpha 0) and each token's own coefficients (alpha 1): how much per-token "
         "variation does the model need to get its NLL back?"
     )
-    chart(figures.sweep_curve(sweep, report["conditions"]), "lecture_sweep")
+    chart(figures.sweep_curve(sweep, report["conditions"]), "lecture_sweep", list(report["conditions"]))
 
 
 def study_of(sel: Selection) -> tuple[Path, dict] | None:
@@ -168,7 +177,12 @@ def step_seeds(sel: Selection, report: dict | None) -> None:
         f"Is it this model or this seed? {study['num_models']} models of the same configuration, trained from "
         "different seeds, each placed on the gap-retention scale, with the paper's range beside them."
     )
-    chart(figures.study_retention(points, summary), "lecture_seeds")
+    seeds = ", ".join(dict.fromkeys(points["seed"]))
+    figure_chart(
+        figures.study_retention(points, summary),
+        "lecture_seeds",
+        figure_caption(sel, conditions=list(summary["condition"]), seed=f"{seeds} ({path.parent.name})"),
+    )
 
 
 STEPS = [

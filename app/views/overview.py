@@ -15,7 +15,8 @@ from pathlib import Path
 import streamlit as st
 
 from app import figures, resources
-from app.views.common import Selection, download, guard, require_cache, share_text, teach
+from app.views.common import Selection, download, figure_caption, guard, require_cache, share_text, teach
+from app.views.common import chart as figure_chart
 from fca.tables import catalog, paper
 from fca.tables.report import (
     ReportError,
@@ -33,11 +34,11 @@ from fca.tables.report import (
 )
 from fca.tables.scoring import quoted_interval
 
-CHART_CONFIG = {"displaylogo": False}
-
 
 def chart(fig, key: str) -> None:
-    st.plotly_chart(fig, key=key, config=CHART_CONFIG)
+    """A chart with its downloads for slides, captioned with the report's conditions (none without one)."""
+    conditions = list(report["conditions"]) if report is not None else None
+    figure_chart(fig, key, figure_caption(sel, conditions=conditions))
 
 
 def shown_path(path: Path) -> str:
