@@ -246,7 +246,7 @@ def study_retention_frames(study: dict) -> tuple[pd.DataFrame, pd.DataFrame]:
     return points, summary
 
 
-def figure_caption(sel: Selection, conditions=None, sites=None, seed=None) -> str:
+def figure_caption(sel: Selection, conditions=None, sites=None, seed=None, sequences: int | None = None) -> str:
     """The line an exported figure carries: model, cache, sequences, seed, conditions, sites. `conditions`
     and `sites`: what the figure's run or report covered (None: the figure is of the cache itself, or of
     every site); `seed`: the run's (None: the model's training seed, where its config records one)."""
@@ -256,13 +256,15 @@ def figure_caption(sel: Selection, conditions=None, sites=None, seed=None) -> st
     model = cache.manifest.model
     seed = seed if seed is not None else (model.config or {}).get("init_seed")
     every = cache.sites
+    if sites is None and conditions and all("@" in str(c) for c in conditions):  # a run that froze some sites
+        sites = list(dict.fromkeys(s for c in conditions for s in str(c).partition("@")[2].split(",")))
     shown_sites = (
         f"all {len(every)} sites" if sites is None or list(sites) == every else "sites " + ", ".join(map(str, sites))
     )
     parts = [
         f"model {Path(str(model.path)).name or model.model_type} ({model.model_type}, {model.fingerprint[:12]})",
         f"cache {sel.entry.label if sel.entry is not None else cache.path.name}",
-        f"{cache.num_seqs} sequences x {cache.seq_len} tokens",
+        f"{cache.num_seqs if sequences is None else sequences} sequences x {cache.seq_len} tokens",
         f"seed {'n/a' if seed is None else seed}",
         "conditions " + (", ".join(map(str, conditions)) if conditions else "none (coefficients as cached)"),
         shown_sites,
@@ -273,15 +275,17 @@ def figure_caption(sel: Selection, conditions=None, sites=None, seed=None) -> st
 CHART_CONFIG = {"displaylogo": False}
 
 
-def chart(fig, key: str, caption: str = "", where=None, **kwargs):
+def chart(fig, key: str, caption: str | None = None, where=None, **kwargs):
     """A plotly chart and, beside it, its downloads for slides: SVG, PNG at 2x and 3x, each with `caption`
-    at its foot (`figures.for_slides`), rendered on this machine only when clicked. `where`: the container
+    at its foot (`figures.for_slides`; None: the selected cache's own), rendered on this machine only when
+    clicked. `where`: the container
     to draw in (default: the page); `kwargs` go to st.plotly_chart (selection events)."""
     import html
 
     from app import export, figures
 
     where = where or st
+    caption = figure_caption(selection()) if caption is None else caption
     event = where.plotly_chart(fig, key=key, config=CHART_CONFIG, **kwargs)
     # Escaped: the caption holds names from files (a cache's folder, a model's), and plotly reads markup.
     slide = lambda: figures.for_slides(fig, html.escape(caption, quote=False))  # noqa: E731

@@ -19,7 +19,7 @@ import streamlit as st
 
 from app import figures, resources
 from app.jobs import ReplayJob
-from app.views.common import download, guard, require_cache, teach
+from app.views.common import chart, download, figure_caption, guard, require_cache, teach
 from fca.tables.conditions import Condition
 from fca.tables.report import NO_INTERVAL, condition_cell, documents_note, exactness_sentences, few_sequences_caution
 from fca.tables.runs import (
@@ -451,13 +451,14 @@ if job is not None and not job.running:
                 result["penalty 95% CI low (documents)"],
                 result["penalty 95% CI high (documents)"],
             )
+        run_caption = figure_caption(sel, spec["conditions"], seed=spec["seed"], sequences=spec["num_seqs"])
         left, right = st.columns(2)
         nll_title = "NLL per condition" + (" (95% CI of the mean over sequences)" if intervals else "")
-        left.plotly_chart(figures.nll_bars(plotted, nll_title), key="lab_nll")
+        chart(figures.nll_bars(plotted, nll_title), "lab_nll", run_caption, where=left)
         others = plotted[plotted["condition"] != "correct"]
         if len(others):
             penalty_title = figures.penalty_title(by_document) if intervals else "Penalty vs correct"
-            right.plotly_chart(figures.penalty_bars(others, penalty_title), key="lab_penalty")
+            chart(figures.penalty_bars(others, penalty_title), "lab_penalty", run_caption, where=right)
         else:
             right.info("Only correct ran: there is no penalty to draw. Choose a condition above to compare with it.")
         if routing := record["results"].get("routing"):  # (a model with top-k routers)
@@ -471,10 +472,10 @@ if job is not None and not job.running:
                 "every expert) runs the same experts for every token: its agreement is not the coefficients'. "
                 "A condition on sites that are no router changes no routing: its cells are empty."
             )
-            st.plotly_chart(figures.routing_by_router(routing), key="lab_routing")
+            chart(figures.routing_by_router(routing), "lab_routing", run_caption)
         sweep = sweep_points(record["results"]["conditions"])
         if len(sweep) >= 2:  # a curve, drawn like the report's, with the run's reference lines
-            st.plotly_chart(figures.sweep_curve(sweep, record["results"]["conditions"]), key="lab_sweep_chart")
+            chart(figures.sweep_curve(sweep, record["results"]["conditions"]), "lab_sweep_chart", run_caption)
         download(result, "replay_result.csv")
 
 st.subheader("Saved runs of this cache")
@@ -528,8 +529,10 @@ else:
         plotted = long.rename(columns=FIGURE_COLUMNS)
         penalized = plotted[plotted["condition"] != "correct"]
         if len(penalized):
-            st.plotly_chart(
-                figures.penalty_bars(penalized, "Penalty vs correct, saved runs side by side"), key="lab_compare_chart"
+            chart(
+                figures.penalty_bars(penalized, "Penalty vs correct, saved runs side by side"),
+                "lab_compare_chart",
+                figure_caption(sel, list(dict.fromkeys(penalized["condition"])), seed="per run (see the legend)"),
             )
         # A run of correct alone has no penalty: without a word it just went missing from the chart.
         if alone := [run for run in dict.fromkeys(plotted["run"]) if run not in set(penalized["run"])]:

@@ -19,7 +19,7 @@ import pandas as pd
 import streamlit as st
 
 from app import figures, resources
-from app.views.common import download, guard, selection, study_retention_frames, teach
+from app.views.common import chart, download, guard, selection, study_retention_frames, teach
 from fca.tables import paper
 from fca.tables import study as studies
 from fca.tables.report import render_markdown
@@ -80,7 +80,14 @@ conditions = summary["conditions"]
 retained = [c for c, s in conditions.items() if "gap_retention" in s]
 points, spreads = study_retention_frames(study)
 if retained:
-    st.plotly_chart(figures.study_retention(points, spreads), key="study_retention")
+    chart(
+        figures.study_retention(points, spreads),
+        key="study_retention",
+        caption=f"study {label(study_path)} | {study['num_models']} models, seeds "
+        + ", ".join(dict.fromkeys(points["seed"]))
+        + " | conditions "
+        + ", ".join(retained),
+    )
     st.caption(paper.citation_sentence() + " Its band: the static-layer retention of its two gated configurations.")
 
 
