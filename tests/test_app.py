@@ -256,7 +256,8 @@ def test_overview_and_sidebar_never_import_pandas(tiny_demo):
         f"at = AppTest.from_file({MAIN!r}, default_timeout=60).run()\n"
         "assert not at.exception and not at.error, [e.value for e in (*at.exception, *at.error)]\n"
         # retention scale, penalties, shares (the fixture's report has no interpolation sweep)
-        "assert len(at.get('plotly_chart')) == 3 and len(at.metric) == 3 and len(at.get('download_button')) == 3\n"
+        # (three downloads of the report, and each chart's three for slides)
+        "assert len(at.get('plotly_chart')) == 3 and len(at.metric) == 3 and len(at.get('download_button')) == 3 + 9\n"
         "assert 'pandas' not in sys.modules, 'the overview imported pandas'\n"
     )
     env = {**os.environ, "FCA_CACHE_ROOTS": str(tiny_demo), "FCA_DEFAULT_CACHE": str(tiny_demo / "eval")}
