@@ -189,3 +189,31 @@ def test_figures_render_as_svg_and_png_at_2x_and_3x_on_this_machine():
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
         width, height = struct.unpack(">II", png[16:24])
         assert (width, height) == (export.WIDTH * scale, fig.layout.height * scale)
+
+
+# ------------------------------------------------------------------ gap retention in `fca replay`
+
+
+@pytest.mark.slow
+def test_fca_replay_prints_gap_retention_with_its_ci(tiny_demo, capsys):
+    from fca.cli import main
+    from fca.jobs.runs import run_replay
+
+    conditions = ["correct", "static_layer", "cross_input", "global_mean"]
+    paths = [str(tiny_demo / d) for d in ("featuregate", "eval", "calibration")]
+    record = run_replay(*paths, conditions, num_seqs=12, seed=3, device="cpu", save=False)
+    retention, intervals = record["results"]["gap_retention"], record["results"]["gap_retention_ci95"]
+    assert set(retention) == {"static_layer", "cross_input"}
+    args = ["replay", "--model", paths[0], "--cache", paths[1], "--calibration", paths[2], "--num-seqs", "12"]
+    args += ["--seed", "3", "--device", "cpu", "--no-save", "--conditions", *conditions]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "gap retention (0% = global mean, 100% = correct):" in out or "gap retention: undefined" in out
+    for name, value in retention.items():
+        if value is not None and name in intervals:
+            lo, hi = intervals[name]
+            assert f"  {name}: {100 * value:.1f}% [95% CI {100 * lo:.1f}% to {100 * hi:.1f}%]" in out
+    assert any(" [95% CI " in line for line in out.splitlines()) == bool(intervals)
+    # Without global_mean the retention is said to be undefined, not left out.
+    assert main([*args[:-4], "correct", "static_layer"]) == 0
+    assert "gap retention: not defined for this run (it needs correct and global_mean" in capsys.readouterr().out
