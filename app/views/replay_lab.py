@@ -78,6 +78,9 @@ RESULT_COLUMNS = {
     "gap retention": st.column_config.NumberColumn(
         format="%.1f%%", help="percent of the way from global mean to correct"
     ),
+    "retention 95% CI": st.column_config.TextColumn(
+        help="95% percentile bootstrap CI of the gap retention (as the audit's)", alignment="right"
+    ),
     "same experts": st.column_config.NumberColumn(
         format="percent", help="tokens routed to the same top-k experts as by their own coefficients"
     ),
@@ -119,6 +122,12 @@ def result_view(result: pd.DataFrame, intervals: bool = True) -> pd.DataFrame:
         view = view.drop(columns="penalty 95% CI")
     if "gap retention" in result:
         view["gap retention"] = 100 * result["gap retention"]  # (in percent: the column's format adds the sign)
+        if "gap retention 95% CI low" in result:  # (runs saved before the record kept it have none)
+            low, high = result["gap retention 95% CI low"], result["gap retention 95% CI high"]
+            view["retention 95% CI"] = [
+                f"{100 * a:.1f}% to {100 * b:.1f}%" if np.isfinite(a) and np.isfinite(b) else ""
+                for a, b in zip(low.astype(float), high.astype(float))
+            ]
     for column in ("same experts", "experts kept", "weight kept", "tied choices"):
         if column in result:
             view[column] = result[column]
@@ -445,6 +454,8 @@ if job is not None and not job.running:
         # saying "none (under 10 sequences)" on each row made the table scroll sideways at 800 px).
         shown = result_view(result, intervals)
         st.dataframe(shown, hide_index=True, key="lab_result", column_config=columns, placeholder="–")
+        if "global_mean" not in spec["conditions"]:  # (its column is absent: said, not silently left out)
+            st.caption("No gap retention: it is measured against global_mean, which this run did not replay.")
         plotted = result.rename(columns=FIGURE_COLUMNS)
         if by_document:  # the interval to quote (`fca.tables.scoring.quoted_interval`)
             plotted["lo"], plotted["hi"] = (
