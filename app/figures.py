@@ -1161,3 +1161,24 @@ def for_slides(fig: go.Figure, caption: str) -> go.Figure:
         font=dict(size=12, color=SLIDE_TEXT),
     )
     return out
+
+
+def for_presenter(fig: go.Figure, size: int) -> go.Figure:
+    """A copy of `fig` whose every text (ticks, axis titles, legend, annotations, colour bars) is at least
+    `size` px and whose title is on one line (a projected chart is read from far away)."""
+    out = go.Figure(fig)
+    out.update_layout(font=dict(size=size), legend=dict(font=dict(size=size)))
+    if out.layout.title.text:
+        out.layout.title.text = out.layout.title.text.replace("<br>", " ")
+        out.layout.title.font.size = max(size + 4, out.layout.title.font.size or 0)
+    out.update_xaxes(tickfont_size=size, title_font_size=size)
+    out.update_yaxes(tickfont_size=size, title_font_size=size)
+    for note in out.layout.annotations:
+        note.font.size = max(size, note.font.size or 0)
+    for trace in out.data:
+        if "textfont" in trace:
+            trace.textfont.size = max(size, trace.textfont.size or 0)
+        if "colorbar" in trace:
+            trace.colorbar.tickfont.size = size
+            trace.colorbar.title.font.size = size
+    return out

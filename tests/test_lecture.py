@@ -217,3 +217,33 @@ def test_fca_replay_prints_gap_retention_with_its_ci(tiny_demo, capsys):
     # Without global_mean the retention is said to be undefined, not left out.
     assert main([*args[:-4], "correct", "static_layer"]) == 0
     assert "gap retention: not defined for this run (it needs correct and global_mean" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ presenter view
+
+
+def test_presenter_figures_set_every_text_at_16px_or_more():
+    report = demo_report()
+    for fig in (
+        figures.retention_scale(report["conditions"], report["gap_retention"]),
+        figures.sweep_curve(report["interpolation_sweep"], report["conditions"]),
+        figures.share_by_site({"site": ["a", "b"], "share": [0.1, 0.2]}, 0.15),
+    ):
+        shown = figures.for_presenter(fig, 16)
+        assert shown.layout.font.size == 16 and shown.layout.xaxis.tickfont.size == 16
+        assert all(a.font.size >= 16 for a in shown.layout.annotations)
+        assert "<br>" not in shown.layout.title.text and shown.layout.title.font.size >= 20
+        assert fig.layout.font.size is None  # the page's own figure is untouched
+
+
+def test_presenter_view_hides_the_prose_and_enlarges_chart_text(monkeypatch):
+    at = app_for(monkeypatch, [REPO / "cache"], DEMO / "eval")
+    at.run()
+    teaching = [m.value for m in at.markdown if m.value.startswith("An FCA audit asks three questions")]
+    assert teaching
+    at.session_state["fca_display"] = "presenter"
+    at.run()
+    no_exceptions(at)
+    assert not [m.value for m in at.markdown if m.value.startswith("An FCA audit asks three questions")]
+    spec = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert spec["layout"]["font"]["size"] == 16

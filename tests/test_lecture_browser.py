@@ -52,6 +52,22 @@ def test_lecture_arrow_keys_and_an_svg_download(tiny_demo):
                 assert "<svg" in svg[:200]
                 assert "16 sequences x 16 tokens" in svg or "sequences x 16 tokens" in svg  # its caption line
                 assert "Sequence 0: mean coefficient per site and token" in svg
+                # Presenter view: every chart text at 16 px or more, the explanations hidden.
+                page.keyboard.press("Escape")  # (the popover closed)
+                page.get_by_role("radio", name="presenter").first.click()
+                page.wait_for_function("() => !document.body.innerText.includes('step 1 of 6')", timeout=20_000)
+                page.wait_for_function(
+                    "() => [...document.querySelectorAll('.js-plotly-plot .main-svg text')].length > 0", timeout=20_000
+                )
+                wait_settled(page)
+                sizes = page.evaluate(
+                    """() => [...document.querySelectorAll('.js-plotly-plot .main-svg text')]
+                    .filter(t => t.textContent.trim()).map(t => [t.textContent, parseFloat(getComputedStyle(t).fontSize)])"""
+                )
+                assert sizes and all(size >= 16 for _, size in sizes), [s for s in sizes if s[1] < 16][:5]
+                box = page.locator('[data-testid="stSidebar"]').bounding_box()
+                assert box is None or box["width"] < 10, f"the sidebar is not folded away: {box}"
+                assert "step 1 of 6" not in page.inner_text("body")  # (a caption: hidden)
                 assert not outside, f"requests left loopback: {outside}"
             finally:
                 browser.close()

@@ -181,9 +181,19 @@ def one_of(options) -> Callable[[object], bool]:
     return lambda value: value in list(options)
 
 
+DISPLAY_KEY = "fca_display"  # the sidebar's Display choice: "standard" or "presenter"
+PRESENTER_FONT = 16  # px: the smallest chart text in presenter view, legible from the back of a room
+
+
+def presenting() -> bool:
+    return st.session_state.get(DISPLAY_KEY) == "presenter"
+
+
 def teach(text: str) -> None:
-    """The two or three sentences that open every page: what the plot shows and how to read it."""
-    st.markdown(text)
+    """The two or three sentences that open every page: what the plot shows and how to read it (left out in
+    presenter view, where the speaker says them)."""
+    if not presenting():
+        st.markdown(text)
 
 
 def share_text(share: float | None) -> str:
@@ -286,6 +296,8 @@ def chart(fig, key: str, caption: str | None = None, where=None, **kwargs):
 
     where = where or st
     caption = figure_caption(selection()) if caption is None else caption
+    if presenting():
+        fig = figures.for_presenter(fig, PRESENTER_FONT)
     event = where.plotly_chart(fig, key=key, config=CHART_CONFIG, **kwargs)
     # Escaped: the caption holds names from files (a cache's folder, a model's), and plotly reads markup.
     slide = lambda: figures.for_slides(fig, html.escape(caption, quote=False))  # noqa: E731
