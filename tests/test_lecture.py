@@ -247,3 +247,25 @@ def test_presenter_view_hides_the_prose_and_enlarges_chart_text(monkeypatch):
     assert not [m.value for m in at.markdown if m.value.startswith("An FCA audit asks three questions")]
     spec = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert spec["layout"]["font"]["size"] == 16
+
+
+# ------------------------------------------------------------------ lab presets and quick mode
+
+
+def test_lab_presets_and_quick_mode_set_the_form(tiny_demo, monkeypatch):
+    at = app_for(monkeypatch, [tiny_demo], tiny_demo / "eval")
+    at.switch_page("views/replay_lab.py")
+    at.run()
+    no_exceptions(at)
+    at.button(key="lab_preset::The paper's experiment").click().run()
+    assert at.multiselect(key="lab_kinds").value == ["cross_input", "token_shuffle", "static_layer", "global_mean"]
+    assert at.multiselect(key="lab_sites").value == [] and not at.checkbox(key="lab_sweep").value
+    at.button(key="lab_preset::Freeze one layer").click().run()
+    assert at.multiselect(key="lab_sites").value == ["blocks.0.gate"]
+    assert at.multiselect(key="lab_kinds").value == ["static_layer", "global_mean"]
+    at.button(key="lab_preset::Interpolation sweep").click().run()
+    assert at.checkbox(key="lab_sweep").value and at.multiselect(key="lab_sites").value == []
+    at.button(key="lab_quick").click().run()
+    assert at.number_input(key="lab_num_seqs").value == 8  # the tiny demo has 8 sequences (fewer than 12)
+    assert at.number_input(key="lab_batch").value == 8
+    no_exceptions(at)

@@ -54,6 +54,31 @@ DEFAULT_BATCH = 2
 # windows lie in 7 chapters, too few for a CI over documents (`MIN_DOCUMENTS`, 10; 96 windows: 10).
 DEFAULT_SEQUENCES = 96
 MAX_BATCH = 256
+QUICK_SEQUENCES = 12  # the fewest that still give bootstrap CIs (MIN_BOOTSTRAP_VALUES is 10)
+# name -> the form's settings it sets (the rest stay as they are); "freeze one layer" takes the first site.
+PRESETS = {
+    "The paper's experiment": {
+        "lab_kinds": ["cross_input", "token_shuffle", "static_layer", "global_mean"],
+        "lab_sites": [],
+        "lab_sweep": False,
+    },
+    "Interpolation sweep": {"lab_kinds": ["static_layer", "global_mean"], "lab_sites": [], "lab_sweep": True},
+    "Freeze one layer": {"lab_kinds": ["static_layer", "global_mean"], "lab_sweep": False, "lab_sites": None},
+}
+
+
+def apply_preset(name: str) -> None:
+    """A preset's settings, set before the form's widgets are drawn (a button's callback)."""
+    for key, value in PRESETS[name].items():
+        st.session_state[key] = value if value is not None else cache.sites[:1]
+
+
+def quick_mode() -> None:
+    """Few sequences in one batch: a run that finishes in seconds, for a lecture (wider CIs, said by them)."""
+    st.session_state["lab_num_seqs"] = min(QUICK_SEQUENCES, cache.num_seqs)
+    st.session_state["lab_batch"] = min(QUICK_SEQUENCES, cache.num_seqs)
+
+
 # Columns the shared bar figures read (app/figures.py), from the plain names of our tables.
 FIGURE_COLUMNS = {
     "NLL (nats/token)": "nll",
@@ -276,6 +301,17 @@ def settings_form() -> None:
     current: ReplayJob | None = st.session_state.get(JOB_KEY)
     locked = current is not None and current.running
     keep_settings()
+    with st.container(horizontal=True):
+        for name in PRESETS:
+            st.button(name, key=f"lab_preset::{name}", on_click=apply_preset, args=(name,), disabled=locked)
+        st.button(
+            f"Quick ({min(QUICK_SEQUENCES, cache.num_seqs)} sequences)",
+            key="lab_quick",
+            on_click=quick_mode,
+            disabled=locked,
+            icon=":material/bolt:",
+            help="the first few sequences in one batch: seconds instead of a minute, with wider CIs",
+        )
     with st.container(border=True):
         c1, c2 = st.columns([3, 2])
         kinds = c1.multiselect(
