@@ -570,6 +570,9 @@ def test_lab_replays_the_shipped_demo(tmp_path, monkeypatch):
     lo, hi = conditions["static_layer"]["penalty_ci95_documents"]
     assert table.loc["static_layer", "penalty 95% CI"] == f"{lo:.4f} to {hi:.4f}"  # the one interval shown
     assert table.columns.tolist() == ["NLL", "penalty", "penalty 95% CI", "gap retention"]  # (fits 800 px)
+    results = job.record["results"]
+    kept, (low, high) = results["gap_retention"]["static_layer"], results["gap_retention_ci95"]["static_layer"]
+    assert table.loc["static_layer", "gap retention"] == f"{100 * kept:.1f}% [{100 * low:.1f}, {100 * high:.1f}]"
     assert "The 96 evaluated windows are consecutive stretches of 10 documents" in " ".join(c.value for c in at.caption)
     bars = json.loads(next(c for c in at.get("plotly_chart") if "Penalty vs correct" in c.proto.spec).proto.spec)
     assert "over documents" in json.dumps(bars["layout"]["title"])

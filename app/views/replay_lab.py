@@ -100,11 +100,9 @@ RESULT_COLUMNS = {
     "penalty": st.column_config.NumberColumn(format="%.4f", help="NLL minus correct's, nats/token"),
     "penalty 95% CI": st.column_config.TextColumn(help="95% paired bootstrap CI over sequences", alignment="right"),
     # one decimal, as in the audit report and every page ("percent" gave "44.8%", "-12.44%", "70.63%")
-    "gap retention": st.column_config.NumberColumn(
-        format="%.1f%%", help="percent of the way from global mean to correct"
-    ),
-    "retention 95% CI": st.column_config.TextColumn(
-        help="95% percentile bootstrap CI of the gap retention (as the audit's)", alignment="right"
+    "gap retention": st.column_config.TextColumn(
+        help="percent of the way from global mean to correct, [its 95% bootstrap CI] as the audit's",
+        alignment="right",
     ),
     "same experts": st.column_config.NumberColumn(
         format="percent", help="tokens routed to the same top-k experts as by their own coefficients"
@@ -146,13 +144,17 @@ def result_view(result: pd.DataFrame, intervals: bool = True) -> pd.DataFrame:
     if not intervals:
         view = view.drop(columns="penalty 95% CI")
     if "gap retention" in result:
-        view["gap retention"] = 100 * result["gap retention"]  # (in percent: the column's format adds the sign)
-        if "gap retention 95% CI low" in result:  # (runs saved before the record kept it have none)
-            low, high = result["gap retention 95% CI low"], result["gap retention 95% CI high"]
-            view["retention 95% CI"] = [
-                f"{100 * a:.1f}% to {100 * b:.1f}%" if np.isfinite(a) and np.isfinite(b) else ""
-                for a, b in zip(low.astype(float), high.astype(float))
-            ]
+        # One cell: the retention and its 95% CI (a column of its own made the table scroll sideways at 800 px).
+        def retention_cell(i: int) -> str:
+            value = result["gap retention"].iloc[i]
+            if value is None or not np.isfinite(value):
+                return "undefined"
+            low = result["gap retention 95% CI low"].iloc[i] if "gap retention 95% CI low" in result else np.nan
+            high = result["gap retention 95% CI high"].iloc[i] if "gap retention 95% CI high" in result else np.nan
+            ci = f" [{100 * low:.1f}, {100 * high:.1f}]" if np.isfinite(low) and np.isfinite(high) else ""
+            return f"{100 * value:.1f}%{ci}"
+
+        view["gap retention"] = [retention_cell(i) for i in range(len(result))]
     for column in ("same experts", "experts kept", "weight kept", "tied choices"):
         if column in result:
             view[column] = result[column]
