@@ -19,6 +19,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from fca.tables import paper
 from fca.tables.scoring import quoted_interval
 
 if TYPE_CHECKING:
@@ -874,9 +875,20 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
             yanchor=side,
             font=dict(size=11, color="#777"),
         )
+    lo_paper, hi_paper = paper.STATIC_RETENTION
+    fig.add_hrect(y0=lo_paper, y1=hi_paper, fillcolor=PAPER_COLOUR, line_width=0, layer="below")
+    fig.add_annotation(
+        x=-0.5,
+        xanchor="left",
+        y=1.0,
+        yanchor="bottom",  # above the band and the correct line (whose label hangs below it)
+        text=f"the paper's static profiles: {100 * lo_paper:.2f}-{100 * hi_paper:.2f}% ({paper.CITATION})",
+        showarrow=False,
+        font=dict(size=12, color=PAPER_TEXT),
+    )
     values = np.concatenate([points["retention"].dropna().to_numpy(dtype=float), mean.dropna().to_numpy()])
     lo = min(-0.05, float(values.min()) - 0.05) if values.size else -0.05
-    hi = max(1.05, float(values.max()) + 0.05) if values.size else 1.05
+    hi = max(1.1, float(values.max()) + 0.05) if values.size else 1.1  # (room for the paper's label)
     fig.update_yaxes(title="gap retention (0% = global mean, 100% = correct)", range=[lo, hi], tickformat=".0%")
     ticks = condition_ticks(fig, order, plot_px=FULL_PLOT_PX, positions=range(len(order)))
     fig.update_xaxes(title="condition", range=[-0.5, len(order) - 0.5])
@@ -943,6 +955,7 @@ def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.F
             showarrow=False,
             font=dict(size=12, color="#777"),
         )
+    paper_band(fig, conditions)
     intervals = {name: _nll_interval(conditions, name) for name in names}
     left = min((lo for lo, _ in intervals.values()), default=0.0)
     right = max((hi for _, hi in intervals.values()), default=1.0)
@@ -985,6 +998,39 @@ def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.F
 
 
 BAND_LABEL = 18  # pixels: the line above the retention scale's plot that names its band
+PAPER_COLOUR = "rgba(178,121,162,0.28)"  # the paper's range, in every chart that draws it
+PAPER_TEXT = "#7b4a70"  # its label: 7.0:1 on white
+
+
+def paper_band(fig: go.Figure, conditions: dict) -> None:
+    """On an NLL axis (x): where a condition keeping the paper's static-layer retention range would sit, i.e.
+    NLL_gm - r * (NLL_gm - NLL_correct) for r in the range; drawn only where this model's gap is positive."""
+    if "correct" not in conditions or "global_mean" not in conditions:
+        return
+    correct, global_mean = conditions["correct"]["nll"], conditions["global_mean"]["nll"]
+    if not global_mean > correct:
+        return
+    x0, x1 = (global_mean - r * (global_mean - correct) for r in paper.STATIC_RETENTION)
+    lo, hi = (f"{100 * r:.2f}" for r in paper.STATIC_RETENTION)
+    fig.add_vrect(
+        x0=min(x0, x1),
+        x1=max(x0, x1),
+        fillcolor=PAPER_COLOUR,
+        line_width=0,
+        layer="below",
+        name=f"the paper's static profiles ({lo}-{hi}% kept, {paper.CITATION})",
+        showlegend=False,
+    )
+    fig.add_annotation(
+        x=max(x0, x1),
+        xanchor="left",
+        y=0,
+        yref="paper",
+        yanchor="bottom",
+        text=f"paper: {lo}-{hi}%",
+        showarrow=False,
+        font=dict(size=12, color=PAPER_TEXT),
+    )
 
 
 @text_labels
@@ -1139,3 +1185,65 @@ def colour_legend_html(lo: float, hi: float, diverging: bool, what: str) -> str:
         f'<div style="font-size:0.85rem">{escape(what)}<div style="height:12px;max-width:420px;border:1px solid #ccc;'
         f'background:linear-gradient(to right, {gradient})"></div>{escape(ends)}</div>'
     )
+
+
+SLIDE_TEXT = "#1a1a1a"  # 17.4:1 on white
+SLIDE_GRID = "#d9d9d9"
+CAPTION_ROW = 30  # pixels below the figure for its caption line
+
+
+def for_slides(fig: go.Figure, caption: str) -> go.Figure:
+    """A copy of `fig` for a slide or a paper: white background, near-black text (the dashboard's theme
+    does not travel with the file), and `caption` as a line at its foot saying what it shows."""
+    out = go.Figure(fig)
+    height = (out.layout.height or 450) + CAPTION_ROW
+    margin = out.layout.margin
+    top = margin.t if margin.t is not None else 80
+    bottom = (margin.b if margin.b is not None else 60) + CAPTION_ROW
+    left = margin.l if margin.l is not None else 60
+    out.update_layout(
+        height=height,
+        margin=dict(b=bottom),
+        paper_bgcolor="white",
+        plot_bgcolor="white",
+        font=dict(color=SLIDE_TEXT),
+    )
+    if out.layout.title.text:  # on one line: wrapped for half a 1024 px page, a slide's figure is wider
+        out.layout.title.text = out.layout.title.text.replace("<br>", " ")
+    out.update_xaxes(gridcolor=SLIDE_GRID, linecolor=SLIDE_TEXT, zerolinecolor=SLIDE_GRID)
+    out.update_yaxes(gridcolor=SLIDE_GRID, linecolor=SLIDE_TEXT, zerolinecolor=SLIDE_GRID)
+    plot_height = max(1, height - top - bottom)
+    out.add_annotation(  # (annotations place by the plot area only: the figure's foot-left in its terms)
+        text=caption,
+        x=0,
+        xref="paper",
+        xanchor="left",
+        xshift=10 - left,
+        y=-(bottom - 6) / plot_height,
+        yref="paper",
+        yanchor="bottom",
+        showarrow=False,
+        font=dict(size=12, color=SLIDE_TEXT),
+    )
+    return out
+
+
+def for_presenter(fig: go.Figure, size: int) -> go.Figure:
+    """A copy of `fig` whose every text (ticks, axis titles, legend, annotations, colour bars) is at least
+    `size` px and whose title is on one line (a projected chart is read from far away)."""
+    out = go.Figure(fig)
+    out.update_layout(font=dict(size=size), legend=dict(font=dict(size=size)))
+    if out.layout.title.text:
+        out.layout.title.text = out.layout.title.text.replace("<br>", " ")
+        out.layout.title.font.size = max(size + 4, out.layout.title.font.size or 0)
+    out.update_xaxes(tickfont_size=size, title_font_size=size)
+    out.update_yaxes(tickfont_size=size, title_font_size=size)
+    for note in out.layout.annotations:
+        note.font.size = max(size, note.font.size or 0)
+    for trace in out.data:
+        if "textfont" in trace:
+            trace.textfont.size = max(size, trace.textfont.size or 0)
+        if "colorbar" in trace:
+            trace.colorbar.tickfont.size = size
+            trace.colorbar.title.font.size = size
+    return out

@@ -20,6 +20,8 @@ if str(REPO) not in sys.path:  # a fresh clone runs without installing the packa
 import streamlit as st  # noqa: E402
 
 st.set_page_config(page_title="FCA: Frozen-Controller Auditing", page_icon="❄️", layout="wide")
+if st.session_state.get("fca_display") == "presenter":  # (views.common.DISPLAY_KEY: the chart, not the controls)
+    st.set_page_config(initial_sidebar_state="collapsed")
 
 # The dashboard runs models and reads local files: it serves this machine unless told otherwise. Streamlit
 # reads the repository's `.streamlit/config.toml` (address 127.0.0.1) only when started from the
@@ -35,7 +37,15 @@ if st.context.ip_address is not None and not st.get_option("server.address"):
     st.stop()
 
 from app import resources  # noqa: E402
-from app.views.common import SELECTION_KEY, Selection, match_typed, typed_outside, typed_path, typed_problem  # noqa: E402
+from app.views.common import (
+    DISPLAY_KEY,
+    SELECTION_KEY,
+    Selection,
+    match_typed,
+    typed_outside,
+    typed_path,
+    typed_problem,
+)  # noqa: E402
 from fca.tables import catalog  # noqa: E402
 from fca.tables.errors import CacheError  # noqa: E402
 from fca.tables.text import markdown_code, markdown_text  # noqa: E402
@@ -43,6 +53,7 @@ from fca.tables.text import markdown_code, markdown_text  # noqa: E402
 PAGES = [
     # (The default page is served at the root URL; its url_path only has to differ from the alias's below.)
     st.Page("views/overview.py", title="Overview", icon=":material/fact_check:", url_path="home", default=True),
+    st.Page("views/lecture.py", title="Lecture", icon=":material/co_present:", url_path="lecture"),
     st.Page("views/variance.py", title="Variance", icon=":material/grid_on:", url_path="variance"),
     st.Page("views/profiles.py", title="Profiles", icon=":material/show_chart:", url_path="profiles"),
     st.Page("views/token_text.py", title="Token text", icon=":material/text_fields:", url_path="token_text"),
@@ -136,6 +147,13 @@ def sidebar() -> Selection:
     roots = catalog.configured_roots(REPO)
     sel = Selection(roots=roots)
     with st.sidebar:
+        st.segmented_control(
+            "Display",
+            ["standard", "presenter"],
+            default="standard",
+            key=DISPLAY_KEY,
+            help="presenter: the sidebar folded away, the explanations hidden, chart text at 16 px or more",
+        )
         st.markdown("### Data")
         family_files()
         entries = resources.caches(tuple(str(r) for r in roots))
@@ -271,6 +289,8 @@ resources.page_ran()
 # A Markdown table wider than its column (the Overview's conditions on an 800 px screen) scrolls sideways
 # inside it, as a data grid does; Streamlit's own style cut it at the page's edge. (Style only: no space.)
 st.html('<style>[data-testid="stMarkdownContainer"] table { display: block; overflow-x: auto; }</style>')
+if st.session_state.get(DISPLAY_KEY) == "presenter":  # the captions too are the speaker's to say
+    st.html('<style>[data-testid="stCaptionContainer"] { display: none; }</style>')
 page = st.navigation(PAGES)
 if page is OVERVIEW_ALIAS:
     st.switch_page(OVERVIEW)

@@ -418,6 +418,7 @@ def cmd_replay(args: argparse.Namespace) -> None:
         )
     if note := documents_note(n, record["results"].get("documents")):
         print(note)
+    print(retention_lines(record["results"]))
     if routing:
         chance = record["results"]["routing"]["chance"]
         print(
@@ -430,6 +431,30 @@ def cmd_replay(args: argparse.Namespace) -> None:
         print(note)
     if record.get("path"):
         print(f"saved {record['path']}")
+
+
+def retention_lines(results: dict) -> str:
+    """A replay's gap retention, each with its 95% CI, or why there is none (never silently absent)."""
+    conditions = results["conditions"]
+    if "global_mean" not in conditions or "correct" not in conditions:
+        return "gap retention: not defined for this run (it needs correct and global_mean among the conditions)"
+    from fca.tables.scoring import gap_retention
+
+    # (runs saved before the record kept it: computed from the conditions, without its interval)
+    retention = results.get("gap_retention", gap_retention(conditions))
+    intervals = results.get("gap_retention_ci95") or {}
+    if not retention or all(v is None for v in retention.values()):
+        return "gap retention: undefined (the global-mean profile's penalty CI does not lie above 0)"
+    lines = ["gap retention (0% = global mean, 100% = correct):"]
+    for name, value in retention.items():
+        shown = "undefined" if value is None else f"{100 * value:.1f}%"
+        if name in intervals:
+            lo, hi = intervals[name]
+            shown += f" [95% CI {100 * lo:.1f}% to {100 * hi:.1f}%]"
+        elif value is not None:
+            shown += " (no CI: too few sequences, or too many resamples without a gap)"
+        lines.append(f"  {name}: {shown}")
+    return "\n".join(lines)
 
 
 def _routing_figures(record: dict, name: str) -> str:

@@ -256,7 +256,8 @@ def test_overview_and_sidebar_never_import_pandas(tiny_demo):
         f"at = AppTest.from_file({MAIN!r}, default_timeout=60).run()\n"
         "assert not at.exception and not at.error, [e.value for e in (*at.exception, *at.error)]\n"
         # retention scale, penalties, shares (the fixture's report has no interpolation sweep)
-        "assert len(at.get('plotly_chart')) == 3 and len(at.metric) == 3 and len(at.get('download_button')) == 3\n"
+        # (three downloads of the report, and each chart's three for slides)
+        "assert len(at.get('plotly_chart')) == 3 and len(at.metric) == 3 and len(at.get('download_button')) == 3 + 9\n"
         "assert 'pandas' not in sys.modules, 'the overview imported pandas'\n"
     )
     env = {**os.environ, "FCA_CACHE_ROOTS": str(tiny_demo), "FCA_DEFAULT_CACHE": str(tiny_demo / "eval")}
@@ -569,6 +570,9 @@ def test_lab_replays_the_shipped_demo(tmp_path, monkeypatch):
     lo, hi = conditions["static_layer"]["penalty_ci95_documents"]
     assert table.loc["static_layer", "penalty 95% CI"] == f"{lo:.4f} to {hi:.4f}"  # the one interval shown
     assert table.columns.tolist() == ["NLL", "penalty", "penalty 95% CI", "gap retention"]  # (fits 800 px)
+    results = job.record["results"]
+    kept, (low, high) = results["gap_retention"]["static_layer"], results["gap_retention_ci95"]["static_layer"]
+    assert table.loc["static_layer", "gap retention"] == f"{100 * kept:.1f}% [{100 * low:.1f}, {100 * high:.1f}]"
     assert "The 96 evaluated windows are consecutive stretches of 10 documents" in " ".join(c.value for c in at.caption)
     bars = json.loads(next(c for c in at.get("plotly_chart") if "Penalty vs correct" in c.proto.spec).proto.spec)
     assert "over documents" in json.dumps(bars["layout"]["title"])

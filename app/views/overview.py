@@ -15,8 +15,9 @@ from pathlib import Path
 import streamlit as st
 
 from app import figures, resources
-from app.views.common import Selection, download, guard, require_cache, share_text, teach
-from fca.tables import catalog
+from app.views.common import Selection, download, figure_caption, guard, require_cache, share_text, teach
+from app.views.common import chart as figure_chart
+from fca.tables import catalog, paper
 from fca.tables.report import (
     ReportError,
     conditions_table,
@@ -34,11 +35,11 @@ from fca.tables.report import (
 from fca.tables.scoring import quoted_interval
 from fca.tables.text import markdown_code, markdown_text
 
-CHART_CONFIG = {"displaylogo": False}
-
 
 def chart(fig, key: str) -> None:
-    st.plotly_chart(fig, key=key, config=CHART_CONFIG)
+    """A chart with its downloads for slides, captioned with the report's conditions (none without one)."""
+    conditions = list(report["conditions"]) if report is not None else None
+    figure_chart(fig, key, figure_caption(sel, conditions=conditions))
 
 
 def shown_path(path: Path) -> str:
@@ -314,6 +315,9 @@ if routing := routing_table(report):  # (a model with routers: how much routing 
         chart(figures.routing_by_router(report["routing"], leave_out=swept), "overview_routing")  # (sweep: its table)
 if caution := few_sequences_caution(report["cache"]["sequences"]):
     st.warning(caution)
+st.subheader("This model beside the paper")
+st.markdown("\n".join(paper.comparison_markdown(report)[2:-2]))  # (the heading above; the citation below)
+st.caption(paper.citation_sentence() + " The band on the retention scale marks its static-profile range.")
 
 m, ex = report["model"], report["exactness"]
 st.subheader("Model and data")

@@ -19,7 +19,8 @@ import pandas as pd
 import streamlit as st
 
 from app import figures, resources
-from app.views.common import download, guard, selection, teach
+from app.views.common import chart, download, guard, selection, study_retention_frames, teach
+from fca.tables import paper
 from fca.tables import study as studies
 from fca.tables.report import render_markdown
 from fca.tables.text import markdown_code
@@ -80,30 +81,17 @@ if study is None:
 rows, summary = study["seeds"], study["summary"]
 conditions = summary["conditions"]
 retained = [c for c, s in conditions.items() if "gap_retention" in s]
-points = pd.DataFrame(
-    [
-        {
-            "condition": c,
-            "seed": str(r["seed"]) if r["seed"] is not None else r["name"],
-            "retention": r["gap_retention"].get(c),
-        }
-        for r in rows
-        for c in retained
-    ]
-)
-spreads = pd.DataFrame(
-    [
-        {
-            "condition": c,
-            "mean": conditions[c]["gap_retention"]["mean"],
-            "lo": (conditions[c]["gap_retention"]["ci95"] or [None, None])[0],
-            "hi": (conditions[c]["gap_retention"]["ci95"] or [None, None])[1],
-        }
-        for c in retained
-    ]
-)
+points, spreads = study_retention_frames(study)
 if retained:
-    st.plotly_chart(figures.study_retention(points, spreads), key="study_retention")
+    chart(
+        figures.study_retention(points, spreads),
+        key="study_retention",
+        caption=f"study {label(study_path)} | {study['num_models']} models, seeds "
+        + ", ".join(dict.fromkeys(points["seed"]))
+        + " | conditions "
+        + ", ".join(retained),
+    )
+    st.caption(paper.citation_sentence() + " Its band: the static-layer retention of its two gated configurations.")
 
 
 n_models = study["num_models"]

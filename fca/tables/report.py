@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fca.tables.jsonfile import read_json
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
+from fca.tables.paper import CITATION, STATIC_RETENTION, comparison_markdown
 from fca.tables.scoring import MIN_DOCUMENTS, quoted_interval
 from fca.tables.stats import MIN_BOOTSTRAP_VALUES
 from fca.tables.text import markdown_code, markdown_text
@@ -536,6 +537,7 @@ def render_markdown(report: dict) -> str:
     if exe.get("note"):
         lines.append(f"- Note: {t(exe['note'])}")
     lines += condition_execution_table(exe)
+    lines += ["", *comparison_markdown(report)]
     lines += ["", "## Definitions", ""]
     for key, value in report["definitions"].items():
         if isinstance(value, dict):  # (condition_specs: a dict per condition; its names say enough here)
@@ -558,14 +560,14 @@ def check_report_paths(json_path: str | Path | None = None, markdown_path: str |
 
 
 # Static-layer gap retention of the gated models in the paper this tool audits: the range over its models.
-PAPER_STATIC_RETENTION = (0.987, 0.994)
+PAPER_STATIC_RETENTION = STATIC_RETENTION
 
 
 def retention_sentence(report: dict) -> str:
     """One plain sentence on the static profile's gap retention (README, "What is measured, exactly") beside the
     paper's, from a report's `conditions` and `gap_retention`; says why when it is undefined."""
-    lo, hi = (f"{100 * x:.1f}" for x in PAPER_STATIC_RETENTION)
-    paper = f"the paper's gated models kept {lo}-{hi}%"
+    lo, hi = (f"{100 * x:.2f}" for x in PAPER_STATIC_RETENTION)
+    paper = f"the paper's gated models kept {lo}-{hi}% ({CITATION})"
     model_type = (report.get("model") or {}).get("model_type")
     if model_type is not None and model_type != "featuregate":  # (a mixture of experts read it as its own yardstick)
         paper += " (gated Transformers: a point of reference, not a result for this architecture)"

@@ -226,6 +226,11 @@ def condition_rows(record: dict) -> list[dict]:
                 ),
                 **({"gap retention": retention.get(name)} if retention else {}),
                 **(
+                    {"gap retention 95% CI low": interval[0], "gap retention 95% CI high": interval[1]}
+                    if (interval := (record["results"].get("gap_retention_ci95") or {}).get(name))
+                    else {}
+                ),
+                **(
                     {
                         "same experts": routing[name]["same_experts"],
                         "experts kept": routing[name]["expert_overlap"],
