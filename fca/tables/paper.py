@@ -9,7 +9,6 @@ from __future__ import annotations
 
 ARXIV_ID = "2607.26192"
 CITATION = f"arXiv:{ARXIV_ID}"
-URL = f"https://arxiv.org/abs/{ARXIV_ID}"  # written as text in reports and pages; the app requests nothing
 
 # Static-layer gap retention of its two gated Transformer configurations (FeatureGate).
 STATIC_RETENTION = (0.9870, 0.9943)
@@ -96,7 +95,7 @@ def comparison_rows(report: dict) -> list[dict]:
 def citation_sentence() -> str:
     """Where the paper's figures come from, in one line (plain text: no link markup)."""
     return (
-        f"The paper's figures: the study that introduced Frozen-Controller Auditing, {CITATION} ({URL}); "
+        f"The paper's figures: the study that introduced Frozen-Controller Auditing, {CITATION}; "
         "points of reference from larger models, not results for this one."
     )
 
