@@ -65,8 +65,14 @@ def test_lecture_arrow_keys_and_an_svg_download(tiny_demo):
                     .filter(t => t.textContent.trim()).map(t => [t.textContent, parseFloat(getComputedStyle(t).fontSize)])"""
                 )
                 assert sizes and all(size >= 16 for _, size in sizes), [s for s in sizes if s[1] < 16][:5]
-                box = page.locator('[data-testid="stSidebar"]').bounding_box()
-                assert box is None or box["width"] < 10, f"the sidebar is not folded away: {box}"
+                # Folded away: no box, no width, or slid off the left edge (it slides out over a moment).
+                folded = """() => { const s = document.querySelector('[data-testid="stSidebar"]');
+                    const b = s && s.getBoundingClientRect(); return !b || b.width < 10 || b.right <= 1; }"""
+                try:
+                    page.wait_for_function(folded, timeout=10_000)
+                except Exception:
+                    box = page.locator('[data-testid="stSidebar"]').bounding_box()
+                    raise AssertionError(f"the sidebar is not folded away: {box}") from None
                 assert "step 1 of 6" not in page.inner_text("body")  # (a caption: hidden)
                 assert not outside, f"requests left loopback: {outside}"
             finally:

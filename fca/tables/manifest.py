@@ -72,7 +72,7 @@ def _site_spec(name: str, d: object, where: str) -> SiteSpec:
     size the coefficients by the axes; a shape edited or damaged apart from them is said, not trusted."""
     spec = spec_from_json(_typed(d, dict, f"site {name}", where))
     sizes = [size for _, size in spec.axes]
-    if not sizes or min(sizes) < 1 or math.prod(sizes) > MAX_CHANNELS:
+    if min(sizes, default=1) < 1 or math.prod(sizes) > MAX_CHANNELS:  # no axes: one scalar per token
         raise CacheError(
             f"{where}: malformed manifest: site {name}'s axes ({' x '.join(map(str, sizes)) or 'none'}) are not "
             f"1 to {MAX_CHANNELS:,} channels"
