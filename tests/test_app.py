@@ -971,7 +971,7 @@ def test_execution_of_a_model_that_skips_blocks_says_so_and_draws_them(tiny_demo
 
 
 def test_an_undefined_layer_identity_share_is_not_shown_as_zero(tiny_demo, tmp_path, monkeypatch):
-    """Where the coefficients hardly vary the audit writes a null share; the Overview had shown it as 0.0%,
+    """Where the coefficients do not vary the audit writes a null share; the Overview had shown it as 0.0%,
     the opposite of what it means (the Markdown report says "undefined")."""
     from app.views.common import share_text
 

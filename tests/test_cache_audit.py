@@ -954,7 +954,7 @@ def test_an_audit_of_the_first_sequences_measures_their_variance_only(demo, tmp_
     rows = cache.read_seqs(range(5))
     values = np.concatenate([rows[s].astype(np.float64) for s in layout.sites], axis=2)  # [5, T, C]
     assert first.num_seqs == 5 and first.count == 5 * 16
-    np.testing.assert_allclose(first.sum, values.sum(axis=(0, 1)), rtol=1e-12)
+    np.testing.assert_allclose(first.slot_mean, values.mean(axis=(0, 1)), rtol=1e-12)
     whole, _ = cache_moments(cache)
     assert whole.num_seqs == N_SEQS and cache_moments(cache, num_seqs=N_SEQS)[0].count == whole.count
     args = _audit_args(demo / "featuregate", demo / "eval", demo / "calibration", tmp_path / "r.json")

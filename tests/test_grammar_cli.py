@@ -140,12 +140,12 @@ def test_help_is_quick() -> None:
 
 def test_an_undefined_layer_identity_share_is_not_reported_as_zero(tmp_path, capsys) -> None:
     report = json.loads((ROOT / "cache" / "demo" / "audit.json").read_text())
-    report["variance"]["layer_identity_share"] = None  # (null where the coefficients hardly vary)
+    report["variance"]["layer_identity_share"] = None  # (null where the coefficients do not vary)
     path = tmp_path / "audit.json"
     path.write_text(json.dumps(report))
     assert main(["report", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "explains an undefined share of the coefficient variance (the coefficients hardly vary)" in out
+    assert "explains an undefined share of the coefficient variance (the coefficients do not vary)" in out
     assert "**0.0%**" not in out
 
 
