@@ -27,9 +27,10 @@ from fca.jobs.experiment import Experiment
 from fca.tables.environment import describe, same_environment
 from fca.tables.errors import CacheError
 from fca.tables.fidelity import FidelityError, FidelityMeasure, calibration_origin, check_dtype, tolerances
-from fca.tables.profiles import calibration_profiles
+from fca.tables.profiles import cache_moments, calibration_profiles
 from fca.tables.report import exactness_sentences
 from fca.tables.schema import MANIFEST, file_sha256
+from fca.tables.stats import variance_decomposition
 from fca.tables.store import open_cache
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,7 +109,10 @@ def replay_cli(model: Path, cache: Path, calibration: Path, *extra: str) -> int:
 # ------------------------------------------------------------------ the shipped demo, replayed here
 
 
+@pytest.mark.slow
 def test_shipped_demo_audit_reproduces_its_report(tmp_path):
+    """The full re-audit (every condition on all 256 windows): CI runs it; the everyday run replays 96
+    windows of the same caches (the test below)."""
     shipped = json.loads((DEMO / "audit.json").read_text())
     assert (
         main(
@@ -158,8 +162,17 @@ def test_shipped_demo_audit_reproduces_its_report(tmp_path):
 
 
 def test_replaying_the_shipped_demo_prints_the_interval_over_its_documents(capsys):
-    """96 windows of the demo lie in 10 chapters: fca replay prints the penalty's CI over them before the one
+    """The shipped caches replay here (the mechanism check, and their fidelity to what this machine records,
+    or the command would fail), and the figures their audit read from stored statistics are those it shipped.
+    96 windows of the demo lie in 10 chapters: fca replay prints the penalty's CI over them before the one
     over sequences, and says why (64 windows, 7 chapters: too few for one)."""
+    shipped = json.loads((DEMO / "audit.json").read_text())
+    variance = variance_decomposition(*cache_moments(open_cache(DEMO / "eval")))  # from its stored moments
+    assert variance["layer_identity_share"] == pytest.approx(shipped["variance"]["layer_identity_share"], rel=1e-12)
+    assert variance["factors"] == pytest.approx(shipped["variance"]["factors"], rel=1e-12)
+    assert variance["per_slot_share"] == pytest.approx(shipped["variance"]["per_slot_share"], rel=1e-12)
+    family_means = calibration_profiles(open_cache(DEMO / "calibration")).family_means
+    assert family_means == pytest.approx(shipped["calibration"]["family_grand_means"], rel=1e-12)
     args = ["replay", "--model", str(DEMO / "featuregate"), "--cache", str(DEMO / "eval"), "--calibration"]
     assert (
         main(
@@ -178,6 +191,7 @@ def test_replaying_the_shipped_demo_prints_the_interval_over_its_documents(capsy
         == 0
     )
     out = capsys.readouterr().out
+    assert "reproduces the live logits (max |difference| 0, tolerance 1e-06" in out
     line = next(line for line in out.splitlines() if line.startswith("static_layer"))
     assert re.search(
         r"penalty \+0\.\d{4} \[\+0\.\d{4}, \+0\.\d{4}\] over documents, \[\+0\.\d{4}, \+0\.\d{4}\] over sequences$",
