@@ -56,6 +56,7 @@ def no_exceptions(at) -> None:
 # ------------------------------------------------------------------ library side: catalog, figures
 
 
+@pytest.mark.slow
 def test_fca_imports_neither_streamlit_nor_plotly():
     """Every module of the library, the CLI included, imported in a fresh interpreter."""
     code = (
@@ -443,6 +444,7 @@ def test_a_page_opened_while_torch_is_being_imported_offers_devices(tiny_demo, m
     assert ("cuda" in at.sidebar.selectbox(key="device").options) == driver
 
 
+@pytest.mark.slow
 def test_warm_up_fills_the_caches_once_in_the_background(tiny_demo, tmp_path, monkeypatch):
     """After a page is sent, the statistics, calibration profiles and model the other pages need are
     computed in a background thread, once per selection; the pages then find them cached."""
@@ -538,6 +540,7 @@ def test_ui_replay_equals_python_api(tiny_demo, monkeypatch):
     assert run_label(ui["spec"]) in at.dataframe[-1].value["run"].tolist()  # runs are named by what they ran
 
 
+@pytest.mark.slow
 def test_lab_replays_the_shipped_demo(tmp_path, monkeypatch):
     """The shipped demo, whichever machine wrote it, replays in the lab here with both checks shown."""
     demo = tmp_path / "demo"  # a copy, so the saved run does not land in the repository

@@ -1322,6 +1322,7 @@ def test_damaged_reports_devices_and_one_path_for_two_outputs_are_refused(demo, 
     assert json.loads((tmp_path / "r.json").read_text()) == report
 
 
+@pytest.mark.slow
 def test_bench_measures_every_figure_it_documents(demo, tmp_path, monkeypatch, capsys):
     """`fca bench` run small: every README figure is a finite number, the cache it timed replays exactly,
     and its scratch caches are gone (no timing is asserted)."""

@@ -257,6 +257,7 @@ def test_inspect_says_what_a_replay_here_would_hold_the_cache_to(demo_pair, tmp_
         assert captured.out == "" and "no CUDA device is available" in captured.err
 
 
+@pytest.mark.slow
 def test_foreign_cache_beyond_drift_is_refused(demo_pair, tmp_path, capsys):
     model_dir, ev, cal = demo_pair
     wrong = rewrite_cache(ev, tmp_path / "wrong", 1e-3, FOREIGN)
@@ -300,6 +301,7 @@ def test_each_bound_of_a_foreign_cache_refuses_it_by_name():
             judge(**kwargs)
 
 
+@pytest.mark.slow
 def test_same_environment_must_be_bit_identical(demo_pair, tmp_path, capsys):
     model_dir, ev, cal = demo_pair
     here = open_cache(ev).environment
@@ -339,6 +341,7 @@ def test_same_environment_must_be_bit_identical(demo_pair, tmp_path, capsys):
     assert "not this model's output" in err and "in this environment" not in err
 
 
+@pytest.mark.slow
 def test_settings_that_choose_kernels_are_part_of_the_environment(demo_pair, tmp_path, monkeypatch, capsys):
     """A build under oneDNN's instruction-set limit (or TF32, or a lower float32 matmul precision) runs other
     kernels on the same device: the manifest records it, and a replay without it judges the cache as
@@ -368,6 +371,7 @@ def test_settings_that_choose_kernels_are_part_of_the_environment(demo_pair, tmp
     assert f"({here['capability']}, 1 thread)," in one and "threads" not in one
 
 
+@pytest.mark.slow
 def test_a_foreign_calibration_cache_is_said_to_be_foreign(demo_pair, tmp_path, capsys):
     """Its origin appeared only in the report's JSON: the CLI and the Markdown said nothing of it."""
     model_dir, ev, cal = demo_pair
@@ -666,6 +670,7 @@ def test_the_newer_precision_api_is_recorded_not_a_crash():
 # ------------------------------------------------------------------ which replay is Correct-from-cache
 
 
+@pytest.mark.slow
 def test_correct_is_scored_from_the_cache_whenever_the_cache_is_not_the_recorded_pass(demo_pair, tmp_path):
     """Correct's NLL (and the fidelity check's Correct-from-cache) is the replay of the cached coefficients.
     Only when they equal the pass just recorded, value for value in float32, is that pass's replay reused:

@@ -38,6 +38,7 @@ def conditions(draw) -> Condition:
     return Condition(kind, alpha, sites, independent, draw(st.integers(0, 2**31 - 1)))
 
 
+@pytest.mark.slow
 @settings(database=None)  # no example database left in the working tree
 @given(conditions())
 def test_parse_reads_back_what_format_writes(condition: Condition) -> None:
@@ -276,6 +277,7 @@ def test_the_dashboard_without_its_extra_says_what_to_install(monkeypatch, capsy
     assert said.out == "" and said.err == 'fca: error: the dashboard needs streamlit (pip install -e ".[app]")\n'
 
 
+@pytest.mark.slow
 def test_the_dashboard_command_is_the_server(tmp_path) -> None:
     """`fca dashboard` becomes the streamlit server: its exit status is the server's (a taken port: 1; the
     launcher had exited 0), and stopping the command stops the server (a launcher stopped by its pid had

@@ -327,6 +327,7 @@ def _write_pairs(writer, first, last, pause=0.0):
     return writer
 
 
+@pytest.mark.slow
 def test_writer_processes_write_the_same_cache_as_one_thread(artifacts, tmp_path, small_parts):
     """A build whose writers are processes (each part written, summed and hashed by one of them, its record
     and moments sent back) gives the same parts, values and merged moments as the inline writer, and
@@ -343,6 +344,7 @@ def test_writer_processes_write_the_same_cache_as_one_thread(artifacts, tmp_path
     assert {"encode", "moments", "close_part", "queue_wait"} <= set(stages.seconds)  # the processes' stages too
 
 
+@pytest.mark.slow
 def test_a_model_build_hands_its_batches_to_writer_processes_in_shared_memory(artifacts, tmp_path):
     """A model build with writer processes hands each batch over in shared memory (the processes make the
     record batches: their `make_batch` stage); float32 and bfloat16 storage give the inline writer's
@@ -536,6 +538,7 @@ def test_a_lost_writer_process_fails_the_build_and_the_next_starts_afresh(tmp_pa
     assert open_cache(_write_pairs(again, 0, 8).finish(), verify=True).num_seqs == 8
 
 
+@pytest.mark.slow
 def test_an_interrupted_build_with_writer_processes_resumes_to_the_same_cache(artifacts, tmp_path, small_parts):
     clean = _build(artifacts, tmp_path / "clean", workers=1)
     out = tmp_path / "cache"
@@ -1212,6 +1215,7 @@ def test_moment_sidecars_are_the_bytes_numpy_writes(tmp_path):
         assert back[name].shape == np.shape(array) and np.array_equal(back[name], array), name
 
 
+@pytest.mark.slow
 def test_a_writer_process_leaves_ctrl_c_to_the_build():
     """Ctrl-C in a terminal reaches the whole process group: each writer process printed a KeyboardInterrupt
     traceback from the middle of a read, interleaved with the build's own one-line "interrupted". A writer
