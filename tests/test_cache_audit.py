@@ -700,6 +700,7 @@ def test_the_penalty_interval_is_paired_over_sequences():
     assert 0.095 < lo < 0.1 < hi < 0.105  # unpaired, the interval would be about +-0.17 wide
 
 
+@pytest.mark.slow
 def test_replay_runner_conditions(demo):
     model = fca.load_model(demo / "featuregate")
     ev, cal = open_cache(demo / "eval"), open_cache(demo / "calibration")
@@ -784,6 +785,7 @@ def test_window_documents_at_document_boundaries(demo, tmp_path):
             open_cache(cache)
 
 
+@pytest.mark.slow
 def test_audit_report(demo, tmp_path):
     assert (
         main(
@@ -906,6 +908,7 @@ def test_calibration_drawn_with_another_split_seed_is_refused(demo, tmp_path, ca
     assert not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.slow
 def test_the_same_text_in_another_corpus_file_is_not_an_independent_calibration(demo, tmp_path, capsys):
     """Another corpus file counted as independent by its fingerprint alone: the evaluated split's own text,
     saved as Parquet, was accepted as its calibration cache. Another file's text is compared now; other
@@ -984,6 +987,7 @@ def test_gap_retention_undefined_without_gap():
     assert gap_retention({"global_mean": table["global_mean"], "static_layer": table["static_layer"]}) == {}
 
 
+@pytest.mark.slow
 def test_replay_cli_saves_runs(demo, capsys):
     from app.figures import nll_bars
     from fca.jobs.runs import run_replay

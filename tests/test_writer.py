@@ -175,6 +175,7 @@ def _same_values(a, b):
 # Parallel writer: same parts for any number of workers.
 
 
+@pytest.mark.slow
 def test_a_build_reports_where_its_time_went(artifacts, tmp_path, small_parts):
     """`write_cache(timings=)`: each stage of the build, from every thread, in seconds; the forward's
     stage holds most of a CPU build (the writer works inline), the writers' stages appear with threads."""
@@ -635,6 +636,7 @@ def test_finish_refuses_missing_parts(tmp_path):
 # Resume: an interrupted parallel build redoes exactly the incomplete parts.
 
 
+@pytest.mark.slow
 def test_interrupted_parallel_build_resumes_to_the_same_cache(artifacts, tmp_path, small_parts):
     clean = _build(artifacts, tmp_path / "clean", workers=1)
     out = tmp_path / "cache"
@@ -660,6 +662,7 @@ def test_interrupted_parallel_build_resumes_to_the_same_cache(artifacts, tmp_pat
     assert not partial.exists()
 
 
+@pytest.mark.slow
 def test_more_writers_than_parts_are_not_started(artifacts, tmp_path, small_parts):
     """100,000 writers asked for: one per part runs (threads beyond that would idle; that many could not
     even start), and the cache is the one-writer cache."""
@@ -1156,6 +1159,7 @@ def test_prefetch_gives_read_seqs_results_in_order(artifacts, tmp_path, small_pa
             assert result.keys() == expected.keys() and all(np.array_equal(result[k], expected[k]) for k in result)
 
 
+@pytest.mark.slow
 def test_prefetch_raises_in_the_caller_and_stops_when_closed(artifacts, tmp_path, small_parts):
     cache = open_cache(_build(artifacts, tmp_path / "c", workers=1))
     it = cache.prefetch([[0], [99], [1]])
