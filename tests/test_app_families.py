@@ -114,6 +114,7 @@ def test_family_replay_from_the_lab(family_root, monkeypatch):
         assert result.loc["correct", "same experts"] == 1.0 and 0 <= result.loc["cross_input", "same experts"] < 1
 
 
+@pytest.mark.slow
 def test_the_overview_shows_how_much_routing_each_condition_kept(family_root, monkeypatch, tmp_path):
     """An audit of a model with top-k routers: the Overview gives the report's routing table under the
     conditions; a model without routers has none."""

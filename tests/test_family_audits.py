@@ -21,6 +21,8 @@ from fca.testing import write_random_checkpoint
 
 from .helpers import write_corpus
 
+pytestmark = pytest.mark.slow  # each test trains or audits a model of its family end to end
+
 VOCAB = 300
 
 

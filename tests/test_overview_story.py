@@ -343,6 +343,7 @@ def test_token_text_html_escapes_every_token_into_one_span():
 # ------------------------------------------------------------------ the sweep in real audits
 
 
+@pytest.mark.slow
 def test_sweep_section_in_a_tiny_audit(tiny_demo):
     from fca.jobs.audit import run_audit
 
@@ -378,6 +379,7 @@ def test_sweep_section_in_a_tiny_audit(tiny_demo):
     assert set(study["summary"]["conditions"]) == set(stripped["conditions"])
 
 
+@pytest.mark.slow
 def test_definitions_say_what_was_run(tiny_demo):
     """No sweep, no sweep definition; conditions beyond the paper's five are defined; every condition is
     named in the Markdown (not an empty line for the specs)."""

@@ -24,7 +24,7 @@ from fca.tables.writer import read_progress
 SIZES = dict(num_seqs=8, seq_len=16, batch_size=2, device="cpu", part_seqs=2)  # 4 parts of 2 sequences
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def cluster():
     path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
@@ -63,6 +63,9 @@ def _same_cache(a, b) -> None:
     assert all(np.array_equal(ra[k], rb[k]) for k in ra)
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
 def test_two_workers_build_the_single_process_cache(tiny_demo, single, tmp_path):
     out = _distributed(tiny_demo, tmp_path / "eval")
     assert len(open_cache(out).manifest.parts) == 4
@@ -84,6 +87,9 @@ def test_stored_moments_equal_a_scan_of_the_coefficients(single):
         assert value == pytest.approx(b["factors"][name], rel=1e-12, abs=1e-12), name
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
 def test_lost_workers_then_resume_give_the_same_cache(tiny_demo, single, tmp_path):
     out = tmp_path / "eval"
     with pytest.raises(CacheError, match="every build worker failed"):
@@ -94,6 +100,9 @@ def test_lost_workers_then_resume_give_the_same_cache(tiny_demo, single, tmp_pat
     _same_cache(_distributed(tiny_demo, out), single)
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
 def test_an_unfinished_build_of_other_settings_is_said_to_start_over(tiny_demo, tmp_path, capsys):
     """As the single-process build: the parts an interrupted build kept are not silently lost to a rerun
     with another flag; the line names the setting that differs."""
@@ -110,6 +119,9 @@ def test_an_unfinished_build_of_other_settings_is_said_to_start_over(tiny_demo, 
     assert open_cache(out, verify=True).num_seqs == 6
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
 def test_build_to_a_filesystem_uri_commits_parts_and_resumes(tiny_demo, single, tmp_path):
     """`--out` a pyarrow filesystem URI (here file://, through the same pyarrow filesystem calls as
     s3:// or gs://): actors commit parts under `<uri>.partial/`, a stopped build keeps them and resumes,
@@ -136,6 +148,7 @@ def test_build_to_a_filesystem_uri_commits_parts_and_resumes(tiny_demo, single, 
         _distributed(tiny_demo, uri)
 
 
+@pytest.mark.slow
 def test_single_process_build_to_a_uri_and_refusals(tiny_demo, single, tmp_path):
     from fca.tables.remote import RemoteParts
 
@@ -192,6 +205,9 @@ def test_shard_bounds_fall_on_batches():
     assert all(lo % 4 == 0 for lo, _ in shard_bounds(37, 4, 3))
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
 def test_sharded_audit_is_the_single_process_audit(tiny_demo):
     from fca.jobs.audit import audit_experiment, run_audit
     from fca.jobs.distributed import ShardedExperiment
@@ -209,6 +225,9 @@ def test_sharded_audit_is_the_single_process_audit(tiny_demo):
         assert json.dumps(sharded[key], sort_keys=True) == json.dumps(local[key], sort_keys=True), key
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
 def test_a_sharded_run_is_checked_reports_progress_and_stops(tiny_demo):
     """The sharded run refuses what the local run refuses, and honours progress and cancel."""
     from fca.jobs.distributed import ShardedExperiment

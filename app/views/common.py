@@ -198,7 +198,7 @@ def teach(text: str) -> None:
 
 
 def share_text(share: float | None) -> str:
-    """A layer-identity share as the pages show it; None (the coefficients hardly vary, so no share is
+    """A layer-identity share as the pages show it; None (the coefficients do not vary, so no share is
     defined) as "n/a", never as 0.0%."""
     return "n/a" if share is None else f"{100 * share:.1f}%"
 

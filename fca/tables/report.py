@@ -443,10 +443,10 @@ def render_markdown(report: dict) -> str:
         "",
         "## 1. Coefficient variation",
         "Layer identity (the site and channel alone) explains "
-        + (  # null: the coefficients hardly vary, so no share is defined (it read "0.0%")
+        + (  # null: the coefficients do not vary, so no share is defined (it read "0.0%")
             f"**{100 * var['layer_identity_share']:.1f}%** of the coefficient variance"
             if var["layer_identity_share"] is not None
-            else "an undefined share of the coefficient variance (the coefficients hardly vary)"
+            else "an undefined share of the coefficient variance (the coefficients do not vary)"
         )
         + (f", pooled over its families (within each: {each})" if (each := family_shares(var)) else "")
         + ".",
