@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray")
 
 from fca.jobs.build import build_cache_from_corpus  # noqa: E402
 from fca.jobs.distributed import REPO_ROOT, build_cache_distributed, shard_bounds  # noqa: E402
+from fca.jobs.experiment import ReplaySpec  # noqa: E402
 from fca.tables.errors import CacheError  # noqa: E402
 from fca.tables.profiles import cache_moments, scan_moments, slot_layout  # noqa: E402
 from fca.tables.stats import variance_decomposition  # noqa: E402
@@ -198,7 +199,7 @@ def test_sharded_audit_is_the_single_process_audit(tiny_demo):
     paths = (tiny_demo / "featuregate", tiny_demo / "eval", tiny_demo / "calibration")
     kw = dict(batch_size=4, latency_runs=1)
     local = run_audit(*paths, device="cpu", **kw)
-    experiment = ShardedExperiment.open_sharded(*paths, device="cpu", verify=True, workers=2)
+    experiment = ShardedExperiment.open_sharded(ReplaySpec(*paths, device="cpu"), verify=True, workers=2)
     try:
         sharded = audit_experiment(experiment, **kw)
     finally:
@@ -214,7 +215,7 @@ def test_a_sharded_run_is_checked_reports_progress_and_stops(tiny_demo):
     from fca.tables.errors import Cancelled
 
     paths = (tiny_demo / "featuregate", tiny_demo / "eval", tiny_demo / "calibration")
-    experiment = ShardedExperiment.open_sharded(*paths, device="cpu", workers=2)
+    experiment = ShardedExperiment.open_sharded(ReplaySpec(*paths, device="cpu"), workers=2)
     try:
         with pytest.raises(ValueError, match="a batch of at least one"):
             experiment.run(["correct"], batch_size=0)

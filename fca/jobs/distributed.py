@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +39,7 @@ from fca.engine.capture import (
     spreads_parts,
 )
 from fca.engine.replay import ReplayResults
-from fca.jobs.experiment import CacheSource, Experiment, ModelSource
+from fca.jobs.experiment import Experiment, ModelSource, ReplaySpec
 from fca.tables.conditions import Condition
 from fca.tables.errors import CacheError, Cancelled
 from fca.tables.fidelity import FidelityMeasure
@@ -251,9 +251,9 @@ def drive_parts(
 class _ReplayWorker:
     """One replay actor: the experiment opened once; scores shards of a run."""
 
-    def __init__(self, model, cache, calibration, device: str, dtype, threads: int | None) -> None:
+    def __init__(self, spec: ReplaySpec, threads: int | None) -> None:
         _set_threads(threads)
-        self.experiment = Experiment.open(model, cache, calibration, device=device, dtype=dtype)
+        self.experiment = spec.open()
 
     def run(self, conditions: list[Condition], n: int, batch_size: int, seed: int, shard) -> ReplayResults:
         return self.experiment.run(conditions, n, batch_size, seed, shard=shard)
@@ -317,12 +317,7 @@ class ShardedExperiment(Experiment):
     @classmethod
     def open_sharded(
         cls,
-        model: str | Path,
-        cache: CacheSource,
-        calibration: CacheSource | None,
-        dense: ModelSource | None = None,
-        device: str = "auto",
-        dtype: torch.dtype | None = None,
+        spec: ReplaySpec,
         verify: bool = False,
         workers: int | None = None,
         address: str | None = None,
@@ -330,16 +325,17 @@ class ShardedExperiment(Experiment):
     ) -> ShardedExperiment:
         """Open the experiment in the driver (checks, as `Experiment.open`) and once in each actor. The
         model and caches are given as paths, which every actor must see (a shared filesystem)."""
-        if not isinstance(model, (str, Path)):
+        if not isinstance(spec.model, (str, Path)):
             raise ValueError("a sharded experiment loads the model in every actor: give its directory, not a module")
-        base = Experiment.open(model, cache, calibration, dense, device=device, dtype=dtype, verify=verify)
+        base = spec.open(verify)
         ray = connect(address)
         options, count = worker_resources(ray, workers)
         if threads is None and "num_gpus" not in options:
             threads = torch.get_num_threads()
         Worker = ray.remote(max_restarts=0)(_ReplayWorker)
-        paths = [str(p) if p is not None else None for p in (model, base.evaluated.path, _path(base.calibration))]
-        actors = [Worker.options(**options).remote(*paths, device, dtype, threads) for _ in range(count)]
+        paths = {"model": str(spec.model), "cache": str(base.evaluated.path), "calibration": _path(base.calibration)}
+        each = replace(spec, dense=None, **paths)  # (the Dense twin's latency is the driver's)
+        actors = [Worker.options(**options).remote(each, threads) for _ in range(count)]
         return cls(**{f.name: getattr(base, f.name) for f in fields(Experiment)}, actors=actors)
 
     def run(
@@ -382,8 +378,8 @@ class ShardedExperiment(Experiment):
         self.actors = []
 
 
-def _path(cache) -> Path | None:
-    return None if cache is None else cache.path
+def _path(cache) -> str | None:
+    return None if cache is None else str(cache.path)
 
 
 # ------------------------------------------------------------------------------------------ entry points
@@ -404,9 +400,8 @@ def run_audit_distributed(
     keyword arguments of `audit_experiment` (batch_size, num_seqs, seed, extra_conditions, ...)."""
     from fca.jobs.audit import audit_experiment
 
-    experiment = ShardedExperiment.open_sharded(
-        model, cache, calibration, dense, device=device, dtype=dtype, verify=True, workers=workers, address=address
-    )
+    spec = ReplaySpec(model, cache, calibration, dense, device, dtype)
+    experiment = ShardedExperiment.open_sharded(spec, verify=True, workers=workers, address=address)
     try:
         return audit_experiment(experiment, **audit)
     finally:
@@ -427,9 +422,8 @@ def run_replay_distributed(
     """`fca.jobs.runs.run_replay` with the conditions scored on Ray actors: the same record."""
     from fca.jobs.runs import run_replay
 
-    experiment = ShardedExperiment.open_sharded(
-        model, cache, calibration, device=device, dtype=dtype, workers=workers, address=address
-    )
+    spec = ReplaySpec(model, cache, calibration, device=device, dtype=dtype)
+    experiment = ShardedExperiment.open_sharded(spec, workers=workers, address=address)
     try:
         return run_replay(None, None, None, conditions, experiment=experiment, **replay)
     finally:
