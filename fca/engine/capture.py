@@ -53,7 +53,7 @@ def num_slots(specs) -> int:
     return sum(s.num_channels for s in specs.values())
 
 
-ROW_KEY_BYTES = 4 * 4 + 4  # four int32 keys and the float32 live NLL
+ROW_KEY_BYTES = sum(f.type.byte_width for f in cache_schema({}))  # the key columns and live NLL of a row
 
 
 def check_embedded_ids(model: nn.Module, windows: np.ndarray, out: str | Path) -> None:
