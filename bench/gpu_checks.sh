@@ -12,7 +12,7 @@
 # or train, without the corpus (a machine that cannot run `python -m fca corpus` needs data/kjv.txt copied).
 #
 # exactness  the shipped CPU-built demo audited on CUDA (accepted, fidelity reported); caches built and
-#            audited on CUDA (bit-identical), and built again with writer processes (the same parts); the drift between this machine's CPU and its GPU, float32
+#            audited on CUDA (bit-identical); the drift between this machine's CPU and its GPU, float32
 #            and bfloat16, both ways, and on other batches than the build's (fca.tables.fidelity's tolerances);
 #            a small Mixtral's routing agreement against a NumPy count (bench/moe_routing_check.py)
 # study      a larger configuration trained for three seeds, each with its Dense twin, cached and audited
@@ -85,49 +85,17 @@ case " $sections " in
 esac
 
 section_exactness() {
-  if [[ $gpu == cuda* ]]; then
-    # A page-lock CUDA refuses stays the thread's last error; the build must take it back, or torch raises
-    # it at the next kernel launch as that kernel's failure.
-    step "a refused page-lock is taken back" 60 python -c "
-import torch
-from fca.engine.capture import _pin_in_place
-import mmap, os
-dev, flat = torch.device('$gpu'), torch.zeros(1 << 20, dtype=torch.uint8)
-assert _pin_in_place(flat, dev), 'the first page-lock was refused'
-assert not _pin_in_place(flat, dev), 'a second page-lock of the same memory was accepted'
-assert float(torch.ones(4, device=dev).sum()) == 4.0
-torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())
-print('the next launch ran')
-# What --writer-processes builds pin: a shared memory block (memfd) of a 1.4B-shaped batch's size. A refusal
-# would not change a cache, only make the build's copies synchronous, so it is checked here.
-fd = os.memfd_create('fca-check', os.MFD_CLOEXEC)
-os.ftruncate(fd, 40 << 20)
-mapping = mmap.mmap(fd, 40 << 20)
-block = torch.frombuffer(mapping, dtype=torch.uint8)
-assert _pin_in_place(block, dev), 'a shared memory block could not be page-locked'
-gpu_values = torch.arange(10 << 20, device=dev, dtype=torch.float32)
-block.view(torch.float32).copy_(gpu_values, non_blocking=True)
-torch.cuda.synchronize(dev)
-assert torch.equal(block.view(torch.float32), gpu_values.cpu())
-assert int(torch.cuda.cudart().cudaHostUnregister(block.data_ptr())) == 0
-print('a 40 MB shared block was page-locked and filled by a non-blocking copy')"
-  fi
   step "demo audited on cuda" 240 python -m fca audit --model $demo/featuregate --cache $demo/eval --calibration $demo/calibration \
     --dense $demo/dense --device $gpu --json "$work/demo_cuda.json"
   record "audit: shipped demo (built on a CPU) on cuda" "$work/demo_cuda.json"
   build cuda/eval eval $gpu float32 128
   build cuda/calibration calibration $gpu float32 128
-  # Writer processes fed through pinned shared memory write the writer threads' cache, bit for bit.
-  build cuda-processes/eval eval $gpu float32 128 --writer-processes
-  same_parts cuda/eval cuda-processes/eval
   step "cuda-built caches audited on cuda" 240 python -m fca audit --model $demo/featuregate --cache "$work/cuda/eval" \
     --calibration "$work/cuda/calibration" --device $gpu --json "$work/cuda_cuda.json"
   record "audit: caches built on cuda, on cuda" "$work/cuda_cuda.json"
   build cpu/eval eval cpu float32 64
   build cpu-bf16/eval eval cpu bfloat16 64
   build cuda-bf16/eval eval $gpu bfloat16 64
-  build cuda-bf16-processes/eval eval $gpu bfloat16 64 --writer-processes
-  same_parts cuda-bf16/eval cuda-bf16-processes/eval
   m=$demo/featuregate
   drift cpu-to-cuda-fp32 --model $m --cache "$work/cpu/eval" --device $gpu
   drift cuda-to-cpu-fp32 --model $m --cache "$work/cuda/eval" --device cpu
@@ -185,7 +153,7 @@ section_speed() {
   step "bench on cuda" 300 python -m fca bench --device $gpu --json "$work/bench_cuda.json"
   record "bench: demo model on cuda" "$work/bench_cuda.json"
   step "muddpythia 1.4b bf16" 360 python -m bench.muddpythia_scale --device $gpu --dtype bfloat16 --batch 8 --seq-len 1024 \
-    --rounds 3 --stream-seqs 64 256 --stream-writers 4 8 --stream-processes --json "$work/mudd.json"
+    --rounds 3 --stream-seqs 64 256 --stream-writers 4 8 --json "$work/mudd.json"
   record "muddpythia 1.4B shapes, bf16, 8 x 1024" "$work/mudd.json"
   step "writer scaling" 240 python -m bench.writer_scale --workers 1 2 4 8 --seqs 256 --repeats 3 --json "$work/writer.json"
   record "writer scaling, 1.4B-shaped coefficients" "$work/writer.json"

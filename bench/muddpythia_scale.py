@@ -79,7 +79,6 @@ def stream_cache(
     seed: int,
     coefficient_dtype: str = "float32",
     workers: int | None = None,
-    writer_processes: bool = False,
 ) -> dict:
     """Build a cache of random windows through the real writer; time it against plain forwards."""
     from fca.engine.capture import default_writers, write_cache
@@ -118,7 +117,6 @@ def stream_cache(
                 overwrite=True,
                 workers=workers,
                 timings=stages,
-                writer_processes=writer_processes,
             ),
             device,
         )
@@ -129,7 +127,6 @@ def stream_cache(
         "stream_seqs": num_seqs,
         "stream_coefficient_dtype": coefficient_dtype,
         "stream_writers": workers or default_writers(device),
-        "stream_writer_processes": writer_processes,
         "stream_build_over_forward": build_s / forward_s,
         "stream_tokens_per_s": num_seqs * seq_len / build_s,
         "stream_cache_mb": size / 1e6,
@@ -160,11 +157,6 @@ def main() -> None:
         nargs="*",
         default=[],
         help="writer threads per streamed build (default: the build's)",
-    )
-    parser.add_argument(
-        "--stream-processes",
-        action="store_true",
-        help="also stream the largest cache with its last writer count as writer processes",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -222,14 +214,12 @@ def main() -> None:
     }
     if args.stream_seqs:
         writers = args.stream_writers or [None]
-        runs = [(n, "float32", w, False) for n in args.stream_seqs for w in writers]
+        runs = [(n, "float32", w) for n in args.stream_seqs for w in writers]
         if args.dtype == "bfloat16":
-            runs.append((max(args.stream_seqs), "bfloat16", writers[-1], False))
-        if args.stream_processes:
-            runs.append((max(args.stream_seqs), "float32", writers[-1], True))
+            runs.append((max(args.stream_seqs), "bfloat16", writers[-1]))
         streamed = [
-            stream_cache(model, config.vocab_size, n, args.seq_len, args.batch, args.seed, dtype, w, processes)
-            for n, dtype, w, processes in runs
+            stream_cache(model, config.vocab_size, n, args.seq_len, args.batch, args.seed, dtype, w)
+            for n, dtype, w in runs
         ]
         figures.update(streamed[0])
         figures["stream_runs"] = streamed

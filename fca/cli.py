@@ -127,10 +127,10 @@ def _dtype(name: str | None):
 
 def cmd_build_cache(args: argparse.Namespace) -> None:
     from fca.tables.manifest import Manifest
-    from fca.tables.remote import is_uri, remote_manifest
     from fca.tables.store import open_cache
+    from fca.tables.writer_store import is_uri, published_manifest
 
-    common = dict(
+    settings = dict(
         num_seqs=args.num_seqs,
         seq_len=args.seq_len,
         batch_size=args.batch,
@@ -139,29 +139,21 @@ def cmd_build_cache(args: argparse.Namespace) -> None:
         split_seed=args.split_seed,
         text_column=args.text_column,
         coefficient_dtype=args.coefficient_dtype,
-        overwrite=args.overwrite,
         part_seqs=args.part_seqs,
-    )
+    )  # `fca.jobs.build.BuildSpec`'s fields
+    where = (args.model, args.corpus, args.split, args.out)
     if args.engine == "ray":  # actors write their parts inline: --writers is the single-process knob
         from fca.jobs.distributed import build_cache_distributed
 
         out = build_cache_distributed(
-            args.model, args.corpus, args.split, args.out, workers=args.workers, address=args.address, **common
+            *where, overwrite=args.overwrite, workers=args.workers, address=args.address, **settings
         )
     else:
         from fca.jobs.build import build_cache_from_corpus
 
-        out = build_cache_from_corpus(
-            args.model,
-            args.corpus,
-            args.split,
-            args.out,
-            workers=args.writers,
-            writer_processes=args.writer_processes,
-            **common,
-        )
+        out = build_cache_from_corpus(*where, overwrite=args.overwrite, workers=args.writers, **settings)
     if is_uri(str(out)):  # published to a filesystem URI: its manifest says what was written
-        manifest = Manifest.from_json(remote_manifest(str(out)), str(out))
+        manifest = Manifest.from_json(published_manifest(str(out)), str(out))
     else:
         manifest = open_cache(out).manifest
     print(
@@ -732,11 +724,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="writer threads encoding Parquet parts (default on CUDA: cores minus two, from 2 to 8; on CPU: 1)",
-    )
-    p.add_argument(
-        "--writer-processes",
-        action="store_true",
-        help="run the writers as processes, which leave the forward's interpreter lock alone (for small models on a GPU)",
     )
     p.add_argument(
         "--split-seed", type=_seed, default=0, help="seed of the document split (the same for eval and calibration)"

@@ -1366,7 +1366,6 @@ def test_bench_measures_every_figure_it_documents(demo, tmp_path, monkeypatch, c
     assert (result["num_seqs"], result["capture_seqs"], result["device"]) == (4, 8, "cpu")
     assert set(result["capture_stages_s"]) >= {"record", "encode"}
     assert result["stats_big_cache_mb"] > result["stats_demo_cache_mb"]
-    assert "capture_ratio_writer_processes" not in result  # measured on CUDA only
     assert list(scratch.iterdir()) == []
 
 

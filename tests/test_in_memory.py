@@ -166,7 +166,7 @@ def test_same_windows_give_the_same_cache(adapted, tmp_path):
     windows = np.random.default_rng(1).integers(0, 64, (6, 17))
     a = fca.build_cache(adapted, windows, tmp_path / "a", split="eval")
     b = fca.build_cache(adapted, torch.from_numpy(windows), tmp_path / "b", split="eval")
-    c = fca.build_cache(adapted, windows, tmp_path / "c", split="eval", writer_processes=True)
+    c = fca.build_cache(adapted, windows, tmp_path / "c", split="eval", workers=2)
     assert fca.open_cache(a).fingerprint == fca.open_cache(b).fingerprint == fca.open_cache(c).fingerprint
     assert fca.open_cache(a).seq_len == 16 and fca.open_cache(a).vocab_size == 64
 

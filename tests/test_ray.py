@@ -15,11 +15,12 @@ ray = pytest.importorskip("ray")
 
 from fca.jobs.build import build_cache_from_corpus  # noqa: E402
 from fca.jobs.distributed import REPO_ROOT, build_cache_distributed, shard_bounds  # noqa: E402
+from fca.jobs.experiment import ReplaySpec  # noqa: E402
 from fca.tables.errors import CacheError  # noqa: E402
 from fca.tables.profiles import cache_moments, scan_moments, slot_layout  # noqa: E402
 from fca.tables.stats import variance_decomposition  # noqa: E402
 from fca.tables.store import open_cache
-from fca.tables.writer import read_progress
+from fca.tables.writer_store import PartStore, committed_records
 
 SIZES = dict(num_seqs=8, seq_len=16, batch_size=2, device="cpu", part_seqs=2)  # 4 parts of 2 sequences
 
@@ -95,7 +96,7 @@ def test_lost_workers_then_resume_give_the_same_cache(tiny_demo, single, tmp_pat
     with pytest.raises(CacheError, match="every build worker failed"):
         _distributed(tiny_demo, out, fail_after=1)  # each worker commits one part, then is lost
     assert not out.exists() and not (tmp_path / "eval.lock").exists()
-    assert len(read_progress(tmp_path / "eval.partial")["parts"]) == 2  # committed parts are kept...
+    assert len(committed_records(tmp_path / "eval.partial")) == 2  # committed parts are kept...
     assert not (tmp_path / "eval.partial" / "manifest.json").exists()  # ...and nothing looks finished
     _same_cache(_distributed(tiny_demo, out), single)
 
@@ -150,17 +151,16 @@ def test_build_to_a_filesystem_uri_commits_parts_and_resumes(tiny_demo, single, 
 
 @pytest.mark.slow
 def test_single_process_build_to_a_uri_and_refusals(tiny_demo, single, tmp_path):
-    from fca.tables.remote import RemoteParts
-
     uri = (tmp_path / "eval").as_uri()
     out = build_cache_from_corpus(
         tiny_demo / "featuregate", tiny_demo / "corpus.txt", "eval", uri, show_progress=False, **SIZES
     )
     assert out == uri
     _same_cache(tmp_path / "eval", single)
-    held = RemoteParts(uri).lock().acquire()  # another build holds the URI
+    held = PartStore(uri).lock()  # another build holds the URI
+    held.acquire()
     try:
-        with pytest.raises(CacheError, match=r"another build holds .*eval.lock"):
+        with pytest.raises(CacheError, match=r"another build is writing this cache .*eval.lock"):
             build_cache_from_corpus(
                 tiny_demo / "featuregate",
                 tiny_demo / "corpus.txt",
@@ -180,7 +180,7 @@ def test_single_process_build_to_a_uri_and_refusals(tiny_demo, single, tmp_path)
     _same_cache(tmp_path / "eval", single)
     assert not (tmp_path / "eval.lock").exists()
     with pytest.raises(CacheError, match="not a filesystem pyarrow can open"):
-        RemoteParts("nosuchscheme://bucket/cache")
+        PartStore("nosuchscheme://bucket/cache")
     # A folder of other files is neither written among nor (with --overwrite) deleted, as a local --out.
     (tmp_path / "project").mkdir()
     (tmp_path / "project" / "notes.txt").write_text("keep")
@@ -215,7 +215,7 @@ def test_sharded_audit_is_the_single_process_audit(tiny_demo):
     paths = (tiny_demo / "featuregate", tiny_demo / "eval", tiny_demo / "calibration")
     kw = dict(batch_size=4, latency_runs=1)
     local = run_audit(*paths, device="cpu", **kw)
-    experiment = ShardedExperiment.open_sharded(*paths, device="cpu", verify=True, workers=2)
+    experiment = ShardedExperiment.open_sharded(ReplaySpec(*paths, device="cpu"), verify=True, workers=2)
     try:
         sharded = audit_experiment(experiment, **kw)
     finally:
@@ -234,7 +234,7 @@ def test_a_sharded_run_is_checked_reports_progress_and_stops(tiny_demo):
     from fca.tables.errors import Cancelled
 
     paths = (tiny_demo / "featuregate", tiny_demo / "eval", tiny_demo / "calibration")
-    experiment = ShardedExperiment.open_sharded(*paths, device="cpu", workers=2)
+    experiment = ShardedExperiment.open_sharded(ReplaySpec(*paths, device="cpu"), workers=2)
     try:
         with pytest.raises(ValueError, match="a batch of at least one"):
             experiment.run(["correct"], batch_size=0)
@@ -260,14 +260,14 @@ def _synthetic_writer(out, num_seqs, vocab=64, **kw):
     return CacheWriter(out, plan, cache_schema(SPECS), 1, **kw), T
 
 
-def test_a_journaled_progress_resumes_every_committed_part(tmp_path):
+def test_a_resume_takes_up_every_committed_part(tmp_path):
     from bench.scale_driver import synthetic_rows
 
     out = tmp_path / "many"
     writer, _ = _synthetic_writer(out, 40)
     for k in range(30):
         writer.write(*synthetic_rows(k, k + 1))
-    assert (tmp_path / "many.partial" / "progress.journal.jsonl").is_file()  # not rewritten for every part
+    assert len(list((tmp_path / "many.partial").glob("part-*.record.json"))) == 30  # one record per part
     writer.abort()
     resumed, _ = _synthetic_writer(out, 40)
     assert resumed.pending_parts() == list(range(30, 40))

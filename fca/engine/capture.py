@@ -53,7 +53,7 @@ def num_slots(specs) -> int:
     return sum(s.num_channels for s in specs.values())
 
 
-ROW_KEY_BYTES = 4 * 4 + 4  # four int32 keys and the float32 live NLL
+ROW_KEY_BYTES = sum(f.type.byte_width for f in cache_schema({}))  # the key columns and live NLL of a row
 
 
 def check_embedded_ids(model: nn.Module, windows: np.ndarray, out: str | Path) -> None:
@@ -160,22 +160,14 @@ class HostCopies:
 
     `start` waits only when both sets are still in flight (not yet `release`d by the writer side); the
     writer waits on the event, copies the values out and releases the set. On CPU the tensors are
-    used as they are (no copy, no slot).
+    used as they are (no copy, no slot)."""
 
-    For a writer whose processes map shared memory (`CacheWriter.shares_memory`), each set is one block of
-    that memory (on CUDA pinned in place, so the copies stay asynchronous), and on CPU the values are
-    copied into it too: the writer process takes them from there, and the set is released when it has
-    (`layouts[slot]` says where each tensor lies)."""
-
-    def __init__(self, device: torch.device, writer: CacheWriter | None = None, slots: int = 2) -> None:
+    def __init__(self, device: torch.device, slots: int = 2) -> None:
         self.device, self.cuda = device, device.type == "cuda"
-        self.shared = writer if writer is not None and writer.shares_memory else None
         self.free: queue.Queue = queue.Queue()
         for slot in range(slots):
             self.free.put(slot)
         self.buffers: list[dict[str, torch.Tensor]] = [{} for _ in range(slots)]
-        self.blocks: list[tuple | None] = [None] * slots  # shared: (block id, mapping, its bytes, pinned)
-        self.layouts: list[tuple | None] = [None] * slots  # shared: (block id, name -> (offset, dtype, shape))
         # Per slot, the host tensors of its last batch and what they were made for ((name, dtype, shape)
         # each): every batch but a part's last has the same shapes, and making ~3 views per site costs the
         # host a few microseconds each, per batch.
@@ -189,40 +181,11 @@ class HostCopies:
                 buf = self.buffers[slot][name] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
         return buf[: t.numel()].view(t.shape)
 
-    def _shared_buffers(self, slot: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Host tensors shaped like `tensors`, side by side (64-byte aligned) in the slot's shared block,
-        which is replaced by a larger one when too small."""
-        layout, size = {}, 0
-        for name, t in tensors.items():
-            layout[name] = (size, str(t.dtype).removeprefix("torch."), tuple(t.shape))
-            size += -(-t.numel() * t.element_size() // 64) * 64
-        held = self.blocks[slot]
-        if held is None or len(held[1]) < size:
-            self._drop_block(slot)
-            block, mapping = self.shared.shared_block(max(size, 64))
-            flat = torch.frombuffer(mapping, dtype=torch.uint8)  # [bytes]
-            held = self.blocks[slot] = (block, mapping, flat, self.cuda and _pin_in_place(flat, self.device))
-        self.layouts[slot] = (held[0], layout)
-        return {  # each tensor's bytes of the block, seen as its dtype and shape (e.g. [b, T, K])
-            name: held[2][offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            for (name, t), (offset, _, _) in zip(tensors.items(), layout.values())
-        }
-
-    def _drop_block(self, slot: int) -> None:
-        held, self.blocks[slot] = self.blocks[slot], None
-        if held is not None and held[3]:
-            # A slot handed back after an error was never waited for: its copies may still be landing.
-            with torch.cuda.device(self.device):  # (the build's GPU, not cuda:0's context)
-                torch.cuda.synchronize(self.device)
-                status = int(torch.cuda.cudart().cudaHostUnregister(held[2].data_ptr()))
-            if status != 0:  # else a later kernel launch would raise it as its own failure
-                _take_last_cuda_error(self.device)
-
     def start(
         self, tensors: dict[str, torch.Tensor], timings: Timings
     ) -> tuple[dict[str, torch.Tensor], object, int | None]:
         """-> (host tensors, event or None, slot or None). Host tensors are valid once the event completes."""
-        if not self.cuda and self.shared is None:
+        if not self.cuda:
             return tensors, None, None
         with timings("slot_wait"):  # the forward waits on the host: both sets still being taken out
             slot = self.free.get()  # blocks only while both sets are in flight
@@ -230,15 +193,10 @@ class HostCopies:
         if self.views[slot] is not None and self.views[slot][0] == made_for:
             host = self.views[slot][1]
         else:
-            if self.shared is not None:
-                host = self._shared_buffers(slot, tensors)
-            else:
-                host = {name: self._buffer(slot, name, t) for name, t in tensors.items()}
+            host = {name: self._buffer(slot, name, t) for name, t in tensors.items()}
             self.views[slot] = (made_for, host)
         for name, t in tensors.items():
-            host[name].copy_(t, non_blocking=self.cuda)
-        if not self.cuda:
-            return host, None, slot
+            host[name].copy_(t, non_blocking=True)
         event = torch.cuda.Event()
         # On the stream the copies were queued on: a bare record() uses the current device's, which for a
         # build on cuda:1 is cuda:0's idle stream, and the event would complete before the copies land.
@@ -248,76 +206,6 @@ class HostCopies:
     def release(self, slot: int | None) -> None:
         if slot is not None:
             self.free.put(slot)
-
-    def releaser(self, slot: int) -> Callable[[], None]:
-        """`release(slot)`, for whoever calls it first, once."""
-        taken = []
-
-        def release() -> None:
-            if not taken:
-                taken.append(slot)
-                self.free.put(slot)
-
-        return release
-
-    def close(self, raise_errors: bool = True) -> None:
-        """Unpin and drop the shared blocks (a writer process may still be reading one: its mapping stays).
-        Every block is dropped even when one fails; on the way out of an error (`raise_errors=False`) a
-        failure here (a CUDA error outliving the one being raised, say) does not hide that one."""
-        self.views = [None] * len(self.views)
-        failures = []
-        for slot in range(len(self.blocks)):
-            try:
-                self._drop_block(slot)
-            except Exception as e:
-                failures.append(e)
-        if failures and raise_errors:
-            raise failures[0]
-
-
-def hand_over(writer: CacheWriter, copies: HostCopies, windows: np.ndarray, lo: int, hi: int, event, slot: int) -> None:
-    """Sequences [lo, hi) of `windows` [N, T + 1], whose values `copies` put in the shared block of `slot`:
-    once their copies have landed (`event`), a writer process is told where they are, and the slot is
-    released when it has copied them out."""
-    free = copies.releaser(slot)
-    try:
-        if event is not None:
-            with writer.timings("copy_wait"):  # the GPU has not finished this batch and its copies
-                event.synchronize()
-    except BaseException:
-        free()
-        raise
-    with writer.timings("collect"):
-        block, layout = copies.layouts[slot]
-        sites_at = {name: at for name, at in layout.items() if name != NLL_KEY}
-        writer.write_shared(lo, hi - lo, windows[lo:hi], block, layout[NLL_KEY], sites_at, free)
-
-
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, not one
-
-
-def _pin_in_place(flat: torch.Tensor, device: torch.device) -> bool:
-    """Page-lock host memory torch did not allocate (a shared block), so that copies into it are
-    asynchronous; False if CUDA refuses (the copies are then synchronous, the values the same)."""
-    with torch.cuda.device(device):
-        try:
-            status = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), _HOST_REGISTER_PORTABLE))
-        except Exception:
-            return False
-        if status != 0:
-            _take_last_cuda_error(device)
-        return status == 0
-
-
-def _take_last_cuda_error(device: torch.device) -> None:
-    """A refused cudaHostRegister stays this thread's last CUDA error, which torch reads after its next
-    kernel launch and raises as that kernel's failure. One throwaway launch takes it: torch clears the
-    error as it raises."""
-    try:
-        torch.zeros(1, device=device).add_(1)
-        torch.cuda.synchronize(device)
-    except RuntimeError:
-        pass
 
 
 class _BackgroundWriter:
@@ -391,7 +279,6 @@ def write_cache(
     workers: int | None = None,
     part_seqs: int | None = None,
     timings: Timings | None = None,
-    writer_processes: bool = False,
 ) -> Path:
     """Record passes over `windows` [N, T + 1], written part by part by `workers` writer threads.
 
@@ -400,8 +287,6 @@ def write_cache(
     The cache's contents do not depend on `workers`. A resumed build redoes the incomplete parts.
     `timings`: filled with the seconds each stage took (fca.tables.timings), for benches.
     `part_seqs`: sequences per part file (None: `seqs_per_part`); a multiple of `batch_size`.
-    `writer_processes`: the writers are processes (`fca.tables.writer_processes`), for a forward pass the
-    writer threads would slow by holding the interpreter lock (a small model on a GPU); the same cache.
 
     On CUDA the coefficients go to two reused sets of pinned host buffers by non-blocking copies; a
     collector thread waits for each copy, takes the values out and hands them to the writer, so the
@@ -431,9 +316,7 @@ def write_cache(
     spread = N if spreads_parts(device_.type) else None
     part_seqs = part_seqs or seqs_per_part(row_bytes, T, batch_size, spread, num_slots(specs))
     check_part_seqs(part_seqs, batch_size)
-    writer = CacheWriter(
-        out, plan, schema, part_seqs, overwrite=overwrite, workers=workers, timings=timings, processes=writer_processes
-    )
+    writer = CacheWriter(out, plan, schema, part_seqs, overwrite=overwrite, workers=workers, timings=timings)
     if writer.started_over and show_progress:
         tqdm.write(writer.started_over, file=sys.stderr)
     done = writer.done_seqs
@@ -469,11 +352,9 @@ def record_pending(
     `step(n)` is called after each batch of n sequences."""
     schema, timings = writer.schema, writer.timings
     device_ = next(model.parameters()).device
-    copies = HostCopies(device_, writer)
+    copies = HostCopies(device_)
 
     def write_batch(lo: int, hi: int, host: dict[str, torch.Tensor], event, slot) -> None:
-        if copies.shared is not None:
-            return hand_over(writer, copies, windows, lo, hi, event, slot)
         try:
             if event is not None:
                 with timings("copy_wait"):  # the GPU has not finished this batch and its copies
@@ -516,12 +397,8 @@ def record_pending(
                     step(hi - lo)
         if background is not None:
             background.close()
-        copies.close()  # (inside: a late CUDA error surfacing here still aborts the writer and its lock)
     except BaseException:
-        try:
-            if background is not None:
-                background.close(raise_errors=False)
-            writer.abort()
-        finally:  # the pinned blocks are let go even when the clean-up itself fails or is interrupted
-            copies.close(raise_errors=False)
+        if background is not None:
+            background.close(raise_errors=False)
+        writer.abort()
         raise

@@ -299,7 +299,7 @@ class BenchRun:
         weight (17 ms for the shipped model on a CPU; on a GPU a copy of each to the host besides)."""
         return _plan(self.model, self.capture_windows, self.batch_size)
 
-    def build_cache(self, writer_processes: bool = False) -> None:
+    def build_cache(self) -> None:
         plan = self.capture_plan
         self.build_stages = Timings()
         write_cache(
@@ -310,7 +310,6 @@ class BenchRun:
             self.batch_size,
             overwrite=True,
             timings=self.build_stages,
-            writer_processes=writer_processes,
         )
 
     @cached_property
@@ -343,12 +342,6 @@ def capture_figures(run: BenchRun) -> dict:
     figures["capture_ratio"] = r["ratio"]
     figures["capture_seconds"], figures["forward_seconds"] = r["a_s"], r["b_s"]
     figures["capture_stages_s"] = run.build_stages.rounded()  # per stage (fca.tables.timings)
-    if run.device.type == "cuda":  # the writers as processes, which leave the forward's interpreter lock alone
-        r = run.interleaved(
-            lambda: run.build_cache(writer_processes=True), lambda: run.forward_over(run.capture_batches)
-        )
-        figures["capture_ratio_writer_processes"] = r["ratio"]
-        figures["capture_stages_s_writer_processes"] = run.build_stages.rounded()  # (the same cache)
     return figures
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +18,39 @@ from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.sites import model_class_name, model_logits, site_specs, vocab_rows
 from fca.tables import data
 from fca.tables.errors import CacheError
-from fca.tables.remote import RemoteParts, is_uri
 from fca.tables.schema import COEFFICIENT_BYTES, cache_plan, file_sha256
 from fca.tables.writer import build_lock, check_cache_destination
 
-PARQUET_SHARE = 0.855  # Parquet bytes / raw coefficient bytes, as `fca bench` measures them (demo model)
+PARQUET_SHARE = 0.855  # Parquet bytes / raw coefficient bytes (`fca bench`, demo model)
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """What a corpus build computes (the same for a single-process build and every Ray worker): the model,
+    the corpus split, the sizes and dtypes; the cache's contents follow from it."""
+
+    model_dir: str | Path
+    corpus: str | Path
+    split: str
+    num_seqs: int | None = 256
+    seq_len: int | None = None
+    batch_size: int = 16
+    device: str = "auto"
+    dtype: torch.dtype | None = None
+    split_seed: int = 0
+    text_column: str = "text"
+    coefficient_dtype: str = "float32"
+    part_seqs: int | None = None  # sequences per part file (None: `seqs_per_part`)
+
+    def check(self) -> None:
+        """What the files need not be read for."""
+        if self.num_seqs is not None and self.num_seqs < 1 or self.batch_size < 1:
+            raise ValueError(
+                f"a build needs at least one sequence and a batch of at least one (got {self.num_seqs}, "
+                f"{self.batch_size})"
+            )
+        if self.part_seqs is not None:
+            check_part_seqs(self.part_seqs, self.batch_size)
 
 
 def build_cache_from_corpus(
@@ -30,80 +58,50 @@ def build_cache_from_corpus(
     corpus: str | Path,
     split: str,
     out: str | Path,
-    num_seqs: int | None = 256,
-    seq_len: int | None = None,
-    batch_size: int = 16,
-    device: str = "auto",
-    dtype: torch.dtype | None = None,
-    split_seed: int = 0,
-    text_column: str = "text",
-    coefficient_dtype: str = "float32",
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
     show_progress: bool = True,
     workers: int | None = None,
-    part_seqs: int | None = None,
-    writer_processes: bool = False,
+    **settings,
 ) -> Path | str:
-    """Record every site's coefficients on `num_seqs` windows of one split and write them as a cache.
+    """Record every site's coefficients on `num_seqs` windows of one split and write them as a cache;
+    `settings`: the other fields of `BuildSpec`.
 
     Memory does not grow with `num_seqs`: one batch is in flight while the previous one is written.
     Deterministic: the same model, corpus, split seed and sizes give the same cache contents.
-    `part_seqs`: sequences per part file (default: about 32 MB raw per part; on CUDA at least 8 parts
-    where batches allow: `seqs_per_part`).
-    `out` may be a pyarrow filesystem URI (s3://..., file://...): the cache is built in a local staging
-    directory and published there when complete (fca.tables.remote; a stopped build starts over, while
-    `--engine ray` commits part by part and resumes); the return value is then the URI.
+    `out` may be a pyarrow filesystem URI (s3://..., file://...): parts are committed there as they are
+    written, and a stopped build resumes from them; the return value is then the URI.
     """
-    remote = RemoteParts(str(out)) if is_uri(str(out)) else None
+    spec = BuildSpec(model_dir, corpus, split, **settings)
+    spec.check()
     # What the writer would refuse, refused before the model and corpus are loaded.
-    if remote is None:
-        check_cache_destination(out, overwrite)
-        build_lock(Path(out)).check_free()  # another build writing it: said now, not after loading
-    if part_seqs is not None:
-        check_part_seqs(part_seqs, batch_size)
-    with remote.staged(overwrite) if remote else nullcontext(None) as stage:
-        target = Path(out) if stage is None else stage / "cache"  # a URI: built here, then published
-        model, windows, plan = prepare_corpus_build(
-            model_dir,
-            corpus,
-            split,
-            num_seqs,
-            seq_len,
-            batch_size,
-            device,
-            dtype,
-            split_seed,
-            text_column,
-            coefficient_dtype,
-        )
-        if show_progress:
-            from tqdm.auto import tqdm
+    check_cache_destination(out, overwrite)
+    build_lock(out).check_free()  # another build writing it: said now, not after loading
+    model, windows, plan = prepare_corpus_build(spec)
+    if show_progress:
+        from tqdm.auto import tqdm
 
-            N, T, row_bytes = plan["num_seqs"], plan["seq_len"], plan["raw_bytes_per_token"]
-            # The coefficients take about 0.855 of their raw bytes as Parquet (`fca bench`); the keys, sorted
-            # and zstd-compressed, next to nothing.
-            parquet = PARQUET_SHARE * (row_bytes - ROW_KEY_BYTES) * N * T
-            tqdm.write(
-                f"{out}: {N} sequences x {T} tokens x {row_bytes} B = {megabytes(row_bytes * N * T)} raw "
-                f"(about {megabytes(parquet)} as Parquet)"
-                + ("" if stage is None else f"; built in {stage}, published when complete")
-            )
-        local = write_cache(
-            model,
-            windows,
-            target,
-            plan,
-            batch_size,
-            overwrite=overwrite,
-            progress=progress,
-            show_progress=show_progress,
-            desc=f"cache {split}",
-            workers=workers,
-            part_seqs=part_seqs,
-            writer_processes=writer_processes,
+        N, T, row_bytes = plan["num_seqs"], plan["seq_len"], plan["raw_bytes_per_token"]
+        # The coefficients take about PARQUET_SHARE of their raw bytes as Parquet; the keys, sorted and
+        # zstd-compressed, next to nothing.
+        parquet = PARQUET_SHARE * (row_bytes - ROW_KEY_BYTES) * N * T
+        tqdm.write(
+            f"{out}: {N} sequences x {T} tokens x {row_bytes} B = {megabytes(row_bytes * N * T)} raw "
+            f"(about {megabytes(parquet)} as Parquet)"
         )
-        return local if remote is None else remote.publish(local)
+    return write_cache(
+        model,
+        windows,
+        out,
+        plan,
+        spec.batch_size,
+        overwrite=overwrite,
+        progress=progress,
+        show_progress=show_progress,
+        desc=f"cache {split}",
+        workers=workers,
+        part_seqs=spec.part_seqs,
+    )
 
 
 def megabytes(size: float) -> str:
@@ -111,29 +109,13 @@ def megabytes(size: float) -> str:
     return f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e6:.3f} MB"
 
 
-def prepare_corpus_build(
-    model_dir: str | Path,
-    corpus: str | Path,
-    split: str,
-    num_seqs: int | None = 256,
-    seq_len: int | None = None,
-    batch_size: int = 16,
-    device: str = "auto",
-    dtype: torch.dtype | None = None,
-    split_seed: int = 0,
-    text_column: str = "text",
-    coefficient_dtype: str = "float32",
-) -> tuple[nn.Module, np.ndarray, dict]:
+def prepare_corpus_build(spec: BuildSpec) -> tuple[nn.Module, np.ndarray, dict]:
     """The loaded model, the split's token windows [N, T + 1] and the manifest draft of a corpus build
     (shared by the single-process build and each worker of a distributed one)."""
-    model_dir = Path(model_dir)
-    # What the files say is checked before the weights load (minutes, for a large model).
-    if num_seqs is not None and num_seqs < 1 or batch_size < 1:
-        raise ValueError(
-            f"a build needs at least one sequence and a batch of at least one (got {num_seqs}, {batch_size})"
-        )
-    if coefficient_dtype == "bfloat16" and dtype != torch.bfloat16:  # (families load float32 unless asked)
-        loaded = str(dtype or torch.float32).replace("torch.", "")
+    model_dir = Path(spec.model_dir)
+    spec.check()  # what the files say is checked before the weights load (minutes, for a large model)
+    if spec.coefficient_dtype == "bfloat16" and spec.dtype != torch.bfloat16:  # (families load float32 unless asked)
+        loaded = str(spec.dtype or torch.float32).replace("torch.", "")
         raise CacheError(
             f"{model_dir}: bfloat16 coefficient storage is for bfloat16 models (lossless), and this build loads "
             f"the model in {loaded} (load it with --dtype bfloat16, or store float32, or float16 if rounding is "
@@ -141,29 +123,32 @@ def prepare_corpus_build(
         )
     config = read_config(model_dir)
     context = config.get("max_seq_len", config.get("block_size", config.get("max_position_embeddings")))
-    T = seq_len or int(context or 1024)
+    T = spec.seq_len or int(context or 1024)
     if context is not None and T > int(context):  # refused before a writer leaves anything on disk
         raise ValueError(f"{model_dir}: windows of {T} tokens exceed the model's context of {context}")
     tokenizer = data.load_tokenizer(model_dir)
     # Found (or refused, naming the tokenizer) before the corpus is read.
     eos = data.end_of_document(tokenizer, str(model_dir / "tokenizer.json"), config.get("eos_token_id"))
-    model = load_model(model_dir, device=device, dtype=dtype)
+    model = load_model(model_dir, device=spec.device, dtype=spec.dtype)
     specs = site_specs(model)
     if not specs:
         raise ValueError(f"{model_dir}: the model has no controller sites (a Dense twin cannot be cached)")
-    windows = data.split_windows(corpus, split, tokenizer, T, split_seed, num_seqs, text_column, eos)  # [N, T + 1]
+    corpus = Path(spec.corpus)
+    windows = data.split_windows(
+        corpus, spec.split, tokenizer, T, spec.split_seed, spec.num_seqs, spec.text_column, eos
+    )  # [N, T + 1]
     plan = manifest_draft(
         model,
         windows,
-        batch_size,
-        coefficient_dtype,
+        spec.batch_size,
+        spec.coefficient_dtype,
         model_record={"path": model_dir.name, "model_type": config.get("model_type"), "config": config},
         corpus={
-            "name": Path(corpus).name,
-            "fingerprint": file_sha256(Path(corpus)) if Path(corpus).is_file() else None,
-            "split": split,
-            "split_seed": split_seed,
-            "text_column": text_column,
+            "name": corpus.name,
+            "fingerprint": file_sha256(corpus) if corpus.is_file() else None,
+            "split": spec.split,
+            "split_seed": spec.split_seed,
+            "text_column": spec.text_column,
         },
         tokenizer={
             "fingerprint": file_sha256(model_dir / "tokenizer.json"),
@@ -213,7 +198,6 @@ def build_cache(
     workers: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     show_progress: bool = False,
-    writer_processes: bool = False,
 ) -> Path:
     """A cache of any model with controller sites, held in memory (`fca.build_cache`).
 
@@ -266,7 +250,6 @@ def build_cache(
         show_progress=show_progress,
         desc=f"cache {split}",
         workers=workers,
-        writer_processes=writer_processes,
     )
 
 

@@ -7,10 +7,9 @@ Build (`build_cache_distributed`): one actor per GPU (CPU actors where the clust
 model once and holds the split's windows (the first actor tokenizes the corpus and makes the manifest
 draft, so the draft records the workers' environment; the others get the windows through the object
 store and must report the same environment). The driver holds the build lock and `<out>.partial/`
-(a `CacheWriter`), hands out part indices one at a time, and records each part as its actor commits it
-(`progress.json`), so a stopped build resumes by part. An actor writes part k with a shard writer (the
-same encoder, the same batches from the part's first sequence, its moments sidecar), so the files are
-those of a single-process build. A failed actor's part goes back to the queue for the others; when none
+(a `CacheWriter`) and hands out part indices one at a time. An actor writes and commits part k with a
+shard writer (the same encoder, the same batches from the part's first sequence, the same commit), so
+the files are those of a single-process build and a stopped build resumes by part. A failed actor's part goes back to the queue for the others; when none
 is left the build stops, resumable. The driver merges moments and writes the manifest last.
 
 Replay (`ShardedExperiment`): each actor opens the `Experiment` once; `run` splits the evaluated
@@ -25,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,14 +39,12 @@ from fca.engine.capture import (
     spreads_parts,
 )
 from fca.engine.replay import ReplayResults
-from fca.jobs.experiment import CacheSource, Experiment, ModelSource
+from fca.jobs.experiment import Experiment, ModelSource, ReplaySpec
 from fca.tables.conditions import Condition
 from fca.tables.errors import CacheError, Cancelled
 from fca.tables.fidelity import FidelityMeasure
-from fca.tables.outputs import OVERWRITE_HINT
-from fca.tables.remote import RemoteParts, is_uri, staging
 from fca.tables.schema import cache_schema, coefficient_arrow_type, spec_from_json
-from fca.tables.writer import CacheWriter
+from fca.tables.writer import CacheWriter, check_cache_destination
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])  # so local Ray workers import this very `fca`
 STOP_POLL_S = 0.5  # how often a sharded replay asks `should_stop` while its shards run
@@ -107,21 +104,20 @@ class _BuildWorker:
     """One build actor: the model loaded once, the windows held, parts written on request."""
 
     def __init__(
-        self, args: dict, threads: int | None, fail_after: int | None = None, family_files: Sequence[str] = ()
+        self, spec, threads: int | None, fail_after: int | None = None, family_files: Sequence[str] = ()
     ) -> None:
         _set_threads(threads)
         _load_family_files(family_files)
-        self.args = args
+        self.spec = spec  # a `fca.jobs.build.BuildSpec`
         self.fail_after = fail_after  # tests: raise after this many parts, as a lost worker would
         self.written = 0
         self.model = self.windows = self.plan = None
-        self.remote: RemoteParts | None = None  # where a URI build commits its parts
 
     def prepare(self) -> tuple[dict, np.ndarray]:
         """Tokenize the split and make the manifest draft (first actor only)."""
         from fca.jobs.build import prepare_corpus_build
 
-        self.model, self.windows, self.plan = prepare_corpus_build(**self.args)
+        self.model, self.windows, self.plan = prepare_corpus_build(self.spec)
         return self.plan, self.windows
 
     def load(self, windows: np.ndarray, plan: dict) -> dict:
@@ -129,38 +125,23 @@ class _BuildWorker:
         from fca.engine.environment import current_environment
         from fca.engine.loading import fingerprint_state, load_model
 
-        a = self.args
-        self.model = load_model(a["model_dir"], device=a["device"], dtype=a["dtype"])
+        self.model = load_model(self.spec.model_dir, device=self.spec.device, dtype=self.spec.dtype)
         self.windows, self.plan = windows, plan
         return {
-            "environment": {**current_environment(self.model), "batch_size": a["batch_size"]},
+            "environment": {**current_environment(self.model), "batch_size": self.spec.batch_size},
             "fingerprint": fingerprint_state(self.model),
         }
 
     def write_part(self, out: str, part_seqs: int, k: int) -> dict:
-        """Write part k into `<out>.partial/` with a shard writer; -> its part record. A URI `out`: the part
-        is written in a local staging directory and committed under `<out>.partial/` (fca.tables.remote)."""
+        """Write and commit part k into `<out>.partial/` (a folder or a URI) with a shard writer; -> its record."""
         if self.fail_after is not None and self.written >= self.fail_after:
             raise RuntimeError(f"simulated lost worker after {self.written} part(s)")
-        if not is_uri(out):
-            record = self._write_part(out, part_seqs, k)
-        else:
-            with staging() as stage:
-                local = stage / "cache"
-                local.with_name(local.name + ".partial").mkdir()
-                record = self._write_part(str(local), part_seqs, k)
-                if self.remote is None or self.remote.uri != out:  # one filesystem client per actor
-                    self.remote = RemoteParts(out)
-                self.remote.commit(local.with_name(local.name + ".partial"), record)
-        self.written += 1
-        return record
-
-    def _write_part(self, out: str, part_seqs: int, k: int) -> dict:
         plan = self.plan
         specs = {name: spec_from_json(d) for name, d in plan["sites"].items()}
         schema = cache_schema(specs, coefficient_arrow_type(plan.get("coefficient_dtype", "float32")))
         writer = CacheWriter(out, plan, schema, part_seqs, shard=[k])
-        record_pending(self.model, self.windows, writer, self.args["batch_size"], plan.get("coefficient_dtype"))
+        record_pending(self.model, self.windows, writer, self.spec.batch_size, plan.get("coefficient_dtype"))
+        self.written += 1
         return writer.close_shard()[0]
 
 
@@ -169,55 +150,33 @@ def build_cache_distributed(
     corpus: str | Path,
     split: str,
     out: str | Path,
-    num_seqs: int | None = 256,
-    seq_len: int | None = None,
-    batch_size: int = 16,
-    device: str = "auto",
-    dtype: torch.dtype | None = None,
-    split_seed: int = 0,
-    text_column: str = "text",
-    coefficient_dtype: str = "float32",
     overwrite: bool = False,
-    part_seqs: int | None = None,
     workers: int | None = None,
     address: str | None = None,
     threads: int | None = None,
     show_progress: bool = True,
     fail_after: int | None = None,
+    **settings,
 ) -> Path | str:
     """`build_cache_from_corpus` over Ray actors; the same cache, value for value (module docstring).
+    `settings`: the other fields of `fca.jobs.build.BuildSpec`.
 
     `workers`: actors (default one per GPU, else one per CPU of the cluster); `threads`: torch threads
     of CPU actors (default the driver's); `fail_after`: for tests, every actor fails after that many
     parts. Raises CacheError when every actor has failed; rerunning resumes from the committed parts.
-    `out` may be a pyarrow filesystem URI (s3://..., file://...): parts are committed there one by one
-    and the cache is published when complete (fca.tables.remote); the return value is then the URI."""
-    remote = RemoteParts(str(out)) if is_uri(str(out)) else None
-    finished = remote.finished() if remote is not None else Path(out).exists()
-    if finished and not overwrite:  # before starting a cluster and tokenizing for nothing
-        raise CacheError(f"{out}: already exists ({OVERWRITE_HINT})")
-    if part_seqs is not None:
-        check_part_seqs(part_seqs, batch_size)
+    `out` may be a pyarrow filesystem URI (s3://..., file://...): the actors commit their parts there."""
+    from fca.jobs.build import BuildSpec
+
+    spec = BuildSpec(str(model_dir), str(corpus), split, **settings)
+    spec.check()
+    check_cache_destination(out, overwrite)  # before starting a cluster and tokenizing for nothing
     ray = connect(address)
     options, count = worker_resources(ray, workers)
     if threads is None and "num_gpus" not in options:
         threads = torch.get_num_threads()
-    args = dict(
-        model_dir=str(model_dir),
-        corpus=str(corpus),
-        split=split,
-        num_seqs=num_seqs,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        device=device,
-        dtype=dtype,
-        split_seed=split_seed,
-        text_column=text_column,
-        coefficient_dtype=coefficient_dtype,
-    )
     Worker = ray.remote(max_restarts=0)(_BuildWorker)
     family_files = _driver_family_files()
-    actors = [Worker.options(**options).remote(args, threads, fail_after, family_files) for _ in range(count)]
+    actors = [Worker.options(**options).remote(spec, threads, fail_after, family_files) for _ in range(count)]
     try:
         plan_ref, windows_ref = actors[0].prepare.options(num_returns=2).remote()
         plan = ray.get(plan_ref)
@@ -229,26 +188,17 @@ def build_cache_distributed(
                     "records one environment, so run its workers on identical devices"
                 )
         specs = {name: spec_from_json(d) for name, d in plan["sites"].items()}
-        schema = cache_schema(specs, coefficient_arrow_type(coefficient_dtype))
+        schema = cache_schema(specs, coefficient_arrow_type(spec.coefficient_dtype))
         spread = plan["num_seqs"] if spreads_parts(plan["environment"]["device_type"]) else None
-        S = part_seqs or seqs_per_part(
-            plan["raw_bytes_per_token"], plan["seq_len"], batch_size, spread, num_slots(specs)
+        S = spec.part_seqs or seqs_per_part(
+            plan["raw_bytes_per_token"], plan["seq_len"], spec.batch_size, spread, num_slots(specs)
         )
-        check_part_seqs(S, batch_size)
-        if remote is not None:
-            return _build_to_uri(ray, actors, remote, plan, schema, S, show_progress)
+        check_part_seqs(S, spec.batch_size)
         writer = CacheWriter(out, plan, schema, S, overwrite=overwrite)
         if writer.started_over and show_progress:
             print(writer.started_over, file=sys.stderr)
         try:
-            drive_parts(
-                ray,
-                actors,
-                writer,
-                lambda actor, k: actor.write_part.remote(str(out), S, k),
-                show_progress,
-                on_commit=lambda record: writer.merge_committed(record["index"]),
-            )
+            drive_parts(ray, actors, writer, lambda actor, k: actor.write_part.remote(str(out), S, k), show_progress)
         except BaseException:
             writer.abort()
             raise
@@ -258,37 +208,6 @@ def build_cache_distributed(
             ray.kill(actor)
 
 
-def _build_to_uri(ray, actors, remote: RemoteParts, plan: dict, schema, S: int, show_progress: bool) -> str:
-    """The driver of a URI build: the build's bookkeeping (progress, moments merge, manifest) in a local
-    staging copy, the parts committed at the URI by the actors, the cache published there at the end."""
-    with remote.staged(overwrite=True) as stage:  # (an existing cache was refused before the cluster started)
-        writer = CacheWriter(stage / "cache", plan, schema, S, overwrite=True)
-        try:
-            kept = remote.start(plan, S)  # committed by an earlier run: kept
-            writer.add_parts(kept)
-            remote.fetch_sidecars(kept, writer.partial)
-            for record in kept:
-                writer.merge_committed(record["index"])
-
-            def commit(record: dict) -> None:  # its sidecar here, for the merge
-                remote.fetch_sidecars([record], writer.partial)
-                writer.merge_committed(record["index"])
-
-            drive_parts(
-                ray,
-                actors,
-                writer,
-                lambda actor, k: actor.write_part.remote(remote.uri, S, k),
-                show_progress,
-                where=remote.uri,
-                on_commit=commit,
-            )
-        except BaseException:
-            writer.abort()
-            raise
-        return remote.publish(writer.finish(finish_stamp()))
-
-
 def drive_parts(
     ray,
     actors: list,
@@ -296,16 +215,13 @@ def drive_parts(
     submit: Callable[[object, int], object],
     show_progress: bool = False,
     in_flight: int = 2,
-    where: str | None = None,
-    on_commit: Callable[[dict], None] | None = None,
 ) -> dict:
     """Hand the writer's pending parts to actors, `in_flight` at a time each (the next part waits in the
     actor's queue, so an actor never idles between parts), and record each part as it commits.
 
     A part whose actor fails goes back to the queue and that actor is dropped; when no actor is left the
-    build stops (CacheError naming `where`, default the writer's directory; committed parts stay
-    recorded). `on_commit(record)` runs after each part is recorded (the builds merge its moments
-    there). -> counts of parts written and requeued."""
+    build stops (CacheError naming the writer's directory; committed parts stay). Each committed part's
+    moments are merged as it comes. -> counts of parts written and requeued."""
     from tqdm.auto import tqdm
 
     queue = list(reversed(writer.pending_parts()))  # popped from the end: lowest index first
@@ -335,13 +251,12 @@ def drive_parts(
                     alive.remove(actor)
                 if not alive:
                     raise CacheError(
-                        f"{where or writer.partial}: every build worker failed (last: {str(err).splitlines()[0]}); "
+                        f"{writer.partial}: every build worker failed (last: {str(err).splitlines()[0]}); "
                         f"{len(writer.parts)} of {writer.num_parts} parts are committed: rerun to resume"
                     ) from None
             else:
                 writer.add_parts([record])
-                if on_commit is not None:
-                    on_commit(record)
+                writer.merge_committed(record["index"])
                 bar.update(1)
             fill()
     finally:
@@ -355,12 +270,10 @@ def drive_parts(
 class _ReplayWorker:
     """One replay actor: the experiment opened once; scores shards of a run."""
 
-    def __init__(
-        self, model, cache, calibration, device: str, dtype, threads: int | None, family_files: Sequence[str] = ()
-    ) -> None:
+    def __init__(self, spec: ReplaySpec, threads: int | None, family_files: Sequence[str] = ()) -> None:
         _set_threads(threads)
         _load_family_files(family_files)
-        self.experiment = Experiment.open(model, cache, calibration, device=device, dtype=dtype)
+        self.experiment = spec.open()
 
     def run(self, conditions: list[Condition], n: int, batch_size: int, seed: int, shard) -> ReplayResults:
         return self.experiment.run(conditions, n, batch_size, seed, shard=shard)
@@ -435,12 +348,7 @@ class ShardedExperiment(Experiment):
     @classmethod
     def open_sharded(
         cls,
-        model: str | Path,
-        cache: CacheSource,
-        calibration: CacheSource | None,
-        dense: ModelSource | None = None,
-        device: str = "auto",
-        dtype: torch.dtype | None = None,
+        spec: ReplaySpec,
         verify: bool = False,
         workers: int | None = None,
         address: str | None = None,
@@ -448,17 +356,18 @@ class ShardedExperiment(Experiment):
     ) -> ShardedExperiment:
         """Open the experiment in the driver (checks, as `Experiment.open`) and once in each actor. The
         model and caches are given as paths, which every actor must see (a shared filesystem)."""
-        if not isinstance(model, (str, Path)):
+        if not isinstance(spec.model, (str, Path)):
             raise ValueError("a sharded experiment loads the model in every actor: give its directory, not a module")
-        base = Experiment.open(model, cache, calibration, dense, device=device, dtype=dtype, verify=verify)
+        base = spec.open(verify)
         ray = connect(address)
         options, count = worker_resources(ray, workers)
         if threads is None and "num_gpus" not in options:
             threads = torch.get_num_threads()
         Worker = ray.remote(max_restarts=0)(_ReplayWorker)
-        paths = [str(p) if p is not None else None for p in (model, base.evaluated.path, _path(base.calibration))]
+        paths = {"model": str(spec.model), "cache": str(base.evaluated.path), "calibration": _path(base.calibration)}
+        each = replace(spec, dense=None, **paths)  # (the Dense twin's latency is the driver's)
         family_files = _driver_family_files()
-        actors = [Worker.options(**options).remote(*paths, device, dtype, threads, family_files) for _ in range(count)]
+        actors = [Worker.options(**options).remote(each, threads, family_files) for _ in range(count)]
         return cls(**{f.name: getattr(base, f.name) for f in fields(Experiment)}, actors=actors)
 
     def run(
@@ -501,8 +410,8 @@ class ShardedExperiment(Experiment):
         self.actors = []
 
 
-def _path(cache) -> Path | None:
-    return None if cache is None else cache.path
+def _path(cache) -> str | None:
+    return None if cache is None else str(cache.path)
 
 
 # ------------------------------------------------------------------------------------------ entry points
@@ -523,9 +432,8 @@ def run_audit_distributed(
     keyword arguments of `audit_experiment` (batch_size, num_seqs, seed, extra_conditions, ...)."""
     from fca.jobs.audit import audit_experiment
 
-    experiment = ShardedExperiment.open_sharded(
-        model, cache, calibration, dense, device=device, dtype=dtype, verify=True, workers=workers, address=address
-    )
+    spec = ReplaySpec(model, cache, calibration, dense, device, dtype)
+    experiment = ShardedExperiment.open_sharded(spec, verify=True, workers=workers, address=address)
     try:
         return audit_experiment(experiment, **audit)
     finally:
@@ -546,9 +454,8 @@ def run_replay_distributed(
     """`fca.jobs.runs.run_replay` with the conditions scored on Ray actors: the same record."""
     from fca.jobs.runs import run_replay
 
-    experiment = ShardedExperiment.open_sharded(
-        model, cache, calibration, device=device, dtype=dtype, workers=workers, address=address
-    )
+    spec = ReplaySpec(model, cache, calibration, device=device, dtype=dtype)
+    experiment = ShardedExperiment.open_sharded(spec, workers=workers, address=address)
     try:
         return run_replay(None, None, None, conditions, experiment=experiment, **replay)
     finally:

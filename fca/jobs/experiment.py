@@ -134,6 +134,22 @@ def check_independent(evaluated: Cache, calibration: Cache) -> None:
         raise CacheError(f"{calibration.path}: its sites differ from {evaluated.path}'s")
 
 
+@dataclass(frozen=True)
+class ReplaySpec:
+    """What a replay opens (one process, or each Ray worker): the model, the evaluated and calibration
+    caches, the Dense twin, the device and the model's dtype (None: the cache's)."""
+
+    model: ModelSource
+    cache: CacheSource
+    calibration: CacheSource | None
+    dense: ModelSource | None = None
+    device: str = "auto"
+    dtype: torch.dtype | None = None
+
+    def open(self, verify: bool = False) -> Experiment:
+        return Experiment.open(self.model, self.cache, self.calibration, self.dense, self.device, self.dtype, verify)
+
+
 @dataclass
 class Experiment:
     model: nn.Module

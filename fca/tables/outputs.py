@@ -214,7 +214,7 @@ OVERWRITE_HINT = "--overwrite, or overwrite=True from Python, replaces it"
 
 # What a marker file of ours holds at least (a JSON object with these keys): a folder whose marker is another
 # tool's file of the same name (a manifest.json of a web app, say) is not ours to replace.
-MARKER_KEYS = {"manifest.json": ("schema_version", "sites"), "config.json": ("model_type",), "progress.json": ("plan",)}
+MARKER_KEYS = {"manifest.json": ("schema_version", "sites"), "config.json": ("model_type",), "plan.json": ("plan",)}
 
 
 def _is_ours(marker: Path) -> bool:

@@ -12,8 +12,8 @@ widens them to float32 exactly (`coefficient_values`).
 from __future__ import annotations
 
 import hashlib
+import io
 import math
-import os
 import re
 import zipfile
 from collections.abc import Callable
@@ -29,9 +29,9 @@ SCHEMA_VERSION = 1
 KEY_COLUMNS = ("seq", "pos", "token", "target", "live_nll")
 KEY_INTS = KEY_COLUMNS[:4]  # int32 keys; every other column is floats (16-bit ones as their raw bits)
 MANIFEST = "manifest.json"
-PROGRESS = "progress.json"  # a build's bookkeeping in `<name>.partial/` (fca.tables.writer)
-PROGRESS_JOURNAL = "progress.journal.jsonl"
-MOMENTS = "moments.npz"  # the merged moments of all parts, written by `finish` (see `write_arrays`)
+PLAN = "plan.json"  # a build's bookkeeping in `<name>.partial/` (fca.tables.writer_store): its plan,
+RECORD_SUFFIX = ".record.json"  # and one record per committed part (`part-XXXXX.record.json`)
+MOMENTS = "moments.npz"  # the merged moments of all parts, written by `finish` (see `arrays_bytes`)
 
 
 def cache_schema(specs: dict[str, SiteSpec], coefficient_type: pa.DataType = pa.float32()) -> pa.Schema:
@@ -223,20 +223,19 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Named arrays as an .npz that `np.load` reads, written atomically and byte-for-byte reproducibly:
-    `np.savez` stamps each member with the current time, which would make equal moments hash differently."""
-    tmp = path.with_name(path.name + ".tmp")
-    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as z:
+def arrays_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    """Named arrays as the bytes of an .npz that `np.load` reads, byte for byte reproducibly: `np.savez`
+    stamps each member with the current time, which would make equal moments hash differently."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED) as z:
         for name, array in arrays.items():
             info = zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
             array = np.asarray(array, order="C")  # keeps 0-d (`np.ascontiguousarray` would not)
             with z.open(info, "w", force_zip64=True) as f:
-                # What `np.lib.format.write_array` writes, without its `tobytes` copy of each array (a
-                # 10 MB per-position table per 1.4B part, in fresh pages each time).
+                # What `np.lib.format.write_array` writes, without its `tobytes` copy of each array.
                 np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(array))
                 f.write(array.reshape(-1).view(np.uint8))
-    os.replace(tmp, path)
+    return buffer.getvalue()
 
 
 MemberCheck = Callable[[str, tuple[int, ...]], "str | None"]
@@ -286,9 +285,15 @@ def is_cache_file(name: str) -> bool:
     """Whether a finished cache's folder holds an entry of this name (what --overwrite may delete): its
     files, and the build's bookkeeping, which a build stopped just after its final rename leaves behind."""
     return (
-        name in (MANIFEST, MOMENTS, PROGRESS, PROGRESS_JOURNAL)
-        or re.fullmatch(r"part-\d+(\.moments\.npz|\.parquet)", name) is not None
+        name in (MANIFEST, MOMENTS, PLAN)
+        or is_part_file(name)
+        or re.fullmatch(r"part-\d+" + re.escape(RECORD_SUFFIX), name) is not None
     )
+
+
+def is_part_file(name: str) -> bool:
+    """A part's Parquet file or moments sidecar (`part-XXXXX.parquet`, `part-XXXXX.moments.npz`)."""
+    return re.fullmatch(r"part-\d+(\.moments\.npz|\.parquet)", name) is not None
 
 
 def is_partial_file(name: str) -> bool:

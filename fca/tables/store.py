@@ -18,6 +18,7 @@ from fca.tables.errors import CacheError
 from fca.tables.fidelity import check_dtype
 from fca.tables.manifest import Manifest, read_manifest
 from fca.tables.schema import (
+    KEY_COLUMNS,
     MANIFEST,
     cache_schema,
     check_part_schema,
@@ -214,7 +215,7 @@ class Cache:
         if unknown:
             raise CacheError(f"{self.path}: no site column(s) {unknown}")
         wanted = sorted(set(seqs))
-        table = self._read_rows(wanted, ["seq", "pos", "token", "target", "live_nll", *sites])
+        table = self._read_rows(wanted, [*KEY_COLUMNS, *sites])
         T = self.seq_len
         if table.num_rows != len(wanted) * T:
             raise CacheError(
@@ -228,7 +229,7 @@ class Cache:
         row_of = {s: i for i, s in enumerate(wanted)}
         pick = np.array([row_of[s] for s in seqs])
         out: dict[str, np.ndarray] = {}
-        for key in ("token", "target", "live_nll"):
+        for key in KEY_COLUMNS[2:]:  # (seq and pos: the order itself)
             out[key] = table.column(key).to_numpy()[order].reshape(len(wanted), T)[pick]
         for name in sites:
             column = table.column(name)
