@@ -79,11 +79,11 @@ def _rewrite_moments(cache_dir: Path, change) -> None:
     (a hash-consistent file that is still wrong)."""
     import json
 
-    from fca.tables.schema import file_sha256, read_arrays, write_arrays
+    from fca.tables.schema import arrays_bytes, file_sha256, read_arrays
 
     arrays = dict(read_arrays(cache_dir / "moments.npz"))
     change(arrays)
-    write_arrays(cache_dir / "moments.npz", arrays)
+    (cache_dir / "moments.npz").write_bytes(arrays_bytes(arrays))
     manifest = json.loads((cache_dir / "manifest.json").read_text())
     manifest["moments"]["sha256"] = file_sha256(cache_dir / "moments.npz")
     (cache_dir / "manifest.json").write_text(json.dumps(manifest))
