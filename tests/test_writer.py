@@ -1042,35 +1042,3 @@ def test_a_full_disk_names_the_part_it_was_writing(tmp_path, monkeypatch):
             str(tmp_path / f"c{workers}.partial" / "part-00001.parquet"),
             "No space left on device",
         )
-
-
-def test_a_full_disk_while_merging_the_moments_names_the_file_and_the_cache(tmp_path, monkeypatch):
-    """The final moments merge on a full disk said only "[Errno 28] No space left on device" and left its
-    temporary file behind. It names the file and the cache; no temporary stays, and the build resumes."""
-    import fca.tables.writer_store as writer_store
-    from fca.cli import _one_line
-
-    plan, schema = _plan_and_schema()
-    real_write = writer_store._write
-
-    def full_disk(fs, path, data):
-        if path.endswith("/moments.npz.tmp"):
-            real_write(fs, path, data[: len(data) // 2])  # cut short where the disk filled
-            raise OSError(28, "No space left on device")
-        real_write(fs, path, data)
-
-    monkeypatch.setattr(writer_store, "_write", full_disk)
-    writer = _write_pairs(CacheWriter(tmp_path / "c", plan, schema, 2), 0, 4)
-    with pytest.raises(OSError) as err:
-        writer.finish()
-    partial = tmp_path / "c.partial"
-    assert err.value.filename == str(partial / "moments.npz") and err.value.errno == 28
-    assert (
-        _one_line(err.value)
-        == f"{partial / 'moments.npz'}: No space left on device (building the cache {tmp_path / 'c'})"
-    )
-    assert not list(partial.glob("*.tmp")) and not (tmp_path / "c").exists() and not (tmp_path / "c.lock").exists()
-    monkeypatch.undo()
-    resumed = CacheWriter(tmp_path / "c", plan, schema, 2)
-    assert resumed.pending_parts() == []
-    assert open_cache(resumed.finish(), verify=True).num_seqs == 4
