@@ -132,11 +132,13 @@ def test_the_public_api_is_listed_and_conditions_need_no_torch() -> None:
     assert {"Condition", "SiteDeclaration", "audit", "build_cache", "Experiment"} <= set(dir(fca))
 
 
-def test_help_is_quick() -> None:
-    start = time.perf_counter()
+def test_help_lists_the_commands() -> None:
+    """`--help` answers without torch (above: what keeps it quick) and names the commands a user starts with."""
     done = subprocess.run([sys.executable, "-m", "fca", "--help"], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0 and "audit" in done.stdout
-    assert time.perf_counter() - start < 2.0  # about 0.1 s; generous for a busy machine
+    assert done.returncode == 0, done.stderr
+    assert {"build-cache", "audit", "replay", "inspect", "report", "dashboard"} <= set(
+        re.findall(r"[a-z][a-z-]+", done.stdout)
+    )
 
 
 def test_an_undefined_layer_identity_share_is_not_reported_as_zero(tmp_path, capsys) -> None:
