@@ -11,6 +11,7 @@ and the Overview opens; when only its audit was committed, its audit report is s
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -70,7 +71,18 @@ def label(path: Path) -> str:
     return str(path)
 
 
-chosen = st.selectbox("Study", [str(p) for p in found], key="study_file", format_func=lambda p: label(Path(p)))
+def nearness(path: Path) -> int:
+    """How many folders a study shares with the selected cache's path: a study beside the cache being
+    looked at opens first, whatever the roots' own order."""
+    if sel.entry is None:
+        return 0
+    return len(Path(os.path.commonpath([path.parent, sel.entry.path.resolve()])).parts)
+
+
+nearest = max(range(len(found)), key=lambda index: nearness(found[index]))
+chosen = st.selectbox(
+    "Study", [str(p) for p in found], index=nearest, key="study_file", format_func=lambda p: label(Path(p))
+)
 study_path = Path(chosen)
 study = None
 with guard("Study"):
