@@ -50,9 +50,29 @@ TINY = {
     "n_shared_experts": 1,
     "decoder_sparse_step": 1,
     "mlp_only_layers": [],
+    # Multi-head latent attention (DeepSeek and its kin): its head sizes, in place of head_dim.
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "tie_word_embeddings": False,
+    "use_cache": False,
     "pad_token_id": 0,
     "bos_token_id": 1,
     "eos_token_id": 2,
+}
+
+# Types whose configs nest their sizes or need a value the defaults leave out.
+SPECIAL = {
+    "dbrx": {
+        "d_model": 64,
+        "n_heads": 4,
+        "n_layers": 2,
+        "max_seq_len": 128,
+        "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 8, "moe_top_k": 2},
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+    },
 }
 
 
@@ -64,6 +84,16 @@ def _modeling_source(model_type: str) -> str | None:
         return inspect.getsource(importlib.import_module(name))
     except Exception:  # a type whose modeling module does not import here (an optional dependency)
         return None
+
+
+def _has(config, name: str) -> bool:
+    try:
+        getattr(config, name)
+    except AttributeError:
+        return False
+    except Exception:  # a per-layer attribute, which the config refuses to read globally: it has it
+        return True
+    return True
 
 
 @cache
@@ -78,9 +108,11 @@ def moe_model_types() -> tuple[str, ...]:
         warnings.simplefilter("ignore")
         for model_type, class_name in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
             source = _modeling_source(model_type)
-            if source is None or not re.search(r"top_k_index|def forward\(self, hidden_states[^)]*router_indices", source):
+            if source is None or not re.search(r"class \w*(Experts|MoE|Moe\w*Block|Moe)\(nn\.Module\)", source):
                 continue
-            module = importlib.import_module(CONFIG_MAPPING[model_type].__module__.replace(".configuration_", ".modeling_"))
+            module = importlib.import_module(
+                CONFIG_MAPPING[model_type].__module__.replace(".configuration_", ".modeling_")
+            )
             causal = getattr(module, class_name, None)
             if causal is not None and getattr(causal, "config_class", None) is CONFIG_MAPPING[model_type]:
                 found.append(model_type)
@@ -93,8 +125,16 @@ def tiny_config(model_type: str):
 
     config_class = CONFIG_MAPPING[model_type]
     defaults = config_class()
-    sizes = {k: v for k, v in TINY.items() if hasattr(defaults, k)}
-    return config_class(**sizes)
+    sizes = {k: v for k, v in TINY.items() if _has(defaults, k)}
+    if "qk_rope_head_dim" in sizes:  # latent attention: its own head sizes, as many key/value heads as heads
+        sizes.pop("head_dim", None)
+        sizes["num_key_value_heads"] = sizes.get("num_attention_heads", 4)
+    kinds = getattr(defaults, "mlp_layer_types", None)
+    if isinstance(kinds, list):  # every layer a mixture of experts (the defaults begin with dense ones)
+        sparse = [k for k in dict.fromkeys(kinds) if k != "dense"]
+        if sparse:
+            sizes["mlp_layer_types"] = [sparse[0]] * TINY["num_hidden_layers"]
+    return config_class(**{**sizes, **SPECIAL.get(model_type, {})})
 
 
 def tiny_model(model_type: str, seed: int = 0) -> torch.nn.Module:
@@ -114,7 +154,6 @@ def check_type(model_type: str, work: Path) -> dict:
     {model_type, recognised, exact, routing, why}."""
     import fca
     from fca.engine.families import family_for_type, family_of
-    from fca.engine.loading import save_model
     from fca.engine.sites import find_sites, site_modes
 
     row = {"model_type": model_type, "recognised": "", "exact": False, "routing": "none", "why": ""}
@@ -123,7 +162,8 @@ def check_type(model_type: str, work: Path) -> dict:
     except Exception as err:
         row["why"] = f"tiny config does not build ({type(err).__name__})"
         return row
-    directory = save_model(model, work / model_type)
+    directory = work / model_type
+    model.save_pretrained(directory)  # (transformers' own writer: tied embeddings are its to handle)
     try:
         loaded = fca.load_model(directory)
     except Exception as err:
@@ -147,3 +187,75 @@ def check_type(model_type: str, work: Path) -> dict:
     family = family_of(loaded)
     row["routing"] = "observed at experts" if family.expert_paths else "none"
     return row
+
+
+def coverage_rows() -> list[dict]:
+    """check_type of every scanned type, in name order."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with tempfile.TemporaryDirectory(prefix="fca-moe-coverage-") as work, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return [check_type(t, Path(work)) for t in moe_model_types()]
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def coverage_table(rows: list[dict]) -> str:
+    """The README's table: type, how recognised, exact on CPU, routing source, and why a type stays out."""
+    exact = sum(r["exact"] for r in rows)
+    lines = [
+        f"{exact} of the {len(rows)} mixture-of-experts causal-LM types of transformers load with `fca.load_model` "
+        "and replay exactly with their routers removed (tiny random models, CPU float32; "
+        "`python -m bench.moe_coverage`).",
+        "",
+        "| type | how recognised | exact on CPU | routing source | why not |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        why = r["why"].replace("|", "/")
+        lines.append(
+            f"| {r['model_type']} | {r['recognised'] or 'refused'} | {'yes' if r['exact'] else 'no'} | "
+            f"{r['routing'] if r['exact'] else 'none'} | {why} |"
+        )
+    return "\n".join(lines)
+
+
+def readme_table(readme: Path = README) -> str:
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        return ""
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+
+
+def write_readme(table: str, readme: Path = README) -> None:
+    text = readme.read_text()
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    tmp = readme.with_name(f".{readme.name}.tmp")
+    tmp.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
+    tmp.replace(readme)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when the README's table differs")
+    parser.add_argument("--write", action="store_true", help="write the table into the README")
+    args = parser.parse_args(argv)
+    table = coverage_table(coverage_rows())
+    if args.write:
+        write_readme(table)
+    elif args.check:
+        if readme_table() != table:
+            print(
+                f"{README.name}: its mixture-of-experts coverage table differs; run python -m bench.moe_coverage --write"
+            )
+            return 1
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -268,7 +268,10 @@ def seq2seq_refusal(path: Path, model_type: str) -> str | None:
         MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
     )
 
-    if model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if (
+        model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+        and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    ):
         return (
             f"{path / 'config.json'}: {model_type} is an encoder-decoder (sequence-to-sequence) model; FCA captures "
             "and replays causal LMs, called on input ids alone, and does not feed decoder inputs"
