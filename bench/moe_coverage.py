@@ -108,7 +108,11 @@ def moe_model_types() -> tuple[str, ...]:
         warnings.simplefilter("ignore")
         for model_type, class_name in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
             source = _modeling_source(model_type)
-            if source is None or not re.search(r"class \w*(Experts|MoE|Moe\w*Block|Moe)\(nn\.Module\)", source):
+            if (
+                not class_name.endswith("ForCausalLM")
+                or source is None
+                or not re.search(r"class \w*(Experts|MoE|Moe\w*Block|Moe)\(nn\.Module\)", source)
+            ):
                 continue
             module = importlib.import_module(
                 CONFIG_MAPPING[model_type].__module__.replace(".configuration_", ".modeling_")
