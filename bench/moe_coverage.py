@@ -57,6 +57,8 @@ TINY = {
     "kv_lora_rank": 16,
     "q_lora_rank": 32,
     "tie_word_embeddings": False,
+    "enable_moe_block": True,
+    "top_k_experts": 2,
     "use_cache": False,
     "pad_token_id": 0,
     "bos_token_id": 1,
@@ -73,6 +75,9 @@ SPECIAL = {
         "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 8, "moe_top_k": 2},
         "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
     },
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 0},
+    "longcat_flash": {"num_layers": 1, "head_dim": 8},  # (two sublayers per layer; rotary on qk_rope_head_dim)
+    "zaya": {"num_experts_per_tok": 1},  # (it routes each token to one expert only)
 }
 
 
@@ -174,7 +179,8 @@ def check_type(model_type: str, work: Path) -> dict:
     try:
         loaded = fca.load_model(directory)
     except Exception as err:
-        row["why"] = _first_line(err).split(f"{model_type}: ", 1)[-1]
+        said = _first_line(err, 400).split(f"{directory}: ", 1)[-1].split(f"{directory / 'config.json'}: ", 1)[-1]
+        row["why"] = said.removeprefix(f"{model_type}: ").split("; declare")[0][:160]
         return row
     row["recognised"] = "by name" if family_for_type(model_type) is not None else "by structure"
     try:
@@ -190,9 +196,9 @@ def check_type(model_type: str, work: Path) -> dict:
     return row
 
 
-def _first_line(err: Exception) -> str:
+def _first_line(err: Exception, limit: int = 120) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return (lines[0] if lines else "")[:120]
+    return (lines[0] if lines else "")[:limit]
 
 
 def _replay_without_routers(loaded: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,9 +211,10 @@ def _replay_without_routers(loaded: torch.nn.Module) -> tuple[torch.Tensor, torc
         sink: dict = {}
         with site_modes(loaded, "record", sink=sink):
             live = loaded(ids).logits
-        for site in sites.values():  # the routers removed: their weights NaN, never read in replay
+        for site in sites.values():  # the routers removed: their projections' weights NaN, never read in replay
             for p in site.controller.parameters():
-                p.fill_(math.nan)
+                if p.dim() == 2 and p.shape[0] == site.spec.num_channels:
+                    p.fill_(math.nan)
         with site_modes(loaded, "replay", provider=lambda site, B, T: sink[site.site_name]):
             replayed = loaded(ids).logits
     return live, replayed
