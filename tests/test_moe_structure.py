@@ -40,9 +40,10 @@ def _replay_with_routers_removed(model: nn.Module, ids: torch.Tensor) -> tuple[t
     with torch.no_grad():
         with site_modes(model, "record", sink=sink):
             live = model(ids).logits
-        for site in find_sites(model).values():
+        for site in find_sites(model).values():  # the projections' weights
             for p in site.controller.parameters():
-                p.fill_(math.nan)
+                if p.dim() == 2 and p.shape[0] == site.spec.num_channels:
+                    p.fill_(math.nan)
         with site_modes(model, "replay", provider=lambda site, B, T: sink[site.site_name]):
             replayed = model(ids).logits
     return live, replayed
@@ -57,6 +58,20 @@ def test_hunyuan_recognised_by_structure_replays_exactly():
     assert sites["model.layers.0.mlp.gate"].wg.weight is sites["model.layers.0.mlp.gate"].controller.wg.weight
     family = family_of(model)
     assert family.expert_paths == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+    # The family reads, from the experts' own call, the selection the router made.
+    read, made = [], []
+    experts, router = model.get_submodule(family.expert_paths[0]), sites["model.layers.0.mlp.gate"]
+    hooks = [
+        experts.register_forward_pre_hook(
+            lambda m, a, kw: read.append(family.expert_selection(m, a, kw)), with_kwargs=True
+        ),
+        router.register_forward_hook(lambda m, a, out: made.append(out)),
+    ]
+    with torch.no_grad():
+        model(torch.randint(3, 100, (2, 7)))
+    for hook in hooks:
+        hook.remove()
+    assert torch.equal(read[0][0], made[0][2]) and torch.equal(read[0][1], made[0][1])
     live, replayed = _replay_with_routers_removed(model, torch.randint(3, 100, (2, 7)))
     assert torch.isfinite(live).all() and torch.equal(live, replayed)
 
