@@ -119,7 +119,8 @@ def _probe(model: nn.Module, ids: torch.Tensor) -> tuple[dict, list]:
 
 
 def _num_experts(module: nn.Module) -> int | None:
-    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+    """How many experts the module selects among: with zero-compute experts (LongCat-Flash) their total."""
+    for name in ("total_experts", "num_experts", "num_local_experts", "n_routed_experts"):
         value = getattr(module, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
@@ -238,13 +239,15 @@ def selection_reader(index_at: int, weights_at: int | None):
 
 def structural_family(model: nn.Module, structure: MoEStructure) -> Family:
     blocks = structure.blocks
+    # The execution audit counts experts by their `num_experts`; experts without one are not counted there.
+    counted = all(isinstance(getattr(model.get_submodule(p), "num_experts", None), int) for p in structure.experts)
     return Family(
         model.config.model_type,
         load=load_structural,
         blocks=(lambda m: list(m.get_submodule(blocks))) if blocks else Family.__dataclass_fields__["blocks"].default,
         coefficient_kind="router logits",
-        expert_paths=structure.experts,
-        execution_note=EXECUTION_NOTE,
+        expert_paths=structure.experts if counted else (),
+        execution_note=EXECUTION_NOTE if counted else "",
         expert_selection=selection_reader(*structure.selection_at),
     )
 
