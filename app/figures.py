@@ -9,6 +9,7 @@ charts before pandas is imported (see app/views/overview.py).
 
 from __future__ import annotations
 
+import functools
 import re
 import textwrap
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from fca.tables.report import ties_decided
+from fca.tables import paper
 from fca.tables.scoring import quoted_interval
 
 if TYPE_CHECKING:
@@ -53,6 +54,53 @@ CONDITION_COLOURS = {
     "interpolate": "#72b7b2",
 }
 OTHER_CONDITION = "#bab0ac"  # a kind this table does not know (a newer library's)
+
+
+# Plotly draws a subset of HTML in every label it shows (hover text, ticks, legend, titles, annotations), and
+# `<a href=...>` there is a live link: the names these charts show come from caches, reports and runs.
+_NOT_FORMATTING = re.compile(r"<(?!/?(?:br|b|i|em|sub|sup|extra)\s*/?>)", re.IGNORECASE)
+
+
+def plain_labels(fig: go.Figure) -> go.Figure:
+    """`fig` with every `<` in its strings that opens no line break or emphasis of ours shown as the
+    character (`&lt;`, which plotly draws as text): a figure holding none is returned as it is."""
+    spec = fig.to_dict()
+    return go.Figure(spec) if _escape_tags(spec) else fig
+
+
+def _escape_tags(value: dict | list | np.ndarray) -> bool:
+    """Escape, in place, the markup in every string inside `value` (dicts, lists, object arrays); whether any was."""
+    if isinstance(value, np.ndarray):
+        value, items = value.reshape(-1), enumerate(value.reshape(-1).tolist())  # (object arrays: a view)
+    else:
+        items = list(value.items() if isinstance(value, dict) else enumerate(value))
+    changed = False
+    for key, item in items:
+        if isinstance(item, str) and "<" in item:
+            value[key] = _NOT_FORMATTING.sub("&lt;", item)
+            changed |= value[key] != item
+        elif isinstance(item, tuple):
+            value[key] = list(item)
+            changed |= _escape_tags(value[key])
+        elif isinstance(item, np.ndarray) and item.dtype.kind in "OU":
+            # A copy: the figure's arrays may be read-only views of the caller's (a DataFrame's column), and
+            # fixed-width text may not hold an escaped string.
+            copy = item.astype(object)
+            if _escape_tags(copy):
+                value[key], changed = copy, True
+        elif isinstance(item, (dict, list)):
+            changed |= _escape_tags(item)
+    return changed
+
+
+def text_labels(build):
+    """A figure builder whose figure shows its strings as text (`plain_labels`)."""
+
+    @functools.wraps(build)
+    def built(*args, **kwargs) -> go.Figure:
+        return plain_labels(build(*args, **kwargs))
+
+    return built
 
 
 def condition_kind(name: str) -> str:
@@ -115,6 +163,7 @@ def _layout(fig: go.Figure, title: str, height: int = 380, legend_row: bool = Fa
     return fig
 
 
+@text_labels
 def share_by_site(df: pd.DataFrame | dict, pooled: float | None = None) -> go.Figure:
     """df: site, share (fractions, drawn as percent like every layer-identity share in the app). Bars per
     site, a dashed line at the pooled share, named in the legend (a label on the line sat on the bars)."""
@@ -152,6 +201,7 @@ def share_by_site(df: pd.DataFrame | dict, pooled: float | None = None) -> go.Fi
     )
 
 
+@text_labels
 def factor_bars(df: pd.DataFrame) -> go.Figure:
     """df: factor, share (None allowed: shown as 'n/a'), and optionally chance (the share a factor of that
     many groups takes with no effect; None where it does not apply). Horizontal bars, one per factor, a
@@ -205,6 +255,7 @@ def channel_groups(labels: list[str]) -> list[tuple[str, int, int]]:
     return runs
 
 
+@text_labels
 def slot_heatmap(df: pd.DataFrame, value_title: str, title: str, diverging: bool = False) -> go.Figure:
     """df: site, channel (int), value, label. Sites may have different widths (ragged): the missing
     cells are NaN and show blank. The channel axis is labelled by the channel labels where every site
@@ -250,6 +301,7 @@ def slot_heatmap(df: pd.DataFrame, value_title: str, title: str, diverging: bool
     return _layout(fig, title, height=max(300, 60 + 28 * len(sites)))
 
 
+@text_labels
 def axis_heatmaps(df: pd.DataFrame, value_title: str, title: str) -> go.Figure:
     """Structured sites (two axes, e.g. MUDD stream x source): one heatmap per first-axis entry.
     df: site, group (first-axis name, e.g. stream 'q'), index (second-axis position), value."""
@@ -283,6 +335,7 @@ def axis_heatmaps(df: pd.DataFrame, value_title: str, title: str) -> go.Figure:
     return _layout(fig, title, height=max(300, 60 + 28 * len(sites)))
 
 
+@text_labels
 def site_distributions(df: pd.DataFrame) -> go.Figure:
     """df: site, q01, q05, q25, q50, q75, q95, q99, mean. Precomputed box plots (whiskers 5-95%), so
     the chart costs the same for any cache size."""
@@ -337,6 +390,7 @@ def token_axis(fig: go.Figure, labels: list[str]) -> None:
     )
 
 
+@text_labels
 def token_layer_heatmap(
     z: pd.DataFrame, tokens: list[str], value_title: str, title: str, diverging: bool = False
 ) -> go.Figure:
@@ -366,6 +420,7 @@ def token_layer_heatmap(
     return _layout(fig, title, height=max(360, 200 + 28 * len(z.index)), margin=dict(l=60, r=20, t=50, b=110))
 
 
+@text_labels
 def profile_lines(df: pd.DataFrame, token_label: str, band: str = "") -> go.Figure:
     """df: slot (label 'site/channel'), live, static, lo, hi. The chosen token's coefficients against the
     calibration mean and its quantile band (`band`: its name in the legend, e.g. "5-95%"), slot by slot."""
@@ -413,6 +468,7 @@ def profile_lines(df: pd.DataFrame, token_label: str, band: str = "") -> go.Figu
     )
 
 
+@text_labels
 def deviation_heatmap(z: np.ndarray, slots: list[str], tokens: list[str], title: str, first: int = 0) -> go.Figure:
     """z: [t, C] standardised deviation (live - static) / calibration SD of positions first..first+t-1;
     drawn with slots as rows and positions as columns, so long sequences run along the page. Signed,
@@ -441,6 +497,7 @@ def deviation_heatmap(z: np.ndarray, slots: list[str], tokens: list[str], title:
     return _layout(fig, title, height=min(1000, max(400, 200 + 11 * len(slots))), margin=dict(l=60, r=20, t=50, b=110))
 
 
+@text_labels
 def token_strip(df: pd.DataFrame, chosen: int | None = None, max_labels: int = 16) -> go.Figure:
     """df: pos, token, deviation. One point per token; click a point to choose that token. Text labels
     only for the chosen token and the most deviating ones, at least len/max_labels positions apart (all
@@ -544,6 +601,7 @@ def _wrap_run_name(name: str) -> str:
     return "<br>".join(lines)
 
 
+@text_labels
 def nll_bars(df: pd.DataFrame, title: str = "NLL per condition") -> go.Figure:
     """df: condition, nll, ci_lo, ci_hi (95% CI of the mean NLL over sequences)."""
     fig = go.Figure(
@@ -577,6 +635,7 @@ def penalty_title(over_documents: bool, prefix: str = "Penalty vs correct") -> s
 RUN_PATTERNS = ("", "/", ".", "x", "\\", "+", "-", "|")
 
 
+@text_labels
 def penalty_bars(df: pd.DataFrame | dict, title: str = penalty_title(False)) -> go.Figure:
     """df: condition, penalty, lo, hi; optional `run` column groups bars by saved run (full page wide)."""
     fig = go.Figure()
@@ -626,6 +685,7 @@ def penalty_bars(df: pd.DataFrame | dict, title: str = penalty_title(False)) -> 
     )
 
 
+@text_labels
 def latency_bars(df: pd.DataFrame, batch: Sequence[int] | None = None) -> go.Figure:
     """df: model, ms (median forward time); batch: the timed batch's shape (sequences, tokens), named on
     the axis, since a time per batch means nothing without its batch (a new measurement may use another)."""
@@ -646,6 +706,7 @@ def latency_bars(df: pd.DataFrame, batch: Sequence[int] | None = None) -> go.Fig
     return _layout(fig, "Latency: dynamic model vs its Dense twin")
 
 
+@text_labels
 def blocks_bar(df: pd.DataFrame) -> go.Figure:
     """df: block, fraction (tokens processed / tokens in the batch). Worth drawing only when some block
     was skipped (the Execution page says "every block ran for every token" in words otherwise)."""
@@ -663,6 +724,7 @@ def blocks_bar(df: pd.DataFrame) -> go.Figure:
     return _layout(fig, "Blocks executed per token")
 
 
+@text_labels
 def flops_bar(df: pd.DataFrame) -> go.Figure:
     """df: part, gflops (controllers first). One stacked bar of 100% of the forward's FLOPs, each part's
     share annotated: a controller share under 1% is a sliver, so the numbers are written beside it."""
@@ -719,6 +781,7 @@ def seed_offsets(n: int) -> list[float]:
     ]
 
 
+@text_labels
 def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
     """One point per model (seed) and condition on the gap-retention scale, where 0 is the global mean
     profile and 1 is the correct coefficients; beside them the mean over models with its 95% t interval.
@@ -812,9 +875,20 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
             yanchor=side,
             font=dict(size=11, color="#777"),
         )
+    lo_paper, hi_paper = paper.STATIC_RETENTION
+    fig.add_hrect(y0=lo_paper, y1=hi_paper, fillcolor=PAPER_COLOUR, line_width=0, layer="below")
+    fig.add_annotation(
+        x=-0.5,
+        xanchor="left",
+        y=1.0,
+        yanchor="bottom",  # above the band and the correct line (whose label hangs below it)
+        text=f"the paper's static profiles: {100 * lo_paper:.2f}-{100 * hi_paper:.2f}% ({paper.CITATION})",
+        showarrow=False,
+        font=dict(size=12, color=PAPER_TEXT),
+    )
     values = np.concatenate([points["retention"].dropna().to_numpy(dtype=float), mean.dropna().to_numpy()])
     lo = min(-0.05, float(values.min()) - 0.05) if values.size else -0.05
-    hi = max(1.05, float(values.max()) + 0.05) if values.size else 1.05
+    hi = max(1.1, float(values.max()) + 0.05) if values.size else 1.1  # (room for the paper's label)
     fig.update_yaxes(title="gap retention (0% = global mean, 100% = correct)", range=[lo, hi], tickformat=".0%")
     ticks = condition_ticks(fig, order, plot_px=FULL_PLOT_PX, positions=range(len(order)))
     fig.update_xaxes(title="condition", range=[-0.5, len(order) - 0.5])
@@ -850,6 +924,7 @@ def _nll_interval(conditions: dict, name: str) -> tuple[float, float]:
     return base + lo, base + hi
 
 
+@text_labels
 def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.Figure:
     """One NLL axis from the global-mean profile through the static profile to correct, every condition
     of a report placed on it (one row each, anchors first) with its 95% paired CI.
@@ -880,6 +955,7 @@ def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.F
             showarrow=False,
             font=dict(size=12, color="#777"),
         )
+    paper_band(fig, conditions)
     intervals = {name: _nll_interval(conditions, name) for name in names}
     left = min((lo for lo, _ in intervals.values()), default=0.0)
     right = max((hi for _, hi in intervals.values()), default=1.0)
@@ -922,8 +998,42 @@ def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.F
 
 
 BAND_LABEL = 18  # pixels: the line above the retention scale's plot that names its band
+PAPER_COLOUR = "rgba(178,121,162,0.28)"  # the paper's range, in every chart that draws it
+PAPER_TEXT = "#7b4a70"  # its label: 7.0:1 on white
 
 
+def paper_band(fig: go.Figure, conditions: dict) -> None:
+    """On an NLL axis (x): where a condition keeping the paper's static-layer retention range would sit, i.e.
+    NLL_gm - r * (NLL_gm - NLL_correct) for r in the range; drawn only where this model's gap is positive."""
+    if "correct" not in conditions or "global_mean" not in conditions:
+        return
+    correct, global_mean = conditions["correct"]["nll"], conditions["global_mean"]["nll"]
+    if not global_mean > correct:
+        return
+    x0, x1 = (global_mean - r * (global_mean - correct) for r in paper.STATIC_RETENTION)
+    lo, hi = (f"{100 * r:.2f}" for r in paper.STATIC_RETENTION)
+    fig.add_vrect(
+        x0=min(x0, x1),
+        x1=max(x0, x1),
+        fillcolor=PAPER_COLOUR,
+        line_width=0,
+        layer="below",
+        name=f"the paper's static profiles ({lo}-{hi}% kept, {paper.CITATION})",
+        showlegend=False,
+    )
+    fig.add_annotation(
+        x=max(x0, x1),
+        xanchor="left",
+        y=0,
+        yref="paper",
+        yanchor="bottom",
+        text=f"paper: {lo}-{hi}%",
+        showarrow=False,
+        font=dict(size=12, color=PAPER_TEXT),
+    )
+
+
+@text_labels
 def sweep_curve(sweep: list[dict], conditions: dict | None = None) -> go.Figure:
     """NLL against alpha for `interpolate:alpha` = alpha * own + (1 - alpha) * static profile, with 95%
     paired CIs. sweep: a report's `interpolation_sweep` [{alpha, nll, penalty, penalty_ci95}];
@@ -964,6 +1074,7 @@ def sweep_curve(sweep: list[dict], conditions: dict | None = None) -> go.Figure:
     )
 
 
+@text_labels
 def routing_by_router(routing: dict, leave_out: Sequence[str] = ()) -> go.Figure:
     """Share of tokens kept on their own top-k experts, per router in execution order, one line per
     condition (Correct, always 100%, and `leave_out` left out), with a dashed line at chance. routing: a
@@ -979,9 +1090,9 @@ def routing_by_router(routing: dict, leave_out: Sequence[str] = ()) -> go.Figure
                 x=short,
                 y=row["same_experts_per_router"],
                 mode="lines+markers",
-                name=name + (" (ties decided)" if ties_decided(row) else ""),
+                name=name,
                 marker=dict(color=condition_colour(name)),
-                line=dict(color=condition_colour(name), dash="dot" if ties_decided(row) else None),
+                line=dict(color=condition_colour(name)),
                 customdata=routers,
                 hovertemplate=f"{name}<br>%{{customdata}}: %{{y:.1%}} of tokens on the same experts<extra></extra>",
             )
@@ -1074,3 +1185,65 @@ def colour_legend_html(lo: float, hi: float, diverging: bool, what: str) -> str:
         f'<div style="font-size:0.85rem">{escape(what)}<div style="height:12px;max-width:420px;border:1px solid #ccc;'
         f'background:linear-gradient(to right, {gradient})"></div>{escape(ends)}</div>'
     )
+
+
+SLIDE_TEXT = "#1a1a1a"  # 17.4:1 on white
+SLIDE_GRID = "#d9d9d9"
+CAPTION_ROW = 30  # pixels below the figure for its caption line
+
+
+def for_slides(fig: go.Figure, caption: str) -> go.Figure:
+    """A copy of `fig` for a slide or a paper: white background, near-black text (the dashboard's theme
+    does not travel with the file), and `caption` as a line at its foot saying what it shows."""
+    out = go.Figure(fig)
+    height = (out.layout.height or 450) + CAPTION_ROW
+    margin = out.layout.margin
+    top = margin.t if margin.t is not None else 80
+    bottom = (margin.b if margin.b is not None else 60) + CAPTION_ROW
+    left = margin.l if margin.l is not None else 60
+    out.update_layout(
+        height=height,
+        margin=dict(b=bottom),
+        paper_bgcolor="white",
+        plot_bgcolor="white",
+        font=dict(color=SLIDE_TEXT),
+    )
+    if out.layout.title.text:  # on one line: wrapped for half a 1024 px page, a slide's figure is wider
+        out.layout.title.text = out.layout.title.text.replace("<br>", " ")
+    out.update_xaxes(gridcolor=SLIDE_GRID, linecolor=SLIDE_TEXT, zerolinecolor=SLIDE_GRID)
+    out.update_yaxes(gridcolor=SLIDE_GRID, linecolor=SLIDE_TEXT, zerolinecolor=SLIDE_GRID)
+    plot_height = max(1, height - top - bottom)
+    out.add_annotation(  # (annotations place by the plot area only: the figure's foot-left in its terms)
+        text=caption,
+        x=0,
+        xref="paper",
+        xanchor="left",
+        xshift=10 - left,
+        y=-(bottom - 6) / plot_height,
+        yref="paper",
+        yanchor="bottom",
+        showarrow=False,
+        font=dict(size=12, color=SLIDE_TEXT),
+    )
+    return out
+
+
+def for_presenter(fig: go.Figure, size: int) -> go.Figure:
+    """A copy of `fig` whose every text (ticks, axis titles, legend, annotations, colour bars) is at least
+    `size` px and whose title is on one line (a projected chart is read from far away)."""
+    out = go.Figure(fig)
+    out.update_layout(font=dict(size=size), legend=dict(font=dict(size=size)))
+    if out.layout.title.text:
+        out.layout.title.text = out.layout.title.text.replace("<br>", " ")
+        out.layout.title.font.size = max(size + 4, out.layout.title.font.size or 0)
+    out.update_xaxes(tickfont_size=size, title_font_size=size)
+    out.update_yaxes(tickfont_size=size, title_font_size=size)
+    for note in out.layout.annotations:
+        note.font.size = max(size, note.font.size or 0)
+    for trace in out.data:
+        if "textfont" in trace:
+            trace.textfont.size = max(size, trace.textfont.size or 0)
+        if "colorbar" in trace:
+            trace.colorbar.tickfont.size = size
+            trace.colorbar.title.font.size = size
+    return out

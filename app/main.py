@@ -3,7 +3,8 @@
 The sidebar picks a cache (every cache under the configured roots, re-scanned as you go), the model it
 belongs to and the device; the selection is handed to the page through `st.session_state`.
 Roots: `cache/` of this repository plus the folders in FCA_CACHE_ROOTS (os.pathsep-separated);
-FCA_DEFAULT_CACHE names the cache selected first (default: cache/demo/eval).
+FCA_DEFAULT_CACHE names the cache selected first (default: cache/demo/eval); FCA_FAMILIES names family files
+(os.pathsep-separated) declaring models FCA does not know, as `--family` does for the other commands.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ if str(REPO) not in sys.path:  # a fresh clone runs without installing the packa
 import streamlit as st  # noqa: E402
 
 st.set_page_config(page_title="FCA: Frozen-Controller Auditing", page_icon="❄️", layout="wide")
+if st.session_state.get("fca_display") == "presenter":  # (views.common.DISPLAY_KEY: the chart, not the controls)
+    st.set_page_config(initial_sidebar_state="collapsed")
 
 # The dashboard runs models and reads local files: it serves this machine unless told otherwise. Streamlit
 # reads the repository's `.streamlit/config.toml` (address 127.0.0.1) only when started from the
@@ -34,13 +37,23 @@ if st.context.ip_address is not None and not st.get_option("server.address"):
     st.stop()
 
 from app import resources  # noqa: E402
-from app.views.common import SELECTION_KEY, Selection, match_typed, typed_outside, typed_path, typed_problem  # noqa: E402
+from app.views.common import (
+    DISPLAY_KEY,
+    SELECTION_KEY,
+    Selection,
+    match_typed,
+    typed_outside,
+    typed_path,
+    typed_problem,
+)  # noqa: E402
 from fca.tables import catalog  # noqa: E402
 from fca.tables.errors import CacheError  # noqa: E402
+from fca.tables.text import markdown_code, markdown_text  # noqa: E402
 
 PAGES = [
     # (The default page is served at the root URL; its url_path only has to differ from the alias's below.)
     st.Page("views/overview.py", title="Overview", icon=":material/fact_check:", url_path="home", default=True),
+    st.Page("views/lecture.py", title="Lecture", icon=":material/co_present:", url_path="lecture"),
     st.Page("views/variance.py", title="Variance", icon=":material/grid_on:", url_path="variance"),
     st.Page("views/profiles.py", title="Profiles", icon=":material/show_chart:", url_path="profiles"),
     st.Page("views/token_text.py", title="Token text", icon=":material/text_fields:", url_path="token_text"),
@@ -104,11 +117,45 @@ def _on_cache_typed(roots: list[Path]) -> None:
             st.session_state["cache"] = matched
 
 
+def family_files() -> None:
+    """Run the family files FCA_FAMILIES names, before any model is loaded (each file once per version:
+    `fca.engine.user_families` keeps what it declared); a bad one is said, and the others still load.
+    Files are only given when the dashboard starts, never typed in the page: loading one runs its code."""
+    files = resources.family_files()
+    if not files:
+        return
+    from fca.jobs.families import load_each_family_file  # (torch: only when families are declared)
+
+    declared, errors = load_each_family_file(files)
+    for error in errors:
+        st.error(f"Family file (FCA_FAMILIES): {markdown_text(error)}")
+    if declared:
+        st.caption(
+            "Families from files: "
+            + ", ".join(f"{markdown_text(t)} ({markdown_text(Path(p).name)})" for t, p in declared)
+        )
+
+
+def unreadable_reason(error: str, width: int = 60) -> str:
+    """What is wrong with a listed cache, short enough for its entry in the cache box (the whole line is
+    shown when it is picked)."""
+    reason = error.split(": not a readable manifest (", 1)[-1].removesuffix(")")
+    return reason if len(reason) <= width else reason[: width - 3] + "..."
+
+
 def sidebar() -> Selection:
     roots = catalog.configured_roots(REPO)
     sel = Selection(roots=roots)
     with st.sidebar:
+        st.segmented_control(
+            "Display",
+            ["standard", "presenter"],
+            default="standard",
+            key=DISPLAY_KEY,
+            help="presenter: the sidebar folded away, the explanations hidden, chart text at 16 px or more",
+        )
         st.markdown("### Data")
+        family_files()
         entries = resources.caches(tuple(str(r) for r in roots))
         sel.entries = entries
         if not entries:
@@ -120,7 +167,9 @@ def sidebar() -> Selection:
         if problem := default_cache_problem(entries, roots):
             st.warning(problem)
         if missing := [str(r) for r in roots[1:] if not catalog.is_folder(r)]:  # (roots[0] is this repository's cache/)
-            st.warning(f"FCA_CACHE_ROOTS names {', '.join(missing)}: no such folder, so no cache is listed from it.")
+            st.warning(
+                f"FCA_CACHE_ROOTS names {markdown_text(', '.join(missing))}: no such folder, so no cache is listed from it."
+            )
         by_path = {str(e.path): e for e in entries}
         # Caches inside the repository are named from its root (`cache/demo/eval`), so typing the path
         # one would type in a shell filters to the listed cache instead of offering "Add: ...".
@@ -139,7 +188,7 @@ def sidebar() -> Selection:
             accept_new_options=True,
             format_func=lambda p: (
                 (
-                    f"{shown[p]} (unreadable)"
+                    f"{shown[p]} (unreadable: {unreadable_reason(by_path[p].error)})"
                     if by_path[p].error
                     else f"{shown[p]} ({by_path[p].split or '?'}, {by_path[p].num_seqs} seq)"
                 )
@@ -168,7 +217,7 @@ def sidebar() -> Selection:
         if choice in by_path or matched is not None:
             sel.entry = by_path[choice if choice in by_path else matched]
         elif typed and typed_outside(typed, roots, REPO):
-            st.error(f"{typed}: outside the configured roots; set FCA_CACHE_ROOTS to allow it")
+            st.error(f"{markdown_text(typed)}: outside the configured roots; set FCA_CACHE_ROOTS to allow it")
         elif typed and (problem := typed_problem(typed, roots, REPO)):
             sel.cache_error = problem  # shown by the page as "This cache cannot be used: ..."
             return sel
@@ -207,8 +256,8 @@ def sidebar() -> Selection:
             st.caption(
                 "No model directory beside this cache: replay and execution are unavailable."
                 + (
-                    f" Its manifest names `{Path(recorded).name}`: a model folder of that name (or a link to one) "
-                    f"in `{entry.path.parent.name}/` would be used."
+                    f" Its manifest names {markdown_code(Path(recorded).name)}: a model folder of that name (or a link to one) "
+                    f"in {markdown_code(entry.path.parent.name + '/')} would be used."
                     if recorded
                     else ""
                 )
@@ -224,14 +273,14 @@ def sidebar() -> Selection:
             try:
                 sel.calibration_cache = resources.open_cache(str(sel.calibration.path), sel.calibration.manifest_hash)
             except CacheError as err:
-                st.error(f"Calibration cache: {err}")
+                st.error(f"Calibration cache: {markdown_text(err)}")
         sel.dense_dir = catalog.find_dense_twin(sel.model_dir) if sel.model_dir else None
         sel.report_path = catalog.find_report(entry.path)
         no_calibration = "none: this is a calibration split" if entry.split == "calibration" else "none found"
         st.caption(
-            f"Calibration: `{sel.calibration.label if sel.calibration else no_calibration}`  \n"
-            f"Dense twin: `{sel.dense_dir.name if sel.dense_dir else 'none found'}`  \n"
-            f"Audit report: `{sel.report_path.name if sel.report_path else 'none'}`"
+            f"Calibration: {markdown_code(sel.calibration.label if sel.calibration else no_calibration)}  \n"
+            f"Dense twin: {markdown_code(sel.dense_dir.name if sel.dense_dir else 'none found')}  \n"
+            f"Audit report: {markdown_code(sel.report_path.name if sel.report_path else 'none')}"
         )
     return sel
 
@@ -240,13 +289,15 @@ resources.page_ran()
 # A Markdown table wider than its column (the Overview's conditions on an 800 px screen) scrolls sideways
 # inside it, as a data grid does; Streamlit's own style cut it at the page's edge. (Style only: no space.)
 st.html('<style>[data-testid="stMarkdownContainer"] table { display: block; overflow-x: auto; }</style>')
+if st.session_state.get(DISPLAY_KEY) == "presenter":  # the captions too are the speaker's to say
+    st.html('<style>[data-testid="stCaptionContainer"] { display: none; }</style>')
 page = st.navigation(PAGES)
 if page is OVERVIEW_ALIAS:
     st.switch_page(OVERVIEW)
 selection = sidebar()
 st.session_state[SELECTION_KEY] = selection
 if selection.cache_error and page is not STUDY:  # (the Study page reads study files, not the selected cache)
-    st.error(f"This cache cannot be used: {selection.cache_error}")
+    st.error(f"This cache cannot be used: {markdown_text(selection.cache_error)}")
 page.run()
 resources.page_ran()  # the warm-up's steps wait for a quiet moment after this one
 if selection.cache is not None:  # after the page: fill the caches the next pages will need

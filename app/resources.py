@@ -10,8 +10,8 @@ once per server process. `st.cache_resource` holds shared read-only objects (mod
 from __future__ import annotations
 
 import gc
-import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -24,6 +24,8 @@ import streamlit as st
 from fca.tables import catalog
 from fca.tables.catalog import weights_path
 from fca.tables.data import load_tokenizer
+from fca.tables.errors import CacheError
+from fca.tables.jsonfile import read_json
 from fca.tables.profiles import cache_moments, profiles_from_moments, quantile_band
 from fca.tables.report import read_report
 from fca.tables.stats import variance_decomposition
@@ -93,8 +95,9 @@ def site_quantiles(path: str, fingerprint: str) -> pd.DataFrame:
     """Per-site quantiles over the tokens of the first sequences (at most SAMPLE_TOKENS tokens)."""
     import pandas as pd  # here, not at the top: the sidebar imports this module on every page
 
-    cache = _open_cache(path)
+    cache = _checked_reader(path, fingerprint)
     seqs = list(range(min(cache.num_seqs, max(2, SAMPLE_TOKENS // cache.seq_len))))
+    cache.verify(range(len(seqs)))  # the parts read, against their hashes, as every other reader
     values = cache.coefficients(seqs)
     rows = []
     for site, v in values.items():
@@ -178,8 +181,16 @@ def model_bytes(model_dir: str | Path) -> int:
     """Size of a model's weights on disk (a sharded checkpoint: the total its index states)."""
     path = weights_path(Path(model_dir))
     if path.name.endswith(".index.json"):
-        return int(json.loads(path.read_text()).get("metadata", {}).get("total_size", 1 << 62))
+        index = read_json(path, CacheError)
+        total = (index.get("metadata") or {}).get("total_size") if isinstance(index, dict) else None
+        return total if type(total) is int and total >= 0 else 1 << 62
     return path.stat().st_size
+
+
+def family_files() -> list[str]:
+    """The family files FCA_FAMILIES names (os.pathsep-separated; `python -m fca dashboard --family FILE`
+    sets it), read here without importing torch."""
+    return [p.strip() for p in os.environ.get("FCA_FAMILIES", "").split(os.pathsep) if p.strip()]
 
 
 def _experiment_key(
@@ -188,7 +199,8 @@ def _experiment_key(
     return (
         str(model_dir),
         device,
-        file_stamp(weights_path(Path(model_dir))),
+        # (an edited family file may load the model another way: the model is loaded again)
+        ":".join([file_stamp(weights_path(Path(model_dir))), *map(file_stamp, family_files())]),
         str(cache.path),
         cache.fingerprint,
         str(calibration.path) if calibration else "",

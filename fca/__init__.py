@@ -16,6 +16,8 @@ first page, say) never pay for importing torch:
     audit(model, cache, calibration)       the three-property report (model: a directory or a module)
     Experiment.open(model, cache, calibration)  replay runs (`fca.jobs.runs.run_replay(..., experiment=)`)
     Condition(kind, alpha, sites), SiteDeclaration(path, axes, family)
+    Family(model_type, load=...), register_family(family)   what FCA knows of an architecture
+    load_family_file(path)                 run a family file (a module declaring FAMILY or FAMILIES)
 """
 
 import importlib
@@ -34,6 +36,9 @@ _API = {
     "Experiment": ("fca.jobs.experiment", "Experiment"),
     "Condition": ("fca.tables.conditions", "Condition"),
     "SiteDeclaration": ("fca.engine.adapters", "SiteDeclaration"),
+    "Family": ("fca.engine.family", "Family"),
+    "register_family": ("fca.engine.families", "register_family"),
+    "load_family_file": ("fca.engine.user_families", "load_family_file"),
 }
 __all__ = list(_API)
 

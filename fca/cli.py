@@ -170,6 +170,26 @@ def cmd_build_cache(args: argparse.Namespace) -> None:
     )
 
 
+def _add_family_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--family", action="append", default=[], metavar="FILE", help=FAMILY_HELP)
+
+
+def load_families(args: argparse.Namespace) -> None:
+    """Run the family files FCA_FAMILIES and --family name (in that order: a later one's family of a
+    model_type replaces an earlier one's), and load installed packages' families, before the command
+    starts its work; the files are kept in `args.family_files` for the processes the command starts."""
+    listed = os.environ.get("FCA_FAMILIES", "").split(os.pathsep)
+    args.family_files = [*(p.strip() for p in listed if p.strip()), *args.family]
+    if args.family_files:
+        from fca.engine.user_families import load_family_files  # (torch: only once there is a family to load)
+
+        load_family_files(args.family_files)
+    elif args.command != "dashboard":  # (the app's server imports torch when a page needs it, not sooner)
+        from fca.engine.families import registered_families
+
+        registered_families()  # installed packages' families: a broken one is said before the work starts
+
+
 def _add_engine_flags(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--engine",
@@ -314,14 +334,15 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
-    from fca.engine.environment import environment_on
-    from fca.engine.loading import resolve_device
     from fca.tables.environment import describe
     from fca.tables.fidelity import replay_standard
     from fca.tables.store import open_cache
 
+    cache = open_cache(args.cache, verify=args.verify)  # (before torch is imported: a refusal costs ~80 MB, not 270)
+    from fca.engine.environment import environment_on
+    from fca.engine.loading import resolve_device
+
     device = resolve_device(args.device)
-    cache = open_cache(args.cache, verify=args.verify)
     if args.verify:  # the stored moments too: hashed and read, as the audit and the dashboard read them
         from fca.tables.profiles import slot_layout, stored_moments
 
@@ -383,7 +404,7 @@ def cmd_replay(args: argparse.Namespace) -> None:
     print(f"{args.cache}: {n} sequences replayed" + (f" (all it has; {asked} asked for)" if n < asked else ""))
     for sentence in exactness_sentences(record["results"]["exactness"]):
         print(sentence)
-    routing = record["results"].get("routing", {}).get("conditions", {})  # (models with top-k routers)
+    routing = record["results"].get("routing", {}).get("conditions", {})  # (models with observed routers)
     rows = record["results"]["conditions"]
     width = max(map(len, rows), default=0)  # a condition naming sites can be long: the columns follow it
     for name, row in rows.items():
@@ -397,32 +418,61 @@ def cmd_replay(args: argparse.Namespace) -> None:
         )
     if note := documents_note(n, record["results"].get("documents")):
         print(note)
+    print(retention_lines(record["results"]))
     if routing:
         chance = record["results"]["routing"]["chance"]
         print(
-            f"same experts: tokens routed to the same top-k experts as by their own coefficients; kept: the share "
-            f"of those experts kept; weight kept: the share of each token's mixing weight left on them; ties "
-            f"decided: most choices, the token's own or the condition's, were ties. Experts drawn at random: "
-            f"{100 * chance['same_experts']:.1f}% and {100 * chance['expert_overlap']:.1f}%."
+            f"same experts: tokens that ran the same experts as on their own coefficients (read at the experts); "
+            f"kept: the share of those experts kept; weight kept: the share of each token's mixing weight left "
+            f"on them. Experts drawn at random: {100 * chance['same_experts']:.1f}% and "
+            f"{100 * chance['expert_overlap']:.1f}%."
         )
+    if note := record["results"].get("routing", {}).get("not_reported"):
+        print(note)
     if record.get("path"):
         print(f"saved {record['path']}")
 
 
+def retention_lines(results: dict) -> str:
+    """A replay's gap retention, each with its 95% CI, or why there is none (never silently absent)."""
+    conditions = results["conditions"]
+    if "global_mean" not in conditions or "correct" not in conditions:
+        return "gap retention: not defined for this run (it needs correct and global_mean among the conditions)"
+    from fca.tables.scoring import gap_retention
+
+    # (runs saved before the record kept it: computed from the conditions, without its interval)
+    retention = results.get("gap_retention", gap_retention(conditions))
+    intervals = results.get("gap_retention_ci95") or {}
+    if not retention or all(v is None for v in retention.values()):
+        return "gap retention: undefined (the global-mean profile's penalty CI does not lie above 0)"
+    lines = ["gap retention (0% = global mean, 100% = correct):"]
+    for name, value in retention.items():
+        shown = "undefined" if value is None else f"{100 * value:.1f}%"
+        if name in intervals:
+            lo, hi = intervals[name]
+            shown += f" [95% CI {100 * lo:.1f}% to {100 * hi:.1f}%]"
+        elif value is not None:
+            shown += " (no CI: too few sequences, or too many resamples without a gap)"
+        lines.append(f"  {name}: {shown}")
+    return "\n".join(lines)
+
+
 def _routing_figures(record: dict, name: str) -> str:
-    """A replay line's routing figures (models with top-k routers), with what they are taken over."""
-    from fca.tables.report import routing_mark
+    """A replay line's routing figures (models with observed routers), with what they are taken over."""
+    from fca.tables.report import routing_scope
 
     routing = record["results"].get("routing")
-    if not routing or name not in routing["conditions"]:
+    if not routing or name not in routing.get("conditions", {}):
         return ""
     row = routing["conditions"][name]
-    mark = routing_mark(row, list(routing["routers"]))
+    mark = routing_scope(row, list(routing["routers"]))
     if row["same_experts"] is None:
         return f" {mark}"
+    weight = row.get("weight_kept")
     return (
-        f"  same experts {100 * row['same_experts']:.1f}%, kept {100 * row['expert_overlap']:.1f}%, weight kept "
-        f"{100 * row['weight_kept']:.1f}%{mark}"
+        f"  same experts {100 * row['same_experts']:.1f}%, kept {100 * row['expert_overlap']:.1f}%"
+        + (f", weight kept {100 * weight:.1f}%" if weight is not None else "")
+        + mark
     )
 
 
@@ -502,6 +552,13 @@ def cmd_demo(args: argparse.Namespace) -> None:
     make_demo(Path(args.out), Path(args.corpus), steps=args.steps, retrain=args.retrain)
 
 
+def cmd_demo_skip(args: argparse.Namespace) -> None:
+    from fca.jobs.demo import make_skip_demo
+
+    steps = {} if args.steps is None else {"steps": args.steps}  # (the demo's own unless told)
+    make_skip_demo(Path(args.out), Path(args.corpus), retrain=args.retrain, **steps)
+
+
 def dashboard_command(address: str, port: int) -> list[str]:
     """`streamlit run app/main.py` bound to `address`, with the repository's settings (no usage statistics,
     no file watching) whichever folder it is started from: streamlit reads `.streamlit/config.toml` only
@@ -525,6 +582,9 @@ def dashboard_environment(environ: Mapping[str, str]) -> dict[str, str]:
     env = dict(environ)
     if env.get("FCA_DEFAULT_CACHE", "").strip():
         env["FCA_DEFAULT_CACHE"] = str(Path(env["FCA_DEFAULT_CACHE"].strip()).expanduser().absolute())
+    if env.get("FCA_FAMILIES", "").strip():
+        files = [p.strip() for p in env["FCA_FAMILIES"].split(os.pathsep) if p.strip()]
+        env["FCA_FAMILIES"] = os.pathsep.join(str(Path(p).expanduser().absolute()) for p in files)
     if env.get("FCA_CACHE_ROOTS", "").strip():
         roots = [p.strip() for p in env["FCA_CACHE_ROOTS"].split(os.pathsep) if p.strip()]
         env["FCA_CACHE_ROOTS"] = os.pathsep.join(str(Path(p).expanduser().absolute()) for p in roots)
@@ -545,11 +605,20 @@ def cmd_dashboard(args: argparse.Namespace) -> NoReturn:
     sys.stdout.flush()
     # This process becomes streamlit, started in the repository (its settings live there): a signal sent to
     # it (Ctrl-C, kill, a timeout) reaches the server itself, and the server's exit status is the command's.
+    # The family files (checked above, by `load_families`) reach the app as FCA_FAMILIES. Paths are made
+    # absolute here, before leaving the folder the command was given in.
+    environ = dashboard_environment({**os.environ, "FCA_FAMILIES": os.pathsep.join(args.family_files)})
     os.chdir(Path(command[4]).parent.parent)
-    os.execve(command[0], command, dashboard_environment(os.environ))
+    os.execve(command[0], command, environ)
 
 
 MODEL_HELP = "model directory (config.json, weights, tokenizer.json)"
+FAMILY_HELP = (
+    "a Python file declaring model families (FAMILY = fca.Family(...) or FAMILIES = [...]), for models FCA does "
+    "not know: the file is run, so give only files you trust; may be repeated, and a later file's family "
+    "replaces an earlier one's and a built-in one of the same model_type; FCA_FAMILIES (os.pathsep-separated) "
+    "names more, loaded first. Families of installed packages (entry points fca.families) are always loaded"
+)
 DEVICE_HELP = "auto (cuda when available), cpu, cuda or cuda:N"
 BATCH_HELP = "sequences per forward pass"
 REPLAY_BATCH_HELP = (
@@ -682,6 +751,7 @@ def build_parser() -> argparse.ArgumentParser:
         "parts where batches allow; see docs/scale.md)",
     )
     _add_engine_flags(p, "windows")
+    _add_family_flag(p)
     p.set_defaults(func=cmd_build_cache)
 
     p = add_command("audit", help="the three-property report of a model on an evaluated and a calibration cache")
@@ -706,6 +776,7 @@ def build_parser() -> argparse.ArgumentParser:
         "'none' to skip it",
     )
     _add_engine_flags(p, "replayed sequences")
+    _add_family_flag(p)
     p.set_defaults(func=cmd_audit)
 
     p = add_command("report", help="render an audit JSON as Markdown")
@@ -735,6 +806,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
     p.add_argument("--no-save", action="store_true", help="do not save the run in <cache>.runs/")
     _add_engine_flags(p, "replayed sequences")
+    _add_family_flag(p)
     p.set_defaults(func=cmd_replay)
 
     p = add_command(
@@ -748,6 +820,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
     p.add_argument("--json", help="also write the figures here")
+    _add_family_flag(p)
     p.set_defaults(func=cmd_bench)
 
     p = add_command("demo", help="regenerate the shipped demo: models, caches and audit report")
@@ -756,6 +829,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, default=800, help="optimizer steps (for models not yet trained)")
     p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
     p.set_defaults(func=cmd_demo)
+
+    p = add_command("demo-skip", help="regenerate the second shipped demo: a mixture-of-depths model that skips work")
+    p.add_argument("--out", default="cache/demo-skip", help="folder of the demo's models, caches and report")
+    p.add_argument("--corpus", default="data/kjv.txt", help="extracted first if missing (needs Debian's bible-kjv)")
+    p.add_argument("--steps", type=_positive_int, help="optimizer steps (for models not yet trained; default 160)")
+    p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
+    p.set_defaults(func=cmd_demo_skip)
 
     p = add_command("study", help="one table across models (seeds) from their audit reports: mean, SD and 95%% CI")
     p.add_argument("audits", nargs="+", metavar="AUDIT.json", help="audit reports of independently trained models")
@@ -799,6 +879,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 serves every network interface)",
     )
+    _add_family_flag(p)
     p.set_defaults(func=cmd_dashboard)
     return parser
 
@@ -818,6 +899,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # argparse would report a command's unknown arguments as the top level's: name the command
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        if hasattr(args, "family"):  # (the commands that load models)
+            load_families(args)
         args.func(args)
     except ExactnessError as err:
         print(f"fca: error: {err}", file=sys.stderr)

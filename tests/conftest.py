@@ -87,3 +87,54 @@ def _no_background_warm_up():
     from app import resources
 
     resources.WARM_UP_DELAY_S = None
+
+
+# ------------------------------------------------------------------ which modules a run executes
+# `pytest -m "not slow" --touched-modules` lists the modules of fca/ and app/ whose code the run executed
+# (a function or page ran), those only imported, and those never loaded: the everyday run is meant to
+# touch every one. A global trace function sees each new frame once and traces no lines. Code run in
+# subprocesses (CLI tests that start `python -m fca`) is not seen.
+
+_code_seen: set = set()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--touched-modules",
+        action="store_true",
+        help="after the run, list the modules of fca/ and app/ it executed, only imported, or never loaded",
+    )
+
+
+def _note_frame(frame, event, arg):
+    _code_seen.add(frame.f_code)
+
+
+def pytest_configure(config):
+    if config.getoption("--touched-modules"):
+        import threading
+
+        sys.settrace(_note_frame)
+        threading.settrace(_note_frame)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not config.getoption("--touched-modules"):
+        return
+    sys.settrace(None)
+    ran: dict[str, set[str]] = {}
+    for code in list(_code_seen):
+        ran.setdefault(code.co_filename, set()).add(code.co_name)
+    modules = sorted(
+        p for top in ("fca", "app") for p in (REPO / top).rglob("*.py") if p.stat().st_size
+    )  # (empty: no code)
+    executed, imported, missed = [], [], []
+    for path in modules:
+        names = ran.get(str(path), set())
+        name = str(path.relative_to(REPO))
+        (executed if names - {"<module>"} else imported if names else missed).append(name)
+    write = terminalreporter.write_line
+    write(f"modules of fca/ and app/: {len(modules)}; executed {len(executed)}, only imported {len(imported)}")
+    for label, names in (("only imported", imported), ("never loaded", missed)):
+        if names:
+            write(f"{label}: {', '.join(names)}")

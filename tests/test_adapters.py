@@ -749,8 +749,8 @@ def test_expert_paths_that_name_no_called_experts_module_are_refused(ids):
 
 def test_a_replay_run_reports_how_much_routing_each_condition_keeps(moe, tmp_path):
     """A saved run of an MoE model carries each condition's routing agreement: Correct keeps every token's
-    experts, a condition on one router leaves the other's routing alone, and a profile equal for every
-    expert is said to be decided by ties."""
+    experts, a condition on one router leaves the other's routing alone, and every figure is that of the
+    experts the replay really dispatched to."""
     from fca.jobs.runs import run_replay
     from fca.tables.profiles import calibration_profiles
     from fca.tables.runs import condition_rows, list_runs
@@ -774,17 +774,12 @@ def test_a_replay_run_reports_how_much_routing_each_condition_keeps(moe, tmp_pat
     # its figures are the shuffled router's: the untouched one keeps every token's experts by construction
     assert shuffled["routers_changed"] == [first] and conditions["global_mean"]["routers_changed"] == [first, second]
     assert shuffled["same_experts"] == shuffled["same_experts_per_router"][0]
-    # the weights each router hands its experts, as the family's config says (Qwen2-MoE: not renormalised)
-    renormalised = bool(getattr(moe.config, "norm_topk_prob", True))
-    assert set(routing["weights"].values()) == {
-        "renormalised top-k probabilities" if renormalised else "top-k probabilities as they are"
-    }
-    assert conditions["global_mean"]["tied"] == 1.0 and conditions["correct"]["tied"] == 0.0
+    assert "not_reported" not in routing and all("tied" not in row for row in conditions.values())
     rows = {r["condition"]: r for r in condition_rows(list_runs(evaluated)[0])}
     assert rows["global_mean"]["same experts"] == conditions["global_mean"]["same_experts"]
     assert rows["global_mean"]["experts kept"] == conditions["global_mean"]["expert_overlap"]
     assert rows["global_mean"]["weight kept"] == conditions["global_mean"]["weight_kept"]
-    assert rows["global_mean"]["tied choices"] == 1.0
+    assert "tied choices" not in rows["global_mean"]
     # Run alone (a cache rounded to float16 is not the recorded pass, so the checks replay a Correct of
     # their own): only what was asked is reported, and only the routers the cache holds.
     from fca.engine.replay import run_conditions
@@ -799,113 +794,89 @@ def test_a_replay_run_reports_how_much_routing_each_condition_keeps(moe, tmp_pat
         moe, open_cache(rounded), [Condition("static_layer")], profiles, batch_size=2, routers=routers
     )
     assert list(alone.routing) == ["static_layer"] and alone.routers == {first: TOP_K}
-    # Even where ties decide, the figures are those of the experts the replay really dispatched to: read
-    # from the experts modules' inputs, live and under global_mean, batch by batch as the run replayed.
+    # Without the checks (no live pass), a Correct is replayed for the tokens' own selection even unasked.
+    unchecked = run_conditions(
+        moe, open_cache(rounded), [Condition("static_layer")], profiles, batch_size=2, check_exactness=False
+    )
+    assert list(unchecked.routing) == ["static_layer"] and list(unchecked.per_seq_nll) == ["static_layer"]
+    np.testing.assert_array_equal(
+        unchecked.routing["static_layer"]["same_experts"][:, 0], alone.routing["static_layer"]["same_experts"][:, 0]
+    )
+    # Even where ties decide (global_mean: one value for every expert), the figures are those of the experts
+    # the replay really dispatched to: read from the experts modules' inputs, live and under global_mean,
+    # batch by batch as the run replayed.
     from fca.tables.conditions import condition_coefficients
 
     cache = open_cache(evaluated)
-    dispatched: dict[int, torch.Tensor] = {}
+    handed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def record(layer, module, args, kwargs):
-        dispatched[layer] = (args[1] if len(args) > 1 else kwargs["top_k_index"]).sort(-1).values  # [N, k]
+        index = args[1] if len(args) > 1 else kwargs["top_k_index"]  # [N, k]
+        weights = args[2] if len(args) > 2 else kwargs["top_k_weights"]  # [N, k]
+        # as dense [N, E]: the weight each expert is handed (0: not run)
+        handed[layer] = torch.zeros(len(index), E).scatter_add_(1, index.long(), weights.float())
 
     experts = [moe.get_submodule(f"model.layers.{i}.mlp.experts") for i in range(2)]
     hooks = [
         m.register_forward_pre_hook(lambda m, a, kw, i=i: record(i, m, a, kw), with_kwargs=True)
         for i, m in enumerate(experts)
     ]
-    same = np.zeros(2)
+    same, weight = np.zeros(2), np.zeros(2)
     try:
         for batch in ([0, 1], [2, 3]):
             own = cache.read_seqs(batch)
             moe(torch.from_numpy(own["token"]).long())
-            live = dict(dispatched)
+            live = dict(handed)
             fed = condition_coefficients(Condition("global_mean"), {s: own[s] for s in cache.sites}, batch, profiles)
             fca.replay(moe, own["token"], fed)
-            same += [(live[i] == dispatched[i]).all(-1).sum().item() for i in range(2)]
+            for i in range(2):
+                same[i] += ((live[i] > 0) == (handed[i] > 0)).all(-1).sum().item()
+                weight[i] += (torch.minimum(live[i], handed[i]).sum(-1) / live[i].sum(-1)).sum().item()
     finally:
         for hook in hooks:
             hook.remove()
     assert conditions["global_mean"]["same_experts_per_router"] == pytest.approx(same / (4 * T), abs=1e-12)
+    assert conditions["global_mean"]["weight_kept_per_router"] == pytest.approx(weight / (4 * T), rel=1e-6)
 
 
-def test_routing_agreement_selects_experts_as_the_router_does():
-    from fca.engine.models.hf_moe import TopKRouting
-    from fca.engine.routing import TopKRouter, routing_agreement, top_k_choice
+def test_routing_agreement_compares_the_selections_the_experts_were_handed():
+    """The figures compare two selections (expert index and weights [N, k]) token by token: the set of experts,
+    the share of the token's own experts kept, the share of its own weight left on them; an index >= E is an
+    empty slot, and tokens are sequence-major."""
+    from fca.engine.routing import Selection, routing_agreement
 
-    own = np.array([[[3.0, 2.0, 1.0, 0.0]]], np.float32)  # [b=1, T=1, E=4]: experts 0 and 1
-    for assigned, same, kept, tied in (
-        ([0.0, 1.0, 2.0, 3.0], 0.0, 0.0, 0.0),  # experts 2 and 3
-        ([3.0, 1.0, 2.0, 0.0], 0.0, 0.5, 0.0),  # experts 0 and 2: one of two kept
-        ([2.0, 3.0, 0.0, 1.0], 1.0, 1.0, 0.0),  # the same set in another order
-        ([1.0, 1.0, 1.0, 1.0], None, None, 1.0),  # all equal: torch.topk's order decides
+    def one(index, weights=None):  # one token
+        return Selection(torch.tensor([index]), None if weights is None else torch.tensor([weights]))
+
+    own = one([0, 1], [0.75, 0.25])
+    for chosen, figures in (
+        (one([2, 3], [0.5, 0.5]), (0.0, 0.0, 0.0)),
+        (one([2, 0], [0.5, 0.5]), (0.0, 0.5, 0.5)),  # expert 0 kept, with 0.5 of its 0.75
+        (one([1, 0], [0.25, 0.75]), (1.0, 1.0, 1.0)),  # the same set in another order
+        (one([1, 0], [0.5, 0.5]), (1.0, 1.0, 0.75)),  # the same experts, weighed otherwise
+        (one([0, 4], [0.75, 0.0]), (0.0, 0.5, 0.75)),  # 4 = E: an empty slot, no expert
     ):
-        scores = routing_agreement(own, np.array(assigned, np.float32), 2, torch.float32)
-        assert scores["tied"].tolist() == [tied]
-        if same is not None:
-            assert (scores["same_experts"].tolist(), scores["expert_overlap"].tolist()) == ([same], [kept])
-    # Routed weight kept: expert by expert, the smaller of the token's own weight and the condition's.
-
-    def weights(logits, renormalize):  # top-2 of a softmax, as the routers weigh their experts
-        p = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
-        top = np.argsort(-p)[:2]
-        w = np.zeros_like(p)
-        w[top] = p[top] / (p[top].sum() if renormalize else 1.0)
-        return w
-
-    other = np.array([3.0, 1.0, 2.0, 0.0], np.float32)  # experts 0 and 2: one of two kept
-    for renormalize in (True, False):  # (Qwen2-MoE without norm_topk_prob keeps the raw probabilities)
-        mine, theirs = (
-            weights(own[0, 0].astype(np.float64), renormalize),
-            weights(other.astype(np.float64), renormalize),
-        )
-        expected = np.minimum(mine, theirs).sum() / mine.sum()
-        got = routing_agreement(own, other, TopKRouter(2, renormalize), torch.float32)["weight_kept"]
-        assert got.tolist() == [pytest.approx(expected, rel=1e-6)] and 0 < expected < 1
-    assert routing_agreement(own, own, 2, torch.float32)["weight_kept"].tolist() == [1.0]
-    # Weights handed over in the logits' dtype (OLMoE, Qwen) are rounded there first: as the experts get them.
-    rounded = TopKRouter(2, True, weights_in_logit_dtype=True)
-    logits = torch.tensor([[0.3, 0.1, -1.0, -2.0]], dtype=torch.bfloat16)
-    weights = top_k_choice(logits, rounded).weights
-    router = nn.Module()
-    router.top_k, router.norm_topk_prob = 2, True
-    _, dispatched, index = TopKRouting(weights_in_logit_dtype=True)(logits, router)
-    assert torch.equal(weights.gather(-1, index), dispatched.float())
-    assert not torch.equal(top_k_choice(logits, TopKRouter(2)).weights, weights)  # (float32's differ)
-    # A tie is one at the k-th choice: among the chosen it changes nothing; with k = E there is none.
-    for logits, k, tied in (([2.0, 1.0, 1.0, 0.0], 2, 1.0), ([2.0, 2.0, 1.0, 0.0], 2, 0.0), ([1.0] * 4, 4, 0.0)):
-        ties = routing_agreement(np.array([[logits]], np.float32), np.array(logits, np.float32), k, torch.float32)
-        assert ties["tied"].tolist() == [tied], (logits, k)
-    # per sequence, the share of its tokens: one tied token of two
-    two = np.array([[[1.0, 1.0, 0.0, 0.0], [3.0, 2.0, 1.0, 0.0]]], np.float32)  # [b=1, T=2, E]
-    assert routing_agreement(two, two, 1, torch.float32)["tied"].tolist() == [0.5]
-    # The softmax is float32's, as the router's: in bfloat16 logits 2^-10 apart would round to one value.
-    apart = np.array([[[0.0, 2**-10, -8.0, -8.0]]], np.float32)
-    assert routing_agreement(apart, apart, 1, torch.bfloat16)["tied"].tolist() == [0.0]
-    # A tie in the token's own choice counts too: which of its tied experts it ran was tie order.
-    own_tie = np.array([[[1.0, 1.0, 0.0, 0.0]]], np.float32)
-    assert routing_agreement(own_tie, np.array([0.0, 1.0, 2.0, 3.0], np.float32), 1, torch.float32)["tied"] == [1.0]
-    # A bfloat16 model's router is fed its values rounded: 1.0 and 1.001 are one value there, a tie.
-    close = np.array([[[1.001, 1.0, 0.0, 0.0]]], np.float32)
-    assert routing_agreement(own, close, 1, torch.float32)["tied"].tolist() == [0.0]
-    assert routing_agreement(own, close, 1, torch.bfloat16)["tied"].tolist() == [1.0]
-    assert routing_agreement(close, own, 1, torch.bfloat16)["tied"].tolist() == [1.0]  # (its own, rounded too)
-    # The experts chosen are the router's own choice (TopKRouting rebuilds it in replay).
-    logits = torch.randn(5, 7, E, generator=torch.Generator().manual_seed(0))
-    router = nn.Module()
-    router.top_k = TOP_K
-    _, _, index = TopKRouting(weights_in_logit_dtype=False)(logits.reshape(-1, E), router)  # [N, k]
-    selected = top_k_choice(logits, TopKRouter(TOP_K)).selected  # [5, 7, E]
-    assert torch.equal(selected.reshape(-1, E), torch.zeros(35, E, dtype=torch.bool).scatter_(-1, index, True))
+        got = routing_agreement(own, chosen, 4, 1)
+        assert tuple(got[f].item() for f in ("same_experts", "expert_overlap", "weight_kept")) == figures, chosen
+    # no weights handed: no weight figure
+    assert np.isnan(routing_agreement(one([0, 1]), one([0, 1]), 4, 1)["weight_kept"].item())
+    # an empty own selection: kept only by an empty one
+    assert routing_agreement(one([4, 4], [0.0, 0.0]), one([4, 4], [0.0, 0.0]), 4, 1)["expert_overlap"].item() == 1.0
+    assert routing_agreement(one([4, 4], [0.0, 0.0]), one([0, 4], [1.0, 0.0]), 4, 1)["expert_overlap"].item() == 0.0
+    # per sequence: [N = 2 sequences * 2 tokens, k = 1], sequence-major
+    index = torch.tensor([[0], [1], [2], [3]])
+    other = torch.tensor([[0], [0], [2], [2]])
+    got = routing_agreement(Selection(index, None), Selection(other, None), 4, 2)["same_experts"]
+    assert got.tolist() == [0.5, 0.5] and got.dtype == torch.float64
 
 
 def test_the_gpu_checks_routing_step_holds_on_the_cpu(monkeypatch):
     """bench.moe_routing_check, which bench/gpu_checks.sh runs on CUDA, passes here in both dtypes: the
-    figures equal its NumPy count (within the tied share in bfloat16, where NumPy breaks ties otherwise)."""
+    figures, read at the experts, equal its NumPy count (within the tied share in bfloat16, where NumPy breaks
+    ties otherwise)."""
     from bench.moe_routing_check import check
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for dtype in ("float32", "bfloat16"):
         result = check("cpu", dtype)
         assert result["failures"] == [] and result["max_abs_logit_diff"] == 0.0, dtype
-        assert result["conditions"]["global_mean"]["tied"] == 1.0

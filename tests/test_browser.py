@@ -24,9 +24,13 @@ from bench.browser import (
 # draw a chart before any interaction (the replay lab draws after a run)
 PAGES = {"": True, "overview": True, "variance": True, "profiles": True, "replay_lab": False, "execution": True}
 
-pytestmark = pytest.mark.skipif(
-    not Path(CHROMIUM).is_file(), reason=f"{CHROMIUM} is absent (apt-get install chromium; .ci/run does)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not Path(CHROMIUM).is_file(), reason=f"{CHROMIUM} is absent (apt-get install chromium; .ci/run does)"
+    ),
+    pytest.mark.browser,
+    pytest.mark.slow,
+]
 
 
 @pytest.fixture(scope="module")

@@ -700,6 +700,7 @@ def test_the_penalty_interval_is_paired_over_sequences():
     assert 0.095 < lo < 0.1 < hi < 0.105  # unpaired, the interval would be about +-0.17 wide
 
 
+@pytest.mark.slow
 def test_replay_runner_conditions(demo):
     model = fca.load_model(demo / "featuregate")
     ev, cal = open_cache(demo / "eval"), open_cache(demo / "calibration")
@@ -784,6 +785,7 @@ def test_window_documents_at_document_boundaries(demo, tmp_path):
             open_cache(cache)
 
 
+@pytest.mark.slow
 def test_audit_report(demo, tmp_path):
     assert (
         main(
@@ -906,6 +908,7 @@ def test_calibration_drawn_with_another_split_seed_is_refused(demo, tmp_path, ca
     assert not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.slow
 def test_the_same_text_in_another_corpus_file_is_not_an_independent_calibration(demo, tmp_path, capsys):
     """Another corpus file counted as independent by its fingerprint alone: the evaluated split's own text,
     saved as Parquet, was accepted as its calibration cache. Another file's text is compared now; other
@@ -954,7 +957,7 @@ def test_an_audit_of_the_first_sequences_measures_their_variance_only(demo, tmp_
     rows = cache.read_seqs(range(5))
     values = np.concatenate([rows[s].astype(np.float64) for s in layout.sites], axis=2)  # [5, T, C]
     assert first.num_seqs == 5 and first.count == 5 * 16
-    np.testing.assert_allclose(first.sum, values.sum(axis=(0, 1)), rtol=1e-12)
+    np.testing.assert_allclose(first.slot_mean, values.mean(axis=(0, 1)), rtol=1e-12)
     whole, _ = cache_moments(cache)
     assert whole.num_seqs == N_SEQS and cache_moments(cache, num_seqs=N_SEQS)[0].count == whole.count
     args = _audit_args(demo / "featuregate", demo / "eval", demo / "calibration", tmp_path / "r.json")
@@ -984,6 +987,7 @@ def test_gap_retention_undefined_without_gap():
     assert gap_retention({"global_mean": table["global_mean"], "static_layer": table["static_layer"]}) == {}
 
 
+@pytest.mark.slow
 def test_replay_cli_saves_runs(demo, capsys):
     from app.figures import nll_bars
     from fca.jobs.runs import run_replay
@@ -1322,6 +1326,7 @@ def test_damaged_reports_devices_and_one_path_for_two_outputs_are_refused(demo, 
     assert json.loads((tmp_path / "r.json").read_text()) == report
 
 
+@pytest.mark.slow
 def test_bench_measures_every_figure_it_documents(demo, tmp_path, monkeypatch, capsys):
     """`fca bench` run small: every README figure is a finite number, the cache it timed replays exactly,
     and its scratch caches are gone (no timing is asserted)."""

@@ -146,6 +146,7 @@ def test_a_shard_must_be_whole_batches_of_the_whole_run():
             _shard_bounds(shard, 4, 10)
 
 
+@pytest.mark.slow
 def test_replaying_some_sites_frees_every_site_and_still_refuses_unknown_names():
     """`replay(..., only=...)` takes every site for its pass: each must be free again after it (a site left
     taken refuses every later pass), and a misspelt site among the coefficients is named, not ignored."""

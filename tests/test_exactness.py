@@ -27,9 +27,10 @@ from fca.jobs.experiment import Experiment
 from fca.tables.environment import describe, same_environment
 from fca.tables.errors import CacheError
 from fca.tables.fidelity import FidelityError, FidelityMeasure, calibration_origin, check_dtype, tolerances
-from fca.tables.profiles import calibration_profiles
+from fca.tables.profiles import cache_moments, calibration_profiles
 from fca.tables.report import exactness_sentences
 from fca.tables.schema import MANIFEST, file_sha256
+from fca.tables.stats import variance_decomposition
 from fca.tables.store import open_cache
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,7 +109,10 @@ def replay_cli(model: Path, cache: Path, calibration: Path, *extra: str) -> int:
 # ------------------------------------------------------------------ the shipped demo, replayed here
 
 
+@pytest.mark.slow
 def test_shipped_demo_audit_reproduces_its_report(tmp_path):
+    """The full re-audit (every condition on all 256 windows): CI runs it; the everyday run replays 32
+    windows of the same caches (the test below)."""
     shipped = json.loads((DEMO / "audit.json").read_text())
     assert (
         main(
@@ -157,26 +161,34 @@ def test_shipped_demo_audit_reproduces_its_report(tmp_path):
     assert fidelity["replayed_on"]["device_type"] == "cpu"
 
 
+def shipped_replay(num_seqs: int) -> int:
+    args = ["replay", "--model", str(DEMO / "featuregate"), "--cache", str(DEMO / "eval"), "--calibration"]
+    args += [str(DEMO / "calibration"), "--conditions", "static_layer", "--num-seqs", str(num_seqs), "--no-save"]
+    return main([*args, "--device", "cpu"])
+
+
+def test_the_shipped_demo_replays_here_and_its_stored_figures_are_its_reports(capsys):
+    """The everyday check of the shipped demo: its caches replay here (the mechanism check, and their fidelity
+    to what this machine records, or the command fails) on their first 32 windows, and the figures its audit
+    read from their stored statistics are those it shipped (the full re-audit above is slow)."""
+    shipped = json.loads((DEMO / "audit.json").read_text())
+    variance = variance_decomposition(*cache_moments(open_cache(DEMO / "eval")))  # from its stored moments
+    assert variance["layer_identity_share"] == pytest.approx(shipped["variance"]["layer_identity_share"], rel=1e-12)
+    assert variance["factors"] == pytest.approx(shipped["variance"]["factors"], rel=1e-12)
+    assert variance["per_slot_share"] == pytest.approx(shipped["variance"]["per_slot_share"], rel=1e-12)
+    family_means = calibration_profiles(open_cache(DEMO / "calibration")).family_means
+    assert family_means == pytest.approx(shipped["calibration"]["family_grand_means"], rel=1e-12)
+    assert shipped_replay(32) == 0
+    out = capsys.readouterr().out
+    assert "reproduces the live logits (max |difference| 0, tolerance 1e-06" in out
+    assert re.search(r"^static_layer  NLL \d\.\d{4}  penalty \+0\.\d{4} \[\+0\.\d{4}, \+0\.\d{4}\]", out, re.M)
+
+
+@pytest.mark.slow
 def test_replaying_the_shipped_demo_prints_the_interval_over_its_documents(capsys):
     """96 windows of the demo lie in 10 chapters: fca replay prints the penalty's CI over them before the one
     over sequences, and says why (64 windows, 7 chapters: too few for one)."""
-    args = ["replay", "--model", str(DEMO / "featuregate"), "--cache", str(DEMO / "eval"), "--calibration"]
-    assert (
-        main(
-            [
-                *args,
-                str(DEMO / "calibration"),
-                "--conditions",
-                "static_layer",
-                "--num-seqs",
-                "96",
-                "--no-save",
-                "--device",
-                "cpu",
-            ]
-        )
-        == 0
-    )
+    assert shipped_replay(96) == 0
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if line.startswith("static_layer"))
     assert re.search(
@@ -243,6 +255,7 @@ def test_inspect_says_what_a_replay_here_would_hold_the_cache_to(demo_pair, tmp_
         assert captured.out == "" and "no CUDA device is available" in captured.err
 
 
+@pytest.mark.slow
 def test_foreign_cache_beyond_drift_is_refused(demo_pair, tmp_path, capsys):
     model_dir, ev, cal = demo_pair
     wrong = rewrite_cache(ev, tmp_path / "wrong", 1e-3, FOREIGN)
@@ -286,6 +299,7 @@ def test_each_bound_of_a_foreign_cache_refuses_it_by_name():
             judge(**kwargs)
 
 
+@pytest.mark.slow
 def test_same_environment_must_be_bit_identical(demo_pair, tmp_path, capsys):
     model_dir, ev, cal = demo_pair
     here = open_cache(ev).environment
@@ -325,6 +339,7 @@ def test_same_environment_must_be_bit_identical(demo_pair, tmp_path, capsys):
     assert "not this model's output" in err and "in this environment" not in err
 
 
+@pytest.mark.slow
 def test_settings_that_choose_kernels_are_part_of_the_environment(demo_pair, tmp_path, monkeypatch, capsys):
     """A build under oneDNN's instruction-set limit (or TF32, or a lower float32 matmul precision) runs other
     kernels on the same device: the manifest records it, and a replay without it judges the cache as
@@ -354,6 +369,7 @@ def test_settings_that_choose_kernels_are_part_of_the_environment(demo_pair, tmp
     assert f"({here['capability']}, 1 thread)," in one and "threads" not in one
 
 
+@pytest.mark.slow
 def test_a_foreign_calibration_cache_is_said_to_be_foreign(demo_pair, tmp_path, capsys):
     """Its origin appeared only in the report's JSON: the CLI and the Markdown said nothing of it."""
     model_dir, ev, cal = demo_pair
@@ -652,6 +668,7 @@ def test_the_newer_precision_api_is_recorded_not_a_crash():
 # ------------------------------------------------------------------ which replay is Correct-from-cache
 
 
+@pytest.mark.slow
 def test_correct_is_scored_from_the_cache_whenever_the_cache_is_not_the_recorded_pass(demo_pair, tmp_path):
     """Correct's NLL (and the fidelity check's Correct-from-cache) is the replay of the cached coefficients.
     Only when they equal the pass just recorded, value for value in float32, is that pass's replay reused:

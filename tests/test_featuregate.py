@@ -43,6 +43,7 @@ def tiny(**kw) -> FeatureGateModel:
     return build_featuregate(FeatureGateConfig(vocab_size=97, **{**TINY, **kw})).eval()
 
 
+@pytest.mark.slow
 def test_shapes_and_sites():
     model = tiny()
     ids = torch.randint(0, 97, (3, 16))
@@ -92,6 +93,7 @@ def test_exact_correct_replay_and_controller_never_runs():
         h.remove()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_a_compiled_model_is_the_uncompiled_one_and_replays_without_its_controllers(backend):
     """`torch.compile` wraps the model in a module whose tree and state dict prefix every name with
@@ -142,6 +144,7 @@ def test_a_compiled_model_is_the_uncompiled_one_and_replays_without_its_controll
     assert fingerprint_state(in_place) == fingerprint_state(tiny())
 
 
+@pytest.mark.slow
 def test_static_replay_differs_and_broadcasts():
     model = tiny()
     ids = torch.randint(0, 97, (2, 16))
@@ -210,6 +213,7 @@ def test_site_modes_restore_after_error():
     assert all(s.mode == "live" and s._sink is None and s._provider is None for s in find_sites(model).values())
 
 
+@pytest.mark.slow
 def test_a_second_pass_over_sites_in_a_pass_is_refused():
     """A record or replay pass over a model whose sites are in another pass (here one this thread is
     inside, then one another thread holds open) is refused, and the first pass keeps its modes: two at
@@ -309,6 +313,7 @@ def test_a_weights_file_that_cannot_be_opened_is_said_so_for_any_user(tmp_path, 
         fca.load_model(model_dir)
 
 
+@pytest.mark.slow
 def test_training_reduces_loss(tmp_path, corpus):
     config = FeatureGateConfig(**TINY)
     log = train(
@@ -336,6 +341,7 @@ def test_training_reduces_loss(tmp_path, corpus):
     assert heldout_nll(model, windows) == pytest.approx(log["final_eval_nll"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_diverged_training_saves_no_model_and_a_nan_model_writes_no_cache(tmp_path, corpus):
     """A learning rate of 1e30 saved a model of NaN weights (exit 0), and its cache of NaN coefficients
     was written and passed `inspect --verify`."""

@@ -38,6 +38,7 @@ def conditions(draw) -> Condition:
     return Condition(kind, alpha, sites, independent, draw(st.integers(0, 2**31 - 1)))
 
 
+@pytest.mark.slow
 @settings(database=None)  # no example database left in the working tree
 @given(conditions())
 def test_parse_reads_back_what_format_writes(condition: Condition) -> None:
@@ -140,12 +141,12 @@ def test_help_is_quick() -> None:
 
 def test_an_undefined_layer_identity_share_is_not_reported_as_zero(tmp_path, capsys) -> None:
     report = json.loads((ROOT / "cache" / "demo" / "audit.json").read_text())
-    report["variance"]["layer_identity_share"] = None  # (null where the coefficients hardly vary)
+    report["variance"]["layer_identity_share"] = None  # (null where the coefficients do not vary)
     path = tmp_path / "audit.json"
     path.write_text(json.dumps(report))
     assert main(["report", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "explains an undefined share of the coefficient variance (the coefficients hardly vary)" in out
+    assert "explains an undefined share of the coefficient variance (the coefficients do not vary)" in out
     assert "**0.0%**" not in out
 
 
@@ -276,6 +277,7 @@ def test_the_dashboard_without_its_extra_says_what_to_install(monkeypatch, capsy
     assert said.out == "" and said.err == 'fca: error: the dashboard needs streamlit (pip install -e ".[app]")\n'
 
 
+@pytest.mark.slow
 def test_the_dashboard_command_is_the_server(tmp_path) -> None:
     """`fca dashboard` becomes the streamlit server: its exit status is the server's (a taken port: 1; the
     launcher had exited 0), and stopping the command stops the server (a launcher stopped by its pid had

@@ -65,6 +65,7 @@ def adapted():
     return model
 
 
+@pytest.mark.slow
 def test_custom_model_audited_end_to_end(adapted, tmp_path):
     tokens = np.random.default_rng(0).integers(0, 64, 8_000)  # a token stream; any tokenizer's ids will do
     fca.build_cache(adapted, tokens[:4_000], tmp_path / "eval", seq_len=32, split="eval")
@@ -96,6 +97,7 @@ def test_custom_model_audited_end_to_end(adapted, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_the_dashboard_on_caches_of_a_model_held_in_memory(adapted, tmp_path, monkeypatch):
     """Before an audit, the Overview tells how to make one from Python (it read "...Make one with the CLI:. No
     model directory..."). After it, the Execution page says every block ran, but not that nothing was skipped:
@@ -126,6 +128,7 @@ def test_the_dashboard_on_caches_of_a_model_held_in_memory(adapted, tmp_path, mo
     assert "save no compute" not in said and "`Family.expert_paths`); this one names none" in said
 
 
+@pytest.mark.slow
 def test_a_compiled_model_is_audited_on_caches_of_the_uncompiled_one(adapted, tmp_path):
     """Caches built with the model serve it compiled (`torch.compile`, whose module tree names everything
     `_orig_mod.`...): same sites and fingerprint, an exact Correct replay, the same conditions' NLLs, and the
@@ -158,6 +161,7 @@ def test_a_compiled_model_is_audited_on_caches_of_the_uncompiled_one(adapted, tm
     assert fingerprint_state(declared_compiled) == experiment.model_fingerprint
 
 
+@pytest.mark.slow
 def test_same_windows_give_the_same_cache(adapted, tmp_path):
     windows = np.random.default_rng(1).integers(0, 64, (6, 17))
     a = fca.build_cache(adapted, windows, tmp_path / "a", split="eval")
@@ -167,6 +171,7 @@ def test_same_windows_give_the_same_cache(adapted, tmp_path):
     assert fca.open_cache(a).seq_len == 16 and fca.open_cache(a).vocab_size == 64
 
 
+@pytest.mark.slow
 def test_calibration_from_the_same_windows_is_refused(adapted, tmp_path):
     windows = np.random.default_rng(2).integers(0, 64, (6, 17))
     fca.build_cache(adapted, windows, tmp_path / "eval", split="eval")
@@ -185,6 +190,7 @@ def test_calibration_from_the_same_windows_is_refused(adapted, tmp_path):
     fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "other")  # other windows: independent
 
 
+@pytest.mark.slow
 def test_shared_text_is_found_across_window_boundaries(adapted, tmp_path):
     """The same text cut into windows at other offsets is refused as calibration; one window duplicated among
     hundreds (a repeated document, padding) is not a reason to refuse."""
@@ -200,6 +206,7 @@ def test_shared_text_is_found_across_window_boundaries(adapted, tmp_path):
     fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "one")
 
 
+@pytest.mark.slow
 def test_a_shifted_copy_in_short_windows_is_found(tmp_path):
     """In 33-token windows, 32-token stretches (two per window) missed the evaluated text shifted by 2 tokens
     or more: half-window stretches find a copy at any shift, and disjoint text still passes."""
@@ -216,6 +223,7 @@ def test_a_shifted_copy_in_short_windows_is_found(tmp_path):
     fca.Experiment.open(model, tmp_path / "eval", tmp_path / "other")
 
 
+@pytest.mark.slow
 def test_a_run_is_judged_before_its_figures_are_returned(adapted, tmp_path):
     """`Experiment.run` refuses an inexact Correct replay rather than return figures, takes condition specs
     as text, and a model left in training mode is refused with what to do."""
@@ -271,6 +279,7 @@ def formulaic_text(sentences: int, seed: int = 0) -> np.ndarray:
     return np.array([alphabet.index(c) for c in text])
 
 
+@pytest.mark.slow
 def test_a_character_level_models_disjoint_splits_are_independent(adapted, tmp_path):
     """32 characters of formulaic text recur by chance between any two parts of it: the README's own example
     with character ids was refused (1.03% of the KJV's 32-character stretches recur between disjoint
@@ -410,6 +419,7 @@ class DepthRoutedLM(nn.Module):
         return self.head(h)  # [B, T, V]
 
 
+@pytest.mark.slow
 def test_a_model_that_skips_blocks_is_counted_as_it_runs(tmp_path):
     """No shipped model skips a block, so the execution audit's counting had only ever seen every block run.
     A Mixture-of-Depths model runs each block for 16 of a sequence's 32 tokens: the audit counts exactly that
@@ -441,6 +451,7 @@ def test_a_model_that_skips_blocks_is_counted_as_it_runs(tmp_path):
     assert nll["token_shuffle"] > nll["correct"] + 1e-3
 
 
+@pytest.mark.slow
 def test_a_runs_seed_and_every_batchs_exactness_reach_its_results(adapted, tmp_path):
     """The run's seed draws cross_input's derangement (another seed, other partners); and the mechanism check
     reports the largest difference over all batches, not the last batch's (a first batch off by 1e-3 and

@@ -405,6 +405,7 @@ class ConfiguredModel(CustomModel):
         self.config = SimpleNamespace(model_type="registered_gated", gated=gated, d=8)
 
 
+@pytest.mark.slow
 def test_a_family_registered_for_a_built_in_type_replaces_it_whenever_it_is_registered():
     """The built-in families join the registry on its first lookup, under those registered before: a
     family registered for `featuregate` replaces the built-in one even before anything was looked up or
@@ -441,12 +442,15 @@ def test_registered_family_loads_and_has_a_dense_twin(tmp_path, registry_guard):
     model = fca.load_model(model_dir)
     assert isinstance(model, ConfiguredModel) and not model.training and len(model_blocks(model)) == 2
     assert catalog.find_dense_twin(model_dir) == tmp_path / "twin"  # the catalog learned the family's twin
-    with pytest.raises(ModelLoadError, match="unsupported model_type 'nobody'.*featuregate.*fca.attach_sites"):
+    with pytest.raises(
+        ModelLoadError, match="unsupported model_type 'nobody'.*featuregate.*attach_sites.*--family FILE"
+    ):
         (tmp_path / "x").mkdir()
         (tmp_path / "x" / "config.json").write_text(json.dumps({"model_type": "nobody"}))
         fca.load_model(tmp_path / "x")
 
 
+@pytest.mark.slow
 def test_flops_count_attention_and_experts_on_the_cpu():
     """torch's counter has no formula for the CPU's fused attention nor for the grouped products of
     transformers' experts: a CPU audit of the demo left out every attention product (0.45% controller share

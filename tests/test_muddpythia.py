@@ -183,6 +183,7 @@ def test_random_model_matches_its_checkpoint(ids, live):
         assert max_diff(build_random_model(TINY, seed=1)(ids), live) == 0.0
 
 
+@pytest.mark.slow
 def test_bfloat16_load(ckpt, ids, live):
     model = fca.load_model(ckpt, dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
@@ -354,6 +355,7 @@ def test_static_profile_replay(model, ids, live, captured):
     assert torch.isfinite(logits).all() and max_diff(logits, live) > 1e-3
 
 
+@pytest.mark.slow
 def test_conditions_run(model, ids, live, captured):
     rng = np.random.default_rng(0)
     B, T = ids.shape

@@ -47,7 +47,7 @@ SWEEP = [
 def test_retention_sentence_in_plain_words():
     text = retention_sentence({"conditions": CONDITIONS, "gap_retention": RETENTION})
     assert text.startswith("A fixed per-layer profile keeps 42.0% of what per-token control is worth here")
-    assert text.endswith("the paper's gated models kept 98.7-99.4%.")  # PAPER_STATIC_RETENTION
+    assert text.endswith("the paper's gated models kept 98.70-99.43% (arXiv:2607.26192).")  # PAPER_STATIC_RETENTION
     # of another architecture, the paper's range is a reference, not its own yardstick
     for model_type, qualified in (("featuregate", False), ("mixtral", True), ("muddpythia", True)):
         report = {"conditions": CONDITIONS, "gap_retention": RETENTION, "model": {"model_type": model_type}}
@@ -151,30 +151,35 @@ def test_the_conditions_and_routing_tables_cell_by_cell():
     assert "| penalty 95% CI (documents) | gap retention [95% CI] |" in narrow[0] and len(narrow[1].split("|")) == 7
     assert narrow[3] == "| cross_input | 3.9000 | +0.9000 | [+0.8400, +0.9700] | 10.0% [-5.0%, 25.0%] |"
     assert conditions_table(report, both_intervals=False) == conditions_table(report)  # nothing over documents
-    figures = dict(same_experts=0.25, expert_overlap=0.5, weight_kept=0.45, tied=0.125)
+    figures = dict(same_experts=0.25, expert_overlap=0.5, weight_kept=0.45)
     routing = {
         "routers": {"a.0": 2, "a.1": 2},
         "chance": {"same_experts": 1 / 6, "expert_overlap": 0.5},
         "conditions": {
             "cross_input": {**figures, "routers_changed": ["a.0", "a.1"]},
-            "cross_input@a.0": {**figures, "tied": 0.75, "routers_changed": ["a.0"]},
+            "cross_input@a.0": {**figures, "weight_kept": None, "routers_changed": ["a.0"]},
         },
     }
     table = routing_table({"routing": routing})
-    assert table[-4:-1] == [
-        "| cross_input | 25.0% | 50.0% | 45.0% | 12.5% |",
-        "| `cross_input@a.0` (1 of 2 routers) | 25.0% | 50.0% | 45.0% | 75.0% |",
-        "",
+    assert table[-2:] == [
+        "| cross_input | 25.0% | 50.0% | 45.0% |",
+        "| `cross_input@a.0` (1 of 2 routers) | 25.0% | 50.0% | – |",  # (no weights handed: no figure)
     ]
     assert "top-2" in table[1] and "2 routers" in table[1] and "16.7% of tokens and keep 50.0% of them" in table[1]
-    half = {**routing, "conditions": {"cross_input": {**figures, "tied": 0.5}}}  # (half tied: said too)
-    assert "every such token ran the same experts" in routing_table({"routing": half})[-1]
-    assert "every such token ran the same experts" in table[-1]  # (a row with most choices tied)
+    assert "read from what each MoE layer's experts were handed" in table[1]
     # A condition on sites that are no router changes no routing: said, with no figures
     nothing = {key: None for key in figures} | {"routers_changed": []}
     quiet = routing_table({"routing": {**routing, "conditions": {"cross_input@gate.x": nothing}}})
-    assert quiet[-1] == "| `cross_input@gate.x` (no router changed) | – | – | – | – |"
+    assert quiet[-1] == "| `cross_input@gate.x` (no router changed) | – | – | – |"
     assert routing_table({"conditions": CONDITIONS}) == []
+    # Routers whose selection could not be observed: one sentence, its names shown as written (not Markdown)
+    note = "No routing figure is reported for 1 of 3 routers: which experts ran could not be read (m.2_x: why)."
+    partly = routing_table({"routing": {**routing, "not_reported": note}})
+    assert partly[-2:] == ["", note.replace("_", "\\_").replace("(", "\\(").replace(")", "\\)")]
+    assert routing_table({"routing": {"not_reported": "No routing figure is reported for any router."}}) == [
+        "",
+        "**Routing.** No routing figure is reported for any router.",
+    ]
 
 
 def test_routing_summary_over_the_routers_a_condition_changes_and_chance_over_all():
@@ -199,17 +204,26 @@ def test_routing_summary_over_the_routers_a_condition_changes_and_chance_over_al
     }
     row = out["conditions"]["cross_input@a"]
     assert row["routers_changed"] == ["a"] and row["same_experts"] == pytest.approx(0.4)
-    assert row["same_experts_per_router"] == pytest.approx([0.4, 1.0]) and row["tied_per_router"] == pytest.approx(
-        [0.4, 1.0]
-    )
-    assert out["conditions"]["correct"]["routers_changed"] == ["a", "b"]
-    assert out["weights"] == dict.fromkeys(["a", "b"], "renormalised top-k probabilities")
-    untouched = summarize_routing(
-        {"a": 2, "b": 2}, specs, {"cross_input@c": dict.fromkeys(ROUTING_FIGURES, shuffled)}, {"a": False}
-    )
+    assert row["same_experts_per_router"] == pytest.approx([0.4, 1.0])
+    assert out["conditions"]["correct"]["routers_changed"] == ["a", "b"] and "not_reported" not in out
+    untouched = summarize_routing({"a": 2, "b": 2}, specs, {"cross_input@c": dict.fromkeys(ROUTING_FIGURES, shuffled)})
     row = untouched["conditions"]["cross_input@c"]
-    assert row["routers_changed"] == [] and row["same_experts"] is None and row["tied"] is None
-    assert untouched["weights"]["a"] == "top-k probabilities as they are"
+    assert row["routers_changed"] == [] and row["same_experts"] is None and row["weight_kept"] is None
+    # A router whose experts were handed no weights has no weight_kept (NaN -> null), the others keep theirs.
+    unweighted = {**per_seq["cross_input@a"], "weight_kept": np.array([[np.nan, 0.5]] * 3)}
+    row = summarize_routing({"a": 2, "b": 2}, specs, {"cross_input": unweighted})["conditions"]["cross_input"]
+    assert row["weight_kept"] == 0.5 and row["weight_kept_per_router"] == [None, 0.5]
+    # Routers whose selection could not be read: one sentence saying which and why; none observed: only it.
+    out = summarize_routing({"a": 2}, specs, {"correct": {f: np.ones((3, 1)) for f in ROUTING_FIGURES}}, {"b": "why"})
+    assert out["not_reported"] == (
+        "No routing figure is reported for 1 of 2 routers: which experts ran could not be read at the experts (b: why)."
+    )
+    nothing = summarize_routing({}, specs, {}, {"a": "its family names no experts modules", "b": "its family names "
+                                "no experts modules"})  # fmt: skip
+    assert nothing == {
+        "not_reported": "No routing figure is reported for any router: which experts ran could not be read at the "
+        "experts (a, b: its family names no experts modules)."
+    }
 
 
 def test_nll_bars_draw_each_bound_where_it_is():
@@ -329,6 +343,7 @@ def test_token_text_html_escapes_every_token_into_one_span():
 # ------------------------------------------------------------------ the sweep in real audits
 
 
+@pytest.mark.slow
 def test_sweep_section_in_a_tiny_audit(tiny_demo):
     from fca.jobs.audit import run_audit
 
@@ -364,6 +379,7 @@ def test_sweep_section_in_a_tiny_audit(tiny_demo):
     assert set(study["summary"]["conditions"]) == set(stripped["conditions"])
 
 
+@pytest.mark.slow
 def test_definitions_say_what_was_run(tiny_demo):
     """No sweep, no sweep definition; conditions beyond the paper's five are defined; every condition is
     named in the Markdown (not an empty line for the specs)."""
@@ -388,7 +404,7 @@ def test_shipped_markdown_reports_are_what_their_json_renders():
     """Every shipped audit.md is `fca report AUDIT.json` of the audit beside it: a change to the report's
     Markdown regenerates them (README, Multi-seed studies), or they would show what this version does not."""
     shipped = sorted((REPO / "cache").rglob("audit.json"))
-    assert len(shipped) == 6
+    assert len(shipped) == 7  # the demo, the skip demo, and the two studies' five seeds
     for path in shipped:
         assert path.with_suffix(".md").read_text() == render_markdown(json.loads(path.read_text())), path
     assert "| token id within slot | 67.3% | 3.84% |" in (DEMO / "audit.md").read_text()  # (shares in percent)

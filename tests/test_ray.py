@@ -24,7 +24,7 @@ from fca.tables.writer import read_progress
 SIZES = dict(num_seqs=8, seq_len=16, batch_size=2, device="cpu", part_seqs=2)  # 4 parts of 2 sequences
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def cluster():
     path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
@@ -63,6 +63,9 @@ def _same_cache(a, b) -> None:
     assert all(np.array_equal(ra[k], rb[k]) for k in ra)
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
 def test_two_workers_build_the_single_process_cache(tiny_demo, single, tmp_path):
     out = _distributed(tiny_demo, tmp_path / "eval")
     assert len(open_cache(out).manifest.parts) == 4
@@ -84,6 +87,9 @@ def test_stored_moments_equal_a_scan_of_the_coefficients(single):
         assert value == pytest.approx(b["factors"][name], rel=1e-12, abs=1e-12), name
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
 def test_lost_workers_then_resume_give_the_same_cache(tiny_demo, single, tmp_path):
     out = tmp_path / "eval"
     with pytest.raises(CacheError, match="every build worker failed"):
@@ -94,6 +100,9 @@ def test_lost_workers_then_resume_give_the_same_cache(tiny_demo, single, tmp_pat
     _same_cache(_distributed(tiny_demo, out), single)
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
 def test_an_unfinished_build_of_other_settings_is_said_to_start_over(tiny_demo, tmp_path, capsys):
     """As the single-process build: the parts an interrupted build kept are not silently lost to a rerun
     with another flag; the line names the setting that differs."""
@@ -110,6 +119,9 @@ def test_an_unfinished_build_of_other_settings_is_said_to_start_over(tiny_demo, 
     assert open_cache(out, verify=True).num_seqs == 6
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
 def test_build_to_a_filesystem_uri_commits_parts_and_resumes(tiny_demo, single, tmp_path):
     """`--out` a pyarrow filesystem URI (here file://, through the same pyarrow filesystem calls as
     s3:// or gs://): actors commit parts under `<uri>.partial/`, a stopped build keeps them and resumes,
@@ -136,6 +148,7 @@ def test_build_to_a_filesystem_uri_commits_parts_and_resumes(tiny_demo, single, 
         _distributed(tiny_demo, uri)
 
 
+@pytest.mark.slow
 def test_single_process_build_to_a_uri_and_refusals(tiny_demo, single, tmp_path):
     from fca.tables.remote import RemoteParts
 
@@ -192,6 +205,9 @@ def test_shard_bounds_fall_on_batches():
     assert all(lo % 4 == 0 for lo, _ in shard_bounds(37, 4, 3))
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
 def test_sharded_audit_is_the_single_process_audit(tiny_demo):
     from fca.jobs.audit import audit_experiment, run_audit
     from fca.jobs.distributed import ShardedExperiment
@@ -209,6 +225,9 @@ def test_sharded_audit_is_the_single_process_audit(tiny_demo):
         assert json.dumps(sharded[key], sort_keys=True) == json.dumps(local[key], sort_keys=True), key
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.usefixtures("cluster")
 def test_a_sharded_run_is_checked_reports_progress_and_stops(tiny_demo):
     """The sharded run refuses what the local run refuses, and honours progress and cancel."""
     from fca.jobs.distributed import ShardedExperiment
@@ -314,3 +333,42 @@ def test_merged_shards_keep_each_shards_rows_of_routing_agreement():
         merge_results([shard(0, 2), elsewhere], bounds)
     for figure in ROUTING_FIGURES:
         np.testing.assert_array_equal(merged.routing["cross_input"][figure], whole[figure])
+    # A router one shard could not observe has no figure in the merged run; the other keeps its column.
+    blind = shard(2, 4)
+    blind.routers, blind.routing_unobserved = {"a": 2}, {"b": "its experts module m.b was never called"}
+    blind.routing = {"cross_input": {f: v[:, :1] for f, v in blind.routing["cross_input"].items()}}
+    merged = merge_results([shard(0, 2), blind], bounds)
+    assert merged.routers == {"a": 2} and merged.routing_unobserved == blind.routing_unobserved
+    for figure in ROUTING_FIGURES:
+        np.testing.assert_array_equal(merged.routing["cross_input"][figure], whole[figure][:, :1])
+
+
+def test_workers_run_the_family_files_the_driver_ran(tiny_demo, single, tmp_path):
+    """A model of a family declared in a file loads in every actor (a process of its own), as in the
+    driver: the build is the single-process build of the same weights."""
+    import shutil
+
+    from fca.engine import families as registry
+    from fca.engine.user_families import load_family_file
+
+    model = shutil.copytree(tiny_demo / "featuregate", tmp_path / "renamed")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "featuregate_by_file"}))
+    family = tmp_path / "family.py"
+    family.write_text(
+        "import dataclasses\nfrom fca.engine.models.featuregate import FAMILY as BUILT_IN\n"
+        "FAMILY = dataclasses.replace(BUILT_IN, model_type='featuregate_by_file')\n"
+    )
+    saved = dict(registry.registered_families())
+    try:
+        load_family_file(family)
+        out = build_cache_distributed(
+            model, tiny_demo / "corpus.txt", "eval", tmp_path / "eval", workers=2, show_progress=False, **SIZES
+        )
+    finally:
+        registry._FAMILIES.clear()
+        registry._FAMILIES.update(saved)
+    a, b = open_cache(out, verify=True), open_cache(single, verify=True)
+    assert a.manifest.model.fingerprint == b.manifest.model.fingerprint
+    seqs = list(range(a.num_seqs))
+    assert np.array_equal(a.read_seqs(seqs)["blocks.0.gate"], b.read_seqs(seqs)["blocks.0.gate"])

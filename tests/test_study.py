@@ -405,6 +405,7 @@ def test_cli_study_rejects_a_non_report_in_one_line(tmp_path, capsys):
 # ------------------------------------------------------------------ training: the path CUDA shares
 
 
+@pytest.mark.slow
 def test_training_smoke_is_deterministic_and_learns(tmp_path):
     from safetensors.torch import load_file
 

@@ -196,7 +196,7 @@ def test_study_retention_figure_is_pure_and_titled():
     # Each line's label over the condition whose points keep farthest from it (at the plot's end, "global
     # mean" touched a seed of the condition beside): 0% over static_layer (lowest point 20%), 100% over
     # cross_input (highest 1%), each on the side of its line away from the axis's ticks.
-    labels = {a.text.split("<br>")[0]: (a.x, a.y, a.yanchor) for a in fig.layout.annotations}
+    labels = {a.text.split("<br>")[0]: (a.x, a.y, a.yanchor) for a in fig.layout.annotations if "paper" not in a.text}
     assert labels == {"global mean": (1, 0.0, "bottom"), "correct": (0, 1.0, "top")}
     # Each seed beside the others (at one x, seed 0 lay hidden under the rest) and none at the mean's x
     # (its marker and interval bar covered the middle seed of three), in its own symbol too.

@@ -16,6 +16,7 @@ from fca.tables import catalog
 from fca.tables.catalog import CacheEntry
 from fca.tables.errors import CacheError, ExactnessError, ModelLoadError
 from fca.tables.store import Cache
+from fca.tables.text import markdown_text
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -149,7 +150,7 @@ def guard(what: str) -> Iterator[None]:
         yield
     except USER_ERRORS as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
-        st.error(f"{what}: {message}")
+        st.error(f"{what}: {markdown_text(message)}")  # (its paths and names come from files)
 
 
 KEPT_KEY = "fca_kept_widgets"
@@ -181,13 +182,23 @@ def one_of(options) -> Callable[[object], bool]:
     return lambda value: value in list(options)
 
 
+DISPLAY_KEY = "fca_display"  # the sidebar's Display choice: "standard" or "presenter"
+PRESENTER_FONT = 16  # px: the smallest chart text in presenter view, legible from the back of a room
+
+
+def presenting() -> bool:
+    return st.session_state.get(DISPLAY_KEY) == "presenter"
+
+
 def teach(text: str) -> None:
-    """The two or three sentences that open every page: what the plot shows and how to read it."""
-    st.markdown(text)
+    """The two or three sentences that open every page: what the plot shows and how to read it (left out in
+    presenter view, where the speaker says them)."""
+    if not presenting():
+        st.markdown(text)
 
 
 def share_text(share: float | None) -> str:
-    """A layer-identity share as the pages show it; None (the coefficients hardly vary, so no share is
+    """A layer-identity share as the pages show it; None (the coefficients do not vary, so no share is
     defined) as "n/a", never as 0.0%."""
     return "n/a" if share is None else f"{100 * share:.1f}%"
 
@@ -210,3 +221,95 @@ def download(table: pd.DataFrame | list[dict], name: str, label: str = "Download
     st.download_button(
         label, lambda: csv_bytes(table), file_name=name, mime="text/csv", key=key or f"dl-{name}", on_click="ignore"
     )
+
+
+def study_retention_frames(study: dict) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A study's gap retention as `figures.study_retention` draws it: (points: condition, seed, retention;
+    summary: condition, mean, lo, hi), for the conditions whose retention the study summarises."""
+    import pandas as pd  # (here: the Overview and the sidebar draw without pandas)
+
+    conditions = study["summary"]["conditions"]
+    retained = [c for c, s in conditions.items() if "gap_retention" in s]
+    points = pd.DataFrame(
+        [
+            {
+                "condition": c,
+                "seed": str(r["seed"]) if r["seed"] is not None else r["name"],
+                "retention": r["gap_retention"].get(c),
+            }
+            for r in study["seeds"]
+            for c in retained
+        ],
+        columns=["condition", "seed", "retention"],
+    )
+    summary = pd.DataFrame(
+        [
+            {
+                "condition": c,
+                "mean": conditions[c]["gap_retention"]["mean"],
+                "lo": (conditions[c]["gap_retention"]["ci95"] or [None, None])[0],
+                "hi": (conditions[c]["gap_retention"]["ci95"] or [None, None])[1],
+            }
+            for c in retained
+        ],
+        columns=["condition", "mean", "lo", "hi"],
+    )
+    return points, summary
+
+
+def figure_caption(sel: Selection, conditions=None, sites=None, seed=None, sequences: int | None = None) -> str:
+    """The line an exported figure carries: model, cache, sequences, seed, conditions, sites. `conditions`
+    and `sites`: what the figure's run or report covered (None: the figure is of the cache itself, or of
+    every site); `seed`: the run's (None: the model's training seed, where its config records one)."""
+    cache = sel.cache
+    if cache is None:
+        return ""
+    model = cache.manifest.model
+    seed = seed if seed is not None else (model.config or {}).get("init_seed")
+    every = cache.sites
+    if sites is None and conditions and all("@" in str(c) for c in conditions):  # a run that froze some sites
+        sites = list(dict.fromkeys(s for c in conditions for s in str(c).partition("@")[2].split(",")))
+    shown_sites = (
+        f"all {len(every)} sites" if sites is None or list(sites) == every else "sites " + ", ".join(map(str, sites))
+    )
+    parts = [
+        f"model {Path(str(model.path)).name or model.model_type} ({model.model_type}, {model.fingerprint[:12]})",
+        f"cache {sel.entry.label if sel.entry is not None else cache.path.name}",
+        f"{cache.num_seqs if sequences is None else sequences} sequences x {cache.seq_len} tokens",
+        f"seed {'n/a' if seed is None else seed}",
+        "conditions " + (", ".join(map(str, conditions)) if conditions else "none (coefficients as cached)"),
+        shown_sites,
+    ]
+    return " | ".join(parts)
+
+
+CHART_CONFIG = {"displaylogo": False}
+
+
+def chart(fig, key: str, caption: str | None = None, where=None, **kwargs):
+    """A plotly chart and, beside it, its downloads for slides: SVG, PNG at 2x and 3x, each with `caption`
+    at its foot (`figures.for_slides`; None: the selected cache's own), rendered on this machine only when
+    clicked. `where`: the container
+    to draw in (default: the page); `kwargs` go to st.plotly_chart (selection events)."""
+    import html
+
+    from app import export, figures
+
+    where = where or st
+    caption = figure_caption(selection()) if caption is None else caption
+    if presenting():
+        fig = figures.for_presenter(fig, PRESENTER_FONT)
+    event = where.plotly_chart(fig, key=key, config=CHART_CONFIG, **kwargs)
+    # Escaped: the caption holds names from files (a cache's folder, a model's), and plotly reads markup.
+    slide = lambda: figures.for_slides(fig, html.escape(caption, quote=False))  # noqa: E731
+    with where.popover("Figure for slides", icon=":material/download:", type="tertiary"):
+        for label, (fmt, scale) in export.FORMATS.items():
+            st.download_button(
+                label,
+                lambda fmt=fmt, scale=scale: export.image_bytes(slide(), fmt, scale),
+                file_name=f"{key}{'' if scale == 1 else f'@{scale}x'}.{fmt}",
+                mime=export.MIME[fmt],
+                key=f"fig-{key}-{fmt}{scale}",
+                on_click="ignore",
+            )
+    return event

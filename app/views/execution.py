@@ -7,9 +7,10 @@ import pandas as pd
 import streamlit as st
 
 from app import figures, resources
-from app.views.common import download, guard, require_cache, teach
+from app.views.common import chart, download, guard, require_cache, teach
 from fca.tables import catalog
 from fca.tables.report import latency_is_noisy, report_mismatch
+from fca.tables.text import markdown_code
 
 MEASURED_KEY = "execution_measured"
 # Families whose controllers scale or mix what every block computes (gates, dynamic dense weights): when
@@ -75,7 +76,7 @@ with left:
     st.caption(
         "Source: "
         + (
-            f"measured just now in this session (cache `{sel.entry.label if sel.entry else cache.path}`)"
+            f"measured just now in this session (cache {markdown_code(sel.entry.label if sel.entry else cache.path)})"
             if measured
             else "the audit report beside the cache"
             if report_exe
@@ -162,7 +163,7 @@ charts = st.columns(2)
 if ratio is not None:
     lat = pd.DataFrame({"model": ["dynamic", "Dense twin"], "ms": [exe["model_ms_median"], exe["dense_ms_median"]]})
     batch = exe.get("batch_shape")  # (sequences, tokens): a time per batch means nothing without it
-    charts[0].plotly_chart(figures.latency_bars(lat, batch), key="exec_latency")
+    chart(figures.latency_bars(lat, batch), key="exec_latency", where=charts[0])
     charts[0].caption(
         "Bars: each model's median time for one forward of "
         + (f"{batch[0]} sequences x {batch[1]} tokens" if batch else "the timed batch")
@@ -179,10 +180,10 @@ flops = pd.DataFrame(
         "gflops": [exe["controller_flops"] / 1e9, (exe["total_flops"] - exe["controller_flops"]) / 1e9],
     }
 )
-charts[1].plotly_chart(figures.flops_bar(flops), key="exec_flops")
+chart(figures.flops_bar(flops), key="exec_flops", where=charts[1])
 if skipped:  # six identical bars at 100% say less than the sentence above
     blocks = pd.DataFrame({"block": range(exe["num_blocks"]), "fraction": fractions})
-    st.plotly_chart(figures.blocks_bar(blocks), key="exec_blocks")
+    chart(figures.blocks_bar(blocks), key="exec_blocks")
 if experts:
     if experts.get("note"):
         st.caption(experts["note"])

@@ -15,8 +15,9 @@ from pathlib import Path
 import streamlit as st
 
 from app import figures, resources
-from app.views.common import Selection, download, guard, require_cache, share_text, teach
-from fca.tables import catalog
+from app.views.common import Selection, download, figure_caption, guard, require_cache, share_text, teach
+from app.views.common import chart as figure_chart
+from fca.tables import catalog, paper
 from fca.tables.report import (
     ReportError,
     conditions_table,
@@ -32,12 +33,13 @@ from fca.tables.report import (
     routing_table,
 )
 from fca.tables.scoring import quoted_interval
-
-CHART_CONFIG = {"displaylogo": False}
+from fca.tables.text import markdown_code, markdown_text
 
 
 def chart(fig, key: str) -> None:
-    st.plotly_chart(fig, key=key, config=CHART_CONFIG)
+    """A chart with its downloads for slides, captioned with the report's conditions (none without one)."""
+    conditions = list(report["conditions"]) if report is not None else None
+    figure_chart(fig, key, figure_caption(sel, conditions=conditions))
 
 
 def shown_path(path: Path) -> str:
@@ -75,12 +77,12 @@ def suggest_audit(sel: Selection) -> tuple[str, str | None]:
         if found is not None and _readable(found):  # (a damaged one: audit again, below)
             return (
                 f"This is a calibration cache: it provides the static profile. Its model's evaluated cache "
-                f"`{evaluated[0].label}` has an audit report: pick that cache in the sidebar to see it.",
+                f"{markdown_code(evaluated[0].label)} has an audit report: pick that cache in the sidebar to see it.",
                 None,
             )
         why = (
             f"This is a calibration cache: it provides the static profile. Its model's evaluated cache is "
-            f"`{evaluated[0].label}`, not audited yet"
+            f"{markdown_code(evaluated[0].label)}, not audited yet"
         )
         how = "; to audit it:"
     elif sel.calibration is None:
@@ -93,7 +95,7 @@ def suggest_audit(sel: Selection) -> tuple[str, str | None]:
         target, calibration = cache.path, sel.calibration.path
         why, how = "No audit report describes this cache yet", ". Make one with the CLI:"
         if sel.report_path is not None:  # there, but unreadable (its error is shown above)
-            why = f"Its audit report `{shown_path(sel.report_path)}` cannot be read"
+            why = f"Its audit report {markdown_code(shown_path(sel.report_path))} cannot be read"
             how = "; to audit it again, beside it:"
     if model is None:  # (a model held in memory has none: its caches were built from Python)
         return (
@@ -117,10 +119,12 @@ def definition_lines(value: dict) -> str:
     lines = []
     for k, v in value.items():
         if isinstance(v, dict):
-            v = ", ".join(f"{kk} {vv}" for kk, vv in v.items() if vv is not None and vv is not False)  # (0 stays)
+            v = markdown_text(", ".join(f"{kk} {vv}" for kk, vv in v.items() if vv is not None and vv is not False))
         elif isinstance(v, list):
-            v = ", ".join(f"`{x}`" for x in v)
-        lines.append(f"- `{k}`: {v}")
+            v = ", ".join(markdown_code(x) for x in v)
+        else:
+            v = markdown_text(v)
+        lines.append(f"- {markdown_code(k)}: {v}")
     return "\n".join(lines)
 
 
@@ -166,7 +170,7 @@ if report is None:
 mismatch = report_mismatch(report, manifest.model.fingerprint, cache.fingerprint)
 if mismatch == "model":
     st.error(
-        f"This report is about model {report['model']['fingerprint'][:12]}, but the cache was made by "
+        f"This report is about model {markdown_code(report['model']['fingerprint'][:12])}, but the cache was made by "
         f"{manifest.model.fingerprint[:12]}: the numbers below do not describe this cache."
     )
 elif mismatch == "cache":
@@ -304,30 +308,35 @@ if documents := documents_sentence(report):
     )
 if used := global_mean_sentence(report):
     st.caption(used)
-if routing := routing_table(report):  # (a model with top-k routers: how much routing each condition kept)
+if routing := routing_table(report):  # (a model with routers: how much routing each condition kept, or why not)
     st.markdown("\n".join(routing))
-    swept = [row["condition"] for row in report.get("interpolation_sweep") or [] if "condition" in row]
-    chart(figures.routing_by_router(report["routing"], leave_out=swept), "overview_routing")  # (sweep: its table)
+    if "conditions" in report["routing"]:  # (none where no router's selection could be observed)
+        swept = [row["condition"] for row in report.get("interpolation_sweep") or [] if "condition" in row]
+        chart(figures.routing_by_router(report["routing"], leave_out=swept), "overview_routing")  # (sweep: its table)
 if caution := few_sequences_caution(report["cache"]["sequences"]):
     st.warning(caution)
+st.subheader("This model beside the paper")
+st.markdown("\n".join(paper.comparison_markdown(report)[2:-2]))  # (the heading above; the citation below)
+st.caption(paper.citation_sentence() + " The band on the retention scale marks its static-profile range.")
 
 m, ex = report["model"], report["exactness"]
 st.subheader("Model and data")
+c, t = markdown_code, markdown_text  # (the report's strings come from a file: shown as code or text)
 st.markdown(
-    f"- **Model** `{m['name']}` ({m['model_type']}), {m['parameters']:,} parameters, "
-    f"{m['controller_parameters']:,} in controllers; fingerprint `{m['fingerprint'][:16]}`\n"
-    f"- **Evaluated cache** `{report['cache']['path']}`: {report['cache']['split']} split, "
+    f"- **Model** {c(m['name'])} ({t(m['model_type'])}), {m['parameters']:,} parameters, "
+    f"{m['controller_parameters']:,} in controllers; fingerprint {c(m['fingerprint'][:16])}\n"
+    f"- **Evaluated cache** {c(report['cache']['path'])}: {t(report['cache']['split'])} split, "
     f"{report['cache']['sequences']} x {report['cache']['seq_len']} tokens, "
-    f"fingerprint `{str(report['cache'].get('fingerprint'))[:16]}`\n"
-    f"- **Calibration cache** `{report['calibration']['path']}`: {report['calibration']['tokens']:,} tokens, "
-    f"fingerprint `{str(report['calibration'].get('fingerprint'))[:16]}`\n"
+    f"fingerprint {c(str(report['cache'].get('fingerprint'))[:16])}\n"
+    f"- **Calibration cache** {c(report['calibration']['path'])}: {report['calibration']['tokens']:,} tokens, "
+    f"fingerprint {c(str(report['calibration'].get('fingerprint'))[:16])}\n"
     + (
-        f"- **Dense twin** `{report['dense']['name']}`, fingerprint `{report['dense']['fingerprint'][:16]}`\n"
+        f"- **Dense twin** {c(report['dense']['name'])}, fingerprint {c(report['dense']['fingerprint'][:16])}\n"
         if report.get("dense")
         else ""
     )
     + "".join(
-        f"- **{sentence.split(':', 1)[0]}**:{sentence.split(':', 1)[1]}\n" for sentence in exactness_sentences(ex)
+        f"- **{t(sentence.split(':', 1)[0])}**:{t(sentence.split(':', 1)[1])}\n" for sentence in exactness_sentences(ex)
     )
 )
 st.caption(
@@ -337,9 +346,9 @@ st.caption(
 with st.expander("What each figure means (the report's definitions)"):
     for key, value in report.get("definitions", {}).items():
         if isinstance(value, dict):
-            st.markdown(f"**{key.replace('_', ' ')}**\n" + definition_lines(value))
+            st.markdown(f"**{markdown_text(key.replace('_', ' '))}**\n" + definition_lines(value))
         else:
-            st.markdown(f"**{key}**: {value}")
+            st.markdown(f"**{markdown_text(key)}**: {markdown_text(value)}")
 
 # One row that wraps: in three columns, "Audit report (Markdown)" was cut at 800 px.
 with st.container(horizontal=True):

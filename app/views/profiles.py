@@ -7,7 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from app import figures, resources
-from app.views.common import download, guard, in_range, keep, one_of, require_cache, teach
+from app.views.common import chart, download, guard, in_range, keep, one_of, require_cache, teach
 from fca.tables.profiles import slot_deviation
 
 WINDOW = 32  # positions shown at once in the heatmap: every label legible on a 1024 px screen
@@ -126,7 +126,7 @@ def token_view(seq, chosen_sites, slots, live_m, static_v, deviation, tokens) ->
         band_name = c2.selectbox("Calibration band", list(BANDS), key="prof_band")
 
         strip = pd.DataFrame({"pos": np.arange(T), "token": tokens, "deviation": np.sqrt((deviation**2).mean(1))})
-        st.plotly_chart(figures.token_strip(strip, token), key=strip_key, on_select="rerun", selection_mode="points")
+        chart(figures.token_strip(strip, token), key=strip_key, on_select="rerun", selection_mode="points")
 
         lo_q, hi_q = BANDS[band_name]
         band = resources.calibration_band(str(reference.path), reference.fingerprint, lo_q, hi_q)
@@ -139,9 +139,7 @@ def token_view(seq, chosen_sites, slots, live_m, static_v, deviation, tokens) ->
                 "hi": np.concatenate([band[site][1] for site in chosen_sites]),
             }
         )
-        st.plotly_chart(
-            figures.profile_lines(profile, f"position {token} {tokens[token]!r}", band_name), key="prof_lines"
-        )
+        chart(figures.profile_lines(profile, f"position {token} {tokens[token]!r}", band_name), key="prof_lines")
         download(profile, f"profile_seq{seq}_tok{token}.csv", "This token's profile (CSV)", key="dl-profile")
 
 
@@ -153,7 +151,7 @@ def heatmap_view(seq, slots, deviation, tokens) -> None:
             keep("prof_window", 0, in_range(0, T - WINDOW))
             start = st.slider("First position in the heatmap", 0, T - WINDOW, key="prof_window")
         span = slice(start, min(T, start + WINDOW))
-        st.plotly_chart(
+        chart(
             figures.deviation_heatmap(
                 deviation[span], slots, tokens[span], f"Sequence {seq}: deviation from the static profile", span.start
             ),

@@ -19,7 +19,7 @@ import streamlit as st
 
 from app import figures, resources
 from app.jobs import ReplayJob
-from app.views.common import download, guard, require_cache, teach
+from app.views.common import chart, download, figure_caption, guard, require_cache, teach
 from fca.tables.conditions import Condition
 from fca.tables.report import NO_INTERVAL, condition_cell, documents_note, exactness_sentences, few_sequences_caution
 from fca.tables.runs import (
@@ -35,6 +35,7 @@ from fca.tables.runs import (
     sweep_points,
 )
 from fca.tables.stats import MIN_BOOTSTRAP_VALUES
+from fca.tables.text import markdown_code, markdown_text
 
 JOB_KEY = "replay_job"
 KINDS = {
@@ -54,6 +55,31 @@ DEFAULT_BATCH = 2
 # windows lie in 7 chapters, too few for a CI over documents (`MIN_DOCUMENTS`, 10; 96 windows: 10).
 DEFAULT_SEQUENCES = 96
 MAX_BATCH = 256
+QUICK_SEQUENCES = 12  # the fewest that still give bootstrap CIs (MIN_BOOTSTRAP_VALUES is 10)
+# name -> the form's settings it sets (the rest stay as they are); "freeze one layer" takes the first site.
+PRESETS = {
+    "The paper's experiment": {
+        "lab_kinds": ["cross_input", "token_shuffle", "static_layer", "global_mean"],
+        "lab_sites": [],
+        "lab_sweep": False,
+    },
+    "Interpolation sweep": {"lab_kinds": ["static_layer", "global_mean"], "lab_sites": [], "lab_sweep": True},
+    "Freeze one layer": {"lab_kinds": ["static_layer", "global_mean"], "lab_sweep": False, "lab_sites": None},
+}
+
+
+def apply_preset(name: str) -> None:
+    """A preset's settings, set before the form's widgets are drawn (a button's callback)."""
+    for key, value in PRESETS[name].items():
+        st.session_state[key] = value if value is not None else cache.sites[:1]
+
+
+def quick_mode() -> None:
+    """Few sequences in one batch: a run that finishes in seconds, for a lecture (wider CIs, said by them)."""
+    st.session_state["lab_num_seqs"] = min(QUICK_SEQUENCES, cache.num_seqs)
+    st.session_state["lab_batch"] = min(QUICK_SEQUENCES, cache.num_seqs)
+
+
 # Columns the shared bar figures read (app/figures.py), from the plain names of our tables.
 FIGURE_COLUMNS = {
     "NLL (nats/token)": "nll",
@@ -75,19 +101,16 @@ RESULT_COLUMNS = {
     "penalty": st.column_config.NumberColumn(format="%.4f", help="NLL minus correct's, nats/token"),
     "penalty 95% CI": st.column_config.TextColumn(help="95% paired bootstrap CI over sequences", alignment="right"),
     # one decimal, as in the audit report and every page ("percent" gave "44.8%", "-12.44%", "70.63%")
-    "gap retention": st.column_config.NumberColumn(
-        format="%.1f%%", help="percent of the way from global mean to correct"
+    "gap retention": st.column_config.TextColumn(
+        help="percent of the way from global mean to correct, [its 95% bootstrap CI] as the audit's",
+        alignment="right",
     ),
     "same experts": st.column_config.NumberColumn(
-        format="percent", help="tokens routed to the same top-k experts as by their own coefficients"
+        format="percent", help="tokens that ran the same experts as on their own coefficients (read at the experts)"
     ),
     "experts kept": st.column_config.NumberColumn(format="percent", help="mean share of each token's k experts kept"),
     "weight kept": st.column_config.NumberColumn(
         format="percent", help="mean share of each token's own mixing weight left on the same experts"
-    ),
-    "tied choices": st.column_config.NumberColumn(
-        format="percent",
-        help="tokens whose choice, their own or the condition's, was decided by a tie (e.g. one value for every expert)",
     ),
 }
 
@@ -118,8 +141,18 @@ def result_view(result: pd.DataFrame, intervals: bool = True) -> pd.DataFrame:
     if not intervals:
         view = view.drop(columns="penalty 95% CI")
     if "gap retention" in result:
-        view["gap retention"] = 100 * result["gap retention"]  # (in percent: the column's format adds the sign)
-    for column in ("same experts", "experts kept", "weight kept", "tied choices"):
+        # One cell: the retention and its 95% CI (a column of its own made the table scroll sideways at 800 px).
+        def retention_cell(i: int) -> str:
+            value = result["gap retention"].iloc[i]
+            if value is None or not np.isfinite(value):
+                return "undefined"
+            low = result["gap retention 95% CI low"].iloc[i] if "gap retention 95% CI low" in result else np.nan
+            high = result["gap retention 95% CI high"].iloc[i] if "gap retention 95% CI high" in result else np.nan
+            ci = f" [{100 * low:.1f}, {100 * high:.1f}]" if np.isfinite(low) and np.isfinite(high) else ""
+            return f"{100 * value:.1f}%{ci}"
+
+        view["gap retention"] = [retention_cell(i) for i in range(len(result))]
+    for column in ("same experts", "experts kept", "weight kept"):
         if column in result:
             view[column] = result[column]
     return view
@@ -154,7 +187,7 @@ if sel.is_calibration:
         "This is a calibration cache: it provides the static profile, and the lab replays an evaluated cache "
         "of the same model against it. "
         + (
-            f"Pick `{evaluated[0].label}` in the sidebar."
+            f"Pick {markdown_code(evaluated[0].label)} in the sidebar."
             if evaluated
             else "Build one with `python -m fca build-cache --split eval`."
         )
@@ -162,7 +195,7 @@ if sel.is_calibration:
     running: ReplayJob | None = st.session_state.get(JOB_KEY)
     if running is not None and running.running:  # its progress and Cancel are on the page of its cache
         st.caption(
-            f"A run of `{rel(running.settings['cache'])}` is in progress: select that cache to follow or cancel it."
+            f"A run of {markdown_code(rel(running.settings['cache']))} is in progress: select that cache to follow or cancel it."
         )
     st.stop()
 
@@ -181,13 +214,13 @@ if resources.experiment_ready(*selection):
         st.stop()
     experiment = opened[0]
     st.caption(
-        f"Model `{sel.model_dir.name}` (fingerprint `{experiment.model_fingerprint[:12]}`) on **{experiment.device}** "
-        f"matches the cache; calibration: `{sel.calibration.label}`."
+        f"Model {markdown_code(sel.model_dir.name)} (fingerprint {markdown_code(experiment.model_fingerprint[:12])}) on **{experiment.device}** "
+        f"matches the cache; calibration: {markdown_code(sel.calibration.label)}."
     )
 else:  # not loaded yet: the page draws at once, and a run loads it as its first step
     st.caption(
-        f"Model `{sel.model_dir.name}`: loaded and checked against the cache when the first run starts (shown "
-        f"as the run's first step), then kept for the next runs; calibration: `{sel.calibration.label}`."
+        f"Model {markdown_code(sel.model_dir.name)}: loaded and checked against the cache when the first run starts (shown "
+        f"as the run's first step), then kept for the next runs; calibration: {markdown_code(sel.calibration.label)}."
     )
 
 job: ReplayJob | None = st.session_state.get(JOB_KEY)
@@ -267,6 +300,17 @@ def settings_form() -> None:
     current: ReplayJob | None = st.session_state.get(JOB_KEY)
     locked = current is not None and current.running
     keep_settings()
+    with st.container(horizontal=True):
+        for name in PRESETS:
+            st.button(name, key=f"lab_preset::{name}", on_click=apply_preset, args=(name,), disabled=locked)
+        st.button(
+            f"Quick ({min(QUICK_SEQUENCES, cache.num_seqs)} sequences)",
+            key="lab_quick",
+            on_click=quick_mode,
+            disabled=locked,
+            icon=":material/bolt:",
+            help="the first few sequences in one batch: seconds instead of a minute, with wider CIs",
+        )
     with st.container(border=True):
         c1, c2 = st.columns([3, 2])
         kinds = c1.multiselect(
@@ -386,7 +430,7 @@ def progress_panel() -> None:
                 text=f"Replaying: {current.done} / {current.total} sequences ({elapsed})",
             )
         if current.settings["cache"] != str(cache.path):
-            st.caption(f"This run replays `{rel(current.settings['cache'])}`.")
+            st.caption(f"This run replays {markdown_code(rel(current.settings['cache']))}.")
         stopping = current.stop.is_set()
         st.button("Cancel", key="lab_cancel", disabled=stopping, on_click=cancel, args=(current,))
         if stopping:
@@ -401,7 +445,7 @@ if job is not None and not job.running:
     if job.cancelled:
         st.warning(f"Cancelled after {job.done} of {job.total} sequences; nothing was saved.")
     elif job.error:
-        st.error(f"The run failed: {job.error}")
+        st.error(f"The run failed: {markdown_text(job.error)}")
     elif job.record is not None:
         record = job.record
         spec = record["spec"]
@@ -415,15 +459,15 @@ if job is not None and not job.running:
             else f"the first **{n}** of the cache's {cache.num_seqs} sequences (NLLs of those, not the audit's)"
         )
         st.markdown(
-            f"Conditions {', '.join(f'`{c}`' for c in spec['conditions'])} on {which}, "
-            f"seed **{spec['seed']}**, batch **{spec['batch_size']}**, on **{record.get('device')}**."
+            f"Conditions {', '.join(f'{markdown_code(c)}' for c in spec['conditions'])} on {which}, "
+            f"seed **{spec['seed']}**, batch **{spec['batch_size']}**, on **{markdown_text(record.get('device'))}**."
         )
         if caution := few_sequences_caution(spec["num_seqs"]):
             st.warning(caution)
         st.caption("The command that reproduces this result:")
         st.code(replay_command(ran, Path.cwd(), one_option_per_line=True), language="bash", wrap_lines=True)
         checks = exactness_sentences(record["results"]["exactness"])  # mechanism, fidelity, calibration
-        st.success("  \n".join([*checks, f"Saved `{rel(record.get('path', ''))}`."]))
+        st.success("  \n".join([*map(markdown_text, checks), f"Saved {markdown_code(rel(record.get('path', '')))}."]))
         result = pd.DataFrame(condition_rows(record))
         by_document = "penalty 95% CI low (documents)" in result  # (a cache built from a corpus records them)
         intervals = spec["num_seqs"] >= MIN_BOOTSTRAP_VALUES  # (fewer have none: `paired_bootstrap_ci`)
@@ -445,36 +489,42 @@ if job is not None and not job.running:
         # saying "none (under 10 sequences)" on each row made the table scroll sideways at 800 px).
         shown = result_view(result, intervals)
         st.dataframe(shown, hide_index=True, key="lab_result", column_config=columns, placeholder="–")
+        if "global_mean" not in spec["conditions"]:  # (its column is absent: said, not silently left out)
+            st.caption("No gap retention: it is measured against global_mean, which this run did not replay.")
         plotted = result.rename(columns=FIGURE_COLUMNS)
         if by_document:  # the interval to quote (`fca.tables.scoring.quoted_interval`)
             plotted["lo"], plotted["hi"] = (
                 result["penalty 95% CI low (documents)"],
                 result["penalty 95% CI high (documents)"],
             )
+        run_caption = figure_caption(sel, spec["conditions"], seed=spec["seed"], sequences=spec["num_seqs"])
         left, right = st.columns(2)
         nll_title = "NLL per condition" + (" (95% CI of the mean over sequences)" if intervals else "")
-        left.plotly_chart(figures.nll_bars(plotted, nll_title), key="lab_nll")
+        chart(figures.nll_bars(plotted, nll_title), "lab_nll", run_caption, where=left)
         others = plotted[plotted["condition"] != "correct"]
         if len(others):
             penalty_title = figures.penalty_title(by_document) if intervals else "Penalty vs correct"
-            right.plotly_chart(figures.penalty_bars(others, penalty_title), key="lab_penalty")
+            chart(figures.penalty_bars(others, penalty_title), "lab_penalty", run_caption, where=right)
         else:
             right.info("Only correct ran: there is no penalty to draw. Choose a condition above to compare with it.")
-        if routing := record["results"].get("routing"):  # (a model with top-k routers)
+        routing = record["results"].get("routing") or {}  # (a model with routers)
+        if "conditions" in routing:
             chance = routing["chance"]
             st.caption(
-                "Routing: *same experts* is the share of tokens a condition sends to the top-k experts their own "
-                "coefficients select, over the routers it changes; *experts kept*, the mean share of those "
-                "experts kept; *weight kept*, the share of each token's mixing weight left on the same experts. "
+                "Routing, read from what each MoE layer's experts were handed: *same experts* is the share of "
+                "tokens that ran the same experts under a condition as on their own coefficients, over the routers "
+                "it changes; *experts kept*, the mean share of those experts kept; *weight kept*, the share of "
+                "each token's mixing weight left on the same experts. "
                 f"Experts drawn at random: {chance['same_experts']:.1%} and "
-                f"{chance['expert_overlap']:.1%}. A condition whose choices are mostly ties (one value for "
-                "every expert) runs the same experts for every token: its agreement is not the coefficients'. "
+                f"{chance['expert_overlap']:.1%}. "
                 "A condition on sites that are no router changes no routing: its cells are empty."
             )
-            st.plotly_chart(figures.routing_by_router(routing), key="lab_routing")
+            chart(figures.routing_by_router(routing), "lab_routing", run_caption)
+        if routing.get("not_reported"):
+            st.text(routing["not_reported"])  # (names read from the file: shown as text)
         sweep = sweep_points(record["results"]["conditions"])
         if len(sweep) >= 2:  # a curve, drawn like the report's, with the run's reference lines
-            st.plotly_chart(figures.sweep_curve(sweep, record["results"]["conditions"]), key="lab_sweep_chart")
+            chart(figures.sweep_curve(sweep, record["results"]["conditions"]), "lab_sweep_chart", run_caption)
         download(result, "replay_result.csv")
 
 st.subheader("Saved runs of this cache")
@@ -528,13 +578,15 @@ else:
         plotted = long.rename(columns=FIGURE_COLUMNS)
         penalized = plotted[plotted["condition"] != "correct"]
         if len(penalized):
-            st.plotly_chart(
-                figures.penalty_bars(penalized, "Penalty vs correct, saved runs side by side"), key="lab_compare_chart"
+            chart(
+                figures.penalty_bars(penalized, "Penalty vs correct, saved runs side by side"),
+                "lab_compare_chart",
+                figure_caption(sel, list(dict.fromkeys(penalized["condition"])), seed="per run (see the legend)"),
             )
         # A run of correct alone has no penalty: without a word it just went missing from the chart.
         if alone := [run for run in dict.fromkeys(plotted["run"]) if run not in set(penalized["run"])]:
             st.caption(
-                f"{', '.join(f'`{run}`' for run in alone)}: correct only, so no penalty bars "
+                f"{', '.join(f'{markdown_code(run)}' for run in alone)}: correct only, so no penalty bars "
                 "(a penalty is a condition's NLL minus correct's); its NLL is in the CSV below."
             )
         download(long, "saved_runs.csv")

@@ -19,9 +19,11 @@ import pandas as pd
 import streamlit as st
 
 from app import figures, resources
-from app.views.common import download, guard, selection, teach
+from app.views.common import chart, download, guard, selection, study_retention_frames, teach
+from fca.tables import paper
 from fca.tables import study as studies
 from fca.tables.report import render_markdown
+from fca.tables.text import markdown_code
 
 # The sidebar's cache selectbox key (app/main.py): the seed picker sets it to open a seed's cache.
 SIDEBAR_CACHE_KEY = "cache"
@@ -45,7 +47,9 @@ if st.session_state.pop(OPEN_REQUEST, False):
 found = studies.find_studies(sel.roots)
 if not found:
     st.info(
-        "No study found under " + ", ".join(f"`{r}`" for r in sel.roots) + ". A study is a `study.json` in a "
+        "No study found under "
+        + ", ".join(f"{markdown_code(r)}" for r in sel.roots)
+        + ". A study is a `study.json` in a "
         "root or one folder below it. Make the demo's (trains seeds 1 and 2 of the demo configuration, adds the "
         "shipped demo as seed 0):"
     )
@@ -77,30 +81,17 @@ if study is None:
 rows, summary = study["seeds"], study["summary"]
 conditions = summary["conditions"]
 retained = [c for c, s in conditions.items() if "gap_retention" in s]
-points = pd.DataFrame(
-    [
-        {
-            "condition": c,
-            "seed": str(r["seed"]) if r["seed"] is not None else r["name"],
-            "retention": r["gap_retention"].get(c),
-        }
-        for r in rows
-        for c in retained
-    ]
-)
-spreads = pd.DataFrame(
-    [
-        {
-            "condition": c,
-            "mean": conditions[c]["gap_retention"]["mean"],
-            "lo": (conditions[c]["gap_retention"]["ci95"] or [None, None])[0],
-            "hi": (conditions[c]["gap_retention"]["ci95"] or [None, None])[1],
-        }
-        for c in retained
-    ]
-)
+points, spreads = study_retention_frames(study)
 if retained:
-    st.plotly_chart(figures.study_retention(points, spreads), key="study_retention")
+    chart(
+        figures.study_retention(points, spreads),
+        key="study_retention",
+        caption=f"study {label(study_path)} | {study['num_models']} models, seeds "
+        + ", ".join(dict.fromkeys(points["seed"]))
+        + " | conditions "
+        + ", ".join(retained),
+    )
+    st.caption(paper.citation_sentence() + " Its band: the static-layer retention of its two gated configurations.")
 
 
 n_models = study["num_models"]
@@ -177,7 +168,7 @@ def by_figure(table: pd.DataFrame, rows: list[dict]) -> pd.DataFrame:
 def identity(name: str, row: pd.Series) -> str:
     """One seed's line above the table: its model, fingerprint, training device (where recorded) and audit."""
     trained = f", trained on {row['trained on']}" if pd.notna(row["trained on"]) else ""
-    return f"- **{name}**: `{row['model']}` ({row['fingerprint']}){trained}, audit `{row['audit']}`"
+    return f"- **{name}**: {markdown_code(row['model'])} ({row['fingerprint']}){trained}, audit {markdown_code(row['audit'])}"
 
 
 # The figures' column a little wider than its longest name: sized by the grid to the name's measured width
@@ -231,7 +222,7 @@ listed = by_path.get(str(evaluated_cache(row)))
 other_model = listed is not None and listed.model_fingerprint not in (None, row["fingerprint"])
 if listed is not None and not other_model:
     st.caption(
-        f"Its evaluated cache `{label(evaluated_cache(row))}` is on this machine: opening it selects it in the "
+        f"Its evaluated cache {markdown_code(label(evaluated_cache(row)))} is on this machine: opening it selects it in the "
         "sidebar (with its model, calibration cache and audit) and shows the Overview."
     )
     st.button("Open in the other pages", key="study_open", on_click=open_seed, args=(index,), type="primary")
@@ -239,14 +230,14 @@ else:
     audit_path = (study_path.parent / row["audit"]).resolve()
     if other_model:
         st.warning(
-            f"`{label(evaluated_cache(row))}` holds another model's cache (model {listed.model_fingerprint[:12]}, "
+            f"{markdown_code(label(evaluated_cache(row)))} holds another model's cache (model {listed.model_fingerprint[:12]}, "
             f"not this seed's {row['fingerprint'][:12]}): its audit was written outside its own folder. This seed's "
             "audit report follows."
         )
     else:
         st.caption(
             f"Its evaluated cache is not among the caches this dashboard lists (`cache/` and `FCA_CACHE_ROOTS`; "
-            f"for the shipped studies only its audit, `{label(audit_path)}`, was kept), so the other pages cannot "
+            f"for the shipped studies only its audit, {markdown_code(label(audit_path))}, was kept), so the other pages cannot "
             "open it; its audit report follows. Add its folder to FCA_CACHE_ROOTS, or regenerate models and caches "
             "with the command that made the study (the README's Multi-seed studies gives the shipped studies')."
         )

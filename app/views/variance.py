@@ -7,7 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from app import figures, resources
-from app.views.common import download, guard, in_range, keep, one_of, require_cache, share_text, teach
+from app.views.common import chart, download, guard, in_range, keep, one_of, require_cache, share_text, teach
 from fca.tables.profiles import slot_deviation
 
 # Positions shown at once in the token x layer heatmap: every label stays legible on a 1024 px screen.
@@ -70,10 +70,10 @@ def overview_charts() -> None:
     )
     left, right = st.columns(2)
     with left:
-        st.plotly_chart(figures.share_by_site(per_site, dec["layer_identity_share"]), key="var_share")
+        chart(figures.share_by_site(per_site, dec["layer_identity_share"]), key="var_share")
         download(per_site, "layer_identity_per_site.csv")
     with right:
-        st.plotly_chart(figures.factor_bars(factors), key="var_factors")
+        chart(figures.factor_bars(factors), key="var_factors")
         download(factors, "variance_factors.csv")
 
 
@@ -121,12 +121,12 @@ def _slot_section() -> None:
         keep("var_view", layouts[0], one_of(layouts))
         view = st.selectbox("Layout", layouts, key="var_view")
     if view == "flat channels":
-        st.plotly_chart(
+        chart(
             figures.slot_heatmap(slots, color_title, f"{quantity.capitalize()} of each site's channels"),
             key="var_heatmap",
         )
     else:
-        st.plotly_chart(
+        chart(
             figures.axis_heatmaps(
                 pd.DataFrame(structured), color_title, f"{quantity.capitalize()} per {first_axes[0][0]}"
             ),
@@ -148,7 +148,7 @@ def distributions() -> None:
         f"Quantiles over {over}. Each box spans the 25-75% quantiles with the median as its line and the mean "
         "dashed; whiskers reach 5% and 95%, ticks 1% and 99%."
     )
-    st.plotly_chart(figures.site_distributions(quant), key="var_dist")
+    chart(figures.site_distributions(quant), key="var_dist")
     download(quant, "site_distributions.csv")
 
 
@@ -191,7 +191,7 @@ def _sequence_section() -> None:
             standardised = slot_deviation(v, stats["slot_mean"][slots], stats["slot_sd"][slots])  # [t, K]
             matrix[site] = standardised.mean(1) if diverging else np.sqrt((standardised**2).mean(1))
     z = pd.DataFrame(matrix, index=range(span.start, span.stop)).T
-    st.plotly_chart(
+    chart(
         figures.token_layer_heatmap(z, tokens, color_title, f"Sequence {seq}: {summary}", diverging=diverging),
         key="var_tokens",
     )

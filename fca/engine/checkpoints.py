@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import pickle as _pickle
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from fca.tables.errors import ModelLoadError
+from fca.tables.jsonfile import read_json
 
 
 def read_config(path: Path) -> dict:
@@ -26,10 +28,7 @@ def read_config(path: Path) -> dict:
         raise ModelLoadError(f"{path}: a file, not a model directory")
     if not config_path.is_file():
         raise ModelLoadError(f"{config_path}: missing (a model directory needs config.json)")
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelLoadError(f"{config_path}: not valid JSON ({err})") from None
+    config = read_json(config_path, ModelLoadError)
     if not isinstance(config, dict):
         raise ModelLoadError(f"{config_path}: a JSON {type(config).__name__}, not an object of settings")
     return config
@@ -50,10 +49,12 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             _check_readable(single)
             return load_file(single)
         if index.is_file():
-            return _read_shards(path, index, json.loads(index.read_text())["weight_map"])
+            return _read_shards(path, index, weight_map(index))
         if pickle.is_file():
             _check_readable(pickle)
-            state = torch.load(pickle, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # (torch's note on a pickle's protocol, before it refuses or reads it)
+                warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+                state = torch.load(pickle, map_location="cpu", weights_only=True)
             state = state.get("model", state) if isinstance(state, dict) else state
             if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
                 raise ModelLoadError(
@@ -76,6 +77,8 @@ def check_safetensors_files(path: Path) -> None:
     file's header is read (and checked against the file's length)."""
     from safetensors import SafetensorError, safe_open
 
+    if (path / INDEX).is_file():
+        weight_map(path / INDEX)  # its shards: files of this folder
     for file in sorted(path.glob("*.safetensors")):
         _check_readable(file)
         try:
@@ -83,6 +86,23 @@ def check_safetensors_files(path: Path) -> None:
                 pass
         except SafetensorError as err:
             raise ModelLoadError(f"{file}: unreadable weights ({str(err).splitlines()[0]})") from None
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def weight_map(index: Path) -> dict[str, str]:
+    """A sharded checkpoint's `weight_map` (weight name -> shard file), each shard a file of the index's own
+    folder: a model folder comes from someone else, and a shard named `../x` or `/x` would read any file."""
+    value = read_json(index, ModelLoadError)
+    mapping = value.get("weight_map") if isinstance(value, dict) else None
+    if not isinstance(mapping, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
+        raise ModelLoadError(f"{index}: no 'weight_map' of weight names to shard files")
+    folder = index.parent.resolve()
+    for shard in sorted(set(mapping.values())):
+        if not shard or (folder / shard).resolve().parent != folder:
+            raise ModelLoadError(f"{index}: names the shard {shard[:80]!r}, which is not a file of its own folder")
+    return mapping
 
 
 def _check_readable(file: Path) -> None:

@@ -20,8 +20,10 @@ import math
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -71,6 +73,62 @@ def blocks_executed(model: nn.Module, input_ids: torch.Tensor) -> dict:
         "blocks_executed_per_token": sum(processed) / tokens,
         "blocks_executed_fraction": sum(processed) / (tokens * len(blocks)),
     }
+
+
+class ExecutionTally:
+    """The tokens each block runs under each condition of a replay run, per evaluated sequence, counted by
+    forward pre-hooks on the blocks (what the family's `tokens_per_sequence` reads from each call): condition
+    name -> [n, L] (L blocks). A compiled model's graphs do not call hooks added after compiling, and a block
+    whose calls say nothing of their sequences cannot be counted: then there are no figures (`counts` None)."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str], n: int) -> None:
+        original = unwrapped(model)
+        self.blocks = model_blocks(original) if original is model else []
+        self.read = family_of(original).tokens_per_sequence
+        self.tokens = {name: np.zeros((n, len(self.blocks)), dtype=np.int64) for name in names}
+        self.readable = bool(self.blocks)
+        self.last: np.ndarray | None = None  # [rows, L] of the last forward counted
+
+    @contextmanager
+    def counting(self, rows: int) -> Iterator[None]:
+        """Count one forward of a batch of `rows` sequences into `last` ([rows, L]; zeros for a block not called)."""
+        self.last = None
+        if not self.readable:
+            yield
+            return
+        calls: list[list[torch.Tensor]] = [[] for _ in self.blocks]
+
+        def counter(i: int) -> Callable:
+            def hook(module, args, kwargs):
+                per_sequence = self.read(module, args, kwargs)
+                if per_sequence is None or per_sequence.shape != (rows,):
+                    self.readable = False
+                else:
+                    calls[i].append(per_sequence)
+
+            return hook
+
+        handles = [b.register_forward_pre_hook(counter(i), with_kwargs=True) for i, b in enumerate(self.blocks)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+        if self.readable:
+            last = np.zeros((rows, len(self.blocks)), dtype=np.int64)
+            for i, counted in enumerate(calls):
+                for per_sequence in counted:
+                    last[:, i] += per_sequence.cpu().numpy()
+            self.last = last
+
+    def add(self, name: str, index: Sequence[int], counted: np.ndarray | None) -> None:
+        """Credit `counted` [len(index), L] to condition `name` at the run's positions `index`."""
+        if counted is not None and name in self.tokens:
+            self.tokens[name][list(index)] += counted
+
+    @property
+    def counts(self) -> dict[str, np.ndarray] | None:
+        return self.tokens if self.readable else None
 
 
 def _cpu_attention_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -185,10 +243,15 @@ def execution_audit(model: nn.Module, input_ids: torch.Tensor, dense: nn.Module 
     if family.expert_paths:  # conditional execution happens at expert level: count the experts run
         from fca.engine.models.hf_moe import expert_execution
 
-        report["experts"] = expert_execution(model, input_ids, family.expert_paths, family.execution_note)
+        report["experts"] = expert_execution(
+            model, input_ids, family.expert_paths, family.execution_note, family.expert_selection
+        )
     if family.execution_note:
         report["note"] = family.execution_note
     if dense is not None:
+        dense_flops = controller_flops(dense, input_ids)["total_flops"]
+        report["dense_flops_per_token"] = dense_flops / input_ids.numel()
+        report["flops_ratio_vs_dense"] = report["total_flops"] / dense_flops if dense_flops else None
         report.update(latency_ratio(model, dense, input_ids, runs=runs))
     else:
         report["latency_ratio_vs_dense"] = None

@@ -9,6 +9,9 @@ attribute `fca_family`, so a custom model states every field in one place:
     class MyModel(nn.Module):
         fca_family = Family("my_model", blocks=lambda m: list(m.blocks), coefficient_kind="gate values")
 
+Families declared outside FCA, in a family file (`--family FILE`) or by an installed package (entry-point
+group `fca.families`), are loaded by `fca.engine.user_families`.
+
 A model with neither gets `Family(<its model_type or class name>)`: blocks are the longest
 `nn.ModuleList`, no definitions, no expert level, no loader.
 """
@@ -26,11 +29,14 @@ from fca.tables.catalog import DENSE_TWINS
 __all__ = ["Family", "register_family", "registered_families", "family_for_type", "family_of"]
 
 
-# model_type -> Family. The built-in families (`fca.engine.models.BUILTIN_FAMILIES`) join on the first
-# lookup, under those registered before it: a family registered for a built-in model_type replaces it.
+# model_type -> Family. The built-in families (`fca.engine.models.BUILTIN_FAMILIES`) and those installed
+# packages declare (`fca.engine.user_families`) join on the first lookup, under those registered before
+# it: a registered family replaces an installed one, which replaces a built-in one.
 _FAMILIES: dict[str, Family] = {}
-_BUILTINS_LOCK = threading.Lock()
+_BUILTINS_LOCK = threading.RLock()
 _builtins_loaded = False
+_builtins_loading = False
+_registered_first: set[str] | None = None  # the model_types registered before the first lookup
 
 
 def register_family(family: Family) -> Family:
@@ -43,17 +49,33 @@ def register_family(family: Family) -> Family:
 
 
 def _builtins() -> None:
-    global _builtins_loaded
+    global _builtins_loaded, _builtins_loading, _registered_first
     if _builtins_loaded:
         return
     with _BUILTINS_LOCK:  # (a second thread waits until every built-in family is in)
-        if not _builtins_loaded:
+        # An installed package's module may look a family up as it loads (to build on a built-in one):
+        # that lookup, in this thread, sees the built-ins and does not load the packages again.
+        if _builtins_loaded or _builtins_loading:
+            return
+        _builtins_loading = True
+        try:
             from fca.engine.models import BUILTIN_FAMILIES
+            from fca.engine.user_families import entry_point_families
 
-            for family in BUILTIN_FAMILIES:
-                if family.model_type not in _FAMILIES:
+            if _registered_first is None:
+                _registered_first = set(_FAMILIES)
+                for family in BUILTIN_FAMILIES:
+                    if family.model_type not in _registered_first:
+                        register_family(family)
+            # (a broken package raises here, at every lookup, until fixed; one whose module is still being
+            # imported, having looked a family up as it loads, joins at the next lookup)
+            families, complete = entry_point_families()
+            for family in families:
+                if family.model_type not in _registered_first:
                     register_family(family)
-            _builtins_loaded = True
+            _builtins_loaded = complete
+        finally:
+            _builtins_loading = False
 
 
 def registered_families() -> dict[str, Family]:

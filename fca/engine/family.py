@@ -30,6 +30,9 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
     return list(adapted()) if callable(adapted) else longest_module_list(model)
 
 
+ExpertSelection = Callable[[nn.Module, tuple, dict], tuple[torch.Tensor, "torch.Tensor | None"]]
+
+
 def transformers_expert_selection(
     experts: nn.Module, args: tuple, kwargs: dict
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -44,6 +47,15 @@ def transformers_expert_selection(
             "must say how to read the experts it runs (Family.expert_selection)"
         )
     return index, weights if isinstance(weights, torch.Tensor) else None
+
+
+def whole_sequences(block: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The tokens of each sequence a block is called with, [B]: every position of its input [B, T, ...];
+    None when its first input is not such a tensor (nothing to read the sequences from)."""
+    x = args[0] if args else next(iter(kwargs.values()), None)
+    if not isinstance(x, torch.Tensor) or x.dim() < 3:
+        return None
+    return torch.full((x.shape[0],), x.shape[1], dtype=torch.long, device=x.device)
 
 
 def no_definitions(model: nn.Module) -> dict:
@@ -64,17 +76,23 @@ class Family:
     - `definitions(model)`: extra entries for the audit report's `definitions`.
     - `coefficient_kind`: what the recorded coefficients are, in words.
     - `expert_paths`: module globs of the experts modules when execution is conditional at expert level
-      (the execution audit then counts the experts each token runs); () otherwise. Each must be a module
-      the model calls as `experts(hidden, top_k_index, top_k_weights)` with a `num_experts` attribute,
-      as transformers' MoE layers do (a list of experts the model indexes is never called: refused).
+      (the execution audit counts the experts each token runs, and replays read routing there); ()
+      otherwise. Each must be a module the model calls once per forward with its tokens flattened,
+      [N, ...], handed the selection `expert_selection` reads, with a `num_experts` attribute, as
+      transformers' MoE layers do (a list of experts the model indexes is never called: refused).
     - `execution_note`: a sentence the execution audit carries ("" for none).
-    - `routers(model)`: the sites whose coefficients choose the experts each token runs, by top-k of a
-      softmax (as transformers' MoE routers): site name -> k, or `fca.engine.routing.TopKRouter(k,
-      renormalize)` where the top-k weights are not renormalised. Replays then report each condition's
-      routing agreement (`fca.engine.routing`). {} (the default): no such sites.
+    - `routers(model)`: the sites whose coefficients choose the experts each token runs, however they
+      choose (softmax or sigmoid top-k, group-limited, hash, capacity-limited): site name -> k, the experts
+      per token. Replays then report each condition's routing agreement (`fca.engine.routing`), read from
+      what the experts modules of `expert_paths` are handed (a router without them gets no figure, and the
+      report says why). {} (the default): no such sites.
     - `expert_selection(experts, args, kwargs)`: the (index [N, k], weights [N, k] or None) an experts module
       matching `expert_paths` is handed in its call, read by a forward pre-hook: what the model actually
       dispatched. The default reads transformers' `experts(hidden, top_k_index, top_k_weights)`.
+    - `tokens_per_sequence(block, args, kwargs)`: how many tokens of each sequence of the batch a block (one
+      of `blocks`) is called with, [B], read from its call by a forward pre-hook: what each replay condition
+      runs. The default: every position of an input [B, T, ...]; a family whose blocks run on some tokens
+      only says how to read them. None: not readable from this call (no per-condition figures).
     """
 
     model_type: str
@@ -86,6 +104,5 @@ class Family:
     expert_paths: tuple[str, ...] = ()
     execution_note: str = ""
     routers: Callable[[nn.Module], dict] = no_routers
-    expert_selection: Callable[[nn.Module, tuple, dict], tuple[torch.Tensor, torch.Tensor | None]] = (
-        transformers_expert_selection
-    )
+    expert_selection: ExpertSelection = transformers_expert_selection
+    tokens_per_sequence: Callable[[nn.Module, tuple, dict], torch.Tensor | None] = whole_sequences

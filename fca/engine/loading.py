@@ -17,6 +17,7 @@ from torch import nn
 from fca.engine.checkpoints import read_config
 from fca.engine.families import Family, family_for_type, registered_families
 from fca.engine.sites import unwrapped
+from fca.engine.user_families import family_source
 from fca.tables.errors import ModelLoadError
 
 
@@ -31,12 +32,20 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
 
         if hf_structure.is_transformers_type(model_type):  # a transformers MoE, recognised by its modules
             family = Family(model_type, load=hf_structure.load_structural)
-    if family is None or family.load is None:
+    if family is not None and family.load is None:
+        source = family_source(model_type)
+        raise ModelLoadError(
+            f"{path / 'config.json'}: the family of model_type {model_type!r}"
+            + (f" (declared in {source})" if source else "")
+            + " has no load function: give it one (Family(..., load=...)) to load its directories"
+        )
+    if family is None:
         known = sorted(t for t, f in registered_families().items() if f.load is not None)
         raise ModelLoadError(
-            f"{path / 'config.json'}: unsupported model_type {model_type!r} (known: {', '.join(known)}); a model of "
-            "your own is audited from Python (fca.attach_sites, then fca.audit), or loaded here once its family "
-            "is registered (fca.engine.families.register_family with a load function)"
+            f"{path / 'config.json'}: unsupported model_type {model_type!r} (known: {', '.join(known)}); declare its "
+            "family in a Python file (FAMILY = fca.Family(...) with a load function that calls fca.attach_sites) "
+            "and pass it to any command with --family FILE, as the README's 'Your own model from the shell' "
+            "shows; in Python, fca.load_family_file(FILE) or fca.register_family does the same"
         )
     try:
         model = family.load(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,8 +14,9 @@ from torch import nn
 
 from fca.engine.capture import as_input_ids, token_nll
 from fca.engine.environment import current_environment
+from fca.engine.execution import ExecutionTally
 from fca.engine.families import family_of
-from fca.engine.routing import RoutingTally, TopKRouter
+from fca.engine.routing import ExpertObserver, RoutingTally, Selection
 from fca.engine.sites import (
     capture_tensors,
     find_sites,
@@ -198,12 +200,16 @@ class ReplayResults:
     computed_on: dict | None = None  # the cache's environment
     replayed_on: dict | None = None  # this run's environment
     coefficient_dtype: str = "float32"
-    # Routing agreement (`fca.engine.routing`), for models with top-k routers: router site -> k, and
-    # condition -> figure -> [n, S] per sequence and router, in `routers`' order. Empty otherwise.
+    # Routing agreement (`fca.engine.routing`), read at the experts modules, for models with routers: router
+    # site -> k (the experts per token its experts were handed), and condition -> figure -> [n, S] per
+    # sequence and router, in `routers`' order; routing_unobserved: router site -> why it has no figure.
     routers: dict[str, int] = field(default_factory=dict)
     routing: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
-    renormalized: dict[str, bool] = field(default_factory=dict)  # router site -> top-k weights renormalised
+    routing_unobserved: dict[str, str] = field(default_factory=dict)
     replayed_per_seq: np.ndarray | None = None  # [n] Correct replay of the recorded coefficients (check 1)
+    # What ran: condition -> [n, L] tokens each block processed per sequence, counted at the blocks during
+    # that condition's replay (`fca.engine.execution.ExecutionTally`); None where they cannot be counted.
+    executed: dict[str, np.ndarray] | None = None
     exactness: dict | None = None  # `check_exactness`'s verdict, once judged (`Experiment.run` judges)
 
     def nll(self, name: str) -> float:
@@ -312,6 +318,8 @@ class _BatchCheck:
     live_nll: np.ndarray  # [b] per-sequence mean NLL of the live pass
     replayed_nll: np.ndarray  # [b] the same for Correct replay of the recorded coefficients
     cache_is_recorded: bool  # the cached coefficients equal the recorded ones in float32
+    # what the experts modules were handed in the Correct replay of the recorded coefficients (when observed)
+    correct_selection: dict[str, list[Selection]] | None = None
 
 
 def _check_batch(
@@ -322,12 +330,19 @@ def _check_batch(
     cache: Cache,
     batch_seqs: list[int],
     measure: FidelityMeasure,
+    observer: ExpertObserver | None = None,
+    executed: ExecutionTally | None = None,
 ) -> _BatchCheck:
     """Both exactness checks on one batch. Check 1: the live pass records its coefficients, and replaying
     exactly those must reproduce it. Check 2 (accumulated in `measure`): how far the cache is from what
-    this model computes here, coefficients and stored per-token live NLL."""
+    this model computes here, coefficients and stored per-token live NLL. With an `observer`, the experts'
+    selection in the Correct replay is kept; `executed` counts what the Correct replay runs."""
     live, recorded = capture_tensors(model, ids)
-    replayed = replay(model, ids, recorded)
+    with (
+        observer.recording() if observer is not None else nullcontext() as selection,
+        executed.counting(ids.shape[0]) if executed is not None else nullcontext(),
+    ):
+        replayed = replay(model, ids, recorded)
     live_tokens = token_nll(live, targets)  # [b, T]
     build_batch = is_build_batch(batch_seqs, cache.build_batches())
     measure.same_batches = measure.same_batches and build_batch
@@ -344,6 +359,7 @@ def _check_batch(
         replayed_nll=_nll_per_seq(replayed, targets).cpu().numpy(),
         # Replaying the cache is replaying the recorded pass: the float32 values it recorded, unrounded.
         cache_is_recorded=differing == 0 and cache.coefficient_dtype not in _STORAGE_TORCH_DTYPES,
+        correct_selection=selection,
     )
 
 
@@ -357,14 +373,11 @@ def _shard_bounds(shard: tuple[int, int] | None, batch_size: int, n: int) -> tup
     return lo, hi
 
 
-def _replay_nll(
-    model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, stacked: dict, g: int
-) -> tuple[np.ndarray, Mapping[str, torch.Tensor]]:
+def _replay_nll(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, stacked: dict, g: int) -> np.ndarray:
     """Per-sequence NLL of one replay of `g` conditions stacked along the batch: ids and targets [b, T],
-    each site's coefficients [g * b, T, K] condition-major; returns [g, b], and what the sites were fed
-    (site -> [g * b, T, K] on the model's device)."""
-    logits, fed = _replay_staged(model, ids.repeat(g, 1), stacked)  # [g * b, T, V]
-    return _nll_per_seq(logits, targets.repeat(g, 1)).cpu().numpy().reshape(g, ids.shape[0]), fed
+    each site's coefficients [g * b, T, K] condition-major; returns [g, b]."""
+    logits, _ = _replay_staged(model, ids.repeat(g, 1), stacked)  # [g * b, T, V]
+    return _nll_per_seq(logits, targets.repeat(g, 1)).cpu().numpy().reshape(g, ids.shape[0])
 
 
 @torch.no_grad()
@@ -381,7 +394,7 @@ def run_conditions(
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     shard: tuple[int, int] | None = None,
-    routers: Mapping[str, int | TopKRouter] | None = None,
+    routers: Sequence[str] | Mapping[str, object] | None = None,
 ) -> ReplayResults:
     """Per-sequence NLL of every condition on `seqs` (default: all) of `cache`.
 
@@ -395,8 +408,11 @@ def run_conditions(
     coefficients; several are stacked into one forward while the logits fit in `max_logit_bytes`.
     The controllers never run during replay. Judge the result with `check_exactness(results)`.
 
-    `routers`: site -> k or `TopKRouter`, the top-k routers whose routing agreement to report
-    (`fca.engine.routing`); None: those the model's family names (`Family.routers`).
+    `routers`: the router sites whose routing agreement to report (`fca.engine.routing`; a mapping's keys);
+    None: those the model's family names (`Family.routers`). Their figures are read from what the family's
+    experts modules are handed (`Family.expert_paths`, `Family.expert_selection`), compared with what they
+    were handed for the tokens' own coefficients: the check's Correct replay where the cache is the recorded
+    pass, else the Correct condition (replayed for this even when not asked for, without checks).
     """
     seqs = list(range(cache.num_seqs)) if seqs is None else [int(s) for s in seqs]
     names = [c.name for c in conditions]
@@ -418,15 +434,20 @@ def run_conditions(
     max_diff, batches = 0.0, 0
     lo_seq, hi_seq = _shard_bounds(shard, batch_size, len(seqs))
     starts = range(lo_seq, hi_seq, batch_size)
-    sites = find_sites(model)
-    model_dtype = next(model.parameters()).dtype
-    routers = {
-        s: k for s, k in (family_of(model).routers(model) if routers is None else routers).items() if s in cache.sites
-    }
-    tally = RoutingTally(routers, names, len(seqs))
+    family = family_of(model)
+    routers = [s for s in (family.routers(model) if routers is None else routers) if s in cache.sites]
+    observer = (
+        ExpertObserver(model, family.expert_paths, family.expert_selection) if routers and family.expert_paths else None
+    )
+    tally = RoutingTally(routers, observer, names, len(seqs))
+    observing = observer is not None and bool(tally.observed)
+    executed = ExecutionTally(model, names, len(seqs))
     # The next batch is read and decoded on a background thread while this one runs.
     reads = cache.prefetch([seqs[lo : lo + batch_size] for lo in starts])
+    stack = ExitStack()
     try:
+        if observer is not None:
+            stack.enter_context(observer)
         for lo in starts:
             if should_stop is not None and should_stop():
                 raise Cancelled("replay cancelled")
@@ -439,22 +460,33 @@ def run_conditions(
             coefficients = {name: own[name] for name in cache.sites}
             b = len(index)
             cache_is_recorded = False
+            if observing:
+                tally.start_batch(index, T)
+            check_executed = None  # [b, L] what the check's Correct replay ran
             if check_exactness:
-                check = _check_batch(model, ids, targets, own, cache, batch_seqs, measure)
+                check = _check_batch(
+                    model, ids, targets, own, cache, batch_seqs, measure, observer if observing else None, executed
+                )
+                check_executed = executed.last
                 max_diff = max(max_diff, check.max_abs_logit_diff)
                 live_nll[index], replayed_nll[index] = check.live_nll, check.replayed_nll
                 batches += 1
                 cache_is_recorded = check.cache_is_recorded
                 if cache_is_recorded:  # Correct-from-cache is the replay just run: reuse its scores
                     cache_nll[index] = replayed_nll[index]
+                    if observing:  # and what its experts were handed is the tokens' own selection
+                        tally.set_own(check.correct_selection)
             other = cache.coefficients([seqs[partner[i]] for i in index]) if partner is not None else None
             to_run = [c for c in conditions if not (cache_is_recorded and _is_plain_correct(c))]
             if check_exactness and not cache_is_recorded and not any(map(_is_plain_correct, conditions)):
                 to_run.append(Condition("correct"))  # the fidelity check needs Correct-from-cache even unasked
+            elif observing and not cache_is_recorded and not any(map(_is_plain_correct, to_run)):
+                to_run.append(Condition("correct"))  # routing needs the tokens' own selection
             scored: dict[Condition, np.ndarray] = {}  # condition -> [b] NLL
-            if routers:  # routing agreement: against the experts of the tokens' own coefficients
-                dtypes = {s: sites[s]._produced_dtype or model_dtype for s in routers}  # (as `Site.replayed`)
-                tally.start_batch(index, {s: _host_tensor(coefficients[s]).to(device) for s in routers}, dtypes)
+            for c in conditions:
+                if c not in to_run:  # Correct, not replayed again: it ran what the check's replay ran
+                    executed.add(c.name, index, check_executed)
+            if observing:
                 for c in conditions:
                     if c not in to_run:  # Correct, not replayed again: fed the tokens' own coefficients
                         tally.add_own(c.name)
@@ -462,10 +494,17 @@ def run_conditions(
                 group = to_run[start : start + per_pass]
                 parts = [condition_coefficients(c, coefficients, index, profiles, other) for c in group]
                 stacked = stack_conditions(parts, b, T)
-                nll, fed = _replay_nll(model, ids, targets, stacked, len(group))
+                with observer.recording() if observing else nullcontext() as taken, executed.counting(len(group) * b):
+                    nll = _replay_nll(model, ids, targets, stacked, len(group))
+                if executed.last is not None:
+                    for c, counted in zip(group, executed.last.reshape(len(group), b, -1)):
+                        executed.add(c.name, index, counted)
                 scored.update(zip(group, nll))
-                if routers:  # (the check's own Correct, when not asked for, is not reported)
-                    tally.add_fed([c.name if c in conditions else None for c in group], fed)
+                if observing:  # (a Correct replayed only for the checks is not reported)
+                    own_at = next((i for i, c in enumerate(group) if _is_plain_correct(c)), None)
+                    tally.add_observed([c.name if c in conditions else None for c in group], taken, own_at)
+            if observing:
+                tally.end_batch()
             for c in conditions:
                 per_seq[c.name][index] = replayed_nll[index] if c not in scored else scored[c]
             if check_exactness and not cache_is_recorded:
@@ -473,6 +512,7 @@ def run_conditions(
             if progress is not None:
                 progress(index[-1] + 1, len(seqs))
     finally:
+        stack.close()  # removes the observer's hooks
         reads.close()  # stops the reader thread, also on errors and cancellation
     return ReplayResults(
         seqs=seqs,
@@ -490,7 +530,8 @@ def run_conditions(
         replayed_on=replayed_on,
         coefficient_dtype=cache.coefficient_dtype,
         replayed_per_seq=replayed_nll,
-        routers={site: router.k for site, router in tally.routers.items()},
-        renormalized={site: router.renormalize for site, router in tally.routers.items()},
-        routing=tally.figures() if routers else {},
+        routers={site: tally.top_k.get(site, 0) for site in tally.observed},
+        routing=tally.figures() if tally.observed else {},
+        routing_unobserved=tally.unobserved,
+        executed=executed.counts,
     )

@@ -1,157 +1,277 @@
-"""Routing agreement: how much of a top-k router's choice a replay condition keeps.
+"""Routing agreement: how much of the experts' selection a replay condition keeps, read from what ran.
 
 A condition's penalty says what reassigning a mixture of experts' router coefficients costs in NLL; it
-does not say how much routing changed. Under replay the router is removed, and each MoE layer runs the
-top-k experts of the coefficients it is fed, so which experts run under a condition follows from its
-coefficients alone: compared with the experts the token's own (cached) coefficients select.
+does not say how much routing changed. Routers choose in many ways (a softmax's top-k, sigmoid scores
+with a correction bias, group-limited top-k, a hash of the token id, capacity limits), so no formula
+applied to the coefficients can say which experts ran. The figures are therefore read at the experts
+modules (the family's `expert_paths`): a forward pre-hook reads the selection each is handed (the
+family's `expert_selection`: expert index [N, k] and mixing weights [N, k]) under every condition, and
+compares it token by token with the selection the same tokens' experts received when fed the tokens'
+own coefficients (Correct replay of the cache). Ties were broken as they were broken in that run.
 
-Selection repeats the routers' (`fca.engine.models.hf_moe.TopKRouting`) on the very tensors the replay
-fed them, on the replay's device: the coefficients cast to the dtype the site is fed in, a float32
-softmax over the tokens flattened to [N, E], `torch.topk`. A condition that gives every expert the same
-value (a global mean) leaves the choice to `torch.topk`'s tie-breaking (every such token then runs the
-same k experts, whichever come first); a token whose choice, its own or the condition's, was a tie is
-counted as tied, so an agreement decided by tie order is not read as the coefficients'.
+Each router site is paired with the experts module nearest to it in the module tree (the longest shared
+module path). A router whose selection cannot be read this way (no experts modules declared, none beside
+it, or one never called) gets no figure, and the reason is kept (`RoutingTally.unobserved`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
 import torch
+from torch import nn
+
+from fca.engine.adapters import match_modules
+from fca.engine.family import ExpertSelection
+from fca.engine.sites import unwrapped
 
 # Per-sequence figures of `routing_agreement`, in the order reports give them.
-ROUTING_FIGURES = ("same_experts", "expert_overlap", "weight_kept", "tied")
+ROUTING_FIGURES = ("same_experts", "expert_overlap", "weight_kept")
 
 
-@dataclass(frozen=True)
-class TopKRouter:
-    """How a router chooses: the top `k` experts of a softmax over its logits, their probabilities
-    renormalised to sum to 1 when `renormalize` (Mixtral always; OLMoE and Qwen by `norm_topk_prob`), and
-    cast back to the logits' dtype when `weights_in_logit_dtype` (OLMoE and Qwen; Mixtral keeps float32)."""
+class Selection(NamedTuple):
+    """The experts one call of an experts module was handed: index [N, k] (an index >= E is an empty slot)
+    and the mixing weights [N, k] (None where the module is not handed any)."""
 
-    k: int
-    renormalize: bool = True
-    weights_in_logit_dtype: bool = False
+    index: torch.Tensor
+    weights: torch.Tensor | None
 
 
-def as_router(spec: int | TopKRouter) -> TopKRouter:
-    """A family's router entry: k alone means renormalised top-k weights."""
-    return spec if isinstance(spec, TopKRouter) else TopKRouter(int(spec))
+def selection_masks(selection: Selection, experts: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A selection -> (selected [N, E] bool, weights [N, E] float32 or None), empty slots dropped; an expert
+    named twice in a token's slots runs once, with the sum of its weights."""
+    index = selection.index.long()
+    slot = torch.where((index >= 0) & (index < experts), index, experts)  # [N, k]; E: the empty slot
+    selected = torch.zeros(index.shape[0], experts + 1, dtype=torch.bool, device=index.device)
+    selected = selected.scatter_(1, slot, True)[:, :experts]
+    if selection.weights is None:
+        return selected, None
+    weights = torch.zeros(index.shape[0], experts + 1, dtype=torch.float32, device=index.device)
+    weights = weights.scatter_add_(1, slot, selection.weights.float())[:, :experts]
+    return selected, weights
 
 
-class Choice(NamedTuple):
-    """A router's choice for each token: the experts selected [..., E] (bool), whether a tie decided it
-    [...], and the mixing weights [..., E] (float32, zero outside the selected experts)."""
+def routing_agreement(own: Selection, chosen: Selection, experts: int, sequences: int) -> dict[str, torch.Tensor]:
+    """The experts the tokens' own coefficients had them run and those a condition's did, [N, k] each with
+    N = sequences * T tokens, sequence-major -> per sequence [sequences] (float64):
 
-    selected: torch.Tensor
-    tied: torch.Tensor
-    weights: torch.Tensor
-
-
-def top_k_choice(logits: torch.Tensor, router: TopKRouter) -> Choice:
-    """Router coefficients [..., E] -> the router's `Choice`, computed on the tokens flattened to [N, E],
-    as the routers see them."""
-    E = logits.shape[-1]
-    probs = torch.softmax(logits.reshape(-1, E), dim=-1, dtype=torch.float32)  # [N, E]
-    values, index = torch.topk(probs, router.k, dim=-1)  # [N, k]: the router's own call, so its tie-breaking
-    selected = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, index, True)
-    best_left_out = probs.masked_fill(selected, float("-inf")).amax(-1)  # [N] (-inf when k = E: no tie)
-    tied = best_left_out == values[:, -1]
-    if router.renormalize:
-        values = values / values.sum(-1, keepdim=True)
-    if router.weights_in_logit_dtype:  # (the weights the experts are handed: rounded in a bfloat16 model)
-        values = values.to(logits.dtype).float()
-    weights = torch.zeros_like(probs).scatter_(-1, index, values)  # [N, E]
-    return Choice(selected.reshape(logits.shape), tied.reshape(logits.shape[:-1]), weights.reshape(logits.shape))
-
-
-def _agreement(own: Choice, chosen: Choice, k: int) -> dict[str, torch.Tensor]:
-    """The token's own choice and a condition's, [b, T, ...] each -> the per-sequence figures [b] (float64).
-    A tie on either side counts as tied: which of the tied experts ran was tie order."""
-    kept = (own.selected & chosen.selected).sum(-1)  # [b, T] experts in both selections
-    # the token's own routed weight still given to the same experts, at most as much as before: the share of
-    # its mixture left in place (for weightings that sum to 1, one minus half their L1 distance)
-    weight = torch.minimum(own.weights, chosen.weights).sum(-1) / own.weights.sum(-1)  # [b, T]
-    return {
-        "same_experts": (kept == k).double().mean(1),
-        "expert_overlap": (kept.double() / k).mean(1),
-        "weight_kept": weight.double().mean(1),
-        "tied": (own.tied | chosen.tied).double().mean(1),
-    }
+    - `same_experts`: the share of tokens that ran the same set of experts;
+    - `expert_overlap`: the mean share of a token's own experts that still ran for it (a token whose own
+      selection was empty counts 1 if the condition's is empty too, else 0);
+    - `weight_kept`: the mean share of the token's own mixing weight left on the same experts (expert by
+      expert the smaller of the two weights, over the token's own total; a zero total counts as
+      `same_experts`); NaN throughout when either side was handed no weights."""
+    own_selected, own_weights = selection_masks(own, experts)
+    chosen_selected, chosen_weights = selection_masks(chosen, experts)
+    same = (own_selected == chosen_selected).all(-1)  # [N]
+    own_count = own_selected.sum(-1)
+    kept = (own_selected & chosen_selected).sum(-1)
+    overlap = torch.where(own_count > 0, kept / own_count.clamp_min(1), same.to(torch.float32))
+    if own_weights is None or chosen_weights is None:
+        weight = torch.full_like(overlap, float("nan"))
+    else:
+        total = own_weights.sum(-1)
+        shared = torch.minimum(own_weights, chosen_weights).sum(-1)
+        weight = torch.where(total != 0, shared / torch.where(total != 0, total, 1.0), same.to(torch.float32))
+    per_seq = lambda values: values.double().reshape(sequences, -1).mean(1)  # noqa: E731  [N] -> [sequences]
+    return {"same_experts": per_seq(same), "expert_overlap": per_seq(overlap), "weight_kept": per_seq(weight)}
 
 
-def routing_agreement(
-    own: np.ndarray, assigned: np.ndarray, router: int | TopKRouter, dtype: torch.dtype
-) -> dict[str, np.ndarray]:
-    """Per sequence [b]: `same_experts`, the share of tokens whose k experts under `assigned` are the set
-    their own coefficients select; `expert_overlap`, the mean share of those k experts kept; `weight_kept`,
-    the mean share of the token's own mixing weight left on the same experts (sum of the smaller weight of
-    each expert, over the token's own total); `tied`, the share of tokens whose choice, their own or under
-    `assigned`, was decided by a tie.
+def pair_experts(routers: Sequence[str], experts: Sequence[str]) -> dict[str, str | None]:
+    """Each router site -> the experts module it routes to: the one sharing the longest module path with it
+    (`model.layers.3.mlp.gate` -> `model.layers.3.mlp.experts`); None where there is none or two are as near."""
+    out: dict[str, str | None] = {}
+    for router in routers:
+        parts = router.split(".")
+        shared = {name: _shared_depth(parts, name.split(".")) for name in experts}
+        best = max(shared.values(), default=0)
+        nearest = [name for name, depth in shared.items() if depth == best]
+        out[router] = nearest[0] if best > 0 and len(nearest) == 1 else None
+    return out
 
-    own: [b, T, E] the tokens' cached coefficients; assigned: a condition's, broadcastable to [b, T, E];
-    router: k, or the `TopKRouter`; dtype: the dtype the site is fed in replay (a bfloat16 model's router
-    sees its values rounded)."""
-    router = as_router(router)
-    # (copies: cached arrays may be read-only, and torch wants writable memory)
-    own_t = torch.from_numpy(np.array(own, dtype=np.float32)).to(dtype)
-    given = torch.from_numpy(np.array(assigned, dtype=np.float32)).to(dtype).expand(own_t.shape)
-    scores = _agreement(top_k_choice(own_t, router), top_k_choice(given, router), router.k)
-    return {figure: values.numpy() for figure, values in scores.items()}
+
+def _shared_depth(a: list[str], b: list[str]) -> int:
+    depth = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        depth += 1
+    return depth
+
+
+class ExpertObserver:
+    """Forward pre-hooks on every experts module matching `expert_paths` that keep the selection each is
+    handed (read by `expert_selection`) while `recording()`; use as a context manager (the hooks are
+    removed on exit). Reading only references the tensors the model made: no copy, no host transfer."""
+
+    def __init__(self, model: nn.Module, expert_paths: Sequence[str], expert_selection: ExpertSelection) -> None:
+        model = unwrapped(model)
+        self.modules = {name: model.get_submodule(name) for p in expert_paths for name in match_modules(model, p)}
+        self.expert_selection = expert_selection
+        self.unreadable: dict[str, str] = {}  # experts module -> why its call could not be read
+        self._taken: dict[str, list[Selection]] | None = None
+        self._handles: list = []
+
+    def __enter__(self) -> ExpertObserver:
+        self._handles = [
+            module.register_forward_pre_hook(lambda m, a, kw, n=name: self._keep(n, m, a, kw), with_kwargs=True)
+            for name, module in self.modules.items()
+        ]
+        return self
+
+    def __exit__(self, *_) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _keep(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._taken is None or name in self.unreadable:
+            return
+        try:
+            selection = Selection(*self.expert_selection(module, args, kwargs))
+        except (ValueError, KeyError, IndexError, TypeError) as err:  # a call the family's reader does not fit
+            self.unreadable[name] = str(err) or type(err).__name__
+            return
+        self._taken.setdefault(name, []).append(selection)
+
+    @contextmanager
+    def recording(self) -> Iterator[dict[str, list[Selection]]]:
+        """Within the block: experts module -> the selections of its calls, in call order."""
+        taken: dict[str, list[Selection]] = {}
+        self._taken = taken
+        try:
+            yield taken
+        finally:
+            self._taken = None
 
 
 class RoutingTally:
-    """Routing agreement of each condition of a run, per sequence and router, batch by batch, computed on
-    the device the replay ran on from the very tensors fed to the routers (so ties fall as they fell there).
+    """Routing agreement of each condition of a replay run, per sequence and router, batch by batch, from
+    the selections the experts modules were handed (`ExpertObserver`), compared on the replay's device.
 
-    routers: site -> k or `TopKRouter` (the family's `routers`); names: the run's conditions; n: its
-    sequences. `figures()`: condition -> figure -> [n, S], S the routers in `routers`' order."""
+    routers: the router sites, in report order; observer: the hooks on the family's experts modules (None:
+    it names none); names: the run's conditions; n: its sequences. `figures()`: condition -> figure ->
+    [n, S], S the observed routers (`observed`), in order; `unobserved`: router -> why it has no figure."""
 
-    def __init__(self, routers: Mapping[str, int | TopKRouter], names: Sequence[str], n: int) -> None:
-        self.routers = {site: as_router(spec) for site, spec in routers.items()}
+    def __init__(self, routers: Sequence[str], observer: ExpertObserver | None, names: Sequence[str], n: int) -> None:
         self.names, self.n = list(names), n
-        self._pending: list[tuple[str, list[int], dict[str, torch.Tensor]]] = []  # (condition, rows, figures)
-        self._own: dict[str, Choice] = {}
+        self.unobserved: dict[str, str] = {}
+        self.experts: dict[str, str] = {}  # router -> its experts module
+        if observer is None:
+            self.unobserved = dict.fromkeys(routers, "its family names no experts modules (Family.expert_paths)")
+        else:
+            for router, module in pair_experts(routers, list(observer.modules)).items():
+                if module is None:
+                    self.unobserved[router] = "no experts module matching the family's expert_paths is beside it"
+                elif not isinstance(getattr(observer.modules[module], "num_experts", None), int):
+                    self.unobserved[router] = f"its experts module {module} has no num_experts attribute"
+                else:
+                    self.experts[router] = module
+        self.num_experts = {r: observer.modules[m].num_experts for r, m in self.experts.items()} if observer else {}
+        self._observer = observer
+        self.top_k: dict[str, int] = {}  # router -> the width of the selections its experts were handed
+        self._figures: list[tuple[str, list[int], str, dict[str, torch.Tensor]]] = []  # condition, rows, router
         self._index: list[int] = []
-        self._dtypes: Mapping[str, torch.dtype] = {}
+        self._T = 0
+        self._own: dict[str, Selection] = {}
+        self._pending: list[tuple[list[str | None], dict[str, list[Selection]], int | None]] = []
+        self._own_names: list[str] = []
 
-    def start_batch(self, index: list[int], own: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype]):
-        """The batch at positions `index`: own, site -> its cached coefficients [b, T, E] on the replay's
-        device; dtypes, site -> the dtype replay feeds it."""
-        self._index, self._dtypes = index, dtypes
-        self._own = {site: top_k_choice(own[site].to(dtypes[site]), r) for site, r in self.routers.items()}
+    @property
+    def observed(self) -> list[str]:
+        """The routers with figures, in order."""
+        return [r for r in self.experts if r not in self.unobserved]
+
+    def start_batch(self, index: list[int], T: int) -> None:
+        """The batch at positions `index` of the run, of T tokens per sequence."""
+        self._index, self._T, self._own, self._pending, self._own_names = index, T, {}, [], []
+
+    def set_own(self, taken: Mapping[str, list[Selection]]) -> None:
+        """What the experts were handed in a forward of this batch fed the tokens' own coefficients."""
+        self._own = self._one_call(taken, 1)
 
     def add_own(self, name: str) -> None:
         """Condition `name` fed the tokens' own coefficients (Correct, not replayed again)."""
-        self._add(name, {site: (own, own) for site, own in self._own.items()})
+        self._own_names.append(name)
 
-    def add_fed(self, names: Sequence[str | None], fed: Mapping[str, torch.Tensor]) -> None:
-        """Conditions replayed in one forward: fed, site -> [g * b, T, E] the coefficients the routers were
-        fed, condition-major; names: the g conditions (None for one not reported)."""
+    def add_observed(
+        self, names: Sequence[str | None], taken: Mapping[str, list[Selection]], own: int | None = None
+    ) -> None:
+        """Conditions replayed in one forward, condition-major: names, the g conditions (None for one not
+        reported); taken, what `ExpertObserver.recording` kept in that forward; own, the position of a
+        condition fed the tokens' own coefficients (plain Correct), whose selection is then the batch's own
+        unless `set_own` gave it."""
+        self._pending.append((list(names), dict(taken), own))
+
+    def end_batch(self) -> None:
+        """Score the batch's conditions against the selection of the tokens' own coefficients."""
         b = len(self._index)
-        chosen = {
-            site: top_k_choice(fed[site].to(self._dtypes[site]).unflatten(0, (len(names), b)), r)
-            for site, r in self.routers.items()
-        }  # site -> Choice of [g, b, T, ...]
-        for i, name in enumerate(names):
-            if name is not None:
-                self._add(name, {site: (self._own[site], Choice(*(t[i] for t in chosen[site]))) for site in chosen})
+        parts = []  # (name, router, Selection of the b * T tokens)
+        for names, taken, own_at in self._pending:
+            g = len(names)
+            for router, chosen in self._one_call(taken, g).items():
+                rows = chosen.index.shape[0] // g  # b * T tokens per condition (condition-major)
+                for i, name in enumerate(names):
+                    part = Selection(
+                        chosen.index[i * rows : (i + 1) * rows],
+                        None if chosen.weights is None else chosen.weights[i * rows : (i + 1) * rows],
+                    )
+                    if i == own_at and router not in self._own:
+                        self._own[router] = part
+                    if name is not None:
+                        parts.append((name, router, part))
+        parts += [(name, router, own) for name in self._own_names for router, own in self._own.items()]
+        for name, router, part in parts:
+            if router in self.observed:  # (one marked unobserved in a later forward of the batch: none)
+                if router not in self._own:
+                    raise RuntimeError(f"routing tally: no selection of the tokens' own coefficients for {router}")
+                agreement = routing_agreement(self._own[router], part, self.num_experts[router], b)
+                self._figures.append((name, self._index, router, agreement))  # [b] each, still on the device
+        self._pending, self._own_names = [], []
 
-    def _add(self, name: str, choices: Mapping[str, tuple[Choice, Choice]]) -> None:
-        """Condition `name`'s figures on this batch; choices: site -> (the tokens' own, the condition's)."""
-        per_router = [_agreement(*choices[site], r.k) for site, r in self.routers.items()]
-        figures = {figure: torch.stack([r[figure] for r in per_router], dim=1) for figure in ROUTING_FIGURES}
-        self._pending.append((name, self._index, figures))  # [b, S] each, still on the device
+    def _one_call(self, taken: Mapping[str, list[Selection]], g: int) -> dict[str, Selection]:
+        """router -> the one selection its experts module was handed in a forward of g conditions; a router
+        whose module was not called exactly once, or not handed one row per token (g * b * T), is marked
+        unobserved."""
+        out = {}
+        for router in self.observed:
+            module = self.experts[router]
+            calls = taken.get(module, [])
+            if module in self._observer.unreadable:
+                self.unobserved[router] = (
+                    f"its experts module's call could not be read ({self._observer.unreadable[module]})"
+                )
+                continue
+            if len(calls) != 1:
+                self.unobserved[router] = (
+                    f"its experts module {module} was never called"
+                    if not calls
+                    else f"its experts module {module} was called {len(calls)} times in one forward"
+                )
+                continue
+            selection = calls[0]
+            expected = g * len(self._index) * self._T  # (the experts see [g * b, T] flattened row-major)
+            if selection.index.dim() != 2 or selection.index.shape[0] != expected:
+                self.unobserved[router] = (
+                    f"its experts module {module} was handed expert indices {list(selection.index.shape)}, not "
+                    f"[{expected}, k] for the {expected} tokens of the forward"
+                )
+                continue
+            self.top_k[router] = int(selection.index.shape[1])
+            out[router] = selection
+        return out
 
     def figures(self) -> dict[str, dict[str, np.ndarray]]:
-        """condition -> figure -> [n, S] (zero at positions not scored: another shard's)."""
-        out = {
-            name: {figure: np.zeros((self.n, len(self.routers))) for figure in ROUTING_FIGURES} for name in self.names
-        }
-        for name, index, figures in self._pending:  # (one copy to the host per entry, after the run)
-            for figure, values in figures.items():
-                out[name][figure][index] = values.cpu().numpy()
+        """condition -> figure -> [n, S] over the observed routers (zero at positions not scored: another
+        shard's; NaN for weight_kept where no weights were handed)."""
+        routers = self.observed
+        column = {r: i for i, r in enumerate(routers)}
+        out = {name: {f: np.zeros((self.n, len(routers))) for f in ROUTING_FIGURES} for name in self.names}
+        for name, index, router, figures in self._figures:  # (one copy to the host per entry, after the run)
+            if router in column:
+                for figure, values in figures.items():
+                    out[name][figure][index, column[router]] = values.cpu().numpy()
         return out

@@ -18,6 +18,7 @@ from fca.engine.loading import fingerprint_state
 from fca.engine.sites import controller_parameters, model_class_name
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource, check_condition_sites
 from fca.tables.conditions import PAPER_CONDITIONS, Condition, as_conditions
+from fca.tables.execution import EXECUTION_CONDITIONS_DEFINITION, FLOPS_RATIO_DEFINITION, condition_execution
 from fca.tables.fidelity import (
     FOREIGN_TOLERANCES,
     MECHANISM_NLL_TOLERANCE,
@@ -117,6 +118,8 @@ def audit_experiment(
     moments, layout = cache_moments(evaluated, progress=step("variance"), num_seqs=num_seqs)
     variance = variance_decomposition(moments, layout)
     execution = experiment.measure_execution(latency_runs)
+    if results.executed is not None:  # what ran under each condition, counted during its replay
+        execution["conditions"] = condition_execution(results.executed, evaluated.seq_len)
     params = sum(p.numel() for p in model.parameters())
     controller_params = controller_parameters(model)
     return {
@@ -156,8 +159,12 @@ def audit_experiment(
         "gap_retention_ci95": gap_retention_ci(results.per_seq_nll, retention, seed, documents),
         **({"interpolation_sweep": _sweep_section(table, swept)} if swept else {}),
         **(
-            {"routing": summarize_routing(results.routers, evaluated.site_specs, results.routing, results.renormalized)}
-            if results.routers
+            {
+                "routing": summarize_routing(
+                    results.routers, evaluated.site_specs, results.routing, results.routing_unobserved
+                )
+            }
+            if results.routers or results.routing_unobserved
             else {}
         ),
         "variance": variance,
@@ -165,7 +172,7 @@ def audit_experiment(
         "definitions": {
             **_definitions(evaluated, calibration, layout, seed, conditions, swept, family_of(model).coefficient_kind),
             **family_of(model).definitions(model),
-            **({"routing": ROUTING_DEFINITION} if results.routers else {}),
+            **({"routing": ROUTING_DEFINITION} if results.routers or results.routing_unobserved else {}),
         },
         # The seed and training run travel inside the report: a study of committed audits needs no models.
         **({"training": experiment.training} if experiment.training else {}),
@@ -307,6 +314,8 @@ def _definitions(
         "attention and grouped expert products; heavy operators without one are listed in uncounted_ops)",
         "latency": "median over interleaved runs of (model forward time / Dense twin forward time), "
         "same device and batch",
+        "flops_ratio_vs_dense": FLOPS_RATIO_DEFINITION,
+        "execution_conditions": EXECUTION_CONDITIONS_DEFINITION,
         "coefficient": "; ".join(
             sorted({f"{s.family}: {s.coefficient}" for s in cache.site_specs.values() if s.coefficient})
         )

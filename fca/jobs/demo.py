@@ -6,6 +6,13 @@
     cache/demo/calibration/   coefficient cache, calibration split, 256 x 128 tokens
     cache/demo/audit.json     the three-property report (and audit.md)
 
+`make_skip_demo` (`python -m fca demo-skip`) regenerates the second demo, a model whose blocks really skip
+tokens, laid out alike:
+
+    cache/demo-skip/mod/            mixture-of-depths model (seed 0), each block run for about half the tokens
+    cache/demo-skip/dense/          its Dense twin
+    cache/demo-skip/eval/, calibration/, audit.json, audit.md
+
 `make_demo_study` (`python -m fca demo-study`) trains the same configuration for more seeds and
 aggregates their audits with the shipped demo's into a study:
 
@@ -21,11 +28,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from fca.engine.models.featuregate import FeatureGateConfig
+from fca.engine.models.mixture_of_depths import MixtureOfDepthsConfig
 from fca.jobs.audit import run_audit
 from fca.jobs.build import build_cache_from_corpus
-from fca.jobs.train import TrainSettings, train
+from fca.jobs.train import TrainableConfig, TrainSettings, train
 from fca.tables import data
-from fca.tables.catalog import read_json_object
+from fca.tables.catalog import DENSE_TWINS, read_json_object
 from fca.tables.report import render_markdown, write_report
 from fca.tables.runs import SWEEP_ALPHAS
 from fca.tables.study import (
@@ -41,6 +49,24 @@ from fca.tables.study import (
 DEMO_CONFIG = dict(d_model=192, n_layers=6, n_heads=6, mlp_groups=6, max_seq_len=128)
 DEMO_SEQS = 256
 DEMO_AUDIT = Path("cache/demo/audit.json")  # seed 0 of every demo study
+# The second demo: small enough to train on 2 CPU cores in minutes and to ship under 15 MB.
+SKIP_DEMO_CONFIG = dict(d_model=128, n_layers=4, n_heads=4, max_seq_len=128, capacity=0.5)
+SKIP_DEMO_SETTINGS = TrainSettings(steps=160, batch_size=16, eval_every=40)
+SKIP_DEMO_MODEL = "mod"
+
+
+def make_skip_demo(
+    out: Path, corpus: Path, steps: int = SKIP_DEMO_SETTINGS.steps, retrain: bool = False, seed: int = 0
+) -> dict:
+    """Train the mixture-of-depths demo and its Dense twin on the CPU, build its caches and audit it."""
+    if not corpus.exists():
+        data.extract_kjv(corpus)
+    settings = replace(SKIP_DEMO_SETTINGS, steps=steps, seed=seed)
+    train_pair(out, corpus, SKIP_DEMO_CONFIG, settings, retrain=retrain, family=MixtureOfDepthsConfig)
+    report = cache_and_audit(out, corpus, DEMO_SEQS, split_seed=0, sweep=SWEEP_ALPHAS, model=SKIP_DEMO_MODEL)
+    write_report(report, out / "audit.json", out / "audit.md")
+    print(render_markdown(report))
+    return report
 
 
 def make_demo(out: Path, corpus: Path, steps: int = 800, retrain: bool = False, seed: int = 0) -> dict:
@@ -61,16 +87,22 @@ def train_pair(
     device: str = "cpu",
     retrain: bool = False,
     show_progress: bool = True,
+    family: type[TrainableConfig] = FeatureGateConfig,
 ) -> None:
-    """A FeatureGate model and its Dense twin (same seed and batches) into `out/featuregate` and `out/dense`;
-    a model already there is kept unless `retrain` (when it was trained as asked: `check_kept_model`)."""
-    for arch in ("featuregate", "dense"):
+    """A model of `family` (FeatureGate unless told) and its Dense twin (same seed and batches) into
+    `out/<its directory>` (featuregate, mod) and `out/dense`; a model already there is kept unless `retrain`
+    (when it was trained as asked: `check_kept_model`)."""
+    dynamic = MODEL_DIRS[family.model_type]
+    for arch in (dynamic, "dense"):
         model_dir = out / arch
         if retrain or not (model_dir / "model.safetensors").is_file():
-            model_config = FeatureGateConfig(**config, gated=(arch == "featuregate"))
+            model_config = family(**config, **{DENSE_TWINS[family.model_type].switch: arch == dynamic})
             train(corpus, model_dir, model_config, settings, device=device, show_progress=show_progress)
         else:
             check_kept_model(model_dir, config, settings)
+
+
+MODEL_DIRS = {FeatureGateConfig.model_type: "featuregate", MixtureOfDepthsConfig.model_type: SKIP_DEMO_MODEL}
 
 
 def check_kept_model(model_dir: Path, config: dict, settings: TrainSettings) -> None:
@@ -102,11 +134,12 @@ def cache_and_audit(
     device: str = "cpu",
     sweep: Sequence[float] = (),
     show_progress: bool = True,
+    model: str = "featuregate",
 ) -> dict:
-    """The eval and calibration caches of `out/featuregate` (batches of 16) and its audit against `out/dense`."""
+    """The eval and calibration caches of `out/<model>` (batches of 16) and its audit against `out/dense`."""
     for split in ("eval", "calibration"):
         build_cache_from_corpus(
-            out / "featuregate",
+            out / model,
             corpus,
             split,
             out / split,
@@ -117,7 +150,7 @@ def cache_and_audit(
             overwrite=True,
             show_progress=show_progress,
         )
-    return run_audit(out / "featuregate", out / "eval", out / "calibration", out / "dense", device=device, sweep=sweep)
+    return run_audit(out / model, out / "eval", out / "calibration", out / "dense", device=device, sweep=sweep)
 
 
 def audit_seed(

@@ -85,14 +85,32 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def _load_family_files(family_files: Sequence[str]) -> None:
+    # A model of a family declared in a file (`--family`) loads in each actor only once the actor has
+    # run the files the driver ran: an actor is a process of its own, with the built-in registry.
+    if family_files:
+        from fca.engine.user_families import load_family_files
+
+        load_family_files(family_files)
+
+
+def _driver_family_files() -> list[str]:
+    from fca.engine.user_families import loaded_family_files
+
+    return loaded_family_files()
+
+
 # ------------------------------------------------------------------------------------------ build
 
 
 class _BuildWorker:
     """One build actor: the model loaded once, the windows held, parts written on request."""
 
-    def __init__(self, args: dict, threads: int | None, fail_after: int | None = None) -> None:
+    def __init__(
+        self, args: dict, threads: int | None, fail_after: int | None = None, family_files: Sequence[str] = ()
+    ) -> None:
         _set_threads(threads)
+        _load_family_files(family_files)
         self.args = args
         self.fail_after = fail_after  # tests: raise after this many parts, as a lost worker would
         self.written = 0
@@ -198,7 +216,8 @@ def build_cache_distributed(
         coefficient_dtype=coefficient_dtype,
     )
     Worker = ray.remote(max_restarts=0)(_BuildWorker)
-    actors = [Worker.options(**options).remote(args, threads, fail_after) for _ in range(count)]
+    family_files = _driver_family_files()
+    actors = [Worker.options(**options).remote(args, threads, fail_after, family_files) for _ in range(count)]
     try:
         plan_ref, windows_ref = actors[0].prepare.options(num_returns=2).remote()
         plan = ray.get(plan_ref)
@@ -336,8 +355,11 @@ def drive_parts(
 class _ReplayWorker:
     """One replay actor: the experiment opened once; scores shards of a run."""
 
-    def __init__(self, model, cache, calibration, device: str, dtype, threads: int | None) -> None:
+    def __init__(
+        self, model, cache, calibration, device: str, dtype, threads: int | None, family_files: Sequence[str] = ()
+    ) -> None:
         _set_threads(threads)
+        _load_family_files(family_files)
         self.experiment = Experiment.open(model, cache, calibration, device=device, dtype=dtype)
 
     def run(self, conditions: list[Condition], n: int, batch_size: int, seed: int, shard) -> ReplayResults:
@@ -363,6 +385,14 @@ def merge_results(shards: Sequence[ReplayResults], bounds: Sequence[tuple[int, i
             out[lo:hi] = get(r)[lo:hi]
         return out
 
+    # A router one shard could not observe has no figure in the merged run; the others keep their columns.
+    unobserved = {s: why for r in shards for s, why in r.routing_unobserved.items()}
+    kept = [s for s in first.routers if s not in unobserved]
+
+    def columns(r: ReplayResults) -> list[int]:
+        order = list(r.routers)
+        return [order.index(s) for s in kept]
+
     measure = FidelityMeasure()
     for r in shards:
         measure.merge(r.fidelity)
@@ -383,12 +413,15 @@ def merge_results(shards: Sequence[ReplayResults], bounds: Sequence[tuple[int, i
         replayed_on=first.replayed_on,
         coefficient_dtype=first.coefficient_dtype,
         replayed_per_seq=replayed,
-        routers=first.routers,
-        renormalized=first.renormalized,
+        routers={s: max(r.routers.get(s, 0) for r in shards) for s in kept},
         routing={
-            name: {figure: joined(lambda r: r.routing[name][figure]) for figure in figures}
-            for name, figures in first.routing.items()
+            name: {figure: joined(lambda r: r.routing[name][figure][:, columns(r)]) for figure in figures}
+            for name, figures in (first.routing.items() if kept else ())
         },
+        routing_unobserved=unobserved,
+        executed=None
+        if any(r.executed is None for r in shards)
+        else {name: joined(lambda r: r.executed[name]).astype(np.int64) for name in first.executed},
     )
 
 
@@ -424,7 +457,8 @@ class ShardedExperiment(Experiment):
             threads = torch.get_num_threads()
         Worker = ray.remote(max_restarts=0)(_ReplayWorker)
         paths = [str(p) if p is not None else None for p in (model, base.evaluated.path, _path(base.calibration))]
-        actors = [Worker.options(**options).remote(*paths, device, dtype, threads) for _ in range(count)]
+        family_files = _driver_family_files()
+        actors = [Worker.options(**options).remote(*paths, device, dtype, threads, family_files) for _ in range(count)]
         return cls(**{f.name: getattr(base, f.name) for f in fields(Experiment)}, actors=actors)
 
     def run(

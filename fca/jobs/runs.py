@@ -13,7 +13,7 @@ import torch
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource, check_condition_sites
 from fca.tables.conditions import Condition, as_conditions
 from fca.tables.runs import check_runs_writable, save_run
-from fca.tables.scoring import count_documents, summarize_conditions, summarize_routing
+from fca.tables.scoring import count_documents, gap_retention, gap_retention_ci, summarize_conditions, summarize_routing
 
 
 def run_replay(
@@ -72,21 +72,26 @@ def run_replay(
         "seed": seed,
         "batch_size": batch_size,
     }
+    conditions = summarize_conditions(results.per_seq_nll, seed, documents=documents)
+    retention = gap_retention(conditions)
     record = {
         "spec": spec,
         "results": {
             "exactness": results.exactness,
             # (with the CIs over documents where the cache records them, as the audit's)
-            "conditions": summarize_conditions(results.per_seq_nll, seed, documents=documents),
+            "conditions": conditions,
+            # (as the audit's: {} unless global_mean ran and the gap is clearly positive)
+            "gap_retention": retention,
+            "gap_retention_ci95": gap_retention_ci(results.per_seq_nll, retention, seed, documents),
             "documents": count_documents(documents),
             "per_sequence_nll": {k: v.tolist() for k, v in results.per_seq_nll.items()},
             **(
                 {
                     "routing": summarize_routing(
-                        results.routers, experiment.evaluated.site_specs, results.routing, results.renormalized
+                        results.routers, experiment.evaluated.site_specs, results.routing, results.routing_unobserved
                     )
                 }
-                if results.routers
+                if results.routers or results.routing_unobserved
                 else {}
             ),
         },

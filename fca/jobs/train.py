@@ -20,8 +20,22 @@ from tqdm.auto import tqdm
 from fca.engine.execution import synchronize
 from fca.engine.loading import resolve_device, save_model
 from fca.engine.models.featuregate import FeatureGateConfig, build_featuregate
+from fca.engine.models.mixture_of_depths import MixtureOfDepthsConfig, build_mixture_of_depths
 from fca.tables import data
+from fca.tables.catalog import DENSE_TWINS
 from fca.tables.schema import file_sha256
+
+TrainableConfig = FeatureGateConfig | MixtureOfDepthsConfig
+# The families `train` builds: model_type -> a freshly initialised model of a config, deterministic in its seed.
+BUILDERS = {
+    FeatureGateConfig.model_type: build_featuregate,
+    MixtureOfDepthsConfig.model_type: build_mixture_of_depths,
+}
+
+
+def is_dynamic(config: TrainableConfig) -> bool:
+    """The model has its controllers (not its Dense twin): the family's switch is on."""
+    return getattr(config, DENSE_TWINS[config.model_type].switch) is not False
 
 
 @dataclass(frozen=True)
@@ -127,7 +141,7 @@ def deterministic_kernels(enabled: bool) -> Iterator[None]:
 def train(
     corpus: str | Path,
     out: str | Path,
-    model_config: FeatureGateConfig,
+    model_config: TrainableConfig,
     settings: TrainSettings,
     tokenizer=None,
     show_progress: bool = True,
@@ -148,7 +162,7 @@ def train(
 def _train(
     corpus,
     out,
-    model_config: FeatureGateConfig,
+    model_config: TrainableConfig,
     settings: TrainSettings,
     tokenizer,
     show_progress: bool,
@@ -163,7 +177,7 @@ def _train(
         raise err if str(corpus) in str(err) else data.CorpusError(f"{corpus}: {err}") from None
     if tokenizer is None:
         tokenizer = data.train_tokenizer(splits["train"], settings.vocab_size)
-    config = FeatureGateConfig(
+    config = type(model_config)(
         **{**model_config.to_dict(), "vocab_size": tokenizer.get_vocab_size(), "init_seed": settings.seed}
     )
     T = config.max_seq_len
@@ -171,7 +185,7 @@ def _train(
     if len(train_stream) < T + 2:
         raise data.CorpusError(f"{corpus}: the train split has {len(train_stream)} tokens, too few for windows of {T}")
     eval_windows = data.make_windows(data.encode_stream(splits["eval"], tokenizer), T)
-    model = build_featuregate(config).to(device)  # initialised on the CPU (seeded generators), then moved
+    model = BUILDERS[config.model_type](config).to(device)  # initialised on the CPU (seeded generators), then moved
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -204,7 +218,11 @@ def _train(
     step_seconds, since = 0.0, time.perf_counter()
     # Losses stay on the device until the next evaluation: reading one per step would wait for the GPU.
     pending: list[tuple[dict, torch.Tensor]] = []
-    bar = tqdm(range(settings.steps), desc=f"train {'gated' if config.gated else 'dense'}", disable=not show_progress)
+    bar = tqdm(
+        range(settings.steps),
+        desc=f"train {config.model_type if is_dynamic(config) else 'dense'}",
+        disable=not show_progress,
+    )
     for step in bar:
         model.train()
         starts = torch.randint(0, len(train_stream) - T - 1, (settings.batch_size,), generator=batches)

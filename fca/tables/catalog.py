@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from fca.tables.errors import CacheError
+from fca.tables.jsonfile import MAX_JSON_BYTES, parse_json, read_json
 from fca.tables.manifest import Manifest
 from fca.tables.schema import MANIFEST
 
@@ -47,10 +47,12 @@ class DenseTwin:
 # model_type -> its Dense twin, per family. Kept here, free of torch, so the dashboard finds twins
 # without importing the models; `fca.engine.families` reads the built-in entries from this table and
 # adds those of families registered later, so there is one source. FeatureGate's switch is `gated`,
-# MUDDPythia's `dense` (the public config's own switch; its twin also drops `dynamic_dense`).
+# MUDDPythia's `dense` (the public config's own switch; its twin also drops `dynamic_dense`), mixture of
+# depths' `routed`.
 DENSE_TWINS: dict[str, DenseTwin] = {
     "featuregate": DenseTwin("gated"),
     "muddpythia": DenseTwin("dense", ("dynamic_dense",)),
+    "mixture_of_depths": DenseTwin("routed"),
 }
 # Integer config keys that say nothing about a model's size (seeds, controller internals), ignored
 # when checking that a Dense twin has the same sizes.
@@ -114,7 +116,9 @@ def read_entry(cache_dir: str | Path, root: str | Path | None = None) -> CacheEn
     label = str(cache_dir.relative_to(root)) if root is not None and cache_dir.is_relative_to(root) else str(cache_dir)
     try:
         raw = (cache_dir / MANIFEST).read_bytes()
-        manifest = Manifest.from_json(json.loads(raw), str(cache_dir / MANIFEST))
+        if len(raw) > MAX_JSON_BYTES:
+            raise CacheError(f"larger than {MAX_JSON_BYTES:,} bytes")
+        manifest = Manifest.from_json(parse_json(raw, str(cache_dir / MANIFEST), CacheError), str(cache_dir / MANIFEST))
         return CacheEntry(
             path=cache_dir,
             label=label,
@@ -162,8 +166,8 @@ def path_allowed(path: str | Path, roots: Iterable[str | Path]) -> bool:
 def read_json_object(path: Path) -> dict | None:
     """A JSON object from `path`; None when it is missing, unreadable or not an object."""
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
+        value = read_json(path)
+    except ValueError:
         return None
     return value if isinstance(value, dict) else None
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from fca.tables.environment import check_environment
 from fca.tables.errors import CacheError
+from fca.tables.jsonfile import read_json
 from fca.tables.schema import COEFFICIENT_BYTES, MANIFEST, SCHEMA_VERSION, spec_from_json
 from fca.tables.spec import SiteSpec
 
@@ -33,6 +35,7 @@ def _optional_int(value) -> int | None:
 
 
 _TYPE_NAMES = {int: "a whole number", str: "text", dict: "an object", list: "a list"}
+MAX_CHANNELS = 2**31 - 1  # the most a Parquet fixed-size list (a site's column) holds
 PART_FILE = re.compile(r"part-\d+\.parquet")  # a part is a file of the cache's own folder, by this name
 
 
@@ -68,6 +71,12 @@ def _site_spec(name: str, d: object, where: str) -> SiteSpec:
     """A site's spec, its recorded `shape` held to its axes: [K], K the product of the axes' sizes. Readers
     size the coefficients by the axes; a shape edited or damaged apart from them is said, not trusted."""
     spec = spec_from_json(_typed(d, dict, f"site {name}", where))
+    sizes = [size for _, size in spec.axes]
+    if min(sizes, default=1) < 1 or math.prod(sizes) > MAX_CHANNELS:  # no axes: one scalar per token
+        raise CacheError(
+            f"{where}: malformed manifest: site {name}'s axes ({' x '.join(map(str, sizes)) or 'none'}) are not "
+            f"1 to {MAX_CHANNELS:,} channels"
+        )
     shape = d.get("shape", [spec.num_channels])  # (recorded by every writer; not needed to read a cache)
     if shape != [spec.num_channels] or not all(type(n) is int for n in shape):
         axes = " x ".join(str(size) for _, size in spec.axes)
@@ -209,7 +218,7 @@ class Manifest:
             )
         except CacheError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
             raise CacheError(f"{where}: malformed manifest ({type(err).__name__}: {err})") from None
         manifest.check_sizes(where)
         return manifest
@@ -283,8 +292,4 @@ class Manifest:
 def read_manifest(cache_dir: str | Path) -> Manifest:
     """The typed manifest of a cache directory (only `manifest.json` is read; parts are not checked)."""
     path = Path(cache_dir) / MANIFEST
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CacheError(f"{path}: not valid JSON ({err})") from None
-    return Manifest.from_json(raw, str(path))
+    return Manifest.from_json(read_json(path, CacheError), str(path))

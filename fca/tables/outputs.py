@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fca.tables.jsonfile import parse_json, read_json
+
 
 class OutputError(ValueError):
     """An output path that cannot be written; the message is one line naming it."""
@@ -93,8 +95,8 @@ def enclosing_cache(path: str | Path) -> Path | None:
     for folder in Path(path).absolute().parents:
         manifest = folder / "manifest.json"
         try:
-            raw = json.loads(manifest.read_text(encoding="utf-8")) if manifest.is_file() else None
-        except (OSError, ValueError):
+            raw = read_json(manifest) if manifest.is_file() else None
+        except ValueError:
             continue
         if isinstance(raw, dict) and {"schema_version", "sites", "parts"} <= raw.keys():
             return folder
@@ -193,7 +195,7 @@ def json_with(key: str) -> Callable[[str], bool]:
 
     def earlier(text: str) -> bool:
         try:
-            value = json.loads(text)
+            value = parse_json(text, "output")
         except ValueError:
             return False
         return isinstance(value, dict) and key in value
@@ -217,8 +219,8 @@ MARKER_KEYS = {"manifest.json": ("schema_version", "sites"), "config.json": ("mo
 
 def _is_ours(marker: Path) -> bool:
     try:
-        value = json.loads(marker.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+        value = read_json(marker)
+    except ValueError:
         return False
     return isinstance(value, dict) and all(key in value for key in MARKER_KEYS.get(marker.name, ()))
 

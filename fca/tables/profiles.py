@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,6 +40,30 @@ def _batch_values(batch: pa.RecordBatch, sites: list[str], T: int) -> tuple[np.n
     return np.concatenate(blocks, axis=2), batch.column("token").to_numpy().reshape(n, T)
 
 
+def moments_shapes(cache: Cache, num_slots: int) -> Callable[[str, tuple[int, ...]], str | None]:
+    """What a member of a cache's stored moments may hold, from the manifest's counts (already checked
+    against the parts): C slots, T positions, at most one row per distinct token id. A member of another
+    name (one a later FCA adds) holds at most (T + 1) x (C + 1) numbers. Judged before it is inflated."""
+    C, T = num_slots, cache.seq_len
+    tokens = min(cache.manifest.num_tokens, cache.manifest.vocab_size or cache.manifest.num_tokens)
+    exact = {"count": (), "num_seqs": (), "pos_count": (T,), "pos_sum": (T, C)}
+    exact |= {key: (C,) for key in ("sum", "sumsq", "seq_term", "minimum", "maximum")}
+
+    def check(name: str, shape: tuple[int, ...]) -> str | None:
+        if name in exact:
+            return None if shape == exact[name] else f"the manifest implies {list(exact[name])}"
+        if name in ("tok_ids", "tok_count", "tok_sum"):
+            fits = len(shape) == (2 if name == "tok_sum" else 1) and shape[0] <= tokens and shape[1:] in ((), (C,))
+            return (
+                None
+                if fits
+                else f"the manifest implies at most {tokens:,} token ids" + (f" x {C}" * (name == "tok_sum"))
+            )
+        return None if math.prod(shape) <= (T + 1) * (C + 1) else f"more than {(T + 1) * (C + 1):,} numbers"
+
+    return check
+
+
 def stored_moments(cache: Cache, layout: SlotLayout, with_tokens: bool = True) -> Moments | None:
     """The moments the build stored beside the manifest (`moments.npz`), or None when there are none
     (caches built before they were stored) or they lack what is asked (token-id sums). The file is
@@ -57,7 +82,10 @@ def stored_moments(cache: Cache, layout: SlotLayout, with_tokens: bool = True) -
         raise CacheError(f"{path}: contents do not match the manifest's sha256 (corrupt or modified)")
     vocab = cache.manifest.vocab_size if with_tokens else None
     try:
-        m, _ = merge_moment_arrays(iter([read_arrays(path)]), layout.num_slots, cache.seq_len, vocab)
+        arrays = read_arrays(path, moments_shapes(cache, layout.num_slots))
+        m, _ = merge_moment_arrays(iter([arrays]), layout.num_slots, cache.seq_len, vocab)
+    except CacheError:
+        raise
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as err:  # (hash-consistent, yet malformed)
         reason = f"no {err.args[0]!r}" if isinstance(err, KeyError) and err.args else str(err).splitlines()[0]
         raise CacheError(f"{path}: malformed stored moments ({reason})") from None

@@ -3,13 +3,16 @@ Torch-free, so the dashboard can show reports without loading a model."""
 
 from __future__ import annotations
 
-import json
 import math
+import re
 from pathlib import Path
 
+from fca.tables.jsonfile import read_json
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
+from fca.tables.paper import CITATION, STATIC_RETENTION, comparison_markdown
 from fca.tables.scoring import MIN_DOCUMENTS, quoted_interval
 from fca.tables.stats import MIN_BOOTSTRAP_VALUES
+from fca.tables.text import markdown_code, markdown_text
 
 # The sections every audit report has (README, "What is measured, exactly"); a JSON without them is some other file.
 REQUIRED_KEYS = (
@@ -32,6 +35,27 @@ REPORT_FILES = RenderedPair("audit report", json_with("fca_report_version"), sta
 
 class ReportError(ValueError):
     """A file that is not a readable FCA audit report; the message is one line naming the file."""
+
+
+def condition_execution_table(exe: dict) -> list[str]:
+    """Markdown lines: the blocks each condition's replay ran (`execution.conditions`), or none."""
+    under = exe.get("conditions")
+    if not isinstance(under, dict) or not under:
+        return []
+    lines = [
+        "",
+        "What ran under each condition (tokens the blocks processed during its replay, all evaluated sequences):",
+        "",
+        "| condition | blocks executed per token | share | per block |",
+        "|---|---|---|---|",
+    ]
+    for name, row in under.items():
+        per_block = " / ".join(f"{100 * f:.0f}%" for f in row["per_block_fraction"])
+        lines.append(
+            f"| {condition_cell(name)} | {row['blocks_executed_per_token']:.2f} | {100 * row['blocks_executed_fraction']:.1f}% | "
+            f"{per_block} |"
+        )
+    return lines
 
 
 def check_report(report: object, source: str | Path = "report", required: tuple[str, ...] = REQUIRED_KEYS) -> dict:
@@ -113,7 +137,7 @@ def latency_is_noisy(exe: dict) -> bool:
 def condition_cell(name: str) -> str:
     """A condition's name in a Markdown table: one naming sites as code, or "cross_input@model.layers.0.gate"
     is rendered as a link to an e-mail address."""
-    return f"`{name}`" if "@" in name else name
+    return markdown_code(name) if "@" in name else markdown_text(name, cell=True)
 
 
 def interval_columns(rows, both: bool = True) -> dict[str, str]:
@@ -199,20 +223,6 @@ def documents_note(sequences: int, documents: int | None, retention_interval: bo
     )
 
 
-# A routing figure whose choices were mostly ties is said to be decided by them (tie order, not coefficients).
-TIES_DECIDE = 0.5
-
-
-def ties_decided(row: dict) -> bool:
-    """Whether most of a condition's routing choices, the tokens' own or the condition's, were ties."""
-    return (row.get("tied") or 0) >= TIES_DECIDE
-
-
-def routing_mark(row: dict, routers: list[str]) -> str:
-    """What follows a condition's routing figure: what it is taken over, and whether ties decided it."""
-    return routing_scope(row, routers) + (" (ties decided)" if ties_decided(row) else "")
-
-
 def routing_scope(row: dict, routers: list[str]) -> str:
     """What a condition's routing figures are taken over, to follow its name: "" for every router,
     " (1 of 2 routers)", or " (no router changed)" for one whose figures are null."""
@@ -226,25 +236,33 @@ def _share(value: float | None, digits: int = 1) -> str:
     return "–" if value is None else f"{100 * value:.{digits}f}%"
 
 
+def markdown_literal(text: object) -> str:
+    """Text read from a file, for Markdown: every character Markdown gives a meaning to is escaped, so module
+    names and reasons are shown as written (never as emphasis, links or HTML)."""
+    return re.sub(r"([\\`*_{}\[\]()<>#+!|~-])", r"\\\1", str(text))
+
+
 def routing_table(report: dict) -> list[str]:
     """Markdown lines for a report's (or saved run's results') `routing` section: the experts each condition
-    routes tokens to, against their own; [] when the model has no top-k routers."""
+    had tokens run, against their own, and the sentence saying which routers have no figure and why; []
+    when the model has no routers."""
     routing = report.get("routing")
     if not routing:
         return []
+    note = routing.get("not_reported")
+    if "conditions" not in routing:  # (no router's selection could be observed)
+        return ["", f"**Routing.** {markdown_literal(note)}"]
     routers = list(routing["routers"])
     k = "/".join(map(str, sorted(set(routing["routers"].values()))))
     chance = routing.get("chance")
-    weights = set((routing.get("weights") or {}).values())  # (reports made before it was kept: not said)
     lines = [
         "",
-        f"**Routing.** Which experts run under each condition (each router's top-{k} of the coefficients fed to "
-        f"it, {len(routers)} routers), against those the token's own coefficients select; shares of tokens, over "
-        "the routers the condition changes. Routed weight kept: the share of each token's own mixing weight "
-        "still on the same experts (the smaller of the two weights, expert by expert"
-        + (f"; the weights are the {next(iter(weights))}" if len(weights) == 1 else "")
-        + "). Tied: the token's own choice or the condition's was decided by a tie. A penalty says what a "
-        "condition costs; this says how much routing it changed."
+        f"**Routing.** Which experts each token ran under each condition (top-{k}, {len(routers)} routers; read "
+        "from what each MoE layer's experts were handed in the replay), against those it ran on its own "
+        "coefficients; shares of tokens, over the routers the condition changes. Routed weight kept: the share "
+        "of each token's own mixing weight still on the same experts (the smaller of the two weights the "
+        "experts were handed, expert by expert). A penalty says what a condition costs; this says how much "
+        "routing it changed."
         + (
             f" Experts drawn at random would be the same set for {100 * chance['same_experts']:.1f}% of tokens and "
             f"keep {100 * chance['expert_overlap']:.1f}% of them."
@@ -252,23 +270,16 @@ def routing_table(report: dict) -> list[str]:
             else ""
         ),
         "",
-        "| condition | same experts | experts kept (mean share) | routed weight kept | choice decided by a tie |",
-        "|---|---|---|---|---|",
+        "| condition | same experts | experts kept (mean share) | routed weight kept |",
+        "|---|---|---|---|",
     ]
     for name, row in routing["conditions"].items():
         lines.append(
             f"| {condition_cell(name)}{routing_scope(row, routers)} | {_share(row['same_experts'])} | "
-            f"{_share(row['expert_overlap'])} | {_share(row.get('weight_kept'))} | {_share(row['tied'])} |"
+            f"{_share(row['expert_overlap'])} | {_share(row.get('weight_kept'))} |"
         )
-    if any(map(ties_decided, routing["conditions"].values())):
-        lines += [
-            "",
-            "Where most choices were ties (as when a condition gives every expert the same value), the order "
-            "torch.topk breaks ties in decided the experts, not the coefficients (every such token ran the "
-            "same experts, which may differ between devices): those rows' agreement is the share of tokens "
-            "whose own experts happen to be that set, and the penalty of such a condition rests on that "
-            "choice too.",
-        ]
+    if note:
+        lines += ["", markdown_literal(note)]
     return lines
 
 
@@ -306,16 +317,10 @@ def read_report(path: str | Path, required: tuple[str, ...] = REQUIRED_KEYS) -> 
     if Path(path).stat().st_size > MAX_REPORT_BYTES:
         raise ReportError(f"{path}: not an audit report ({Path(path).stat().st_size:,} bytes; reports are small)")
     try:
-        report = json.loads(Path(path).read_text(), parse_constant=_no_constant)
-    except (OSError, UnicodeDecodeError, ValueError) as err:  # (json.JSONDecodeError is a ValueError)
-        raise ReportError(f"{path}: not a readable audit report ({err})") from None
+        report = read_json(path, ReportError, MAX_REPORT_BYTES, constants=False)
+    except ReportError as err:
+        raise ReportError(f"{path}: not a readable audit report ({str(err).removeprefix(f'{path}: ')})") from None
     return check_report(report, path, required)
-
-
-def _no_constant(name: str) -> float:
-    # Python's json reads NaN and Infinity, which are not JSON: FCA writes null where a figure is undefined,
-    # so a report holding them was edited by hand, and rendered it read "nan" (exit code 0).
-    raise ValueError(f"{name} is not JSON; FCA writes null where a figure is undefined")
 
 
 def _fmt(x, digits: int = 4) -> str:
@@ -393,7 +398,7 @@ def global_mean_sentence(report: dict) -> str | None:
     used = report["calibration"].get("family_grand_means")
     if not used:
         return None
-    values = ", ".join(f"{family} {value:.6g}" for family, value in used.items())
+    values = ", ".join(f"{markdown_text(family)} {value:.6g}" for family, value in used.items())
     return f"global_mean gives every coefficient its family's calibration grand mean: {values}."
 
 
@@ -402,36 +407,46 @@ def family_shares(variance: dict) -> str | None:
     coefficients are of more than one family (the pooled share can be mostly one family's: a shared-expert
     gate beside the routers, say); None for one family."""
     shares = variance.get("per_family") or {}
-    return ", ".join(f"{family} {_share(share)}" for family, share in shares.items()) if len(shares) > 1 else None
+    shown = (f"{markdown_text(family)} {_share(share)}" for family, share in shares.items())
+    return ", ".join(shown) if len(shares) > 1 else None
+
+
+def _numbers(values: object) -> str:
+    """A list of whole numbers as Python writes it ([8, 128]); anything else as text."""
+    if isinstance(values, list) and all(type(v) is int for v in values):
+        return str(values)
+    return markdown_text(values)
 
 
 def render_markdown(report: dict) -> str:
+    # Every string the report holds came from a file, maybe someone else's: shown as text (`t`) or code (`c`).
     m, ex, var, exe = report["model"], report["exactness"], report["variance"], report["execution"]
+    t, c = markdown_text, markdown_code
     lines = [
-        f"# FCA audit: {m['name']}",
+        f"# FCA audit: {t(m['name'])}",
         "",
-        f"Model type `{m['model_type']}`, {m['parameters']:,} parameters ({m['controller_parameters']:,} in controllers), "
-        f"fingerprint `{m['fingerprint'][:16]}`, {m['dtype']} on {m['device']}.",
-        f"Evaluated cache `{report['cache']['path']}` ({report['cache']['split']} split, "
+        f"Model type {c(m['model_type'])}, {m['parameters']:,} parameters ({m['controller_parameters']:,} in "
+        f"controllers), fingerprint {c(m['fingerprint'][:16])}, {t(m['dtype'])} on {t(m['device'])}.",
+        f"Evaluated cache {c(report['cache']['path'])} ({t(report['cache']['split'])} split, "
         f"{report['cache']['sequences']} x {report['cache']['seq_len']} tokens); "
-        f"calibration cache `{report['calibration']['path']}` "
-        f"({report['calibration']['split']} split, {report['calibration']['tokens']:,} tokens"
+        f"calibration cache {c(report['calibration']['path'])} "
+        f"({t(report['calibration']['split'])} split, {report['calibration']['tokens']:,} tokens"
         + (  # a calibration of another corpus is allowed (independent by construction): said when so
-            f", from {report['calibration']['corpus']}"
+            f", from {t(report['calibration']['corpus'])}"
             if report["calibration"].get("corpus") not in (None, report["cache"].get("corpus"))
             else ""
         )
         + ")."
         + storage_sentence(report["cache"].get("coefficient_dtype", "float32")),
         "",
-        "**Exactness.** " + " ".join(exactness_sentences(ex)),
+        "**Exactness.** " + " ".join(map(t, exactness_sentences(ex))),
         "",
         "## 1. Coefficient variation",
         "Layer identity (the site and channel alone) explains "
-        + (  # null: the coefficients hardly vary, so no share is defined (it read "0.0%")
+        + (  # null: the coefficients do not vary, so no share is defined (it read "0.0%")
             f"**{100 * var['layer_identity_share']:.1f}%** of the coefficient variance"
             if var["layer_identity_share"] is not None
-            else "an undefined share of the coefficient variance (the coefficients hardly vary)"
+            else "an undefined share of the coefficient variance (the coefficients do not vary)"
         )
         + (f", pooled over its families (within each: {each})" if (each := family_shares(var)) else "")
         + ".",
@@ -441,14 +456,14 @@ def render_markdown(report: dict) -> str:
     if chance:
         lines += ["| factor | share of variance | chance level (no effect) |", "|---|---|---|"]
         lines += [
-            f"| {k.replace('_', ' ')} | {_share(v)} | {_share(chance[k], 2) if k in chance.keys() else ''} |"
+            f"| {t(k.replace('_', ' '), cell=True)} | {_share(v)} | {_share(chance[k], 2) if k in chance.keys() else ''} |"
             for k, v in var["factors"].items()
         ]
     else:
         lines += ["| factor | share of variance |", "|---|---|"]
-        lines += [f"| {k.replace('_', ' ')} | {_share(v)} |" for k, v in var["factors"].items()]
+        lines += [f"| {t(k.replace('_', ' '), cell=True)} | {_share(v)} |" for k, v in var["factors"].items()]
     lines += ["", "| site | layer-identity share |", "|---|---|"]
-    lines += [f"| `{k}` | {_share(v)} |" for k, v in var["per_site"].items()]  # (percents, as the sentence above)
+    lines += [f"| {c(k)} | {_share(v)} |" for k, v in var["per_site"].items()]  # (percents, as the sentence above)
     lines += [
         "",
         "## 2. Functional dependence (controllers removed, coefficients reassigned)",
@@ -460,7 +475,7 @@ def render_markdown(report: dict) -> str:
     if used := global_mean_sentence(report):
         lines += ["", used]
     caution = few_sequences_caution(report["cache"]["sequences"])
-    lines += ["", f"> {caution}"] if caution else []
+    lines += ["", f"> {caution}"] if caution else []  # (FCA's words and a count)
     lines += routing_table(report)
     lines += dependence_story_markdown(report)
     lines += [
@@ -471,15 +486,20 @@ def render_markdown(report: dict) -> str:
         f"({100 * exe['blocks_executed_fraction']:.1f}%), counted by forward hooks.",
         f"- Controller FLOPs: {100 * exe['controller_flops_share']:.2f}% of the forward's FLOPs.",
     ]
+    if exe.get("flops_ratio_vs_dense") is not None:
+        lines.append(
+            f"- FLOPs per token vs the Dense twin: **{exe['flops_ratio_vs_dense']:.3f}x** "
+            f"({exe['flops_per_token']:,.0f} and {exe['dense_flops_per_token']:,.0f}, counted on the same batch)."
+        )
     if exe.get("uncounted_ops"):  # (reports made before the list was kept have no such key)
         lines.append(
-            f"- Not counted (no FLOP formula in this torch): {', '.join(exe['uncounted_ops'])}; the share leaves "
+            f"- Not counted (no FLOP formula in this torch): {t(', '.join(exe['uncounted_ops']))}; the share leaves "
             "their work out of both the controllers' and the forward's FLOPs."
         )
     if exe.get("latency_ratio_vs_dense") is not None:
         lines.append(
             f"- Latency vs the Dense twin: **{exe['latency_ratio_vs_dense']:.3f}x** "
-            f"(the median of {exe['runs']} interleaved runs' ratios, batch {exe['batch_shape']}, {exe['device']}; "
+            f"(the median of {exe['runs']} interleaved runs' ratios, batch {_numbers(exe['batch_shape'])}, {t(exe['device'])}; "
             f"median times {exe['model_ms_median']:.1f} ms and {exe['dense_ms_median']:.1f} ms, whose quotient "
             "need not be the median ratio)."
         )
@@ -515,15 +535,17 @@ def render_markdown(report: dict) -> str:
             + ("; a shared expert runs for every token besides them." if e.get("shared_experts") else ".")
         )
     if exe.get("note"):
-        lines.append(f"- Note: {exe['note']}")
+        lines.append(f"- Note: {t(exe['note'])}")
+    lines += condition_execution_table(exe)
+    lines += ["", *comparison_markdown(report)]
     lines += ["", "## Definitions", ""]
     for key, value in report["definitions"].items():
         if isinstance(value, dict):  # (condition_specs: a dict per condition; its names say enough here)
             lines.append(
-                f"- **{key}**: " + "; ".join(k if isinstance(v, dict) else f"{k}: {v}" for k, v in value.items())
+                f"- **{t(key)}**: " + "; ".join(t(k if isinstance(v, dict) else f"{k}: {v}") for k, v in value.items())
             )
         else:
-            lines.append(f"- **{key}**: {value}")
+            lines.append(f"- **{t(key)}**: {t(value)}")
     return "\n".join(lines) + "\n"
 
 
@@ -538,14 +560,14 @@ def check_report_paths(json_path: str | Path | None = None, markdown_path: str |
 
 
 # Static-layer gap retention of the gated models in the paper this tool audits: the range over its models.
-PAPER_STATIC_RETENTION = (0.987, 0.994)
+PAPER_STATIC_RETENTION = STATIC_RETENTION
 
 
 def retention_sentence(report: dict) -> str:
     """One plain sentence on the static profile's gap retention (README, "What is measured, exactly") beside the
     paper's, from a report's `conditions` and `gap_retention`; says why when it is undefined."""
-    lo, hi = (f"{100 * x:.1f}" for x in PAPER_STATIC_RETENTION)
-    paper = f"the paper's gated models kept {lo}-{hi}%"
+    lo, hi = (f"{100 * x:.2f}" for x in PAPER_STATIC_RETENTION)
+    paper = f"the paper's gated models kept {lo}-{hi}% ({CITATION})"
     model_type = (report.get("model") or {}).get("model_type")
     if model_type is not None and model_type != "featuregate":  # (a mixture of experts read it as its own yardstick)
         paper += " (gated Transformers: a point of reference, not a result for this architecture)"

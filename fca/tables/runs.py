@@ -17,6 +17,7 @@ import numpy as np
 
 from fca.tables.conditions import Condition, parse_condition
 from fca.tables.errors import CacheError
+from fca.tables.jsonfile import read_json
 from fca.tables.manifest import read_manifest
 from fca.tables.outputs import atomic_write_text, strict_json
 from fca.tables.report import DAMAGED_FIELD_ERRORS
@@ -70,8 +71,8 @@ def list_runs(cache_dir: str | Path) -> list[dict]:
     runs = []
     for path in sorted(runs_dir(cache_dir).glob("*.json"), reverse=True):
         try:
-            record = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            record = read_json(path)
+        except ValueError:
             continue
         if is_run_record(record) and _of_contents(record, contents):
             runs.append({**record, "path": str(path)})
@@ -195,7 +196,7 @@ def condition_rows(record: dict) -> list[dict]:
     """One row per condition of a run, in plain words: mean NLL with the 95% bootstrap CI of the mean over
     sequences, the penalty vs correct with its 95% paired bootstrap CI (the same resampling as the
     audit's, `fca.tables.scoring`), when global_mean ran each condition's gap retention, and for a model
-    with top-k routers its routing agreement (`fca.tables.scoring.summarize_routing`). A bound
+    with routers its routing agreement (`fca.tables.scoring.summarize_routing`). A bound
     that too few sequences cannot give (`MIN_BOOTSTRAP_VALUES`) is NaN, never a zero-width interval."""
     per_seq = record["results"].get("per_sequence_nll", {})
     seed = int(record.get("spec", {}).get("seed", 0))
@@ -225,11 +226,15 @@ def condition_rows(record: dict) -> list[dict]:
                 ),
                 **({"gap retention": retention.get(name)} if retention else {}),
                 **(
+                    {"gap retention 95% CI low": interval[0], "gap retention 95% CI high": interval[1]}
+                    if (interval := (record["results"].get("gap_retention_ci95") or {}).get(name))
+                    else {}
+                ),
+                **(
                     {
                         "same experts": routing[name]["same_experts"],
                         "experts kept": routing[name]["expert_overlap"],
                         "weight kept": routing[name].get("weight_kept"),  # (runs saved before it: none)
-                        "tied choices": routing[name]["tied"],
                     }
                     if name in routing
                     else {}

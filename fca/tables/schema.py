@@ -12,9 +12,11 @@ widens them to float32 exactly (`coefficient_values`).
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -237,9 +239,47 @@ def write_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
     os.replace(tmp, path)
 
 
-def read_arrays(path: Path) -> dict[str, np.ndarray]:
-    with np.load(path, allow_pickle=False) as z:
-        return {name: z[name] for name in z.files}
+MemberCheck = Callable[[str, tuple[int, ...]], "str | None"]
+
+
+def read_arrays(path: Path, check: MemberCheck | None = None) -> dict[str, np.ndarray]:
+    """The named arrays of an .npz (never unpickled). With `check`, each member is judged before it is
+    inflated: its npy header (shape and dtype, the first bytes of the member) must account for the size the
+    zip declares for it, and `check(name, shape)` gives a reason to refuse it or None. So a member of a few
+    kilobytes on disk that would inflate to gigabytes is refused unread; raises CacheError naming the
+    member. Without `check`, the file is trusted (what a build wrote and reads back itself)."""
+    if check is None:
+        with np.load(path, allow_pickle=False) as z:
+            return {name: z[name] for name in z.files}
+    arrays = {}
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist():
+            name = info.filename.removesuffix(".npy")
+            with z.open(info) as f:
+                try:
+                    header = np.lib.format.read_magic(f)
+                    read_header = {(1, 0): np.lib.format.read_array_header_1_0}.get(
+                        header, np.lib.format.read_array_header_2_0
+                    )
+                    shape, fortran, dtype = read_header(f)
+                except ValueError as err:
+                    raise CacheError(f"{path}: member {name!r} is not an npy array ({err})") from None
+                if dtype.hasobject:
+                    raise CacheError(f"{path}: member {name!r} holds Python objects, not numbers")
+                data_bytes = math.prod(shape) * dtype.itemsize
+                if f.tell() + data_bytes != info.file_size:
+                    raise CacheError(
+                        f"{path}: member {name!r} declares {info.file_size:,} bytes, but its header "
+                        f"{list(shape)} {dtype} needs {f.tell() + data_bytes:,}"
+                    )
+                problem = check(name, shape)
+                if problem is not None:
+                    raise CacheError(f"{path}: member {name!r} of shape {list(shape)}: {problem}")
+                data = f.read(data_bytes)
+                if len(data) != data_bytes:
+                    raise CacheError(f"{path}: member {name!r} is truncated")
+                arrays[name] = np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C").copy()
+    return arrays
 
 
 def is_cache_file(name: str) -> bool:

@@ -114,63 +114,87 @@ def gap_retention(table: dict) -> dict:
 
 # What the routing figures are, for the report's definitions.
 ROUTING_DEFINITION = (
-    "per MoE layer, the top-k experts of the router coefficients a condition feeds it (float32 softmax, "
-    "top-k, as the router, redone on the replay's device from the tensors the routers were fed), compared "
-    "with those of the token's own cached coefficients: same_experts, the share of tokens whose k experts "
-    "are the same set; expert_overlap, the mean share of the k experts kept; weight_kept, the mean share of "
-    "the token's own mixing weight left on the same experts (sum over experts of the smaller of the two "
-    "weights, over the token's own total); tied, the share whose choice, their own or the condition's, was "
-    "decided by a tie (e.g. a profile equal for every expert); each over the routers the condition changes "
-    "(routers_changed), and per router"
+    "per MoE layer, the experts each token ran under a condition, read from what the layer's experts module "
+    "was handed in the replay (expert indices and mixing weights, as the model's own routing chose them: "
+    "softmax or sigmoid top-k, group-limited, hash or capacity-limited alike), compared with what it was "
+    "handed for the token's own cached coefficients (Correct replay): same_experts, the share of tokens that "
+    "ran the same set of experts; expert_overlap, the mean share of the token's own experts that still ran; "
+    "weight_kept, the mean share of the token's own mixing weight left on the same experts (sum over experts "
+    "of the smaller of the two weights, over the token's own total; null where the experts are handed no "
+    "weights); each over the routers the condition changes (routers_changed), and per router. Ties between "
+    "experts were broken as that replay broke them. A router whose experts' selection could not be observed "
+    "has no figure (not_reported says why)"
 )
 
 
-# How a router's mixing weights are made, as the routing section names them (`weight_kept` depends on it).
-RENORMALISED, RAW_PROBABILITIES = "renormalised top-k probabilities", "top-k probabilities as they are"
+def routing_not_reported(unobserved: Mapping[str, str], routers: int) -> str:
+    """One sentence for the routers whose routing could not be observed (router site -> why), of `routers`
+    in all; "" for none."""
+    if not unobserved:
+        return ""
+    by_reason: dict[str, list[str]] = {}
+    for router, reason in unobserved.items():
+        by_reason.setdefault(reason, []).append(router)
+    reasons = "; ".join(
+        f"{', '.join(names[:2])}{f' and {len(names) - 2} more' if len(names) > 2 else ''}: {reason}"
+        for reason, names in by_reason.items()
+    )
+    whom = "any router" if len(unobserved) == routers else f"{len(unobserved)} of {routers} routers"
+    return f"No routing figure is reported for {whom}: which experts ran could not be read at the experts ({reasons})."
 
 
 def summarize_routing(
     routers: Mapping[str, int],
     specs: Mapping[str, SiteSpec],
     per_seq: Mapping[str, Mapping[str, np.ndarray]],
-    renormalized: Mapping[str, bool] | None = None,
+    unobserved: Mapping[str, str] | None = None,
 ) -> dict:
     """The report's `routing` section from a run's routing agreement (`fca.engine.routing`): the routers'
-    experts per token and how their mixing weights are made (`weights`: renormalised top-k probabilities,
-    or the top-k probabilities as they are, which `weight_kept` depends on); per condition, each figure per
-    router (in the routers' order, for a by-layer view) and its mean over sequences and the routers the
-    condition reassigns (`routers_changed`: all of them, unless the condition names sites; an untouched
-    router keeps every token's experts and would only dilute the mean; a condition that changes none has
-    null figures); and the `chance` levels of k experts drawn at random: the same set with probability
-    1 / C(E, k), k/E of them kept on average.
+    experts per token; per condition, each figure per router (in the routers' order, for a by-layer view)
+    and its mean over sequences and the routers the condition reassigns (`routers_changed`: all of them,
+    unless the condition names sites; an untouched router keeps every token's experts and would only dilute
+    the mean; a condition that changes none has null figures); the `chance` levels of k experts drawn at
+    random: the same set with probability 1 / C(E, k), k/E of them kept on average; and `not_reported`, a
+    sentence naming the routers whose selection could not be observed and why (only where there are any).
+    With no router observed the section is that sentence alone.
 
-    routers: site -> k; specs: the cache's sites (a router's channels are its E experts); per_seq:
-    condition -> figure -> [n, S] per sequence and router (every sequence has T tokens, so the mean over
-    sequences is the mean over tokens); renormalized: site -> whether the router renormalises (default: yes)."""
+    routers: observed router site -> k; specs: the cache's sites (a router's channels are its E experts);
+    per_seq: condition -> figure -> [n, S] per sequence and router (every sequence has T tokens, so the mean
+    over sequences is the mean over tokens; NaN weight_kept where no weights were handed: null);
+    unobserved: router site -> why it has no figure."""
+    unobserved = dict(unobserved or {})
+    note = routing_not_reported(unobserved, len(routers) + len(unobserved))
+    if not routers:
+        return {"not_reported": note} if note else {}
     order = list(routers)
     conditions = {}
     for name, figures in per_seq.items():
         changed = _routers_changed(name, order)
         columns = [order.index(r) for r in changed]
-        row: dict = {
-            figure: float(values[:, columns].mean()) if columns else None for figure, values in figures.items()
-        }
+        row: dict = {}
+        for figure, values in figures.items():
+            taken = values[:, columns]
+            known = taken[:, ~np.isnan(taken).any(0)] if columns else taken  # (routers handed no weights: none)
+            row[figure] = float(known.mean()) if known.size else None
         row["routers_changed"] = changed
-        row.update({f"{figure}_per_router": values.mean(0).tolist() for figure, values in figures.items()})
+        row.update(
+            {
+                f"{figure}_per_router": [None if np.isnan(v) else float(v) for v in values.mean(0)]
+                for figure, values in figures.items()
+            }
+        )
         conditions[name] = row
     experts = {s: specs[s].num_channels for s in routers}
     chance = {
-        "same_experts": float(np.mean([1 / math.comb(experts[s], k) for s, k in routers.items()])),
-        "expert_overlap": float(np.mean([k / experts[s] for s, k in routers.items()])),
+        "same_experts": float(np.mean([1 / math.comb(experts[s], min(k, experts[s])) for s, k in routers.items()])),
+        "expert_overlap": float(np.mean([min(k, experts[s]) / experts[s] for s, k in routers.items()])),
     }
-    renormalized = renormalized or {}
-    weights = {s: RENORMALISED if renormalized.get(s, True) else RAW_PROBABILITIES for s in routers}
     return {
         "routers": dict(routers),
         "experts": experts,
-        "weights": weights,
         "chance": chance,
         "conditions": conditions,
+        **({"not_reported": note} if note else {}),
     }
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -54,7 +55,11 @@ class SlotLayout:
 
 @dataclass
 class Moments:
-    """Mergeable sums over tokens for every slot (float64). `add` a block of tokens, `merge` two."""
+    """Mergeable sums over tokens for every slot (float64): `add` a block of tokens, `merge` two.
+
+    Every sum is of `x - shift`, `shift` [C] a value each slot holds (its first token's): coefficients that
+    vary little around a large mean keep their spread in these sums, where sums of x and x^2 would cancel
+    it away (mean 100, spread 1e-5). A merge moves the other block's sums onto this one's shift."""
 
     num_slots: int
     seq_len: int
@@ -70,6 +75,7 @@ class Moments:
     num_seqs: int = 0
     minimum: np.ndarray = field(default=None)  # [C]
     maximum: np.ndarray = field(default=None)  # [C]
+    shift: np.ndarray = field(default=None)  # [C]: what every sum above is taken around
 
     def __post_init__(self) -> None:
         C, T = self.num_slots, self.seq_len
@@ -80,6 +86,7 @@ class Moments:
         self.seq_term = np.zeros(C) if self.seq_term is None else self.seq_term
         self.minimum = np.full(C, np.inf) if self.minimum is None else self.minimum
         self.maximum = np.full(C, -np.inf) if self.maximum is None else self.maximum
+        self.shift = np.zeros(C) if self.shift is None else self.shift
         if self.vocab_size is not None and self.vocab_size * C > MAX_TOKEN_CELLS:
             self.vocab_size = None
         if self.vocab_size is not None and self.tok_sum is None:
@@ -91,14 +98,16 @@ class Moments:
         n, T, C = values.shape
         if n == 0:
             return
-        x = values.astype(np.float64, copy=False)
+        if self.count == 0:
+            self.shift = first_token_values(values)
+        self.minimum = np.minimum(self.minimum, values.min((0, 1)))
+        self.maximum = np.maximum(self.maximum, values.max((0, 1)))
+        x = values.astype(np.float64) - self.shift  # [n, T, C]
         flat = x.reshape(-1, C)  # [n*T, C]
         self.count += n * T
         self.num_seqs += n
         self.sum += flat.sum(0)
         self.sumsq += np.einsum("ij,ij->j", flat, flat)
-        self.minimum = np.minimum(self.minimum, flat.min(0))
-        self.maximum = np.maximum(self.maximum, flat.max(0))
         self.pos_count[:T] += n
         self.pos_sum[:T] += x.sum(0)
         seq_sums = x.sum(1)  # [n, C]
@@ -115,10 +124,7 @@ class Moments:
         Python loop over its sequences). `values` is [n, T, C] of n whole sequences as stored (float32),
         or a list of per-site [n, T, K_s] arrays whose channels are the slots in order: each site is
         widened straight into its columns of the scratch block, so a writer never concatenates a piece's
-        sites (a 40 MB copy per 8 x 1,024 tokens of 1.4B-shaped coefficients, which two writer threads
-        did no faster than one). `add` widens the whole array and reads it once per statistic; on a
-        writer thread that cost half as much as encoding the piece, and two writers shared the memory
-        bandwidth instead of scaling. The same sums in another order: equal to `add` to ~1e-16 relative."""
+        sites. The same sums as `add` in another order."""
         blocks = [values] if isinstance(values, np.ndarray) else list(values)
         n, T = blocks[0].shape[:2]
         widths = [b.shape[2] for b in blocks]
@@ -127,6 +133,8 @@ class Moments:
             return
         if C != self.num_slots or any(b.shape[:2] != (n, T) for b in blocks):
             raise ValueError(f"blocks of shapes {[b.shape for b in blocks]} for {self.num_slots} slots")
+        if self.count == 0:
+            self.shift = first_token_values(blocks)
         rows = rows or max(1, SCRATCH_BYTES // (8 * C))
         positions, seqs = min(rows, T), min(n, max(1, rows // T))  # a block: [seqs, positions, C]
         columns = np.cumsum([0, *widths])
@@ -143,54 +151,122 @@ class Moments:
                 for block, c0, c1 in zip(blocks, columns[:-1], columns[1:]):
                     x[..., c0:c1] = block[s0:s1, t0:t1]  # widened exactly: extremes are the stored values'
                 flat = x.reshape(-1, C)  # a view: one sequence's positions, or whole sequences
+                np.minimum(self.minimum, flat.min(0), out=self.minimum)
+                np.maximum(self.maximum, flat.max(0), out=self.maximum)
+                x -= self.shift  # (flat is a view of x)
                 s = x.sum(1)  # [seqs, C]
                 seq_sums[s0:s1] += s
                 self.sum += s.sum(0)
                 self.sumsq += np.einsum("ij,ij->j", flat, flat)
                 self.pos_sum[t0:t1] += x[0] if s1 - s0 == 1 else x.sum(0)
-                np.minimum(self.minimum, flat.min(0), out=self.minimum)
-                np.maximum(self.maximum, flat.max(0), out=self.maximum)
         self.seq_term += (seq_sums**2).sum(0) / T
+
+    def reshifted(self, shift: np.ndarray) -> "Moments":
+        """The same moments with every sum taken around `shift` [C] instead."""
+        d = self.shift - shift  # [C]; x - shift = (x - self.shift) + d
+        n = self.count
+        return Moments(
+            self.num_slots,
+            self.seq_len,
+            self.vocab_size if self.tok_sum is not None else None,
+            n,
+            self.sum + n * d,
+            self.sumsq + 2 * d * self.sum + n * d**2,
+            self.pos_count.copy(),
+            self.pos_sum + self.pos_count[:, None] * d,
+            None if self.tok_count is None else self.tok_count.copy(),
+            None if self.tok_sum is None else self.tok_sum + self.tok_count[:, None] * d,
+            self.seq_term + 2 * d * self.sum + n * d**2,  # sum over sequences of (S_seq + T d)^2 / T
+            self.num_seqs,
+            self.minimum.copy(),
+            self.maximum.copy(),
+            np.array(shift, dtype=np.float64),
+        )
 
     def merge(self, other: "Moments") -> "Moments":
         both_tok = self.tok_sum is not None and other.tok_sum is not None
+        shift = self.shift if self.count or not other.count else other.shift
+        a, b = self.reshifted(shift), other.reshifted(shift)
         return Moments(
             self.num_slots,
             self.seq_len,
             self.vocab_size if both_tok else None,
-            self.count + other.count,
-            self.sum + other.sum,
-            self.sumsq + other.sumsq,
-            self.pos_count + other.pos_count,
-            self.pos_sum + other.pos_sum,
-            self.tok_count + other.tok_count if both_tok else None,
-            self.tok_sum + other.tok_sum if both_tok else None,
-            self.seq_term + other.seq_term,
-            self.num_seqs + other.num_seqs,
-            np.minimum(self.minimum, other.minimum),
-            np.maximum(self.maximum, other.maximum),
+            a.count + b.count,
+            a.sum + b.sum,
+            a.sumsq + b.sumsq,
+            a.pos_count + b.pos_count,
+            a.pos_sum + b.pos_sum,
+            a.tok_count + b.tok_count if both_tok else None,
+            a.tok_sum + b.tok_sum if both_tok else None,
+            a.seq_term + b.seq_term,
+            a.num_seqs + b.num_seqs,
+            np.minimum(a.minimum, b.minimum),
+            np.maximum(a.maximum, b.maximum),
+            shift,
         )
 
     @property
-    def slot_mean(self) -> np.ndarray:
+    def slot_offset(self) -> np.ndarray:
+        """[C] each slot's mean minus its shift."""
         return self.sum / self.count
 
     @property
+    def slot_mean(self) -> np.ndarray:
+        return self.shift + self.slot_offset
+
+    @property
+    def slot_within(self) -> np.ndarray:
+        """[C] each slot's sum of squares around its own mean."""
+        return np.maximum(self.sumsq - self.sum * self.slot_offset, 0.0)
+
+    @property
     def slot_var(self) -> np.ndarray:
-        return np.maximum(self.sumsq / self.count - self.slot_mean**2, 0.0)
+        return self.slot_within / self.count
 
     @property
     def position_mean(self) -> np.ndarray:
         """[T, C] mean at each position."""
-        return self.pos_sum / np.maximum(self.pos_count, 1)[:, None]
+        seen = self.pos_count > 0
+        return np.where(seen[:, None], self.shift + self.pos_sum / np.maximum(self.pos_count, 1)[:, None], 0.0)
+
+
+def first_token_values(values: np.ndarray | Sequence[np.ndarray]) -> np.ndarray:
+    """[C] float64: the first token's value in every slot of [n, T, C] values (or per-site [n, T, K_s] arrays,
+    the slots in order), the shift of sums that start with them."""
+    blocks = [values] if isinstance(values, np.ndarray) else list(values)
+    return np.concatenate([np.asarray(b[0, 0], dtype=np.float64) for b in blocks])
 
 
 # ------------------------------------------------------------------------- stored (build-time) moments
 # A build writes each part's moments beside the part and their merge beside the manifest, so statistics
 # never rescan coefficients. Token-id sums are kept sparse (only the ids a part holds): a dense
-# [V, C] table per part would be hundreds of MB for a 50k vocabulary.
+# [V, C] table per part would be hundreds of MB for a 50k vocabulary. Files without `shift` (the shipped
+# demo's) hold sums around 0.
 
-MOMENT_KEYS = ("count", "num_seqs", "sum", "sumsq", "pos_count", "pos_sum", "seq_term", "minimum", "maximum")
+MOMENT_KEYS = (
+    "count",
+    "num_seqs",
+    "sum",
+    "sumsq",
+    "pos_count",
+    "pos_sum",
+    "seq_term",
+    "minimum",
+    "maximum",
+    "shift",
+)
+
+
+class TokenSums(NamedTuple):
+    """Sparse token-id sums of a block: the ids seen, their counts and their sums of `x - shift`."""
+
+    ids: np.ndarray  # [u] int64, sorted
+    counts: np.ndarray  # [u] float64
+    sums: np.ndarray  # [u, C] float64
+    shift: np.ndarray  # [C]
+
+    def reshifted(self, shift: np.ndarray) -> "TokenSums":
+        return TokenSums(self.ids, self.counts, self.sums + self.counts[:, None] * (self.shift - shift), shift)
 
 
 def token_groups(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -198,53 +274,77 @@ def token_groups(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return np.unique(tokens.reshape(-1), return_inverse=True, return_counts=True)
 
 
-def token_sums(
-    values: np.ndarray | Sequence[np.ndarray], tokens: np.ndarray, groups: tuple | None = None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """values [n, T, C] (or per-site [n, T, K_s] arrays, the slots in order), tokens [n, T] -> (ids [u]
-    sorted, counts [u], sums [u, C] float64) of the ids seen. `groups`: `token_groups(tokens)`, if the
-    caller already has them."""
+def token_sums(values: np.ndarray | Sequence[np.ndarray], tokens: np.ndarray, groups: tuple | None = None) -> TokenSums:
+    """values [n, T, C] (or per-site [n, T, K_s] arrays, the slots in order), tokens [n, T] -> the sums of
+    the ids seen, around the first token's values (the shift `Moments.add_blocked` takes for the same
+    values). `groups`: `token_groups(tokens)`, if the caller already has them."""
     blocks = [values] if isinstance(values, np.ndarray) else list(values)
+    shift = first_token_values(blocks)
+    columns = np.cumsum([0, *(b.shape[-1] for b in blocks)])
     ids, inverse, counts = groups if groups is not None else token_groups(tokens)
     order = np.argsort(inverse, kind="stable")
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     sums = np.concatenate(
         [
-            np.add.reduceat(b.reshape(-1, b.shape[-1])[order].astype(np.float64, copy=False), starts, axis=0)
-            for b in blocks
+            np.add.reduceat(b.reshape(-1, b.shape[-1])[order].astype(np.float64) - shift[c0:c1], starts, axis=0)
+            for b, c0, c1 in zip(blocks, columns[:-1], columns[1:])
         ],
         axis=1,
     )  # [u, C]
-    return ids.astype(np.int64), counts.astype(np.float64), sums
+    return TokenSums(ids.astype(np.int64), counts.astype(np.float64), sums, shift)
 
 
-def merge_token_sums(pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]], num_slots: int):
-    """Sparse token sums of several blocks -> one (ids, counts, sums) over the union of their ids."""
+def merge_token_sums(pieces: list[TokenSums], num_slots: int) -> TokenSums:
+    """Sparse token sums of several blocks -> one over the union of their ids, around the first's shift."""
     if not pieces:
-        return np.zeros(0, np.int64), np.zeros(0), np.zeros((0, num_slots))
-    ids = np.unique(np.concatenate([p[0] for p in pieces]))
+        return TokenSums(np.zeros(0, np.int64), np.zeros(0), np.zeros((0, num_slots)), np.zeros(num_slots))
+    shift = pieces[0].shift
+    ids = np.unique(np.concatenate([p.ids for p in pieces]))
     counts, sums = np.zeros(len(ids)), np.zeros((len(ids), num_slots))
-    for piece_ids, piece_counts, piece_sums in pieces:  # in order: the same order gives the same bits
-        at = np.searchsorted(ids, piece_ids)
-        counts[at] += piece_counts
-        sums[at] += piece_sums
-    return ids, counts, sums
+    for piece in pieces:  # in order: the same order gives the same bits
+        piece = piece.reshifted(shift)
+        at = np.searchsorted(ids, piece.ids)
+        counts[at] += piece.counts
+        sums[at] += piece.sums
+    return TokenSums(ids, counts, sums, shift)
 
 
-def moments_arrays(m: Moments, tokens: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> dict:
+def moments_arrays(m: Moments, tokens: TokenSums | None = None) -> dict:
     """A `Moments` (without its dense token table) and optional sparse token sums -> named arrays to store."""
     out = {key: np.asarray(getattr(m, key)) for key in MOMENT_KEYS}
     if tokens is not None:
-        out["tok_ids"], out["tok_count"], out["tok_sum"] = tokens
+        tokens = tokens.reshifted(m.shift)
+        out["tok_ids"], out["tok_count"], out["tok_sum"] = tokens.ids, tokens.counts, tokens.sums
     return out
+
+
+def stored_moments_block(block: dict, num_slots: int, seq_len: int) -> Moments:
+    """Named arrays as `moments_arrays` stores them -> `Moments` (no token sums)."""
+    return Moments(
+        num_slots,
+        seq_len,
+        None,
+        int(block["count"]),
+        np.asarray(block["sum"], np.float64),
+        np.asarray(block["sumsq"], np.float64),
+        np.asarray(block["pos_count"], np.float64),
+        np.asarray(block["pos_sum"], np.float64),
+        None,
+        None,
+        np.asarray(block["seq_term"], np.float64),
+        int(block["num_seqs"]),
+        np.asarray(block["minimum"], np.float64),
+        np.asarray(block["maximum"], np.float64),
+        np.asarray(block["shift"], np.float64) if "shift" in block else np.zeros(num_slots),
+    )
 
 
 class MomentsMerger:
     """Stored moments of several blocks (parts), added one at a time in part order: a writer merges each
     part as soon as it and the parts before it are complete, instead of reading every sidecar back at
-    the end. Sums are accumulated in place in the order given, so the same blocks in the same order give
-    the same bits. The token-id table is filled only when every block carries token sums and
-    `vocab_size` is known."""
+    the end. Sums are accumulated in place in the order given, around the first block's shift, so the
+    same blocks in the same order give the same bits. The token-id table is filled only when every block
+    carries token sums and `vocab_size` is known."""
 
     def __init__(self, num_slots: int, seq_len: int, vocab_size: int | None) -> None:
         self.moments = Moments(num_slots, seq_len, vocab_size)
@@ -252,19 +352,24 @@ class MomentsMerger:
 
     def add(self, block: dict) -> None:
         m = self.moments
-        m.count += int(block["count"])
-        m.num_seqs += int(block["num_seqs"])
+        stored = stored_moments_block(block, m.num_slots, m.seq_len)
+        if m.count == 0:
+            m.shift = stored.shift
+        d = stored.shift - m.shift  # [C]
+        moved = stored.reshifted(m.shift)
+        m.count += moved.count
+        m.num_seqs += moved.num_seqs
         for key in ("sum", "sumsq", "pos_count", "pos_sum", "seq_term"):
-            getattr(m, key)[...] += block[key]
-        m.minimum = np.minimum(m.minimum, block["minimum"])
-        m.maximum = np.maximum(m.maximum, block["maximum"])
+            getattr(m, key)[...] += getattr(moved, key)
+        m.minimum = np.minimum(m.minimum, moved.minimum)
+        m.maximum = np.maximum(m.maximum, moved.maximum)
         if self.with_tokens and "tok_ids" in block:
             ids = block["tok_ids"]
             if len(ids) and ids.max() >= m.vocab_size:
                 self.with_tokens = False  # an id beyond the recorded vocabulary: no token factor, as when scanning
             else:
                 m.tok_count[ids] += block["tok_count"]
-                m.tok_sum[ids] += block["tok_sum"]
+                m.tok_sum[ids] += block["tok_sum"] + block["tok_count"][:, None] * d
         else:
             self.with_tokens = False
 
@@ -287,38 +392,47 @@ def merge_moment_arrays(
     return merger.result()
 
 
-def family_grand_means(m: Moments, families: list[str]) -> dict[str, float]:
+def _family_offsets(m: Moments, families: list[str]) -> tuple[dict[str, float], np.ndarray, np.ndarray]:
+    """(family -> its first slot's shift, [C] each slot's mean minus its family's, [C] each family's
+    grand mean minus that reference): means as offsets from a value the family holds, so that a spread
+    of 1e-5 around 100 is not lost to the rounding of 100."""
     fam = np.asarray(families)
-    return {f: float(m.sum[fam == f].sum() / (m.count * (fam == f).sum())) for f in dict.fromkeys(families)}
+    reference = {f: float(m.shift[families.index(f)]) for f in dict.fromkeys(families)}
+    ref = np.array([reference[f] for f in families])  # [C]
+    mean_offset = (m.shift - ref) + m.slot_offset  # [C] slot mean - family reference
+    grand_offset = np.zeros(len(families))
+    for f in reference:  # every slot holds the same tokens: the grand mean is the mean of slot means
+        grand_offset[fam == f] = mean_offset[fam == f].mean()
+    return reference, mean_offset - grand_offset, grand_offset
+
+
+def family_grand_means(m: Moments, families: list[str]) -> dict[str, float]:
+    reference, _, grand_offset = _family_offsets(m, families)
+    return {f: reference[f] + float(grand_offset[families.index(f)]) for f in reference}
 
 
 def variance_decomposition(m: Moments, layout: SlotLayout) -> dict:
-    """The layer-identity share (pooled, per family, per site, per slot) and the further factors."""
+    """The layer-identity share (pooled, per family, per site, per slot) and the further factors.
+
+    Each sum of squares is taken around means, from the shifted sums (`Moments`): its rounding stays
+    relative to the spread of the values, not to their magnitude."""
     fam = np.asarray(layout.families)
     grand = family_grand_means(m, layout.families)
-    gm = np.array([grand[f] for f in layout.families])  # [C]
-    mean = m.slot_mean
-    ss_total_slot = m.sumsq - 2 * gm * m.sum + m.count * gm**2  # [C] around the family grand mean
-    ss_between_slot = m.count * (mean - gm) ** 2  # [C]
-    ss_within_slot = ss_total_slot - ss_between_slot
-    slot_term = m.sum**2 / m.count  # [C]
+    _, between_offset, _ = _family_offsets(m, layout.families)  # [C] slot mean - family grand mean
+    ss_between_slot = m.count * between_offset**2  # [C]
+    ss_within_slot = m.slot_within  # [C]
+    ss_total_slot = ss_within_slot + ss_between_slot  # [C] around the family grand mean
+    offset = m.slot_offset  # [C] slot mean - shift
 
-    def share(num: float, den: float, scale: float) -> float | None:
-        # Undefined where the values around their mean are all equal, judged against their own magnitude
-        # (`scale`: their sum of squares), so values of any scale get a share and float rounding none.
-        return float(num / den) if den > 1e-12 * scale else None
+    def share(num: float, den: float) -> float | None:
+        # Undefined only where the values do not vary at all: sums of `x - shift` with shift a value the
+        # slot holds are exactly 0 for a constant slot.
+        return float(num / den) if den > 0 else None
 
     total = float(ss_total_slot.sum())
-    scale = float(m.sumsq.sum())
-    per_family = {
-        f: share(ss_between_slot[fam == f].sum(), ss_total_slot[fam == f].sum(), m.sumsq[fam == f].sum()) for f in grand
-    }
+    per_family = {f: share(ss_between_slot[fam == f].sum(), ss_total_slot[fam == f].sum()) for f in grand}
     per_site = {
-        s: share(
-            ss_between_slot[layout.site_slice(s)].sum(),
-            ss_total_slot[layout.site_slice(s)].sum(),
-            m.sumsq[layout.site_slice(s)].sum(),
-        )
+        s: share(ss_between_slot[layout.site_slice(s)].sum(), ss_total_slot[layout.site_slice(s)].sum())
         for s in layout.sites
     }
     # Site alone: every channel of a site shares one mean (within each family present in the site).
@@ -327,17 +441,22 @@ def variance_decomposition(m: Moments, layout: SlotLayout) -> dict:
         sl = layout.site_slice(s)
         for f in dict.fromkeys(layout.families[sl]):
             cols = np.flatnonzero(fam[sl] == f) + sl.start
-            site_mean = m.sum[cols].sum() / (m.count * len(cols))
-            ss_site += m.count * len(cols) * (site_mean - grand[f]) ** 2
+            ss_site += m.count * len(cols) * between_offset[cols].mean() ** 2
     ss_slot = float(ss_between_slot.sum())
-    residual = share(float(ss_within_slot.sum()), total, scale)
-    position = float(((m.pos_sum**2) / np.maximum(m.pos_count, 1)[:, None]).sum() - slot_term.sum())
-    sequence = float(m.seq_term.sum() - slot_term.sum())
+    residual = share(float(ss_within_slot.sum()), total)
+
+    def between_groups(counts: np.ndarray, sums: np.ndarray) -> float:
+        # counts [G], sums [G, C] of `x - shift`: sum over groups and slots of n_g (group mean - slot mean)^2
+        seen = counts > 0
+        return float((counts[seen, None] * (sums[seen] / counts[seen, None] - offset) ** 2).sum())
+
+    position = between_groups(m.pos_count, m.pos_sum)
+    # Sequences keep only sum of S_seq^2 / T: its part around the slot mean is taken off afterwards.
+    sequence = float(np.maximum(m.seq_term - m.sum * offset, 0.0).sum())
     token, token_ids = None, None
     if m.tok_sum is not None:
-        seen = m.tok_count > 0
-        token = float(((m.tok_sum[seen] ** 2) / m.tok_count[seen][:, None]).sum() - slot_term.sum())
-        token_ids = int(seen.sum())
+        token = between_groups(m.tok_count, m.tok_sum)
+        token_ids = int((m.tok_count > 0).sum())
     groups = {  # the groups of each within-slot factor, in the report's order (no token ids: no token factor)
         "position_within_slot": int((m.pos_count > 0).sum()),
         **({"token_id_within_slot": token_ids} if token_ids is not None else {}),
@@ -350,16 +469,16 @@ def variance_decomposition(m: Moments, layout: SlotLayout) -> dict:
         for name, k in groups.items()
     }
     return {
-        "layer_identity_share": share(ss_slot, total, scale),
+        "layer_identity_share": share(ss_slot, total),
         "per_family": per_family,
         "per_site": per_site,
-        "per_slot_share": [share(b, t, q) for b, t, q in zip(ss_between_slot, ss_total_slot, m.sumsq)],
+        "per_slot_share": [share(b, t) for b, t in zip(ss_between_slot, ss_total_slot)],
         "factors": {
-            "site": share(ss_site, total, scale),
-            "channel_within_site": share(ss_slot - ss_site, total, scale),
-            "position_within_slot": share(position, total, scale),
-            "token_id_within_slot": share(token, total, scale) if token is not None else None,
-            "sequence_within_slot": share(sequence, total, scale),
+            "site": share(ss_site, total),
+            "channel_within_site": share(ss_slot - ss_site, total),
+            "position_within_slot": share(position, total),
+            "token_id_within_slot": share(token, total) if token is not None else None,
+            "sequence_within_slot": share(sequence, total),
             "residual_after_slot": residual,
         },
         "chance_levels": chance,

@@ -53,9 +53,9 @@ def _some(names: list[str], shown: int = 3) -> str:
 
 @dataclass
 class Cache:
-    """A finished cache opened for reading. Opening reads the manifest and one part's schema; a part's
-    footer (its schema, checked, and its row groups' `seq` ranges) is read when a read first needs it,
-    so opening and reading a few sequences cost the same with 10 parts or 10^5."""
+    """A finished cache opened for reading. Opening reads the manifest, every part's row count and one
+    part's schema; the rest of a part's footer (its schema, checked, and its row groups' `seq` ranges) is
+    read when a read first needs it."""
 
     path: Path
     manifest: Manifest
@@ -418,7 +418,7 @@ def _size_mismatch(part: Path, recorded: int) -> str:
 
 def open_cache(path: str | Path, verify: bool = False) -> Cache:
     """Open a finished cache: checks the manifest, that every part file is there with its recorded
-    size, and the first part's schema (the others' when first read; `verify=True` checks every part's
+    size and row count (its footer's), and the first part's schema (the others' when first read; `verify=True` checks every part's
     hash). Raises `CacheError` with a one-line reason."""
     path = Path(path).resolve() if str(path) in ("", ".") else Path(path)  # ("" and "." name no folder)
     manifest_path = path / MANIFEST
@@ -428,9 +428,9 @@ def open_cache(path: str | Path, verify: bool = False) -> Cache:
     if not manifest_path.is_file():
         raise CacheError(f"{manifest_path}: missing; not a finished cache{_resume_hint(path)}")
     cache = Cache(path, read_manifest(path))
-    # Every part must be there with the size the manifest records (a stat each: truncated or overwritten
-    # parts are refused here); one part's schema is read now, each other's when a read first needs it
-    # (`Cache._footer`), so a cache of 10^5 parts opens as fast as one of 10.
+    # Every part must be there with the size and the rows the manifest records (a stat and a footer each,
+    # ~0.6 ms: truncated, overwritten or overclaimed parts are refused here); one part's schema is read
+    # now, each other's when a read first needs it (`Cache._footer`).
     for record in cache.manifest.parts:
         part = path / record.file
         try:
@@ -441,6 +441,18 @@ def open_cache(path: str | Path, verify: bool = False) -> Cache:
             if verify:
                 cache.verify()  # names the first part that differs, by its hash or its size
             raise CacheError(_size_mismatch(part, record.bytes))
+        # The manifest's counts, which readers size arrays and batch lists by, against the rows the part's
+        # footer holds (a manifest claiming 10^12 sequences of the parts of 256 is refused here, not in a
+        # MemoryError): only the footer is read.
+        try:
+            rows = pq.read_metadata(part).num_rows
+        except (pa.ArrowInvalid, OSError) as err:
+            raise CacheError(f"{part}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
+        if rows != record.rows:
+            raise CacheError(
+                f"{part}: holds {rows:,} rows, but the manifest records {record.rows:,} ({record.num_seqs:,} "
+                f"sequences of {cache.seq_len:,} tokens): an edited manifest or another cache's part"
+            )
     if cache.manifest.parts:
         first = path / cache.manifest.parts[0].file
         try:

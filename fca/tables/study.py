@@ -16,8 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fca.tables.catalog import read_json_object
+from fca.tables.jsonfile import read_json
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
-from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, condition_cell, damage, read_report, routing_mark
+from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, condition_cell, damage, read_report, routing_scope
+from fca.tables.text import markdown_code, markdown_text
 
 STUDY_VERSION = 1
 # Keys every audit report has (README, "What is measured, exactly"); anything else is passed through or optional.
@@ -335,7 +337,7 @@ def check_seeds(rows: Sequence[dict], reports: Sequence[dict]) -> None:
 def seed_row(report: dict, audit: str, training: dict) -> dict:
     """One model's line of the study: identity, seed, and the numbers the summary averages."""
     conditions = report["conditions"]
-    routing = (report.get("routing") or {}).get("conditions") or {}  # (models with top-k routers)
+    routing = (report.get("routing") or {}).get("conditions") or {}  # (models with observed routers)
     return {
         "audit": audit,
         "name": field(report, "model.name"),
@@ -356,10 +358,10 @@ def seed_row(report: dict, audit: str, training: dict) -> dict:
             else {}
         ),
         "gap_retention": dict(report.get("gap_retention") or {}),
-        # (models with top-k routers: the share of tokens each condition keeps on their own experts, and
-        # what it is taken over: "(1 of 2 routers)", "(ties decided)")
+        # (models with observed routers: the share of tokens each condition keeps on their own experts, and
+        # what it is taken over: "(1 of 2 routers)")
         "same_experts": {c: row["same_experts"] for c, row in routing.items()},
-        "routing_marks": {c: routing_mark(row, list(report["routing"]["routers"])) for c, row in routing.items()},
+        "routing_marks": {c: routing_scope(row, list(report["routing"]["routers"])) for c, row in routing.items()},
         **{key: field(report, path) for key, path in SCALARS.items()},
         "training": training,
         "exactness": report.get("exactness"),  # passed through as the audit wrote it
@@ -407,8 +409,8 @@ def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | 
             "sequences and, where its cache records them, over documents, are in its audit and in its row of the "
             "study's JSON (seeds[].penalty_ci95, seeds[].penalty_ci95_documents)",
             "gap_retention": "averaged over the models where it is defined; n says how many",
-            "same_experts": "models with top-k routers: the share of tokens a condition keeps on the experts their "
-            "own coefficients select (each audit's routing section), averaged over models",
+            "same_experts": "models with routers: the share of tokens that run the same experts under a condition "
+            "as on their own coefficients, read at the experts (each audit's routing section), averaged over models",
             "compared_fields": "audits are refused unless these agree: "
             + ", ".join(COMPARED_FIELDS)
             + "; and, where both reports have them, "
@@ -441,7 +443,7 @@ def study_from_files(paths: Sequence[str | Path], relative_to: str | Path | None
 
 def conditions_table(study: dict) -> list[str]:
     """The study's conditions as Markdown table lines (its page and the dashboard's Study page): NLL,
-    penalty and gap retention across models, and for models with top-k routers the share of tokens kept
+    penalty and gap retention across models, and for models with routers the share of tokens kept
     on their own experts."""
     conditions, n = study["summary"]["conditions"], study["num_models"]
     routed = any("same_experts" in s for s in conditions.values())
@@ -451,7 +453,7 @@ def conditions_table(study: dict) -> list[str]:
         retention = format_spread(s["gap_retention"], 1, percent=True, of=n) if "gap_retention" in s else ""
         penalty = format_spread(s["penalty"]) if name != "correct" else ""
         marks = {r.get("routing_marks", {}).get(name, "") for r in study["seeds"]}  # (the same in every audit, or said)
-        mark = next(iter(marks)) if len(marks) == 1 else " (scope or ties differ between models)"
+        mark = next(iter(marks)) if len(marks) == 1 else " (routers taken over differ between models)"
         same = f" {format_spread(s['same_experts'], 1, percent=True)}{mark} |" if "same_experts" in s else " |"
         lines.append(
             f"| {condition_cell(name)} | {format_spread(s['nll'])} | {penalty} | {retention} |"
@@ -483,13 +485,14 @@ def render_markdown(study: dict) -> str:
     """The study as a page for papers and READMEs: across-model table, then one row per model."""
     rows, summary, n = study["seeds"], study["summary"], study["num_models"]
     audit = study["definitions"]["audit"]
+    t, c = markdown_text, markdown_code  # (every string here came from a file: shown as text or code)
     lines = [
         f"# FCA study: {n} model{'s' if n != 1 else ''}",
         "",
-        f"Model type `{audit.get('model.model_type')}`, {audit.get('model.parameters') or 0:,} parameters each; "
-        f"evaluated on the {audit.get('cache.split')} split of `{audit.get('cache.corpus')}` "
-        f"({audit.get('cache.sequences')} x {audit.get('cache.seq_len')} tokens), static profiles from the "
-        f"{audit.get('calibration.split')} split ({audit.get('calibration.tokens') or 0:,} tokens). "
+        f"Model type {c(audit.get('model.model_type'))}, {audit.get('model.parameters') or 0:,} parameters each; "
+        f"evaluated on the {t(audit.get('cache.split'))} split of {c(audit.get('cache.corpus'))} "
+        f"({t(audit.get('cache.sequences'))} x {t(audit.get('cache.seq_len'))} tokens), static profiles from the "
+        f"{t(audit.get('calibration.split'))} split ({audit.get('calibration.tokens') or 0:,} tokens). "
         f"Seeds: {', '.join('?' if r['seed'] is None else str(r['seed']) for r in rows)}.",
         "",
         "Each cell: mean ± sample SD over models [95% Student t interval over models].",
@@ -517,8 +520,8 @@ def render_markdown(study: dict) -> str:
     retained = [c for c in conditions if "gap_retention" in summary["conditions"][c]]
     header = (
         ["seed", "model", "fingerprint", "NLL correct"]
-        + [f"penalty {c}" for c in penalized]
-        + [f"retention {c}" for c in retained]
+        + [f"penalty {condition_cell(name)}" for name in penalized]
+        + [f"retention {condition_cell(name)}" for name in retained]
         + ["layer-id share", "latency x", "audit"]
     )
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -526,8 +529,8 @@ def render_markdown(study: dict) -> str:
         cells = (
             [
                 str(r["seed"]) if r["seed"] is not None else "?",
-                str(r["name"]),
-                f"`{r['fingerprint'][:12]}`",
+                t(r["name"], cell=True),
+                c(r["fingerprint"][:12]),
                 _num(r["nll"].get("correct")),
             ]
             + [_num(r["penalty"].get(c)) for c in penalized]
@@ -535,14 +538,14 @@ def render_markdown(study: dict) -> str:
             + [
                 _num(r["layer_identity_share"], 1, percent=True),
                 _num(r["latency_ratio_vs_dense"], 3),
-                f"`{r['audit']}`",
+                c(r["audit"]),
             ]
         )
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Definitions", ""]
     for key, value in study["definitions"].items():
         if key != "audit":
-            lines.append(f"- **{key}**: {value}")
+            lines.append(f"- **{t(key)}**: {t(value)}")
     shared = (
         "definitions.penalty",
         "definitions.gap_retention",
@@ -551,7 +554,7 @@ def render_markdown(study: dict) -> str:
     )
     for key in shared:
         if audit.get(key):
-            lines.append(f"- **{key.split('.', 1)[1]}** (each audit): {audit[key]}")
+            lines.append(f"- **{t(key.split('.', 1)[1])}** (each audit): {t(audit[key])}")
     return "\n".join(lines) + "\n"
 
 
@@ -585,9 +588,9 @@ def load_study(path: str | Path) -> dict:
     """A study written by `write_study`, or a one-line StudyError naming the file."""
     path = Path(path)
     try:
-        study = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise StudyError(f"{path}: not a readable study ({err})") from None
+        study = read_json(path, StudyError)
+    except StudyError as err:
+        raise StudyError(f"{path}: not a readable study ({str(err).removeprefix(f'{path}: ')})") from None
     if not isinstance(study, dict) or "fca_study_version" not in study or "seeds" not in study:
         raise StudyError(f"{path}: not an FCA study (no 'fca_study_version' or 'seeds')")
     if study["fca_study_version"] != STUDY_VERSION:

@@ -4,7 +4,7 @@ with its `Family` (`fca.engine.family`); `BUILTIN_FAMILIES` lists them for the r
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from fca.engine.models import featuregate, hf_moe, muddpythia
+from fca.engine.models import featuregate, hf_moe, mixture_of_depths, muddpythia
 from fca.engine.models.featuregate import (
     FeatureGateConfig,
     FeatureGateModel,
@@ -13,7 +13,7 @@ from fca.engine.models.featuregate import (
 from fca.engine.models.hf_moe import adapt_moe, expert_execution
 from fca.engine.models.muddpythia import MUDDPythia, MUDDPythiaConfig
 
-BUILTIN_FAMILIES = (featuregate.FAMILY, muddpythia.FAMILY, *hf_moe.FAMILIES)
+BUILTIN_FAMILIES = (featuregate.FAMILY, muddpythia.FAMILY, mixture_of_depths.FAMILY, *hf_moe.FAMILIES)
 
 # So that transformers' Auto classes open a FeatureGate directory too (AutoModelForCausalLM.from_pretrained).
 AutoConfig.register(FeatureGateConfig.model_type, FeatureGateConfig, exist_ok=True)

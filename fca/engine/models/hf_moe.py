@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import io
 import logging
+import pickle
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +35,7 @@ from torch import nn
 
 from fca.engine.adapters import SiteDeclaration, attach_sites, match_modules
 from fca.engine.checkpoints import check_safetensors_files, read_config
-from fca.engine.family import Family
-from fca.engine.routing import TopKRouter
+from fca.engine.family import ExpertSelection, Family, transformers_expert_selection
 from fca.engine.sites import as_input_ids, find_sites, unwrapped
 from fca.tables.errors import ModelLoadError
 
@@ -169,9 +170,15 @@ def load_transformers_causal_lm(path: Path) -> nn.Module:
     hf_logging.add_handler(handler)
     hf_logging.disable_progress_bar()  # ("Loading weights" bars among the command's own progress)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=torch.float32, output_loading_info=True
-        )
+        with warnings.catch_warnings():  # (torch's note on a pickle's protocol, before it refuses or reads it)
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, dtype=torch.float32, output_loading_info=True
+            )
+    except pickle.UnpicklingError as err:  # a pytorch_model.bin that is no weights-only pickle: refused, never run
+        raise ModelLoadError(
+            f"{path / 'pytorch_model.bin'}: not a weights-only state dict ({_unpickler_said(err)})"
+        ) from None
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         said = str(err).splitlines()[0]
         rows = _load_report_rows(report.getvalue())
@@ -195,17 +202,28 @@ def load_transformers_causal_lm(path: Path) -> nn.Module:
     return model
 
 
+def _unpickler_said(err: Exception) -> str:
+    """What torch's weights-only unpickler found, from its many-line message (the line naming the operand or
+    global it refused)."""
+    said = str(err).split("WeightsUnpickler error:")[-1].split("Check the documentation")[0]
+    return " ".join(said.split())[:160] or "refused by torch's weights-only unpickler"
+
+
 @torch.no_grad()
 def expert_execution(
-    model: nn.Module, input_ids, expert_paths: tuple[str, ...] = (EXPERTS_PATH,), note: str = EXECUTION_NOTE
+    model: nn.Module,
+    input_ids,
+    expert_paths: tuple[str, ...] = (EXPERTS_PATH,),
+    note: str = EXECUTION_NOTE,
+    expert_selection: ExpertSelection = transformers_expert_selection,
 ) -> dict:
     """Expert-level conditional execution of one forward pass, by counting what the experts run.
 
     A pre-hook on every experts module (those matching `expert_paths`: its family's, for the execution
-    audit; the convention of transformers' MoE layers: a module called as `experts(hidden, top_k_index,
-    top_k_weights)` with a `num_experts` attribute) reads the `top_k_index [N, k]` it is handed (the
-    dispatch that actually happens, whatever mode the sites are in) and counts the distinct experts each
-    token runs. Returns, per MoE layer and overall, `experts_available` (E), `top_k`,
+    audit; each with a `num_experts` attribute) reads the expert index [N, k] it is handed with
+    `expert_selection` (its family's; by default transformers' call `experts(hidden, top_k_index,
+    top_k_weights)`): the dispatch that actually happens, whatever mode the sites are in; and counts the
+    distinct experts each token runs. Returns, per MoE layer and overall, `experts_available` (E), `top_k`,
     `experts_run_per_token_mean` and `expert_fraction` (= run / available); plus `experts_hit`, the
     distinct experts that ran for at least one token of the batch; and `note`. A compiled model is counted
     on its original module, as `fca.engine.execution.blocks_executed` says why.
@@ -217,15 +235,19 @@ def expert_execution(
     seen: dict[str, dict] = {}
 
     def count(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        index = args[1] if len(args) > 1 else kwargs.get("top_k_index")  # [N, k]
         E = getattr(module, "num_experts", None)
+        try:
+            index, _ = expert_selection(module, args, kwargs)  # [N, k]
+        except ValueError:
+            index = None
         if not isinstance(index, torch.Tensor) or not isinstance(E, int):
             raise ValueError(
-                f"{name}: not an experts module of the kind expert_paths must name: one called as experts(hidden, "
-                "top_k_index, top_k_weights), with a num_experts attribute"
+                f"{name}: not an experts module of the kind expert_paths must name: one whose call its family's "
+                "expert_selection reads (by default experts(hidden, top_k_index, top_k_weights)), with a "
+                "num_experts attribute"
             )
         # Indices >= E are "no expert" slots (expert-parallel padding): not run.
-        ran = F.one_hot(index.clamp(max=E), E + 1)[..., :E].amax(dim=1)  # [N, E] 0/1
+        ran = F.one_hot(index.long().clamp(min=0, max=E), E + 1)[..., :E].amax(dim=1)  # [N, E] 0/1
         seen[name] = {
             "experts_available": E,
             "top_k": index.shape[-1],
@@ -246,8 +268,7 @@ def expert_execution(
     if not seen:  # e.g. a ModuleList of experts, which the model indexes and never calls
         raise ValueError(
             f"{type(model).__name__}: no module matching {list(expert_paths)} was called in the forward pass "
-            f"(matched: {list(modules)[:3]}); expert_paths must name modules the model calls as experts(hidden, "
-            "top_k_index, top_k_weights)"
+            f"(matched: {list(modules)[:3]}); expert_paths must name experts modules the model calls"
         )
     for layer in seen.values():
         layer["expert_fraction"] = layer["experts_run_per_token_mean"] / layer["experts_available"]
@@ -266,19 +287,14 @@ def expert_execution(
     }
 
 
-def moe_routers(model: nn.Module) -> dict[str, TopKRouter]:
-    """The router sites of an adapted MoE model -> how each chooses, as its replay rebuilds it
-    (`TopKRouting` above): its top_k, whether the top-k weights are renormalised (Mixtral's router has no
-    `norm_topk_prob`, and always does) and in which dtype they are handed to the experts."""
-    out = {}
-    for name, site in find_sites(model).items():
-        if site.spec.family == ROUTER_FAMILY:
-            router = site.controller
-            rebuild = site.declaration.rebuild
-            out[name] = TopKRouter(
-                int(router.top_k), bool(getattr(router, "norm_topk_prob", True)), rebuild.weights_in_logit_dtype
-            )
-    return out
+def moe_routers(model: nn.Module) -> dict[str, int]:
+    """The router sites of an adapted MoE model -> the experts each token is routed to (its `top_k`). Which
+    experts ran is read at the experts modules (`fca.engine.routing`), not recomputed from the logits."""
+    return {
+        name: int(site.controller.top_k)
+        for name, site in find_sites(model).items()
+        if site.spec.family == ROUTER_FAMILY
+    }
 
 
 FAMILIES = tuple(  # no Dense twin: a dense model of the same sizes is another model

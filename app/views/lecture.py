@@ -1,0 +1,229 @@
+"""Lecture: the audit of the selected cache told in six steps, one full-width chart and a sentence or two
+each, for a lecture hall. Next / Previous (or the arrow keys) move between steps; a step whose figure the
+cache or its report lacks says so instead of drawing an empty chart.
+
+The steps read what the other pages read (the cache, its audit report, a study that includes that report),
+so every figure here is one the Overview, Variance, Execution or Study page shows in detail.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import streamlit as st
+
+from app import figures, resources
+from app.views.common import (
+    Selection,
+    figure_caption,
+    guard,
+    require_cache,
+    selection,
+    share_text,
+    study_retention_frames,
+)
+from app.views.common import chart as figure_chart
+from fca.tables import paper
+from fca.tables import study as studies
+from fca.tables.report import retention_sentence
+from fca.tables.scoring import quoted_interval
+
+STEP_KEY = "lecture_step"
+TOKENS_SHOWN = 32  # positions of the first sequence in step 1: every label legible on a projected chart
+
+
+def chart(fig, key: str, conditions=None) -> None:
+    figure_chart(fig, key, figure_caption(selection(), conditions=conditions))
+
+
+def no_data(why: str) -> None:
+    st.info(f"This step has no figure for this cache: {why}")
+
+
+def _report(sel: Selection) -> dict | None:
+    if sel.report_path is None:
+        return None
+    report = None
+    with guard("Audit report"):
+        report = resources.report(str(sel.report_path), resources.file_stamp(sel.report_path))
+    return report
+
+
+NO_REPORT = "it has no audit report (the Overview gives the command that makes one)."
+
+
+def step_variation(sel: Selection, report: dict | None) -> None:
+    cache = sel.cache
+    data = resources.sequence(str(cache.path), cache.fingerprint, 0)
+    span = slice(0, min(cache.seq_len, TOKENS_SHOWN))
+    ids = tuple(int(t) for t in data["token"][span])
+    tokens = resources.decode_tokens(str(sel.model_dir) if sel.model_dir else "", ids)
+    sites = list(cache.manifest.sites)
+    import pandas as pd
+
+    z = pd.DataFrame({site: data[site][span].mean(1) for site in sites}, index=range(span.start, span.stop)).T
+    spread = float(np.mean([data[site][span].mean(1).std() for site in sites]))
+    st.markdown(
+        f"Each cell is one site's coefficients at one token of sequence 0, averaged over its channels. Along a row "
+        f"the colour changes from token to token (a typical SD of {spread:.3g} across these tokens): the controller "
+        "does give every token its own coefficients."
+        + (
+            f" Yet which layer and channel a coefficient belongs to explains {share_text(share)} of their variance."
+            if report is not None and (share := report["variance"].get("layer_identity_share")) is not None
+            else ""
+        )
+    )
+    chart(
+        figures.token_layer_heatmap(z, tokens, figures.COEFFICIENT, "Sequence 0: mean coefficient per site and token"),
+        "lecture_variation",
+    )
+
+
+def step_execution(sel: Selection, report: dict | None) -> None:
+    if report is None:
+        return no_data(NO_REPORT)
+    exe = report["execution"]
+    per_block = exe.get("tokens_per_block")
+    if not per_block or not exe.get("tokens"):
+        return no_data("its report does not count the tokens each block ran.")
+    ratio = exe.get("latency_ratio_vs_dense")
+    st.markdown(
+        f"Varying coefficients are not skipped work: each block ran for {100 * exe['blocks_executed_fraction']:.0f}% of "
+        "the tokens, counted at the blocks that ran"
+        + (f", and the model took {ratio:.3f}x its Dense twin's time" if ratio is not None else "")
+        + f" (the paper: every block, {paper.LATENCY_VS_DENSE:.3f}x)."
+    )
+    blocks = {"block": list(range(len(per_block))), "fraction": [n / exe["tokens"] for n in per_block]}
+    import pandas as pd
+
+    chart(figures.blocks_bar(pd.DataFrame(blocks)), "lecture_execution")
+
+
+def step_replay(sel: Selection, report: dict | None) -> None:
+    if report is None:
+        return no_data(NO_REPORT)
+    cond = report["conditions"]
+    perturbed = [c for c in cond if c != "correct" and not c.startswith("interpolate:")]
+    if not perturbed:
+        return no_data("its report has no condition besides correct.")
+    over_documents = all("penalty_ci95_documents" in cond[c] for c in perturbed)
+    intervals = [quoted_interval(cond[c]) for c in perturbed]
+    bars = {
+        "condition": perturbed,
+        "penalty": [cond[c]["penalty"] for c in perturbed],
+        "lo": [lo for lo, _ in intervals],
+        "hi": [hi for _, hi in intervals],
+    }
+    st.markdown(
+        "Now remove the controller and replay the frozen model with each token's coefficients reassigned: another "
+        "sequence's (cross_input), the same tokens' shuffled (token_shuffle), a fixed per-layer profile "
+        "(static_layer), one number per family (global_mean). Each bar is how many nats per token that costs."
+    )
+    chart(figures.penalty_bars(bars, figures.penalty_title(over_documents)), "lecture_replay", list(cond))
+    if sel.model_dir is not None:
+        st.page_link("views/replay_lab.py", label="Run a replay now, in the Replay lab", icon=":material/science:")
+
+
+def step_static(sel: Selection, report: dict | None) -> None:
+    if report is None:
+        return no_data(NO_REPORT)
+    cond = report["conditions"]
+    if not all(k in cond for k in ("correct", "global_mean", "static_layer")):
+        return no_data("its report lacks the correct, static_layer or global_mean condition.")
+    st.markdown(retention_sentence(report))
+    chart(figures.retention_scale(cond, report.get("gap_retention")), "lecture_static", list(cond))
+    st.caption(paper.citation_sentence() + " Its band: the static-profile retention of its two gated models.")
+
+
+def step_sweep(sel: Selection, report: dict | None) -> None:
+    if report is None:
+        return no_data(NO_REPORT)
+    sweep = report.get("interpolation_sweep") or []
+    if not sweep:
+        return no_data("its report has no interpolation sweep (`python -m fca audit` adds one by default).")
+    st.markdown(
+        "Between the static profile (alpha 0) and each token's own coefficients (alpha 1): how much per-token "
+        "variation does the model need to get its NLL back?"
+    )
+    chart(figures.sweep_curve(sweep, report["conditions"]), "lecture_sweep", list(report["conditions"]))
+
+
+def study_of(sel: Selection) -> tuple[Path, dict] | None:
+    """The first study under the roots that includes the selected cache's audit report."""
+    if sel.report_path is None:
+        return None
+    wanted = Path(sel.report_path).resolve()
+    for path in studies.find_studies(sel.roots):
+        study = None
+        with guard("Study"):
+            study = resources.study(str(path), resources.file_stamp(path))
+        if study and any((path.parent / row["audit"]).resolve() == wanted for row in study["seeds"]):
+            return path, study
+    return None
+
+
+def step_seeds(sel: Selection, report: dict | None) -> None:
+    found = study_of(sel)
+    if found is None:
+        return no_data(
+            "no study under the configured roots includes this cache's audit (the Study page says how to make one)."
+        )
+    path, study = found
+    points, summary = study_retention_frames(study)
+    if summary.empty:
+        return no_data(f"the study {path.parent.name} has no gap retention.")
+    st.markdown(
+        f"Is it this model or this seed? {study['num_models']} models of the same configuration, trained from "
+        "different seeds, each placed on the gap-retention scale, with the paper's range beside them."
+    )
+    seeds = ", ".join(dict.fromkeys(points["seed"]))
+    figure_chart(
+        figures.study_retention(points, summary),
+        "lecture_seeds",
+        figure_caption(sel, conditions=list(summary["condition"]), seed=f"{seeds} ({path.parent.name})"),
+    )
+
+
+STEPS = [
+    ("Coefficients vary from token to token", step_variation),
+    ("Yet every block runs", step_execution),
+    ("Freeze the controller and replay", step_replay),
+    ("What the static profile keeps, beside the paper", step_static),
+    ("The interpolation sweep", step_sweep),
+    ("Seeds", step_seeds),
+]
+
+
+def move(by: int) -> None:
+    st.session_state[STEP_KEY] = min(len(STEPS) - 1, max(0, st.session_state.get(STEP_KEY, 0) + by))
+
+
+sel = require_cache()
+step = min(len(STEPS) - 1, max(0, int(st.session_state.get(STEP_KEY, 0))))
+st.session_state[STEP_KEY] = step
+title, draw = STEPS[step]
+st.title(f"{step + 1}. {title}")
+with st.container(horizontal=True):
+    st.button(
+        "Previous",
+        key="lecture_previous",
+        icon=":material/arrow_back:",
+        on_click=move,
+        args=(-1,),
+        disabled=step == 0,
+        shortcut="Left",
+    )
+    st.button(
+        "Next",
+        key="lecture_next",
+        icon=":material/arrow_forward:",
+        on_click=move,
+        args=(1,),
+        disabled=step == len(STEPS) - 1,
+        shortcut="Right",
+        type="primary",
+    )
+    st.caption(f"step {step + 1} of {len(STEPS)} (arrow keys: left, right)")
+with guard("This step"):
+    draw(sel, _report(sel))

@@ -1,0 +1,21 @@
+"""Family files for a long-running process (the dashboard): each file loaded on its own, so that one bad
+file is reported while the others still load (the CLI instead stops at the first, see `fca.cli`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from fca.engine.user_families import load_family_file
+from fca.tables.errors import ModelLoadError
+
+
+def load_each_family_file(paths: Iterable[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Run each family file (`fca.engine.user_families.load_family_file`; an unchanged file is not run
+    again); -> ([(model_type, path)] declared, [one-line error per bad file])."""
+    declared, errors = [], []
+    for path in paths:
+        try:
+            declared += [(family.model_type, path) for family in load_family_file(path)]
+        except ModelLoadError as err:
+            errors.append(str(err))
+    return declared, errors

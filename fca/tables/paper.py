@@ -1,0 +1,114 @@
+"""The paper that introduced Frozen-Controller Auditing: its published figures, and a table that sets a
+report's own figures beside them (variation, dependence, execution).
+
+The figures are the paper's, as the README quotes them; they are points of reference, not results for the
+model a report describes (the paper's gated Transformers are larger and trained on far more tokens).
+"""
+
+from __future__ import annotations
+
+ARXIV_ID = "2607.26192"
+CITATION = f"arXiv:{ARXIV_ID}"
+
+# Static-layer gap retention of its two gated Transformer configurations (FeatureGate).
+STATIC_RETENTION = (0.9870, 0.9943)
+# Share of the coefficient variance that layer identity explained, over its models.
+LAYER_IDENTITY_SHARE = (0.87, 0.96)
+# MUDDPythia-1.4B, dense-connection coefficients replayed under these conditions: NLL penalty in nats.
+MUDDPYTHIA_PENALTIES = {"cross_input": 1.9067, "token_shuffle": 2.9637}
+# Its gated model executed every block and took this multiple of its Dense twin's time.
+BLOCKS_EXECUTED_FRACTION = 1.0
+LATENCY_VS_DENSE = 1.308
+
+
+def _percent(x: float | None, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def _range(pair: tuple[float, float], digits: int) -> str:
+    return f"{100 * pair[0]:.{digits}f}-{100 * pair[1]:.{digits}f}%"
+
+
+def comparison_rows(report: dict) -> list[dict]:
+    """One row per figure the paper published: {question, figure, this_model, paper}, as text. A figure the
+    report lacks reads "not in this report" (never 0)."""
+    variance = report.get("variance") or {}
+    conditions = report.get("conditions") or {}
+    retention = report.get("gap_retention") or {}
+    interval = (report.get("gap_retention_ci95") or {}).get("static_layer")
+    execution = report.get("execution") or {}
+    missing = "not in this report"
+
+    static = retention.get("static_layer")
+    static_text = missing if "static_layer" not in conditions else _percent(static)
+    if static is not None and interval:
+        static_text += f" (95% CI {_percent(interval[0])} to {_percent(interval[1])})"
+
+    def penalty(name: str) -> str:
+        row = conditions.get(name)
+        return missing if row is None else f"{row['penalty']:+.4f} nats"
+
+    share = variance.get("layer_identity_share")
+    ratio = execution.get("latency_ratio_vs_dense")
+    blocks = execution.get("blocks_executed_fraction")
+    paper_muddpythia = "MUDDPythia-1.4B: {:+.4f} nats"
+    return [
+        {
+            "question": "variation",
+            "figure": "layer-identity share of the coefficient variance",
+            "this_model": missing if "layer_identity_share" not in variance else _percent(share),
+            "paper": _range(LAYER_IDENTITY_SHARE, 0),
+        },
+        {
+            "question": "dependence",
+            "figure": "static-layer gap retention",
+            "this_model": static_text,
+            "paper": f"{_percent(STATIC_RETENTION[0], 2)} and {_percent(STATIC_RETENTION[1], 2)} (two gated configurations)",
+        },
+        {
+            "question": "dependence",
+            "figure": "cross_input penalty vs correct",
+            "this_model": penalty("cross_input"),
+            "paper": paper_muddpythia.format(MUDDPYTHIA_PENALTIES["cross_input"]),
+        },
+        {
+            "question": "dependence",
+            "figure": "token_shuffle penalty vs correct",
+            "this_model": penalty("token_shuffle"),
+            "paper": paper_muddpythia.format(MUDDPYTHIA_PENALTIES["token_shuffle"]),
+        },
+        {
+            "question": "execution",
+            "figure": "blocks executed per token",
+            "this_model": missing if blocks is None else _percent(blocks, 0),
+            "paper": _percent(BLOCKS_EXECUTED_FRACTION, 0),
+        },
+        {
+            "question": "execution",
+            "figure": "time vs the Dense twin",
+            "this_model": "not measured" if ratio is None else f"{ratio:.3f}x",
+            "paper": f"{LATENCY_VS_DENSE:.3f}x (+{100 * (LATENCY_VS_DENSE - 1):.1f}%)",
+        },
+    ]
+
+
+def citation_sentence() -> str:
+    """Where the paper's figures come from, in one line (plain text: no link markup)."""
+    return (
+        f"The paper's figures: the study that introduced Frozen-Controller Auditing, {CITATION}; "
+        "points of reference from larger models, not results for this one."
+    )
+
+
+def comparison_markdown(report: dict) -> list[str]:
+    """The comparison as Markdown lines: a heading, the table and the citation."""
+    lines = [
+        "## This model beside the paper",
+        "",
+        "| question | figure | this model | the paper |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['question']} | {r['figure']} | {r['this_model']} | {r['paper']} |" for r in comparison_rows(report)
+    ]
+    return lines + ["", citation_sentence()]

@@ -1,0 +1,38 @@
+"""Strings from files (a condition's name, a site's, a device's, a note) shown inside Markdown: as the text
+they are, never as markup. Caches, reports and runs come from other people: `[x](https://...)` must not
+become a link, `![i](https://...)` must not make the reader's browser fetch anything, and `<a href=...>`
+must not reach the page as HTML."""
+
+from __future__ import annotations
+
+import re
+
+# What makes Markdown markup mid-line (CommonMark and GitHub's; Streamlit's adds $ for LaTeX): escaped with a
+# backslash, which CommonMark allows before any ASCII punctuation. `[` opens every link and image (so `]`, `(`
+# and `!` need nothing); `_` only where it could open or close emphasis (`static_layer`, `aten._int_mm` stay).
+_MARKUP = re.compile(r"[\\`*\[<>~$@&]|(?<![A-Za-z0-9.])_|_(?![A-Za-z0-9])")
+# GitHub's and Streamlit's renderers turn URLs and e-mail addresses in text into links after the escapes are
+# read (so no escape stops them): a word joiner (U+2060, invisible, no line break) inside `://`, `www.` and
+# after `@` leaves nothing they recognise.
+_AUTOLINKED = re.compile(r"(?<=:)(?=//)|(?<=www)(?=\.)|(?<=@)", re.IGNORECASE)
+WORD_JOINER = "\u2060"
+_BLOCK_START = re.compile(r"^(\s*\d*)([#>+=-]|(?<=\d)[.)])")  # what would open a heading, quote, list or rule
+
+
+def markdown_text(value: object, cell: bool = False) -> str:
+    """`value` as one line of Markdown text that renders as exactly its characters; `cell`: in a table's
+    cell, where `|` would end it."""
+    text = " ".join(str(value).splitlines())
+    text = _MARKUP.sub(lambda m: "\\" + m.group(0), text)
+    text = _AUTOLINKED.sub(WORD_JOINER, text)
+    text = text.replace("|", "\\|") if cell else text
+    return _BLOCK_START.sub(lambda m: m.group(1) + "\\" + m.group(2), text, count=1)
+
+
+def markdown_code(value: object) -> str:
+    """`value` as a Markdown code span (what it holds is never markup), safe in a table cell too: a fence
+    longer than any run of backticks inside, and `|` escaped (GitHub splits table cells on it even there)."""
+    text = " ".join(str(value).splitlines()).replace("|", "\\|")
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    padded = f" {text} " if text.startswith("`") or text.endswith("`") else text
+    return f"{fence}{padded}{fence}"
