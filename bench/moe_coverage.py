@@ -81,13 +81,22 @@ SPECIAL = {
 }
 
 
-def _modeling_source(model_type: str) -> str | None:
+def _causal_lm_class(model_type: str):
+    """The causal-LM class transformers builds from `model_type`'s config (a type may reuse another's
+    modeling code: sarvam_mla builds DeepSeek-V3's), or None."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
-        name = CONFIG_MAPPING[model_type].__module__.replace(".configuration_", ".modeling_")
-        return inspect.getsource(importlib.import_module(name))
+        return MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]]
     except Exception:  # a type whose modeling module does not import here (an optional dependency)
+        return None
+
+
+def _modeling_source(model_class) -> str | None:
+    try:
+        return inspect.getsource(importlib.import_module(model_class.__module__))
+    except Exception:
         return None
 
 
@@ -103,8 +112,9 @@ def _has(config, name: str) -> bool:
 
 @cache
 def moe_model_types() -> tuple[str, ...]:
-    """Causal-LM types of the installed transformers whose own config builds their causal LM and whose
-    modeling code calls experts with a selection (transformers' `experts(hidden, top_k_index, ...)`)."""
+    """Causal-LM types of the installed transformers whose config builds a `...ForCausalLM` (its own or one
+    it shares) whose modeling code defines experts (transformers' `experts(hidden, top_k_index, ...)`).
+    A config with a text_config (text beside vision or audio) is left out: its text part is a type of its own."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -112,18 +122,13 @@ def moe_model_types() -> tuple[str, ...]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for model_type, class_name in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
-            source = _modeling_source(model_type)
-            if (
-                not class_name.endswith("ForCausalLM")
-                or source is None
-                or not re.search(r"class \w*(Experts|MoE|Moe\w*Block|Moe)\(nn\.Module\)", source)
+            if not class_name.endswith("ForCausalLM") or "text_config" in (
+                CONFIG_MAPPING[model_type].sub_configs or {}
             ):
                 continue
-            module = importlib.import_module(
-                CONFIG_MAPPING[model_type].__module__.replace(".configuration_", ".modeling_")
-            )
-            causal = getattr(module, class_name, None)
-            if causal is not None and getattr(causal, "config_class", None) is CONFIG_MAPPING[model_type]:
+            model_class = _causal_lm_class(model_type)
+            source = _modeling_source(model_class) if model_class is not None else None
+            if source is not None and re.search(r"class \w*(Experts|MoE|Moe\w*Block|Moe)\(nn\.Module\)", source):
                 found.append(model_type)
     return tuple(found)
 
