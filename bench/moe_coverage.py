@@ -57,6 +57,11 @@ TINY = {
     "kv_lora_rank": 16,
     "q_lora_rank": 32,
     "tie_word_embeddings": False,
+    # Inkling's vocabulary before padding and its sliding-window attention's own head sizes.
+    "unpadded_vocab_size": 128,
+    "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 2,
+    "swa_head_dim": 16,
     "enable_moe_block": True,
     "top_k_experts": 2,
     "use_cache": False,
