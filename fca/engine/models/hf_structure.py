@@ -10,7 +10,7 @@ router's own code, exactly, and the projection is never computed. A child `nn.Li
 one output whose name says gate (a shared expert's gate) is a site too.
 
 A type the probe cannot read is refused in one line that says why and how to declare it
-(`fca.attach_sites`, or a registered `Family`). The four types declared by name in
+(a family file passed with `--family FILE`, or `fca.attach_sites` from Python). The four types declared by name in
 `fca.engine.models.hf_moe` keep their declarations.
 """
 
@@ -37,8 +37,9 @@ EXECUTION_NOTE = (
     "block only the experts each token's router selects run (counted from the experts' own calls)"
 )
 HOW_TO_DECLARE = (
-    "declare its sites from Python (fca.attach_sites with a SiteDeclaration per router, then fca.audit), or "
-    "register a Family for its model_type (fca.engine.families.register_family)"
+    "declare its family in a Python file (FAMILY = fca.Family(model_type, load=...), the load calling "
+    "fca.attach_sites with a SiteDeclaration per router) and pass it to any command with --family FILE, or "
+    "from Python call fca.attach_sites, then fca.audit"
 )
 
 
