@@ -58,6 +58,7 @@ def test_hunyuan_recognised_by_structure_replays_exactly():
     assert sites["model.layers.0.mlp.gate"].wg.weight is sites["model.layers.0.mlp.gate"].controller.wg.weight
     family = family_of(model)
     assert family.expert_paths == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+    assert family.routers(model) == {"model.layers.0.mlp.gate": 2, "model.layers.1.mlp.gate": 2}  # top-2
     # The family reads, from the experts' own call, the selection the router made.
     read, made = [], []
     experts, router = model.get_submodule(family.expert_paths[0]), sites["model.layers.0.mlp.gate"]
@@ -237,7 +238,7 @@ def test_readme_coverage_table_is_generated(rows):
     assert readme_table() == coverage_table(rows), "run python -m bench.moe_coverage --write"
 
 
-CHUNKS = 4  # the all-types audit in four tests, each a few minutes on a loaded machine
+CHUNKS = 8  # the all-types audit in eight tests, each a few minutes on a loaded machine
 
 
 @pytest.mark.slow

@@ -54,7 +54,7 @@ class MoEStructure:
 
     blocks: str
     experts: tuple[str, ...]
-    routers: tuple[tuple[str, int], ...]  # (path, experts E)
+    routers: tuple[tuple[str, int, int], ...]  # (path, experts E, experts per token k)
     shared_gates: tuple[str, ...]
     selection_at: tuple[int, int | None]
 
@@ -77,9 +77,9 @@ class _LinearCalls(torch.overrides.TorchFunctionMode):
 
 def _probe(model: nn.Module, ids: torch.Tensor) -> tuple[dict, list]:
     """One forward on `ids` [B, T]: the modules called with an integer [N, k] tensor beside a floating first
-    argument (experts candidates: path -> (index position, weights position)), and every linear call."""
+    argument (experts candidates: path -> (index position, weights position, k)), and every linear call."""
     stack: list[str] = []
-    called: dict[str, tuple[int, int | None]] = {}
+    called: dict[str, tuple[int, int | None, int]] = {}
     N = ids.numel()
 
     def enter(name, module, args, kwargs):
@@ -99,7 +99,7 @@ def _probe(model: nn.Module, ids: torch.Tensor) -> tuple[dict, list]:
                     for j, v in enumerate(values)
                     if j != i and isinstance(v, torch.Tensor) and v.is_floating_point() and tuple(v.shape) == (N, k)
                 ]
-                called[name] = (i, weights[0] if weights else None)
+                called[name] = (i, weights[0] if weights else None, k)
 
     def leave(name, module, args, output):
         if stack and stack[-1] == name:
@@ -149,7 +149,7 @@ def find_structure(model: nn.Module, where: str) -> MoEStructure:
         )
     routers: list[tuple[str, int]] = []
     shared: list[str] = []
-    for path, _ in experts.items():
+    for path, (_, _, k) in experts.items():
         parent = path.rpartition(".")[0]
         E = _num_experts(model.get_submodule(path))
         depth = len(parent.split(".")) + 1 if parent else 1
@@ -178,14 +178,14 @@ def find_structure(model: nn.Module, where: str) -> MoEStructure:
                 f"{where}: {model_type}: {router} makes {made} projections with {E} outputs in one forward, so "
                 f"which is its coefficient is not decided by structure; {HOW_TO_DECLARE}"
             )
-        routers.append((router, E))
+        routers.append((router, E, k))
         for name, child in model.get_submodule(parent).named_children():
             child_path = f"{parent}.{name}"
             if isinstance(child, nn.Linear) and child.out_features == 1 and "gate" in name.lower():
                 if any(child_path in stack for stack, _ in linears):
                     shared.append(child_path)
     blocks = _blocks_path(model, next(iter(experts)))
-    positions = set(experts.values())
+    positions = {at[:2] for at in experts.values()}
     if len(positions) != 1:
         raise NotRecognised(f"{where}: {model_type}: its experts are called in different ways; {HOW_TO_DECLARE}")
     return MoEStructure(blocks, tuple(experts), tuple(routers), tuple(shared), positions.pop())
@@ -210,7 +210,7 @@ def declarations(structure: MoEStructure) -> list[SiteDeclaration]:
             output=Projection(),
             coefficient=ROUTER_COEFFICIENT,
         )
-        for path, E in structure.routers
+        for path, E, _ in structure.routers
     ]
     gates = [
         SiteDeclaration(
@@ -242,6 +242,9 @@ def structural_family(model: nn.Module, structure: MoEStructure) -> Family:
     blocks = structure.blocks
     # The execution audit counts experts by their `num_experts`; experts without one are not counted there.
     counted = all(isinstance(getattr(model.get_submodule(p), "num_experts", None), int) for p in structure.experts)
+    # Each router -> the experts per token its experts were handed in the probe; routing agreement is read
+    # at the experts under every condition (`fca.engine.routing`), or said not observed where none are named.
+    top_k = {path: k for path, _, k in structure.routers}
     return Family(
         model.config.model_type,
         load=load_structural,
@@ -250,6 +253,7 @@ def structural_family(model: nn.Module, structure: MoEStructure) -> Family:
         expert_paths=structure.experts if counted else (),
         execution_note=EXECUTION_NOTE if counted else "",
         expert_selection=selection_reader(*structure.selection_at),
+        routers=lambda m: dict(top_k),
     )
 
 
