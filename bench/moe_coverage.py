@@ -192,7 +192,15 @@ def check_type(model_type: str, work: Path) -> dict:
         said = _first_line(err, 400).split(f"{directory}: ", 1)[-1].split(f"{directory / 'config.json'}: ", 1)[-1]
         row["why"] = said.removeprefix(f"{model_type}: ").split("; declare")[0][:160]
         return row
-    row["recognised"] = "by name" if family_for_type(model_type) is not None else "by structure"
+    from fca.engine.models.hf_structure import ROUTER_OUTPUTS
+
+    row["recognised"] = (
+        "by name"
+        if family_for_type(model_type) is not None
+        else "by structure, router outputs declared"
+        if model_type in ROUTER_OUTPUTS
+        else "by structure"
+    )
     try:
         live, replayed = _replay_without_routers(loaded)
     except Exception as err:

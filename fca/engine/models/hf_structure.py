@@ -43,6 +43,12 @@ HOW_TO_DECLARE = (
 )
 
 
+# Per-type declarations, only where structure does not decide: how many outputs a type's router projection
+# has when it is not one per routed expert. Inkling's router scores its routed and shared experts in one
+# projection (the shared experts' weights are its last outputs).
+ROUTER_OUTPUTS = {"inkling_text": lambda config, experts: experts + int(config.n_shared_experts)}
+
+
 class NotRecognised(ModelLoadError):
     """A transformers model the probe cannot read as a mixture of experts; one line, why and what to do."""
 
@@ -147,11 +153,13 @@ def find_structure(model: nn.Module, where: str) -> MoEStructure:
             f"{where}: {model_type}: no module is called with the experts' selection (hidden [N, D], index [N, k]) "
             f"and says its num_experts, so it is not recognised as a mixture of experts; {HOW_TO_DECLARE}"
         )
-    routers: list[tuple[str, int]] = []
+    routers: list[tuple[str, int, int]] = []
     shared: list[str] = []
     for path, (_, _, k) in experts.items():
         parent = path.rpartition(".")[0]
-        E = _num_experts(model.get_submodule(path))
+        experts_count = _num_experts(model.get_submodule(path))
+        declared = ROUTER_OUTPUTS.get(model_type)
+        E = declared(model.config, experts_count) if declared else experts_count  # the router projection's outputs
         depth = len(parent.split(".")) + 1 if parent else 1
         # The direct children of the MoE block inside whose call the block's E-output projections ran.
         owners = {
