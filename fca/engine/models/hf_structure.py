@@ -9,6 +9,7 @@ replayed logits: softmax or sigmoid, correction bias, group-limited or hash top-
 router's own code, exactly, and the projection is never computed. A child `nn.Linear` of the block with
 one output whose name says gate (a shared expert's gate) is a site too.
 
+Where structure does not decide, a per-type declaration says only what it cannot (`ROUTER_OUTPUTS`).
 A type the probe cannot read is refused in one line that says why and how to declare it
 (a family file passed with `--family FILE`, or `fca.attach_sites` from Python). The four types declared by name in
 `fca.engine.models.hf_moe` keep their declarations.
