@@ -27,8 +27,30 @@ from torch import nn
 
 from fca.engine.sites import OutputSelector, Site, SiteSpec, assign_site_names, unwrapped
 
+F_LINEAR = torch.nn.functional.linear
+
 TokenLayout = Literal["batched", "flat"]
 Axes = tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class Projection:
+    """`output=Projection()`: the coefficient is the module's linear projection, the one `F.linear` call
+    inside its forward that has `K` outputs (a router's logits; also reached through a child `nn.Linear`).
+    Replay runs the module's own forward with that call answered by the replayed coefficients, so whatever
+    the module does with its logits (softmax or sigmoid, correction bias, group-limited or hash top-k) is
+    rebuilt by its own code, exactly, while the projection itself is never computed. No `rebuild` is needed."""
+
+
+@dataclass(frozen=True)
+class SiteCall:
+    """What a `rebuild` declared with `rebuild_call=True` receives beside the coefficients: the module's own
+    call arguments and the model's (e.g. `input_ids`, which a hash router needs)."""
+
+    args: tuple
+    kwargs: dict
+    model_args: tuple
+    model_kwargs: dict
 
 
 class SiteDeclarationError(ValueError):
@@ -45,11 +67,19 @@ class SiteDeclaration:
       matched module giving it (so one glob can cover layers of different widths).
     - `family`: coefficients that mean the same kind of thing share a family (global-mean profile).
     - `output`: where the coefficient tensor sits in the module's output: `None` (the output is the
-      coefficient tensor), an index into a tuple, an attribute or key name, or a function.
+      coefficient tensor), an index into a tuple (a router returning (logits, weights, index) names 0), an
+      attribute or key name, a function, or `Projection()` (the module's own linear projection, replayed
+      through the module's own forward; see `Projection`).
     - `token_layout`: `"batched"` if the module sees `[B, T, ...]`, `"flat"` if it sees `[N, ...]`.
     - `rebuild(coefficients, module)`: the module's output from coefficients alone, in the module's
-      own layout (`[B, T, *axes]` or `[N, *axes]`); needed whenever `output` is not `None`. It may
-      read the module's attributes (top-k, flags) but must not call the module.
+      own layout (`[B, T, *axes]` or `[N, *axes]`); needed whenever `output` is neither `None` nor a
+      `Projection`. It must reproduce the module's output exactly (the first recorded call checks it, bit for
+      bit); it may read the module's attributes (top-k, flags) but must not call the module.
+    - `rebuild_call`: True to call `rebuild(coefficients, module, call)` with a `SiteCall`: the module's
+      call arguments and the model's inputs (a router that also takes a bias, a hash router's token ids).
+    - `channel_families`: one family per channel (length `K`), or a function of the module giving them,
+      for a module whose channels feed different kinds of thing (one Linear emitting attention and MLP
+      gates); each channel's global mean is then its own family's. None: every channel is in `family`.
     - `coefficient`: what the recorded values are (e.g. "router logits"), stated in reports.
     """
 
@@ -58,8 +88,10 @@ class SiteDeclaration:
     family: str
     output: int | str | Callable[[Any], torch.Tensor] | None = None
     token_layout: TokenLayout = "batched"
-    rebuild: Callable[[torch.Tensor, nn.Module], Any] | None = None
+    rebuild: Callable[..., Any] | None = None
     coefficient: str = ""
+    rebuild_call: bool = False
+    channel_families: Sequence[str] | Callable[[nn.Module], Sequence[str]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
@@ -72,7 +104,7 @@ class SiteDeclaration:
             raise SiteDeclarationError(
                 f"{self.path}: token_layout must be 'batched' or 'flat', not {self.token_layout!r}"
             )
-        if self.output is not None and self.rebuild is None:
+        if self.output is not None and not isinstance(self.output, Projection) and self.rebuild is None:
             raise SiteDeclarationError(
                 f"{self.path}: output={self.output!r} picks the coefficient out of a larger output, "
                 "so replay needs rebuild="
@@ -129,30 +161,89 @@ class ModuleSite(Site):
         # (B, T) of the current model call, set by the pre-hook `attach_sites` puts on the model: a
         # module that sees flattened tokens [N, ...] cannot tell B from T by itself.
         self.batch_shape: tuple[int, int] | None = None
+        self.model_call: tuple[tuple, dict] = ((), {})  # the model's (args, kwargs), for a rebuild_call
+        self.rebuild_checked = False  # the first recorded call checks rebuild against the module's output
         # The wrapper is invisible in state dicts: keys stay those of the unadapted model, so its
         # fingerprint and checkpoints do not change.
         self.register_state_dict_post_hook(_hide_controller_keys)
         self.register_load_state_dict_pre_hook(_restore_controller_keys)
 
+    def __getattr__(self, name: str) -> Any:
+        # Transparent to the parent: a block that reads `gate.weight` or `gate.e_score_correction_bias` reads
+        # the wrapped module's. Only reached when ordinary lookup fails, so it costs a site's calls nothing.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            controller = self.__dict__.get("_modules", {}).get("controller")
+            if controller is None or name.startswith("__"):
+                raise
+            return getattr(controller, name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         first = _first_tensor(args, kwargs)
         B, T = self._current_batch_shape(first)
+        if isinstance(self.declaration.output, Projection):
+            return self._projection_forward(B, T, args, kwargs)
         dims = tuple(size for _, size in self.spec.axes)
         if self.mode == "replay":
             dtype = first.dtype if first is not None and first.is_floating_point() else torch.get_default_dtype()
             device = first.device if first is not None else None
             coefficients = self.replayed(B, T, device, dtype)  # [B, T, K]
-            native = (
-                coefficients.reshape(B * T, *dims)  # [B * T, *axes]
-                if self.declaration.token_layout == "flat"
-                else coefficients.reshape(B, T, *dims)  # [B, T, *axes]
-            )
-            return native if self.declaration.rebuild is None else self.declaration.rebuild(native, self.controller)
+            return self._rebuilt(self._native(coefficients, B, T, dims), args, kwargs)
         output = self.controller(*args, **kwargs)
         coefficients = self._coefficients(output, B, T)  # [B, T, K]
         self.__dict__["_produced_dtype"] = coefficients.dtype  # what replay feeds (Site._produced_dtype)
         if self.mode == "record":
             self.record(coefficients)
+            if not self.rebuild_checked and self.declaration.rebuild is not None:
+                self._check_rebuild(output, self._native(coefficients, B, T, dims), args, kwargs)
+        return output
+
+    def _native(self, coefficients: torch.Tensor, B: int, T: int, dims: tuple[int, ...]) -> torch.Tensor:
+        if self.declaration.token_layout == "flat":
+            return coefficients.reshape(B * T, *dims)  # [B * T, *axes]
+        return coefficients.reshape(B, T, *dims)  # [B, T, *axes]
+
+    def _rebuilt(self, native: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        rebuild = self.declaration.rebuild
+        if rebuild is None:
+            return native
+        if self.declaration.rebuild_call:
+            return rebuild(native, self.controller, SiteCall(args, kwargs, *self.model_call))
+        return rebuild(native, self.controller)
+
+    def _check_rebuild(self, output: Any, native: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        """SiteDeclarationError unless rebuild, given the coefficients just recorded, returns the module's output
+        bit for bit: else Correct replay would differ from the live run with no word of which site is why."""
+        with torch.no_grad():
+            rebuilt = self._rebuilt(native.clone(), args, kwargs)
+        where, diff = _largest_difference(output, rebuilt)
+        if diff != 0.0:
+            raise SiteDeclarationError(
+                f"site {self.site_name!r}: rebuild does not reproduce the module's output ({where}: max |diff| "
+                f"{diff:.3g}); rebuild must return exactly what the module returns, from the recorded "
+                "coefficients alone (the same operations, dtypes and casts), or replay cannot be exact"
+            )
+        self.__dict__["rebuild_checked"] = True
+
+    def _projection_forward(self, B: int, T: int, args: tuple, kwargs: dict) -> Any:
+        if self.mode == "live":
+            return self.controller(*args, **kwargs)
+        K = self.spec.num_channels
+        if self.mode == "replay":
+            # (the dtype the projection produced when it last ran, else its inputs' result type: set in the mode)
+            replaced = self.replayed(B, T, None, self._produced_dtype or torch.float32)  # [B, T, K]
+            with _ProjectionCall(self, K, replaced) as call:
+                output = self.controller(*args, **kwargs)
+        else:
+            with _ProjectionCall(self, K, None) as call:
+                output = self.controller(*args, **kwargs)
+            self.record(call.seen.reshape(B, T, K))  # [B, T, K]
+        if call.seen is None:
+            raise SiteDeclarationError(
+                f"site {self.site_name!r}: its module made no linear projection with {K} outputs (F.linear), so "
+                "output=Projection() cannot read its coefficients; declare output= and rebuild= instead"
+            )
         return output
 
     def _current_batch_shape(self, first: torch.Tensor | None) -> tuple[int, int]:
@@ -219,6 +310,64 @@ class ModuleSite(Site):
                 )
             )
         return picked.reshape(B, T, K)  # [B, T, K]
+
+
+def _largest_difference(a: Any, b: Any, where: str = "output") -> tuple[str, float]:
+    """(where, max |a - b|) over the tensors of two module outputs of one structure; inf where they differ
+    in structure, shape or dtype, 0.0 where they are identical."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
+            return f"{where} {_describe(a)} against {_describe(b)}", math.inf
+        if a.dtype != b.dtype:
+            return f"{where} {a.dtype} against {b.dtype}", math.inf
+        if torch.equal(a, b):
+            return where, 0.0
+        if not a.is_floating_point():
+            return where, math.inf
+        diff = (a.double() - b.double()).abs().nan_to_num(nan=math.inf)
+        return where, float(diff.max()) if diff.numel() else 0.0
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        if len(a) != len(b):
+            return f"{where} {_describe(a)} against {_describe(b)}", math.inf
+        worst = (where, 0.0)
+        for i, (x, y) in enumerate(zip(a, b)):
+            found = _largest_difference(x, y, f"{where}[{i}]")
+            if found[1] > worst[1]:
+                worst = found
+        return worst
+    return (where, 0.0) if a is b or a == b else (f"{where} {_describe(a)} against {_describe(b)}", math.inf)
+
+
+class _ProjectionCall(torch.overrides.TorchFunctionMode):
+    """Inside one call of a `Projection` site's module: the `F.linear` with `size` outputs is its projection.
+    Recording, it runs and its output is kept (`seen`); replaying, it is answered by `replaced` [B, T, K]
+    in the projection's own leading shape and dtype, and never computed."""
+
+    def __init__(self, site: ModuleSite, size: int, replaced: torch.Tensor | None) -> None:
+        super().__init__()
+        self.site, self.size, self.replaced = site, size, replaced
+        self.seen: torch.Tensor | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F_LINEAR:
+            return func(*args, **kwargs)
+        x = args[0] if args else kwargs["input"]
+        weight = args[1] if len(args) > 1 else kwargs["weight"]
+        if weight.dim() != 2 or weight.shape[0] != self.size:
+            return func(*args, **kwargs)
+        if self.seen is not None:
+            raise SiteDeclarationError(
+                f"site {self.site.site_name!r}: its module makes more than one linear projection with {self.size} "
+                "outputs, so output=Projection() cannot tell which is the coefficient; declare output= and rebuild="
+            )
+        if self.replaced is None:
+            self.seen = func(*args, **kwargs)  # [..., K]
+            self.site.__dict__["_produced_dtype"] = self.seen.dtype
+            return self.seen
+        dtype = torch.result_type(x, weight)
+        self.seen = self.replaced.to(device=x.device, dtype=dtype).reshape(*x.shape[:-1], self.size)  # [..., K]
+        return self.seen
 
 
 def _hide_controller_keys(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
@@ -318,18 +467,34 @@ def _resolve_axes(declaration: SiteDeclaration, module: nn.Module, path: str) ->
     return tuple((name, int(size)) for name, size in axes)
 
 
+def _resolve_channel_families(
+    declaration: SiteDeclaration, module: nn.Module, path: str, axes: Axes
+) -> tuple[str, ...] | None:
+    families = declaration.channel_families
+    if families is None:
+        return None
+    if callable(families):
+        families = families(module)
+    K = math.prod(size for _, size in axes)
+    if isinstance(families, str) or len(families) != K or not all(isinstance(f, str) and f for f in families):
+        raise SiteDeclarationError(
+            f"{path}: channel_families must name one non-empty family per channel ({K} channels), got {families!r}"
+        )
+    return tuple(families)
+
+
 def _record_batch_shape(sites: Sequence[ModuleSite], module: nn.Module, args: tuple, kwargs: dict) -> None:
     ids = kwargs.get("input_ids")
     if ids is None:
         ids = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("inputs_embeds")
     shape = (ids.shape[0], ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else None
     for site in sites:
-        site.batch_shape = shape
+        site.__dict__.update(batch_shape=shape, model_call=(args, kwargs))
 
 
 def _forget_batch_shape(sites: Sequence[ModuleSite], *_: Any) -> None:
     for site in sites:
-        site.batch_shape = None
+        site.__dict__.update(batch_shape=None, model_call=((), {}))
 
 
 def attach_sites(
@@ -375,10 +540,12 @@ def attach_sites(
                     "told apart as two sites; give each use its own parent module"
                 )
             slots[slot] = path
+            axes = _resolve_axes(declaration, module, path)
             spec = SiteSpec(
-                axes=_resolve_axes(declaration, module, path),
+                axes=axes,
                 family=declaration.family,
                 coefficient=declaration.coefficient,
+                channel_families=_resolve_channel_families(declaration, module, path, axes),
             )
             planned[path] = (module, declaration, spec)
     if blocks is not None:  # fail now, not in the execution audit

@@ -172,8 +172,22 @@ def controller_flops(model: nn.Module, input_ids: torch.Tensor) -> dict:
     counted on its original module (the same operators), whose module names are the site names."""
     model = unwrapped(model)
     counted = {**flop_registry, **MISSING_FORMULAS}
-    with FlopCounterMode(display=False, depth=None, custom_mapping=MISSING_FORMULAS) as counter, _OperatorsRun() as ran:
-        model(input_ids)
+    # The counter's module tracker hooks the backward of every tensor a module is handed that requires grad;
+    # under no_grad a view of a parameter (DBRX hands its experts views of their weights) requires grad and
+    # has no grad function, and the tracker failed on it ("Expected gradient function to be set"). Nothing
+    # here is differentiated: the parameters stop requiring grad for the count, and are restored after.
+    trained = [p for p in model.parameters() if p.requires_grad]
+    try:
+        for p in trained:
+            p.requires_grad_(False)
+        with (
+            FlopCounterMode(display=False, depth=None, custom_mapping=MISSING_FORMULAS) as counter,
+            _OperatorsRun() as ran,
+        ):
+            model(input_ids)
+    finally:
+        for p in trained:
+            p.requires_grad_(True)
     per_module = counter.get_flop_counts()
     root = type(model).__name__
     total = int(counter.get_total_flops())

@@ -15,17 +15,23 @@ import torch
 from torch import nn
 
 from fca.engine.checkpoints import read_config
-from fca.engine.families import family_for_type, registered_families
+from fca.engine.families import Family, family_for_type, registered_families
 from fca.engine.sites import unwrapped
 from fca.engine.user_families import family_source
 from fca.tables.errors import ModelLoadError
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
-    """Any registered family with a loader, detected from `config.json`; returned in eval mode on `device`."""
+    """Any registered family with a loader, detected from `config.json`, or a transformers mixture of experts
+    recognised by its modules (`fca.engine.models.hf_structure`); returned in eval mode on `device`."""
     path = Path(path)
     model_type = read_config(path).get("model_type")
     family = family_for_type(model_type)
+    if family is None:
+        from fca.engine.models import hf_structure
+
+        if hf_structure.is_transformers_type(model_type):  # a transformers MoE, recognised by its modules
+            family = Family(model_type, load=hf_structure.load_structural)
     if family is not None and family.load is None:
         source = family_source(model_type)
         raise ModelLoadError(

@@ -139,7 +139,12 @@ def _load_report_rows(report: str, shown: int = 3) -> str:
 
 
 def load_hf_moe(path: Path) -> nn.Module:
-    """A local transformers MoE directory, loaded in float32 on CPU without any network access."""
+    """A local transformers MoE directory of a type declared here, loaded in float32 on CPU, offline."""
+    return adapt_moe(load_transformers_causal_lm(path))
+
+
+def load_transformers_causal_lm(path: Path) -> nn.Module:
+    """A local transformers causal-LM directory, loaded in float32 on CPU without any network access."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -194,7 +199,7 @@ def load_hf_moe(path: Path) -> nn.Module:
             shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
             label = "weights of another shape" if kind == "mismatched_keys" else "weights"
             raise ModelLoadError(f"{path}: the checkpoint {what} {label} ({shown}); it is not this model's checkpoint")
-    return adapt_moe(model)
+    return model
 
 
 def _unpickler_said(err: Exception) -> str:
