@@ -396,11 +396,12 @@ def site_distributions(df: pd.DataFrame) -> go.Figure:
     return _layout(fig, "Coefficients per site (box 25-75%, whiskers 5-95%)")
 
 
-# Upright token labels: one per TOKEN_TICK_PX pixels (a line of TOKEN_TICK_FONT type and a gap) along the plot
-# of a full-width heatmap on an 800 px screen with the sidebar open (TOKEN_PLOT_PX), the narrowest it is
-# read on; where the tokens are more than that holds, every k-th is labelled (every one of 32 ran together
-# there) and the hover names each.
-TOKEN_TICK_FONT, TOKEN_TICK_PX, TOKEN_PLOT_PX = 13, 17, 330
+# Upright token labels: one per TOKEN_TICK_PX pixels (a line of TOKEN_TICK_FONT type) along the plot of a
+# full-width heatmap on an 800 px screen with the sidebar open (TOKEN_PLOT_PX: 218 px measured, beside the
+# site names and the colour bar), the narrowest it is read on; where the tokens are more than that holds,
+# every k-th is labelled (every one of 32 ran together there) and the hover names each.
+TOKEN_TICK_FONT, TOKEN_TICK_PX, TOKEN_PLOT_PX = 13, 17, 210
+SLOT_ROWS_PLOT_PX = 160  # the same beside slot names ("blocks.0.gate/attn.0", wider than a site's): 168 measured
 
 
 def token_step(count: int, plot_px: int = TOKEN_PLOT_PX) -> int:
@@ -408,13 +409,19 @@ def token_step(count: int, plot_px: int = TOKEN_PLOT_PX) -> int:
     return max(1, -(-count * TOKEN_TICK_PX // plot_px))
 
 
-def token_axis(fig: go.Figure, labels: list[str]) -> None:
+def ordinal(n: int) -> str:
+    """2 -> "2nd", 3 -> "3rd", 11 -> "11th"."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def token_axis(fig: go.Figure, labels: list[str], plot_px: int = TOKEN_PLOT_PX) -> None:
     """The token axis: every `token_step`-th token labelled, upright (its position in the label, so the
     unlabelled ones can be counted), the step said in the axis title."""
-    step = token_step(len(labels))
+    step = token_step(len(labels), plot_px)
     shown = labels[::step]
     fig.update_xaxes(
-        title="position: decoded token" + (f" (every {step}th labelled; hover for each)" if step > 1 else ""),
+        title="position: decoded token" + (f" (every {ordinal(step)} labelled; hover for each)" if step > 1 else ""),
         type="category",
         tickmode="array",
         tickvals=shown,
@@ -522,7 +529,7 @@ def deviation_heatmap(z: np.ndarray, slots: list[str], tokens: list[str], title:
             hovertemplate="%{x} / %{y}: %{z:.2f} SD<extra></extra>",
         )
     )
-    token_axis(fig, labels)
+    token_axis(fig, labels, SLOT_ROWS_PLOT_PX)
     sites = [str(s).split("/", 1)[0] for s in slots]
     for i in range(1, len(sites)):
         if sites[i] != sites[i - 1]:
@@ -801,6 +808,7 @@ def flops_bar(df: pd.DataFrame) -> go.Figure:
     )
 
 
+REFERENCE_LABEL_PX = 130  # the study chart's right margin: its reference lines' names, "(no layer identity)"
 SEED_SYMBOLS = ("circle", "diamond", "square", "triangle-up", "x", "star", "cross", "pentagon")
 SEED_GAP, SEED_STEP = 0.12, 0.08  # a seed's distance from its condition's x (the mean's), and between seeds
 
@@ -884,28 +892,20 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
                 marker=dict(size=10, symbol=symbol, color="#bab0ac", line=dict(width=1, color=INK)),
             )
         )
-    # Each label on the side of its line away from the axis's tick labels (below 0% it sat on them), on two
-    # short lines over the condition whose points keep farthest from that line: at the plot's right end it
-    # ran over the seeds of the condition beside (at 800 px "global mean" touched a marker near 0%).
-    drawn: dict[str, list[float]] = {c: [] for c in order}  # every point drawn, per condition
-    pairs = [zip(points["condition"], points["retention"])]
-    pairs += [zip(summary["condition"], summary[k]) for k in ("mean", "lo", "hi")]
-    for c, v in (pair for column in pairs for pair in column):
-        if v is not None and v == v and c in drawn:  # (None or NaN: not drawn)
-            drawn[c].append(float(v))
-    lowest = {c: min(v) for c, v in drawn.items() if v}
-    highest = {c: max(v) for c, v in drawn.items() if v}
-    for y, label, side, clearest in (
-        (0.0, "global mean<br>(no layer identity)", "bottom", max(lowest, key=lowest.get, default=None)),
-        (1.0, "correct<br>(per-token control)", "top", min(highest, key=highest.get, default=None)),
-    ):
+    # Each reference line named at its right end, beside the plot, level with the line: over a condition in
+    # the plot, a label read as that condition's and floated off its line by the label's own height.
+    for y, label in ((0.0, "global mean<br>(no layer identity)"), (1.0, "correct<br>(per-token control)")):
         fig.add_hline(y=y, line_dash="dot", line_color=MUTED)
         fig.add_annotation(
-            x=where[clearest] if clearest is not None else len(order) - 1,
+            x=1,
+            xref="paper",
+            xanchor="left",
+            xshift=4,
             y=y,
+            yanchor="middle",
+            align="left",
             text=label,
             showarrow=False,
-            yanchor=side,
             font=dict(size=SUBTITLE_PX, color=MUTED),
         )
     lo_paper, hi_paper = paper.STATIC_RETENTION
@@ -930,7 +930,7 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
         "Gap retention per model across seeds",
         height=406 + ticks,
         legend=dict(orientation="h", yanchor="top", y=-(70 + ticks) / 260),
-        margin=dict(l=60, r=20, b=100 + ticks),
+        margin=dict(l=60, r=REFERENCE_LABEL_PX, b=100 + ticks),
     )
 
 

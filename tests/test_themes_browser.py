@@ -152,3 +152,44 @@ def test_every_chart_is_legible_in_both_themes(theme, tmp_path):
                 browser.close()
     finally:
         stop_server(proc)
+
+
+# The x tick labels of each heatmap of upright token labels: how many touch the next one.
+TOKEN_LABELS_OVERLAPPING = """() => [...document.querySelectorAll('.js-plotly-plot')]
+  .filter(plot => plot.querySelector('.heatmaplayer') && plot.getClientRects().length
+    && /decoded token/.test(plot.querySelector('.xtitle')?.textContent || ''))
+  .map(plot => { const boxes = [...plot.querySelectorAll('.xtick text')].map(t => t.getBoundingClientRect())
+      .filter(r => r.width).sort((a, b) => a.left - b.left);
+    return [plot.querySelector('.gtitle').textContent, boxes.length,
+            boxes.slice(1).filter((r, i) => r.left < boxes[i].right - 0.5).length]; })"""
+
+
+def test_token_axes_fit_an_800px_screen():
+    """At 800 px (sidebar open) the One-sequence and Every-token heatmaps label only the tokens whose labels fit:
+    no label runs into the next (31 of 32 did)."""
+    from playwright.sync_api import sync_playwright
+
+    proc, url, _ = start_server()
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = new_page(browser, width=800, height=2000)
+                page.goto(f"{url}/variance")
+                page.wait_for_selector(".js-plotly-plot .main-svg", timeout=60_000)
+                wait_settled(page)
+                found = []
+                for name, tab in (
+                    ("Variance", "One sequence: token x layer"),
+                    ("Profiles", "Every token: deviation heatmap"),
+                ):
+                    if name != "Variance":
+                        open_page(page, name, None)
+                    open_page(page, name, tab)
+                    found += page.evaluate(TOKEN_LABELS_OVERLAPPING)
+                assert len(found) == 2, found
+                assert all(labels >= 8 and overlapping == 0 for _, labels, overlapping in found), found
+            finally:
+                browser.close()
+    finally:
+        stop_server(proc)
