@@ -160,11 +160,12 @@ def _title_height(title: str) -> int:
     return TOOLBAR_HEIGHT + TITLE_LINE + (SUBTITLE_LINE if _title_parts(title)[1] else 0) + 12
 
 
-def _layout(fig: go.Figure, title: str, height: int = 380, legend_row: bool = False, **kwargs) -> go.Figure:
+def _layout(fig: go.Figure, title: str, height: int = 380, legend_row: int = 0, **kwargs) -> go.Figure:
     """Title on one line, its parenthesised detail on a subtitle line below (`_title_parts`), placed below the
-    toolbar's line, above the plot area; `legend_row`: a horizontal legend sits between the title and the plot."""
+    toolbar's line, above the plot area; `legend_row`: a horizontal legend of that many rows sits between the
+    title and the plot."""
     main, detail = _title_parts(title)
-    title_height = _title_height(title) + (LEGEND_ROW if legend_row else 0)
+    title_height = _title_height(title) + LEGEND_ROW * legend_row
     margin = kwargs.setdefault("margin", dict(l=60, r=20, t=title_height, b=60))
     margin["t"] = max(margin.get("t", 0), title_height)
     title_below_toolbar = dict(
@@ -178,7 +179,9 @@ def _layout(fig: go.Figure, title: str, height: int = 380, legend_row: bool = Fa
         yref="container",
     )
     if legend_row:
-        kwargs["legend"] = dict(orientation="h", x=1, xanchor="right", y=1, yanchor="bottom")
+        kwargs["legend"] = dict(
+            orientation="h", x=0, xanchor="left", y=1, yanchor="bottom"
+        )  # (from the left: the whole width to fill before a row wraps)
     fig.update_layout(template=TEMPLATE, title=title_below_toolbar, height=height, **kwargs)
     return fig
 
@@ -504,8 +507,8 @@ def profile_lines(df: pd.DataFrame, token_label: str, band: str = "") -> go.Figu
     return _layout(
         fig,
         "One token vs the static profile",
-        height=420,
-        legend_row=True,
+        height=480,
+        legend_row=3,  # (plotly wraps a row into equal columns: at 1024 px three rows; two ran onto the title)
     )
 
 
