@@ -128,3 +128,32 @@ def test_token_axis_labels_what_fits():
     axis = figures.token_layer_heatmap(z, [f"t{i}" for i in range(32)], "v", "t").layout.xaxis
     assert list(axis.tickvals) == [f"{i}:t{i}" for i in range(0, 32, 3)] and axis.tickfont.size >= 12
     assert "every 3rd labelled" in axis.title.text
+
+
+@pytest.mark.slow
+def test_theme_switch_draws_the_charts_for_the_page_with_either_display(monkeypatch):
+    """The sidebar's Theme switch: its choice is the charts' (transparent, the theme's text), in presenter view
+    too, and once used, the page is told to take it (the script that sets the browser's theme)."""
+    import json
+
+    from tests.test_app import REPO, app_for, no_exceptions
+
+    at = app_for(monkeypatch, [REPO / "cache"], REPO / "cache" / "demo" / "eval")
+    at.run()
+    no_exceptions(at)
+    switch = at.sidebar.get("button_group")[1]  # (Display, then Theme)
+    assert switch.label == "Theme" and switch.value == "light"  # AppTest's browser says nothing: light
+    assert not [h for h in at.sidebar.get("html") if "setAndSendTheme" in h.proto.body]
+    for display in ("standard", "presenter"):
+        at.session_state["fca_display"] = display
+        switch.set_value("dark").run()
+        no_exceptions(at)
+        spec = json.loads(at.get("plotly_chart")[0].proto.spec)
+        assert spec["layout"]["font"]["color"] == figures.THEMES["dark"].text
+        assert spec["layout"]["paper_bgcolor"] == "rgba(0,0,0,0)"
+        assert spec["layout"]["font"].get("size") == (16 if display == "presenter" else None)  # (else: the template's)
+        assert any('"Dark"' in h.proto.body for h in at.sidebar.get("html"))
+        switch.set_value("light").run()
+        spec = json.loads(at.get("plotly_chart")[0].proto.spec)
+        assert spec["layout"]["font"]["color"] == figures.THEMES["light"].text
+        assert any('"Light"' in h.proto.body for h in at.sidebar.get("html"))
