@@ -308,8 +308,8 @@ def chart(fig, key: str, caption: str | None = None, where=None, **kwargs):
     caption = figure_caption(selection()) if caption is None else caption
     if presenting():
         fig = figures.for_presenter(fig, PRESENTER_FONT)
-    # The page's theme drawn by the figure itself (Streamlit's chart theme, grey 12 px text at 3.7:1 on white,
-    # left marks drawn in dark colours on a dark page); the slides' copy below starts from the unthemed one.
+    # The page's theme drawn by the figure itself: Streamlit's chart theme draws grey 12 px text (3.7:1 on white)
+    # and keeps the figures' dark marks dark on a dark page. The slides' copy below starts from the unthemed one.
     shown = figures.themed(fig, page_theme())
     event = where.plotly_chart(shown, key=key, config=CHART_CONFIG, theme=None, **kwargs)
     # Escaped: the caption holds names from files (a cache's folder, a model's), and plotly reads markup.
