@@ -13,6 +13,7 @@ import functools
 import re
 import textwrap
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,10 +26,10 @@ from fca.tables.scoring import quoted_interval
 if TYPE_CHECKING:
     import pandas as pd
 
-# Streamlit's chart theme sets fonts, grid and backgrounds; our template adds only the colour cycle
-# (Vega's tableau10, whose colours the single-series charts below use too). A named plotly template
-# such as "plotly_white" would build defaults for every trace type on first use, delaying the first page
-# of a fresh server for styling that the theme then overrides.
+# `themed` sets fonts, grid and text for the page's theme; our template adds the colour cycle (Vega's
+# tableau10, whose colours the single-series charts below use too) and the type sizes. A named plotly
+# template such as "plotly_white" would build defaults for every trace type on first use, delaying the
+# first page of a fresh server.
 COLORWAY = [
     "#4c78a8",
     "#f58518",
@@ -112,12 +113,27 @@ def condition_colour(name: str) -> str:
     return CONDITION_COLOURS.get(condition_kind(name), OTHER_CONDITION)
 
 
-TEMPLATE = {"layout": {"colorway": COLORWAY, "hoverlabel": {"align": "left"}}}
+# Chart text: 14 px (titles 17 px, crowded tick labels no smaller than MIN_TEXT_PX), legible when projected.
+TEXT_PX, TITLE_PX, SUBTITLE_PX, MIN_TEXT_PX = 14, 17, 13, 12
+TEMPLATE = {
+    "layout": {
+        "colorway": COLORWAY,
+        "hoverlabel": {"align": "left"},
+        "font": {"size": TEXT_PX},
+        "title": {"font": {"size": TITLE_PX}},
+    }
+}
+# Marks drawn in the colours below are redrawn in each theme's own (`themed`): figures are built for a white
+# background, in these, and a dark page swaps them for light ones (dark dividers, whiskers and labels
+# vanished on a dark page).
+INK = "#222222"  # marks drawn like text: dividers, chance ticks, means, whiskers, token labels (15.9:1 on white)
+MUTED = "#595959"  # reference lines and their labels (7.0:1 on white)
+BAND_FILL = "rgba(76,120,168,0.2)"  # the calibration band
+GAP_FILL = "rgba(76,120,168,0.08)"  # the retention scale's gap between global mean and correct
 # The plotly toolbar sits on the figure's top edge; titles stand on their own lines below it (on the
 # toolbar's line they were covered by it; a vertical toolbar at the right edge covers colour bars and
 # legends instead). Pixels: the toolbar's line, a title line, a one-line horizontal legend.
-TOOLBAR_HEIGHT, TITLE_LINE, LEGEND_ROW = 48, 22, 28
-TITLE_CHARS = 34  # characters per title line: what a chart half a 1024 px page wide holds
+TOOLBAR_HEIGHT, TITLE_LINE, SUBTITLE_LINE, LEGEND_ROW = 48, 22, 18, 28
 LEGEND_CHARS = 56  # characters per legend line below such a chart (smaller type, and the width of the plot)
 SHARE = "layer-identity share (%)"  # (of the coefficient variance: short, beside a narrow chart)
 COEFFICIENT = "coefficient value (unitless)"
@@ -132,24 +148,29 @@ def colorbar(title: str) -> dict:
     return dict(title=dict(text="<br>".join(textwrap.wrap(title, 26)), side="right"))
 
 
-def _title_lines(title: str) -> list[str]:
-    return textwrap.wrap(title, TITLE_CHARS, break_on_hyphens=False) or [""]
+def _title_parts(title: str) -> tuple[str, str]:
+    """(title, detail): a title's closing parenthesis is its detail, drawn as a subtitle line below it, so
+    that the title itself stays on one line in a chart half a 1024 px page wide (wrapped, it took 2-3)."""
+    main, _, detail = title.partition(" (")
+    return (main, detail[:-1]) if detail.endswith(")") else (title, "")
 
 
 def _title_height(title: str) -> int:
-    """Pixels from the figure's top to below its title (the toolbar's line, the title's lines, a gap)."""
-    return TOOLBAR_HEIGHT + TITLE_LINE * len(_title_lines(title)) + 12
+    """Pixels from the figure's top to below its title (the toolbar's line, the title, its detail, a gap)."""
+    return TOOLBAR_HEIGHT + TITLE_LINE + (SUBTITLE_LINE if _title_parts(title)[1] else 0) + 12
 
 
-def _layout(fig: go.Figure, title: str, height: int = 380, legend_row: bool = False, **kwargs) -> go.Figure:
-    """Title wrapped (to stay inside a chart on a 1024 px screen) and placed below the toolbar's line,
-    above the plot area; `legend_row`: a horizontal legend sits between the title and the plot."""
-    lines = _title_lines(title)
-    title_height = _title_height(title) + (LEGEND_ROW if legend_row else 0)
+def _layout(fig: go.Figure, title: str, height: int = 380, legend_row: int = 0, **kwargs) -> go.Figure:
+    """Title on one line, its parenthesised detail on a subtitle line below (`_title_parts`), placed below the
+    toolbar's line, above the plot area; `legend_row`: a horizontal legend of that many rows sits between the
+    title and the plot."""
+    main, detail = _title_parts(title)
+    title_height = _title_height(title) + LEGEND_ROW * legend_row
     margin = kwargs.setdefault("margin", dict(l=60, r=20, t=title_height, b=60))
     margin["t"] = max(margin.get("t", 0), title_height)
     title_below_toolbar = dict(
-        text="<br>".join(lines),
+        text=main,
+        subtitle=dict(text=detail, font=dict(size=SUBTITLE_PX)),
         x=0.5,
         xanchor="center",
         xref="container",  # the figure's centre: the plot area's is off-centre beside long axis labels
@@ -158,7 +179,9 @@ def _layout(fig: go.Figure, title: str, height: int = 380, legend_row: bool = Fa
         yref="container",
     )
     if legend_row:
-        kwargs["legend"] = dict(orientation="h", x=1, xanchor="right", y=1, yanchor="bottom")
+        kwargs["legend"] = dict(
+            orientation="h", x=0, xanchor="left", y=1, yanchor="bottom"
+        )  # (from the left: the whole width to fill before a row wraps)
     fig.update_layout(template=TEMPLATE, title=title_below_toolbar, height=height, **kwargs)
     return fig
 
@@ -227,7 +250,7 @@ def factor_bars(df: pd.DataFrame) -> go.Figure:
                 y=df["factor"],
                 x=chance,
                 mode="markers",
-                marker=dict(symbol="line-ns-open", size=18, color="#222", line=dict(width=2.5, color="#222")),
+                marker=dict(symbol="line-ns-open", size=18, color=INK, line=dict(width=2.5, color=INK)),
                 name="chance level",
                 hovertemplate="%{y}: %{x:.2%} with no effect (the groups' number alone)<extra></extra>",
             )
@@ -239,7 +262,7 @@ def factor_bars(df: pd.DataFrame) -> go.Figure:
     fig.update_yaxes(title=dict(text="factor", standoff=10), autorange="reversed", automargin=True)
     # right margin: the value written past the longest bar
     # (a 34-character first line, "What explains the variance (shares", ran past a chart at 800 px)
-    return _layout(fig, "What explains the variance: overlapping shares", height=420, margin=dict(l=60, r=50, b=100))
+    return _layout(fig, "What explains the variance (shares overlap)", height=420, margin=dict(l=60, r=50, b=100))
 
 
 def channel_groups(labels: list[str]) -> list[tuple[str, int, int]]:
@@ -289,7 +312,7 @@ def slot_heatmap(df: pd.DataFrame, value_title: str, title: str, diverging: bool
     )
     groups = channel_groups(ticks) if shared else []
     for _, first, _ in groups[1:]:
-        fig.add_vline(x=first - 0.5, line_color="#222", line_width=2)
+        fig.add_vline(x=first - 0.5, line_color=INK, line_width=2)
     fig.update_xaxes(
         # Column numbers, which the ticks' labels (attn.0 ... mlp.5) do not show: the CSV's `channel`.
         title="channel: columns " + " | ".join(f"{g} {a}-{b}" for g, a, b in groups) if len(groups) > 1 else "channel",
@@ -358,7 +381,7 @@ def site_distributions(df: pd.DataFrame) -> go.Figure:
             x=df["site"],
             y=df["q01"],
             mode="markers",
-            marker=dict(symbol="line-ew-open", size=12, color="#999"),
+            marker=dict(symbol="line-ew-open", size=12, color=MUTED),
             name="1% / 99%",
         )
     )
@@ -367,26 +390,47 @@ def site_distributions(df: pd.DataFrame) -> go.Figure:
             x=df["site"],
             y=df["q99"],
             mode="markers",
-            marker=dict(symbol="line-ew-open", size=12, color="#999"),
+            marker=dict(symbol="line-ew-open", size=12, color=MUTED),
             showlegend=False,
         )
     )
     fig.update_yaxes(title=COEFFICIENT)
     fig.update_xaxes(title="site (layer)")
-    return _layout(fig, "Distribution of coefficients per site (box 25-75%, whiskers 5-95%)")
+    return _layout(fig, "Coefficients per site (box 25-75%, whiskers 5-95%)")
 
 
-def token_axis(fig: go.Figure, labels: list[str]) -> None:
-    """Every token labelled: explicit ticks (plotly's automatic ones skip every other category when
-    they would overlap), small and vertical so 32 fit across the chart on a 1024 px screen."""
+# Upright token labels: one per TOKEN_TICK_PX pixels (a line of TOKEN_TICK_FONT type) along the plot of a
+# full-width heatmap on an 800 px screen with the sidebar open (TOKEN_PLOT_PX: 218 px measured, beside the
+# site names and the colour bar), the narrowest it is read on; where the tokens are more than that holds,
+# every k-th is labelled (every one of 32 ran together there) and the hover names each.
+TOKEN_TICK_FONT, TOKEN_TICK_PX, TOKEN_PLOT_PX = 13, 17, 210
+SLOT_ROWS_PLOT_PX = 160  # the same beside slot names ("blocks.0.gate/attn.0", wider than a site's): 168 measured
+
+
+def token_step(count: int, plot_px: int = TOKEN_PLOT_PX) -> int:
+    """Every how many tokens one is labelled so that the labels fit `plot_px`: 1 (all) where they do."""
+    return max(1, -(-count * TOKEN_TICK_PX // plot_px))
+
+
+def ordinal(n: int) -> str:
+    """2 -> "2nd", 3 -> "3rd", 11 -> "11th"."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def token_axis(fig: go.Figure, labels: list[str], plot_px: int = TOKEN_PLOT_PX) -> None:
+    """The token axis: every `token_step`-th token labelled, upright (its position in the label, so the
+    unlabelled ones can be counted), the step said in the axis title."""
+    step = token_step(len(labels), plot_px)
+    shown = labels[::step]
     fig.update_xaxes(
-        title="position: decoded token",
+        title="position: decoded token" + (f" (every {ordinal(step)} labelled; hover for each)" if step > 1 else ""),
         type="category",
         tickmode="array",
-        tickvals=labels,
-        ticktext=labels,
+        tickvals=shown,
+        ticktext=shown,
         tickangle=-90,
-        tickfont=dict(size=9),
+        tickfont=dict(size=TOKEN_TICK_FONT),
     )
 
 
@@ -434,7 +478,7 @@ def profile_lines(df: pd.DataFrame, token_label: str, band: str = "") -> go.Figu
             mode="lines",
             line=dict(width=0),
             fill="tonexty",
-            fillcolor="rgba(76,120,168,0.2)",
+            fillcolor=BAND_FILL,
             name=f"calibration band ({band} of tokens)" if band else "calibration band",
         )
     )
@@ -462,9 +506,9 @@ def profile_lines(df: pd.DataFrame, token_label: str, band: str = "") -> go.Figu
     fig.update_yaxes(title=COEFFICIENT)
     return _layout(
         fig,
-        "Live coefficients of one token vs the static profile",
-        height=420,
-        legend_row=True,
+        "One token vs the static profile",
+        height=480,
+        legend_row=3,  # (plotly wraps a row into equal columns: at 1024 px three rows; two ran onto the title)
     )
 
 
@@ -488,11 +532,11 @@ def deviation_heatmap(z: np.ndarray, slots: list[str], tokens: list[str], title:
             hovertemplate="%{x} / %{y}: %{z:.2f} SD<extra></extra>",
         )
     )
-    token_axis(fig, labels)
+    token_axis(fig, labels, SLOT_ROWS_PLOT_PX)
     sites = [str(s).split("/", 1)[0] for s in slots]
     for i in range(1, len(sites)):
         if sites[i] != sites[i - 1]:
-            fig.add_hline(y=i - 0.5, line_color="#222", line_width=1)
+            fig.add_hline(y=i - 0.5, line_color=INK, line_width=1)
     fig.update_yaxes(title="slot (site / channel)", autorange="reversed", type="category")
     return _layout(fig, title, height=min(1000, max(400, 200 + 11 * len(slots))), margin=dict(l=60, r=20, t=50, b=110))
 
@@ -524,7 +568,7 @@ def token_strip(df: pd.DataFrame, chosen: int | None = None, max_labels: int = 1
             text=text,
             textposition="top center",
             marker=dict(size=9, color=colors),
-            textfont=dict(size=10, color="#444"),
+            textfont=dict(size=MIN_TEXT_PX, color=INK),
             customdata=tokens,
             hovertemplate="position %{x} %{customdata}: %{y:.2f} SD<extra></extra>",
             cliponaxis=False,
@@ -532,9 +576,7 @@ def token_strip(df: pd.DataFrame, chosen: int | None = None, max_labels: int = 1
     )
     fig.update_xaxes(title="position in the sequence (token index)")
     fig.update_yaxes(title="RMS deviation from static profile (SDs)", rangemode="tozero")
-    return _layout(
-        fig, "Tokens of the sequence (labelled: the most deviating; hover for any, click one to inspect it)", height=320
-    )
+    return _layout(fig, "Tokens of the sequence (click one to inspect it)", height=320)
 
 
 TICK_LINE = 14  # pixels per line of a tick label
@@ -546,10 +588,8 @@ TICK_ROOMY = 3
 # what a condition's tick label must share with the others'. Labels whose longest line is wider than its
 # share (a sweep's "interpolate:" among eight conditions) are written whole and turned on their side.
 HALF_PLOT_PX, FULL_PLOT_PX = 185, 480
-TICK_FONT = (
-    11  # pixels: a crowded axis's type, a size smaller than plotly's 12 (four conditions at 800 px ran together)
-)
-TICK_CHAR_PX = 6.0  # the width of a tick label's character at that size, on average
+TICK_FONT = MIN_TEXT_PX  # pixels: a crowded axis's type, smaller than the rest (four conditions at 800 px ran together)
+TICK_CHAR_PX = 6.5  # the width of a tick label's character at that size, on average
 
 
 def condition_ticks(fig: go.Figure, names, plot_px: int = HALF_PLOT_PX, positions=None) -> int:
@@ -615,11 +655,14 @@ def nll_bars(df: pd.DataFrame, title: str = "NLL per condition") -> go.Figure:
             hovertemplate="%{x}: %{y:.4f} nats<extra></extra>",
         )
     )
-    # Bars start at 0: a bar's length is read as its value, and an axis from ~3 nats made small gaps
-    # look large. The exact values are in the hover and the tables.
-    # the bars' tops too: one sequence gives no CI (NaN), and its bars must still show
-    hi = float(np.nanmax(np.concatenate([df["nll"], df["ci_hi"]]).astype(float))) if len(df) else 1.0
-    fig.update_yaxes(title=NLL, range=[0, 1.08 * hi if np.isfinite(hi) and hi > 0 else 1.0])
+    # The axis spans the values and their intervals, not 0 to the top: the conditions differ by hundredths of a
+    # nat on a level of about 3 to 6, and from 0 every bar looked the same. The axis title says where it starts.
+    ends = np.concatenate([df["nll"], df["ci_lo"], df["ci_hi"]]).astype(float) if len(df) else np.array([])
+    ends = ends[np.isfinite(ends)]  # (one sequence gives no CI: NaN)
+    lo, hi = (float(ends.min()), float(ends.max())) if ends.size else (0.0, 1.0)
+    pad = 0.15 * (hi - lo) if hi > lo else max(0.05 * abs(hi), 0.01)
+    start = lo - pad
+    fig.update_yaxes(title=f"{NLL}; axis from {start:.3g}" if start > 0 else NLL, range=[start, hi + pad])
     fig.update_xaxes(title="condition")
     ticks = condition_ticks(fig, df["condition"])
     return _layout(fig, title, height=366 + ticks, margin=dict(l=60, r=20, b=46 + ticks))
@@ -650,7 +693,7 @@ def penalty_bars(df: pd.DataFrame | dict, title: str = penalty_title(False)) -> 
                 name=_wrap_run_name(str(run)) or "penalty",
                 marker=dict(
                     color=[condition_colour(c) for c in part["condition"]],
-                    pattern=dict(shape=pattern, fgcolor="#222", fgopacity=0.6, solidity=0.35) if run else None,
+                    pattern=dict(shape=pattern, fgcolor=INK, fgopacity=0.6, solidity=0.35) if run else None,
                 ),
                 error_y=dict(
                     type="data",
@@ -661,7 +704,7 @@ def penalty_bars(df: pd.DataFrame | dict, title: str = penalty_title(False)) -> 
                 hovertemplate=("" if not run else f"{run}<br>") + "%{x}: %{y:+.4f} nats<extra></extra>",
             )
         )
-    fig.add_hline(y=0, line_color="#888")
+    fig.add_hline(y=0, line_color=MUTED)
     fig.update_yaxes(title=PENALTY)
     fig.update_xaxes(title="condition")
     ticks = condition_ticks(fig, df["condition"], plot_px=FULL_PLOT_PX if "run" in df else HALF_PLOT_PX)
@@ -703,7 +746,7 @@ def latency_bars(df: pd.DataFrame, batch: Sequence[int] | None = None) -> go.Fig
     per = f"{batch[0]} x {batch[1]} tokens" if batch is not None and len(batch) == 2 else "batch"
     fig.update_yaxes(title=f"median ms per {per}")
     fig.update_xaxes(title="model")
-    return _layout(fig, "Latency: dynamic model vs its Dense twin")
+    return _layout(fig, "Latency vs the Dense twin")
 
 
 @text_labels
@@ -768,6 +811,7 @@ def flops_bar(df: pd.DataFrame) -> go.Figure:
     )
 
 
+REFERENCE_LABEL_PX = 130  # the study chart's right margin: its reference lines' names, "(no layer identity)"
 SEED_SYMBOLS = ("circle", "diamond", "square", "triangle-up", "x", "star", "cross", "pentagon")
 SEED_GAP, SEED_STEP = 0.12, 0.08  # a seed's distance from its condition's x (the mean's), and between seeds
 
@@ -799,13 +843,13 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
             customdata=summary["condition"],
             mode="markers",
             name="mean over models (95% t CI)" if has_ci.any() else "mean over models (no interval: one model)",
-            marker=dict(symbol="line-ew-open", size=28, color="#333", line=dict(width=3)),
+            marker=dict(symbol="line-ew-open", size=28, color=INK, line=dict(width=3)),
             error_y=dict(
                 type="data",
                 symmetric=False,
                 array=np.where(has_ci, summary["hi"].astype(float) - mean, 0.0),
                 arrayminus=np.where(has_ci, mean - summary["lo"].astype(float), 0.0),
-                color="#333",
+                color=INK,
             ),
             hovertemplate="mean %{customdata}: %{y:.1%}<extra></extra>",
             legendrank=2000,  # listed last
@@ -834,7 +878,7 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
                     opacity=0.9,
                     symbol=symbol,
                     color=[condition_colour(c) for c in part["condition"]],
-                    line=dict(width=1, color="#333"),
+                    line=dict(width=1, color=INK),
                 ),
                 hovertemplate=f"seed {seed}, " + "%{customdata}: %{y:.1%}<extra></extra>",
             )
@@ -848,32 +892,24 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
                 mode="markers",
                 name=f"seed {seed}",
                 legendgroup=f"seed {seed}",
-                marker=dict(size=10, symbol=symbol, color="#bab0ac", line=dict(width=1, color="#333")),
+                marker=dict(size=10, symbol=symbol, color="#bab0ac", line=dict(width=1, color=INK)),
             )
         )
-    # Each label on the side of its line away from the axis's tick labels (below 0% it sat on them), on two
-    # short lines over the condition whose points keep farthest from that line: at the plot's right end it
-    # ran over the seeds of the condition beside (at 800 px "global mean" touched a marker near 0%).
-    drawn: dict[str, list[float]] = {c: [] for c in order}  # every point drawn, per condition
-    pairs = [zip(points["condition"], points["retention"])]
-    pairs += [zip(summary["condition"], summary[k]) for k in ("mean", "lo", "hi")]
-    for c, v in (pair for column in pairs for pair in column):
-        if v is not None and v == v and c in drawn:  # (None or NaN: not drawn)
-            drawn[c].append(float(v))
-    lowest = {c: min(v) for c, v in drawn.items() if v}
-    highest = {c: max(v) for c, v in drawn.items() if v}
-    for y, label, side, clearest in (
-        (0.0, "global mean<br>(no layer identity)", "bottom", max(lowest, key=lowest.get, default=None)),
-        (1.0, "correct<br>(per-token control)", "top", min(highest, key=highest.get, default=None)),
-    ):
-        fig.add_hline(y=y, line_dash="dot", line_color="#888")
+    # Each reference line named at its right end, beside the plot, level with the line: over a condition in
+    # the plot, a label read as that condition's and floated off its line by the label's own height.
+    for y, label in ((0.0, "global mean<br>(no layer identity)"), (1.0, "correct<br>(per-token control)")):
+        fig.add_hline(y=y, line_dash="dot", line_color=MUTED)
         fig.add_annotation(
-            x=where[clearest] if clearest is not None else len(order) - 1,
+            x=1,
+            xref="paper",
+            xanchor="left",
+            xshift=4,
             y=y,
+            yanchor="middle",
+            align="left",
             text=label,
             showarrow=False,
-            yanchor=side,
-            font=dict(size=11, color="#777"),
+            font=dict(size=SUBTITLE_PX, color=MUTED),
         )
     lo_paper, hi_paper = paper.STATIC_RETENTION
     fig.add_hrect(y0=lo_paper, y1=hi_paper, fillcolor=PAPER_COLOUR, line_width=0, layer="below")
@@ -884,7 +920,7 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
         yanchor="bottom",  # above the band and the correct line (whose label hangs below it)
         text=f"the paper's static profiles: {100 * lo_paper:.2f}-{100 * hi_paper:.2f}% ({paper.CITATION})",
         showarrow=False,
-        font=dict(size=12, color=PAPER_TEXT),
+        font=dict(size=SUBTITLE_PX, color=PAPER_TEXT),
     )
     values = np.concatenate([points["retention"].dropna().to_numpy(dtype=float), mean.dropna().to_numpy()])
     lo = min(-0.05, float(values.min()) - 0.05) if values.size else -0.05
@@ -897,7 +933,7 @@ def study_retention(points: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
         "Gap retention per model across seeds",
         height=406 + ticks,
         legend=dict(orientation="h", yanchor="top", y=-(70 + ticks) / 260),
-        margin=dict(l=60, r=20, b=100 + ticks),
+        margin=dict(l=60, r=REFERENCE_LABEL_PX, b=100 + ticks),
     )
 
 
@@ -940,7 +976,7 @@ def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.F
         fig.add_vrect(
             x0=min(x0, x1),
             x1=max(x0, x1),
-            fillcolor="rgba(76,120,168,0.08)",
+            fillcolor=GAP_FILL,
             line_width=0,
         )
         # Named above the plot, from the band's left end: inside it, on the global mean's row, the name ran
@@ -953,7 +989,7 @@ def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.F
             yanchor="bottom",
             text="what per-token control is worth",
             showarrow=False,
-            font=dict(size=12, color="#777"),
+            font=dict(size=SUBTITLE_PX, color=MUTED),
         )
     paper_band(fig, conditions)
     intervals = {name: _nll_interval(conditions, name) for name in names}
@@ -988,7 +1024,7 @@ def retention_scale(conditions: dict, gap_retention: dict | None = None) -> go.F
     fig.update_xaxes(title="NLL (nats / token; lower is better)")  # the caption below explains the bars
     order = [ANCHOR_TEXT.get(n, n) for n in reversed(names)]
     fig.update_yaxes(title="", type="category", categoryorder="array", categoryarray=order)
-    title = "Retention scale: where each condition sits between global mean and correct"
+    title = "Retention scale (from global mean to correct)"
     return _layout(
         fig,
         title,
@@ -1029,7 +1065,7 @@ def paper_band(fig: go.Figure, conditions: dict) -> None:
         yanchor="bottom",
         text=f"paper: {lo}-{hi}%",
         showarrow=False,
-        font=dict(size=12, color=PAPER_TEXT),
+        font=dict(size=SUBTITLE_PX, color=PAPER_TEXT),
     )
 
 
@@ -1063,15 +1099,13 @@ def sweep_curve(sweep: list[dict], conditions: dict | None = None) -> go.Figure:
             fig.add_hline(
                 y=conditions[name]["nll"],
                 line_dash="dot",
-                line_color="#888",
+                line_color=MUTED,
                 annotation_text=ANCHOR_TEXT[name],
                 annotation_position="top right" if name != "correct" else "bottom right",
             )
     fig.update_xaxes(title="alpha (0 = static profile, 1 = own coefficients)", range=[-0.05, 1.05], dtick=0.25)
     fig.update_yaxes(title=NLL)
-    return _story_layout(
-        fig, "Interpolation sweep: from the static profile to each token's own coefficients", height=380
-    )
+    return _story_layout(fig, "Interpolation sweep (static profile to own coefficients)", height=380)
 
 
 @text_labels
@@ -1102,7 +1136,7 @@ def routing_by_router(routing: dict, leave_out: Sequence[str] = ()) -> go.Figure
         fig.add_hline(
             y=chance,
             line_dash="dash",
-            line_color="#888",
+            line_color=MUTED,
             annotation_text="experts drawn at random",
             annotation_position="bottom left",
         )
@@ -1236,6 +1270,7 @@ def for_presenter(fig: go.Figure, size: int) -> go.Figure:
     if out.layout.title.text:
         out.layout.title.text = out.layout.title.text.replace("<br>", " ")
         out.layout.title.font.size = max(size + 4, out.layout.title.font.size or 0)
+        out.layout.title.subtitle.font.size = max(size, out.layout.title.subtitle.font.size or 0)
     out.update_xaxes(tickfont_size=size, title_font_size=size)
     out.update_yaxes(tickfont_size=size, title_font_size=size)
     for note in out.layout.annotations:
@@ -1247,3 +1282,69 @@ def for_presenter(fig: go.Figure, size: int) -> go.Figure:
             trace.colorbar.tickfont.size = size
             trace.colorbar.title.font.size = size
     return out
+
+
+@dataclass(frozen=True)
+class ChartTheme:
+    """A page theme's chart colours: the text, the grid, and what each of the figures' light-background colours
+    (INK, MUTED, ...) becomes. Charts are transparent: the page's own background is theirs."""
+
+    text: str
+    grid: str
+    swap: dict = field(default_factory=dict)
+
+
+FONT = '"Source Sans", "Source Sans Pro", sans-serif'  # the dashboard's own type
+THEMES = {
+    # Contrast on the dashboard's pages: light #ffffff, dark #171614 (Streamlit's dark theme).
+    "light": ChartTheme(text="#1f2430", grid="#e3e5e8"),  # text 15.7:1
+    "dark": ChartTheme(
+        text="#e6e8eb",  # 14.9:1
+        grid="#3a3d42",
+        swap={
+            INK: "#e6e8eb",
+            MUTED: "#a9afb8",  # 8.1:1
+            PAPER_TEXT: "#e3b5d9",  # 10.0:1
+            PAPER_COLOUR: "rgba(178,121,162,0.42)",
+            BAND_FILL: "rgba(114,160,214,0.38)",
+            GAP_FILL: "rgba(114,160,214,0.14)",
+        },
+    ),
+}
+
+
+def themed(fig: go.Figure, theme: str = "light") -> go.Figure:
+    """A copy of `fig` drawn for a page in `theme` ("light" or "dark"): transparent over the page, in the
+    theme's text, grid and lines, and every colour of `ChartTheme.swap` replaced (on a dark page, the marks
+    drawn in INK or MUTED turn light). Error bars without a colour of their own take INK's."""
+    chosen = THEMES[theme]
+    spec = fig.to_dict()
+    for trace in spec.get("data", []):
+        for bars in ("error_x", "error_y"):
+            if bars in trace and "color" not in trace[bars]:
+                trace[bars]["color"] = INK  # (plotly's default, #444, was dark on a dark page)
+    _swap_colours(spec, chosen.swap)
+    out = go.Figure(spec)
+    out.update_layout(
+        paper_bgcolor="rgba(0,0,0,0)",
+        plot_bgcolor="rgba(0,0,0,0)",
+        font=dict(family=FONT, color=chosen.text),
+        legend=dict(bgcolor="rgba(0,0,0,0)"),
+    )
+    # automargin: long tick labels (the retention scale's condition names) widen the margin instead of being cut
+    axes = dict(gridcolor=chosen.grid, zerolinecolor=chosen.grid, linecolor=chosen.grid, automargin=True)
+    out.update_xaxes(**axes)
+    out.update_yaxes(**axes)
+    return out
+
+
+def _swap_colours(value: dict | list, swap: dict) -> None:
+    """Replace, in place, every string in `value` (dicts and lists) that is a key of `swap` by its value."""
+    if not swap:
+        return
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in list(items):
+        if isinstance(item, str) and item in swap:
+            value[key] = swap[item]
+        elif isinstance(item, (dict, list)):
+            _swap_colours(item, swap)

@@ -9,6 +9,7 @@ FCA_DEFAULT_CACHE names the cache selected first (default: cache/demo/eval); FCA
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -40,6 +41,7 @@ from app import resources  # noqa: E402
 from app.views.common import (
     DISPLAY_KEY,
     SELECTION_KEY,
+    THEME_KEY,
     Selection,
     match_typed,
     typed_outside,
@@ -143,6 +145,47 @@ def unreadable_reason(error: str, width: int = 60) -> str:
     return reason if len(reason) <= width else reason[: width - 3] + "..."
 
 
+THEME_CHOSEN = "fca_theme_chosen"  # the Theme switch was used in this session: it, not the browser, decides
+# Streamlit keeps its theme in the browser and offers no call to set it, so the switch hands its choice to the
+# page's own theme setter (the one its settings menu uses, which also remembers the choice for the next
+# visit): found on the app's root component, called only when the page shows another theme.
+APPLY_THEME = """<script>(() => {
+  const want = %s, root = document.getElementById("root");
+  const key = root && Object.keys(root).find(k => k.startsWith("__reactContainer$"));
+  const stack = key ? [root[key]] : [];
+  while (stack.length) {
+    const node = stack.pop(), app = node.stateNode;
+    if (app && typeof app.setAndSendTheme === "function") {
+      const themes = app.props.theme;
+      const theme = themes.availableThemes.find(t => t.name === want || t.name === "Custom Theme " + want);
+      if (theme && themes.activeTheme.name !== theme.name) app.setAndSendTheme(theme);
+      return;
+    }
+    if (node.sibling) stack.push(node.sibling);
+    if (node.child) stack.push(node.child);
+  }
+})();</script>"""
+
+
+def theme_switch() -> None:
+    """Light or dark, for the page and its charts (with either Display). Until it is used, it follows the
+    browser (its system setting or the theme last chosen); once used, the page takes its choice."""
+    state, shown = st.session_state, st.context.theme.type  # (None until the browser has said)
+    if shown in ("light", "dark") and (THEME_KEY not in state or not state.get(THEME_CHOSEN)):
+        state[THEME_KEY] = shown
+    state.setdefault(THEME_KEY, "light")
+    st.segmented_control(
+        "Theme",
+        ["light", "dark"],
+        key=THEME_KEY,
+        required=True,
+        on_change=lambda: state.__setitem__(THEME_CHOSEN, True),
+        help="the page and its charts, light or dark (every chart's text at 4.5:1 contrast or more in both)",
+    )
+    if state.get(THEME_CHOSEN):
+        st.html(APPLY_THEME % json.dumps(state[THEME_KEY].capitalize()), unsafe_allow_javascript=True)
+
+
 def sidebar() -> Selection:
     roots = catalog.configured_roots(REPO)
     sel = Selection(roots=roots)
@@ -154,6 +197,7 @@ def sidebar() -> Selection:
             key=DISPLAY_KEY,
             help="presenter: the sidebar folded away, the explanations hidden, chart text at 16 px or more",
         )
+        theme_switch()
         st.markdown("### Data")
         family_files()
         entries = resources.caches(tuple(str(r) for r in roots))

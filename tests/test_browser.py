@@ -158,7 +158,7 @@ GRID = '[data-testid="stDataFrame"]'
 
 # Pages' lazy tabs: (tab, the start of the title of the chart it draws).
 LAZY_SECTIONS = {
-    "variance": [("Distributions per site", "Distribution"), ("One sequence: token x layer", "Sequence 0")],
+    "variance": [("Distributions per site", "Coefficients per site"), ("One sequence: token x layer", "Sequence 0")],
     "profiles": [("Every token: deviation heatmap", "Sequence 0")],
 }
 

@@ -311,11 +311,17 @@ def test_the_charts_draw_the_interval_over_documents_where_the_report_has_it():
     np.testing.assert_allclose(curve.error_y.arrayminus, [0.18, 0.15, 0.1], atol=1e-12)
 
 
-def test_nll_bars_start_at_zero_and_pooled_label_off_the_bars():
+def test_nll_bars_span_the_differences_and_pooled_label_off_the_bars():
     import pandas as pd
 
     df = pd.DataFrame({"condition": ["correct", "static"], "nll": [3.4, 3.9], "ci_lo": [3.3, 3.8], "ci_hi": [3.5, 4.0]})
-    assert figures.nll_bars(df).layout.yaxis.range[0] == 0
+    axis = figures.nll_bars(df).layout.yaxis
+    # From 0, a gap of 0.5 nats on a level of 3.4 took an eighth of the axis; here it takes most of it.
+    lo, hi = axis.range
+    assert 3.1 < lo < 3.3 and 4.0 < hi < 4.2 and (3.9 - 3.4) / (hi - lo) > 0.5
+    assert axis.title.text == f"NLL (nats / token); axis from {lo:.3g}"  # said where the axis starts
+    one = pd.DataFrame({"condition": ["correct"], "nll": [3.4], "ci_lo": [np.nan], "ci_hi": [np.nan]})
+    assert figures.nll_bars(one).layout.yaxis.range[0] < 3.4 < figures.nll_bars(one).layout.yaxis.range[1]
     fig = figures.share_by_site({"site": ["a", "b"], "share": [0.1, 0.3]}, 0.195)
     assert not fig.layout.annotations  # the label sat on a bar; it is a legend entry now
     assert any("19.5%" in (t.name or "") for t in fig.data)  # a percent, as every layer-identity share

@@ -193,11 +193,12 @@ def test_study_retention_figure_is_pure_and_titled():
     assert list(mean.error_y.array) == pytest.approx([0.0, 0.26])
     assert list(mean.error_y.arrayminus) == pytest.approx([0.0, 0.26])
     assert fig.layout.yaxis.range[0] <= 0 and fig.layout.yaxis.range[1] >= 1
-    # Each line's label over the condition whose points keep farthest from it (at the plot's end, "global
-    # mean" touched a seed of the condition beside): 0% over static_layer (lowest point 20%), 100% over
-    # cross_input (highest 1%), each on the side of its line away from the axis's ticks.
-    labels = {a.text.split("<br>")[0]: (a.x, a.y, a.yanchor) for a in fig.layout.annotations if "paper" not in a.text}
-    assert labels == {"global mean": (1, 0.0, "bottom"), "correct": (0, 1.0, "top")}
+    # Each line's label at its right end, beside the plot, level with it (over a condition, it floated off
+    # its line and read as that condition's): tests/test_figures.py holds the rest.
+    labels = {
+        a.text.split("<br>")[0]: (a.xref, a.x, a.y, a.yanchor) for a in fig.layout.annotations if "paper" not in a.text
+    }
+    assert labels == {"global mean": ("paper", 1, 0.0, "middle"), "correct": ("paper", 1, 1.0, "middle")}
     # Each seed beside the others (at one x, seed 0 lay hidden under the rest) and none at the mean's x
     # (its marker and interval bar covered the middle seed of three), in its own symbol too.
     assert list(fig.layout.xaxis.ticktext) == ["cross_input", "static_layer"] and list(mean.x) == [0, 1]

@@ -186,8 +186,17 @@ DISPLAY_KEY = "fca_display"  # the sidebar's Display choice: "standard" or "pres
 PRESENTER_FONT = 16  # px: the smallest chart text in presenter view, legible from the back of a room
 
 
+THEME_KEY = "fca_theme"  # the sidebar's Theme choice: "light" or "dark" (app/main.py)
+
+
 def presenting() -> bool:
     return st.session_state.get(DISPLAY_KEY) == "presenter"
+
+
+def page_theme() -> str:
+    """The theme the page is drawn in, "light" or "dark": the sidebar's choice, else the browser's own."""
+    chosen = st.session_state.get(THEME_KEY) or st.context.theme.type
+    return "dark" if chosen == "dark" else "light"
 
 
 def teach(text: str) -> None:
@@ -299,7 +308,10 @@ def chart(fig, key: str, caption: str | None = None, where=None, **kwargs):
     caption = figure_caption(selection()) if caption is None else caption
     if presenting():
         fig = figures.for_presenter(fig, PRESENTER_FONT)
-    event = where.plotly_chart(fig, key=key, config=CHART_CONFIG, **kwargs)
+    # The page's theme drawn by the figure itself: Streamlit's chart theme draws grey 12 px text (3.7:1 on white)
+    # and keeps the figures' dark marks dark on a dark page. The slides' copy below starts from the unthemed one.
+    shown = figures.themed(fig, page_theme())
+    event = where.plotly_chart(shown, key=key, config=CHART_CONFIG, theme=None, **kwargs)
     # Escaped: the caption holds names from files (a cache's folder, a model's), and plotly reads markup.
     slide = lambda: figures.for_slides(fig, html.escape(caption, quote=False))  # noqa: E731
     with where.popover("Figure for slides", icon=":material/download:", type="tertiary"):
