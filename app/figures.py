@@ -1033,8 +1033,11 @@ def paper_band(fig: go.Figure, conditions: dict) -> None:
     )
 
 
+SWEEP_TITLE = "Interpolation sweep: from the static profile to each token's own coefficients"
+
+
 @text_labels
-def sweep_curve(sweep: list[dict], conditions: dict | None = None) -> go.Figure:
+def sweep_curve(sweep: list[dict], conditions: dict | None = None, title: str = SWEEP_TITLE) -> go.Figure:
     """NLL against alpha for `interpolate:alpha` = alpha * own + (1 - alpha) * static profile, with 95%
     paired CIs. sweep: a report's `interpolation_sweep` [{alpha, nll, penalty, penalty_ci95}];
     conditions: the report's `conditions`, for reference lines at global mean, static profile and correct."""
@@ -1069,9 +1072,7 @@ def sweep_curve(sweep: list[dict], conditions: dict | None = None) -> go.Figure:
             )
     fig.update_xaxes(title="alpha (0 = static profile, 1 = own coefficients)", range=[-0.05, 1.05], dtick=0.25)
     fig.update_yaxes(title=NLL)
-    return _story_layout(
-        fig, "Interpolation sweep: from the static profile to each token's own coefficients", height=380
-    )
+    return _story_layout(fig, title, height=380)
 
 
 @text_labels

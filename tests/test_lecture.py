@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from app import figures
+from app.jobs import QUICK_BATCH
 from fca.tables import paper
 from fca.tables.report import render_markdown
 from tests.test_app import REPO, app_for, no_exceptions
@@ -266,6 +267,58 @@ def test_lab_presets_and_quick_mode_set_the_form(tiny_demo, monkeypatch):
     at.button(key="lab_preset::Interpolation sweep").click().run()
     assert at.checkbox(key="lab_sweep").value and at.multiselect(key="lab_sites").value == []
     at.button(key="lab_quick").click().run()
-    assert at.number_input(key="lab_num_seqs").value == 8  # the tiny demo has 8 sequences (fewer than 12)
-    assert at.number_input(key="lab_batch").value == 8
+    assert at.number_input(key="lab_num_seqs").value == 8  # the tiny demo has 8 sequences (fewer than 10)
+    assert at.number_input(key="lab_batch").value == QUICK_BATCH == 2  # progress after every 2 sequences
     no_exceptions(at)
+
+
+def test_a_quick_run_reports_progress_after_every_small_batch_and_names_its_loading_steps(tiny_demo):
+    """The quick mode's count moves after each batch of QUICK_BATCH sequences (4 times for 8 sequences), and
+    each loading step is named by the job while it runs (the progress line shows it)."""
+    from app.jobs import ReplayJob
+    from fca.jobs.runs import run_replay
+    from tests.test_app import _lab_settings
+
+    reported: list[tuple[int, int]] = []
+
+    class Counted(ReplayJob):
+        def progress(self, done: int, total: int) -> None:
+            reported.append((done, total))
+            super().progress(done, total)
+
+    settings = _lab_settings(tiny_demo, num_seqs=8, batch_size=QUICK_BATCH, save=False)
+    named: list[str] = []
+    job = Counted(settings, total=8)
+    job.start(
+        run_replay, preparing=[("torch", lambda: named.append(job.step)), ("code", lambda: named.append(job.step))]
+    )
+    job.wait(120)
+    assert job.record is not None, job.error
+    assert named == ["torch", "code"]
+    assert reported == [(2, 8), (4, 8), (6, 8), (8, 8)]
+
+
+def test_lab_charts_name_the_sites_a_run_froze(tiny_demo, tmp_path, monkeypatch):
+    from tests.test_app import _lab_copy
+
+    root = _lab_copy(tiny_demo, tmp_path)
+    at = app_for(monkeypatch, [root], root / "eval")
+    at.switch_page("views/replay_lab.py")
+    at.run()
+    at.sidebar.selectbox(key="device").set_value("cpu").run()
+    at.button(key="lab_preset::Freeze one layer").click().run()
+    at.button(key="lab_quick").click().run()
+    at.button(key="lab_run").click().run()
+    job = at.session_state["replay_job"]
+    job.wait(120)
+    assert job.record is not None, job.error
+    at.run()
+    no_exceptions(at)
+    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"].replace("<br>", " ") for c in at.get("plotly_chart")]
+    assert sum("site frozen blocks.0.gate" in t for t in titles) == 2, titles  # the NLL and penalty charts
+    at.button(key="lab_preset::The paper's experiment").click().run()  # every site: no note
+    at.button(key="lab_run").click().run()
+    at.session_state["replay_job"].wait(120)
+    at.run()
+    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"].replace("<br>", " ") for c in at.get("plotly_chart")]
+    assert titles and not any("frozen" in t for t in titles)
