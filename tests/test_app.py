@@ -948,9 +948,12 @@ def test_execution_says_when_its_timed_runs_spread_too_widely(tiny_demo, tmp_pat
         at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), "views/execution.py")
         no_exceptions(at)
         said = [w.value for w in at.warning if "too wide to trust" in w.value]
+        median = report["execution"]["latency_ratio_vs_dense"]
         assert said == ([f"The timed runs ranged from {low:.2f}x to {high:.2f}x: too wide to trust. Other work "
                          "shared the machine while they ran (a replay, a build, a second tab); measure again when "
-                         "it is idle."] if noisy else [])  # fmt: skip
+                         f"it is idle. Their median was {median:.3f}x."] if noisy else [])  # fmt: skip
+        shown = [m.value for m in at.metric if m.label == "Time vs Dense twin"]
+        assert shown == (["too noisy"] if noisy else [f"{median:.3f}x"])  # (the median: in the warning)
 
 
 def test_execution_of_a_model_that_skips_blocks_says_so_and_draws_them(tiny_demo, tmp_path, monkeypatch):
