@@ -287,7 +287,7 @@ VARIANCE_SECTIONS = ["Site x channel", "Distributions per site", "One sequence: 
 KEY_WIDGETS = {
     "views/overview.py": lambda at: len(at.metric) == 3 and len(at.download_button) >= 2,
     "views/variance.py": lambda at: (
-        at.selectbox(key="var_quantity") is not None and [t.label for t in at.tabs] == VARIANCE_SECTIONS
+        at.radio(key="var_quantity") is not None and [t.label for t in at.tabs] == VARIANCE_SECTIONS
     ),
     "views/profiles.py": lambda at: (
         at.number_input(key="prof_token") is not None and at.selectbox(key="prof_band") is not None
@@ -819,12 +819,12 @@ def test_variance_page_controls_and_colour_scales(tiny_demo, monkeypatch):
     assert chance["site"] is None and chance["residual after slot"] is None
     assert 0 < chance["position within slot"] < chance["token id within slot"] < 0.5
     # Lazy tabs: only the open section runs (the first by default); opening another runs it instead.
-    assert at.selectbox(key="var_quantity") is not None and not [n for n in at.number_input if n.key == "var_seq"]
+    assert at.radio(key="var_quantity") is not None and not [n for n in at.number_input if n.key == "var_seq"]
     at.session_state["var_section"] = VARIANCE_SECTIONS[1]
     at.run()
     no_exceptions(at)
     assert any(c["data"][0]["type"] == "box" for c in _charts(at)) and not [
-        r for r in at.selectbox if r.key == "var_quantity"
+        r for r in at.radio if r.key == "var_quantity"
     ]
     # A cache smaller than the sample is not called a sample of itself.
     tokens = open_cache(tiny_demo / "eval").num_seqs * open_cache(tiny_demo / "eval").seq_len
@@ -841,7 +841,7 @@ def test_variance_page_controls_and_colour_scales(tiny_demo, monkeypatch):
     at.session_state["var_section"] = VARIANCE_SECTIONS[0]
     at.run()
     # Per slot, the layer-identity share in percent, as everywhere else on the page (it was a fraction).
-    at.selectbox(key="var_quantity").set_value("layer-identity share").run()
+    at.radio(key="var_quantity").set_value("layer-identity share").run()
     no_exceptions(at)
     heat = next(t for c in _charts(at) for t in c["data"] if t["type"] == "heatmap")
     z = heat["z"]  # (plotly sends a numpy array as typed bytes)
@@ -849,7 +849,7 @@ def test_variance_page_controls_and_colour_scales(tiny_demo, monkeypatch):
         np.frombuffer(base64.b64decode(z["bdata"]), dtype=z["dtype"]) if isinstance(z, dict) else np.array(z, float)
     )
     assert "(%)" in heat["colorbar"]["title"]["text"] and 1 < np.nanmax(shares) <= 100
-    at.selectbox(key="var_quantity").set_value("standard deviation").run()
+    at.radio(key="var_quantity").set_value("standard deviation").run()
     no_exceptions(at)
     assert not at.error
 
@@ -859,7 +859,7 @@ def test_settings_survive_other_tabs_and_pages(tiny_demo, monkeypatch):
     deviation, the Variance quantity came back as the mean after a look at another tab, and a sequence
     picked in Token text was 0 again after a visit to the Overview."""
     at = render(app_for(monkeypatch, [tiny_demo], tiny_demo / "eval"), "views/variance.py")
-    at.selectbox(key="var_quantity").set_value("standard deviation").run()
+    at.radio(key="var_quantity").set_value("standard deviation").run()
     at.session_state["var_section"] = VARIANCE_SECTIONS[2]
     at.run()
     at.number_input(key="var_seq").set_value(5).run()
@@ -867,7 +867,7 @@ def test_settings_survive_other_tabs_and_pages(tiny_demo, monkeypatch):
     at.session_state["var_section"] = VARIANCE_SECTIONS[0]
     at.run()
     no_exceptions(at)
-    assert at.selectbox(key="var_quantity").value == "standard deviation"
+    assert at.radio(key="var_quantity").value == "standard deviation"
     at.session_state["var_section"] = VARIANCE_SECTIONS[2]
     at.run()
     assert at.number_input(key="var_seq").value == 5
