@@ -10,6 +10,7 @@ charts before pandas is imported (see app/views/overview.py).
 from __future__ import annotations
 
 import functools
+import html
 import re
 import textwrap
 from collections.abc import Sequence
@@ -1248,3 +1249,28 @@ def for_presenter(fig: go.Figure, size: int) -> go.Figure:
             trace.colorbar.tickfont.size = size
             trace.colorbar.title.font.size = size
     return out
+
+
+@text_labels
+def executed_by_condition(rows: list[dict], title: str = "Blocks executed under each condition") -> go.Figure:
+    """rows: {model, condition, fraction} (blocks executed / (tokens x blocks) during that condition's replay).
+    One group of bars per condition, one bar per model: a model that only rescales runs 100% under every
+    condition; one whose router decides runs what the fed decisions say."""
+    fig = go.Figure()
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    for i, model in enumerate(models):
+        part = [r for r in rows if r["model"] == model]
+        fig.add_trace(
+            go.Bar(
+                x=[r["condition"] for r in part],
+                y=[r["fraction"] for r in part],
+                name=str(model),
+                marker_color=COLORWAY[i % len(COLORWAY)],
+                text=[f"{r['fraction']:.0%}" for r in part],
+                textposition="outside",
+                hovertemplate="%{x}: %{y:.1%} of the blocks ran<extra>" + html.escape(str(model)) + "</extra>",
+            )
+        )
+    fig.update_yaxes(title="blocks executed (share of tokens x blocks)", range=[0, 1.15], tickformat=".0%")
+    fig.update_layout(barmode="group")
+    return _layout(fig, title, legend_row=True)
