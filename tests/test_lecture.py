@@ -98,7 +98,7 @@ def test_the_overview_sets_the_demo_beside_the_paper(monkeypatch):
 # ------------------------------------------------------------------ the Lecture page
 
 
-def test_the_lecture_walks_the_shipped_demo_in_six_steps(monkeypatch):
+def test_the_lecture_walks_the_shipped_demo_in_seven_steps(monkeypatch):
     at = app_for(monkeypatch, [REPO / "cache"], DEMO / "eval")
     at.switch_page(LECTURE)
     at.run()
@@ -121,13 +121,36 @@ def test_the_lecture_walks_the_shipped_demo_in_six_steps(monkeypatch):
         "4. What the static profile keeps, beside the paper",
         "5. The interpolation sweep",
         "6. Seeds",
+        "7. Parameters vs inference: a controller that rescales beside one that skips",
     ]
-    assert charts == [1] * 6, "one full-width chart per step: the demo has every step's data"
+    assert charts == [1] * 7, "one full-width chart per step: the demo has every step's data"
     assert not any(infos)
-    # The last step is the demo study's seeds, with the paper's band.
+    # The last step sets the two shipped demos side by side, read from their audits.
+    demo, skip = (json.loads((REPO / "cache" / d / "audit.json").read_text()) for d in ("demo", "demo-skip"))
+    table = next(m.value for m in at.markdown if m.value.startswith("| figure |"))
+    assert "| 3. blocks executed per token | 6 of 6 | " in table
+    assert f"| {skip['execution']['blocks_executed_per_token']:.2f} of {skip['execution']['num_blocks']} |" in table
+    assert f"{skip['execution']['flops_ratio_vs_dense']:.3f}x" in table
+    assert (
+        f"{demo['execution']['latency_ratio_vs_dense']:.3f}x | {skip['execution']['latency_ratio_vs_dense']:.3f}x"
+        in table
+    )
+    bars = json.loads(at.get("plotly_chart")[0].proto.spec)["data"]
+    under = skip["execution"]["conditions"]
+    skipping = next(b for b in bars if "skips" in b["name"])
+    assert skipping["x"] == [c for c in under if not c.startswith("interpolate")]
+    assert skipping["y"] == [under[c]["blocks_executed_fraction"] for c in skipping["x"]]
+    rescaling = [b for b in bars if "rescales" in b["name"]]
+    if "conditions" in demo["execution"]:  # (its audit may predate the per-condition tally: then said, no bars)
+        assert rescaling[0]["y"] == [
+            demo["execution"]["conditions"][c]["blocks_executed_fraction"] for c in rescaling[0]["x"]
+        ]
+    else:
+        assert not rescaling and any("does not record what ran under each condition" in c.value for c in at.caption)
+    at.button(key="lecture_previous").click().run()
+    # The step before is the demo study's seeds, with the paper's band.
     seeds = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert any(s.get("fillcolor") == figures.PAPER_COLOUR for s in seeds["layout"]["shapes"])
-    at.button(key="lecture_previous").click().run()
     assert at.title[0].value == titles[-2]
 
 
@@ -145,6 +168,9 @@ def test_the_lecture_says_which_steps_a_cache_without_report_or_study_lacks(tiny
     while not at.button(key="lecture_next").disabled:
         at.button(key="lecture_next").click().run()
         no_exceptions(at)
+        if at.title[0].value.startswith("7. Parameters vs inference"):  # the shipped demos' audits, on any cache
+            assert len(at.get("plotly_chart")) == 1
+            continue
         assert not at.get("plotly_chart")
         lacking.append(at.info[0].value)
     assert len(lacking) == 5

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from fca.tables.execution import blocks_of
 from fca.tables.text import mapping_text, mappings_as_words
 from tests.test_app import REPO, app_for, no_exceptions, render
@@ -59,3 +61,34 @@ def test_a_noisy_measurement_is_not_the_headline_and_the_reports_figures_come_ba
     assert any("audit report beside the cache" in c.value for c in at.caption)
     assert [m.value for m in at.metric if m.label == "Time vs Dense twin"] == [report_value]
     assert not [b for b in at.button if b.key == "exec_show_report"]
+
+
+@pytest.mark.slow
+def test_the_execution_page_says_what_the_skip_demo_skips(monkeypatch):
+    """The shipped mixture-of-depths demo: blocks per token, FLOPs and time against the Dense twin, and what
+    each condition's replay ran, all as its audit records them."""
+    import json
+
+    skip = REPO / "cache" / "demo-skip"
+    exe = json.loads((skip / "audit.json").read_text())["execution"]
+    at = render(app_for(monkeypatch, [REPO / "cache"], skip / "eval"), "views/execution.py")
+    no_exceptions(at)
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Blocks executed"] == blocks_of(exe["blocks_executed_per_token"], exe["num_blocks"]) == "2.05 of 4"
+    assert metrics["FLOPs vs Dense twin"] == f"{exe['flops_ratio_vs_dense']:.3f}x"
+    said = " ".join(m.value for m in at.markdown)
+    assert f"**{exe['flops_ratio_vs_dense']:.3f}x** the Dense twin's FLOPs" in said
+    assert f"**{exe['latency_ratio_vs_dense']:.3f}x** its time" in said
+    table = next(m.value for m in at.markdown if m.value.startswith("| condition | blocks per token |"))
+    for name, row in exe["conditions"].items():
+        assert f"| {name} | {blocks_of(row['blocks_executed_per_token'], exe['num_blocks'])} | " in table
+    assert "| global_mean | 0 of 4 | 0.0% |" in table  # one grand mean score: below 0, no block runs
+    specs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    bars = next(f for f in specs if f["layout"]["title"]["text"].startswith("Blocks executed under each"))["data"][0]
+    assert bars["y"] == [exe["conditions"][c]["blocks_executed_fraction"] for c in bars["x"]]
+    lecture = app_for(monkeypatch, [REPO / "cache"], skip / "eval")
+    lecture.switch_page("views/lecture.py")
+    lecture.session_state["lecture_step"] = 1
+    lecture.run()
+    assert lecture.title[0].value == "2. And some blocks are skipped"
+    assert "This model does skip work: a token ran 2.05 of 4 blocks" in " ".join(m.value for m in lecture.markdown)
