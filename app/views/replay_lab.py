@@ -93,6 +93,12 @@ def import_torch() -> None:
     import fca.jobs.runs  # noqa: F401 (torch and the replay engine)
 
 
+def import_transformers() -> None:
+    from fca.jobs.families import import_transformers
+
+    import_transformers()
+
+
 def import_model_code() -> None:
     from fca.jobs.families import load_builtin_families
 
@@ -101,7 +107,11 @@ def import_model_code() -> None:
 
 # What a run loads before the model, each step named by the progress line while it lasts (on a freshly
 # started server they take seconds; loaded already, no time at all).
-PREPARING = (("torch", import_torch), ("the model families' code (transformers)", import_model_code))
+PREPARING = (
+    ("torch", import_torch),
+    ("transformers", import_transformers),
+    ("the model families' code", import_model_code),
+)
 
 
 # Columns the shared bar figures read (app/figures.py), from the plain names of our tables.
