@@ -10,6 +10,7 @@ charts before pandas is imported (see app/views/overview.py).
 from __future__ import annotations
 
 import functools
+import html
 import re
 import textwrap
 from collections.abc import Sequence
@@ -1069,8 +1070,11 @@ def paper_band(fig: go.Figure, conditions: dict) -> None:
     )
 
 
+SWEEP_TITLE = "Interpolation sweep (static profile to own coefficients)"
+
+
 @text_labels
-def sweep_curve(sweep: list[dict], conditions: dict | None = None) -> go.Figure:
+def sweep_curve(sweep: list[dict], conditions: dict | None = None, title: str = SWEEP_TITLE) -> go.Figure:
     """NLL against alpha for `interpolate:alpha` = alpha * own + (1 - alpha) * static profile, with 95%
     paired CIs. sweep: a report's `interpolation_sweep` [{alpha, nll, penalty, penalty_ci95}];
     conditions: the report's `conditions`, for reference lines at global mean, static profile and correct."""
@@ -1105,7 +1109,7 @@ def sweep_curve(sweep: list[dict], conditions: dict | None = None) -> go.Figure:
             )
     fig.update_xaxes(title="alpha (0 = static profile, 1 = own coefficients)", range=[-0.05, 1.05], dtick=0.25)
     fig.update_yaxes(title=NLL)
-    return _story_layout(fig, "Interpolation sweep (static profile to own coefficients)", height=380)
+    return _story_layout(fig, title, height=380)
 
 
 @text_labels
@@ -1348,3 +1352,28 @@ def _swap_colours(value: dict | list, swap: dict) -> None:
             value[key] = swap[item]
         elif isinstance(item, (dict, list)):
             _swap_colours(item, swap)
+
+
+@text_labels
+def executed_by_condition(rows: list[dict], title: str = "Blocks executed under each condition") -> go.Figure:
+    """rows: {model, condition, fraction} (blocks executed / (tokens x blocks) during that condition's replay).
+    One group of bars per condition, one bar per model: a model that only rescales runs 100% under every
+    condition; one whose router decides runs what the fed decisions say."""
+    fig = go.Figure()
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    for i, model in enumerate(models):
+        part = [r for r in rows if r["model"] == model]
+        fig.add_trace(
+            go.Bar(
+                x=[r["condition"] for r in part],
+                y=[r["fraction"] for r in part],
+                name=str(model),
+                marker_color=COLORWAY[i % len(COLORWAY)],
+                text=[f"{r['fraction']:.0%}" for r in part],
+                textposition="outside",
+                hovertemplate="%{x}: %{y:.1%} of the blocks ran<extra>" + html.escape(str(model)) + "</extra>",
+            )
+        )
+    fig.update_yaxes(title="blocks executed (share of tokens x blocks)", range=[0, 1.15], tickformat=".0%")
+    fig.update_layout(barmode="group")
+    return _layout(fig, title, legend_row=1)

@@ -1,8 +1,9 @@
 """A replay run in a background thread, so the page stays responsive and a Cancel button can stop it.
 
 The thread never touches Streamlit; the page polls `phase`, `done`, `total`, `record` and `error`.
-A run has two steps the page shows apart: `loading` (the model, unless it is loaded already, and the
-calibration profiles) and `replaying` (progress after every batch). Cancelling
+A run has two steps the page shows apart: `loading` (torch, the model's code and the model, unless they
+are loaded already, and the calibration profiles: `step` names the one in progress) and `replaying`
+(progress after every batch). Cancelling
 sets an event that is checked after loading and, by `fca.jobs.runs.run_replay(should_stop=...)`,
 before every batch; `done` then says how many sequences were replayed when it stopped.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -25,6 +26,12 @@ SAID_AS_IS = (CacheError, CorpusError, ExactnessError, ModelLoadError, ValueErro
 # Cancel on a tiny cache whose batches take milliseconds. Unset (0) in normal use.
 BATCH_DELAY_ENV = "FCA_REPLAY_BATCH_DELAY_S"
 
+# The lab's quick mode: the fewest sequences that still give bootstrap CIs (`MIN_BOOTSTRAP_VALUES`), in
+# batches of 2, so that the count moves after each (about 0.4 s apiece on 2 cores for the demo); the whole
+# replay takes no longer than in one batch.
+QUICK_SEQUENCES = 10
+QUICK_BATCH = 2
+
 
 @dataclass
 class ReplayJob:
@@ -32,6 +39,7 @@ class ReplayJob:
     done: int = 0
     total: int = 0
     phase: str = "queued"  # queued -> loading -> replaying -> finished
+    step: str = ""  # while loading: what is being loaded (the page shows it, so that a cold start is seen moving)
     started: float = field(default_factory=time.monotonic)
     record: dict | None = None
     error: str | None = None
@@ -57,17 +65,23 @@ class ReplayJob:
         self,
         run: Callable[..., dict],
         open_experiment: Callable[[], tuple[object, threading.Lock]] | None = None,
+        preparing: Sequence[tuple[str, Callable[[], object]]] = (),
     ) -> ReplayJob:
-        """The loading step: `open_experiment()` -> (experiment, its lock), the model loaded now unless
-        it already was, then the experiment's calibration profiles; then the replay:
-        `run(**settings, experiment=..., progress=..., should_stop=...)`. The lock is held from the
-        profiles to the end. Without `open_experiment`, `run` gets neither experiment nor lock."""
+        """The loading step: each of `preparing` ((what it loads, how), e.g. importing torch: here, in the
+        thread, so that Run returns at once), then `open_experiment()` -> (experiment, its lock), the
+        model loaded now unless it already was, then the experiment's calibration profiles; then the
+        replay: `run(**settings, experiment=..., progress=..., should_stop=...)`. The lock is held from
+        the profiles to the end. Without `open_experiment`, `run` gets neither experiment nor lock."""
 
         def steps() -> None:
             self.phase = "loading"
+            for self.step, prepare in preparing:
+                prepare()
+            self.step = "the model, checked against the cache"
             experiment, lock = open_experiment() if open_experiment is not None else (None, None)
             with lock if lock is not None else nullcontext():
                 if experiment is not None:
+                    self.step = "the calibration profiles"
                     experiment.profiles()
                 if self.stop.is_set():
                     raise Cancelled("replay cancelled before the first batch")

@@ -333,6 +333,12 @@ resources.page_ran()
 # A Markdown table wider than its column (the Overview's conditions on an 800 px screen) scrolls sideways
 # inside it, as a data grid does; Streamlit's own style cut it at the page's edge. (Style only: no space.)
 st.html('<style>[data-testid="stMarkdownContainer"] table { display: block; overflow-x: auto; }</style>')
+# Keyboard focus in the sidebar's page list as a ring, not the tinted background that marks the current page
+# (a link reached with Tab looked like the page shown). currentColor: legible in both themes.
+st.html(
+    '<style>[data-testid="stSidebarNav"] a:focus-visible { outline: 2px solid currentColor; outline-offset: -2px; '
+    "background-color: transparent; }</style>"
+)
 if st.session_state.get(DISPLAY_KEY) == "presenter":  # the captions too are the speaker's to say
     st.html('<style>[data-testid="stCaptionContainer"] { display: none; }</style>')
 page = st.navigation(PAGES)

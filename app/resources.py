@@ -224,6 +224,34 @@ def experiment_ready(
     return _experiment_key(model_dir, device, cache, calibration, dense_dir) in _opened
 
 
+_preloading: set[tuple[str, ...]] = set()
+
+
+def preload_experiment(
+    model_dir: str | Path, device: str, cache: Cache, calibration: Cache | None, dense_dir: str | Path | None
+) -> None:
+    """Start loading `experiment(...)` in a background thread now, once per selection and server process:
+    for a page that will need the model (the Replay lab), without waiting for the warm-up's quiet spell.
+    A run started meanwhile waits for the same cache entry instead of loading it twice; an error is left
+    to the run, which meets it again. Not in the tests (WARM_UP_DELAY_S None)."""
+    if WARM_UP_DELAY_S is None:
+        return
+    key = _experiment_key(model_dir, device, cache, calibration, dense_dir)
+    with _warm_guard:
+        if key in _opened or key in _preloading:
+            return
+        _preloading.add(key)
+
+    def load() -> None:
+        try:
+            _experiment(*key)
+        except Exception:  # noqa: BLE001 (see the docstring: the run shows it)
+            pass
+
+    thread = threading.Thread(target=load, name=WARM_UP_THREAD, daemon=True)
+    thread.start()
+
+
 @st.cache_data(show_spinner=False, max_entries=16)
 def report(path: str, stamp: str) -> dict:
     """An audit report, checked whole (`read_report`): a damaged one is refused here, not halfway down a page."""

@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from app import figures
+from app.jobs import QUICK_BATCH
 from fca.tables import paper
 from fca.tables.report import render_markdown
 from tests.test_app import REPO, app_for, no_exceptions
@@ -97,7 +98,7 @@ def test_the_overview_sets_the_demo_beside_the_paper(monkeypatch):
 # ------------------------------------------------------------------ the Lecture page
 
 
-def test_the_lecture_walks_the_shipped_demo_in_six_steps(monkeypatch):
+def test_the_lecture_walks_the_shipped_demo_in_seven_steps(monkeypatch):
     at = app_for(monkeypatch, [REPO / "cache"], DEMO / "eval")
     at.switch_page(LECTURE)
     at.run()
@@ -120,13 +121,36 @@ def test_the_lecture_walks_the_shipped_demo_in_six_steps(monkeypatch):
         "4. What the static profile keeps, beside the paper",
         "5. The interpolation sweep",
         "6. Seeds",
+        "7. Parameters vs inference: a controller that rescales beside one that skips",
     ]
-    assert charts == [1] * 6, "one full-width chart per step: the demo has every step's data"
+    assert charts == [1] * 7, "one full-width chart per step: the demo has every step's data"
     assert not any(infos)
-    # The last step is the demo study's seeds, with the paper's band.
+    # The last step sets the two shipped demos side by side, read from their audits.
+    demo, skip = (json.loads((REPO / "cache" / d / "audit.json").read_text()) for d in ("demo", "demo-skip"))
+    table = next(m.value for m in at.markdown if m.value.startswith("| figure |"))
+    assert "| 3. blocks executed per token | 6 of 6 | " in table
+    assert f"| {skip['execution']['blocks_executed_per_token']:.2f} of {skip['execution']['num_blocks']} |" in table
+    assert f"{skip['execution']['flops_ratio_vs_dense']:.3f}x" in table
+    assert (
+        f"{demo['execution']['latency_ratio_vs_dense']:.3f}x | {skip['execution']['latency_ratio_vs_dense']:.3f}x"
+        in table
+    )
+    bars = json.loads(at.get("plotly_chart")[0].proto.spec)["data"]
+    under = skip["execution"]["conditions"]
+    skipping = next(b for b in bars if "skips" in b["name"])
+    assert skipping["x"] == [c for c in under if not c.startswith("interpolate")]
+    assert skipping["y"] == [under[c]["blocks_executed_fraction"] for c in skipping["x"]]
+    rescaling = [b for b in bars if "rescales" in b["name"]]
+    if "conditions" in demo["execution"]:  # (its audit may predate the per-condition tally: then said, no bars)
+        assert rescaling[0]["y"] == [
+            demo["execution"]["conditions"][c]["blocks_executed_fraction"] for c in rescaling[0]["x"]
+        ]
+    else:
+        assert not rescaling and any("does not record what ran under each condition" in c.value for c in at.caption)
+    at.button(key="lecture_previous").click().run()
+    # The step before is the demo study's seeds, with the paper's band.
     seeds = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert any(s.get("fillcolor") == figures.PAPER_COLOUR for s in seeds["layout"]["shapes"])
-    at.button(key="lecture_previous").click().run()
     assert at.title[0].value == titles[-2]
 
 
@@ -144,6 +168,9 @@ def test_the_lecture_says_which_steps_a_cache_without_report_or_study_lacks(tiny
     while not at.button(key="lecture_next").disabled:
         at.button(key="lecture_next").click().run()
         no_exceptions(at)
+        if at.title[0].value.startswith("7. Parameters vs inference"):  # the shipped demos' audits, on any cache
+            assert len(at.get("plotly_chart")) == 1
+            continue
         assert not at.get("plotly_chart")
         lacking.append(at.info[0].value)
     assert len(lacking) == 5
@@ -266,6 +293,58 @@ def test_lab_presets_and_quick_mode_set_the_form(tiny_demo, monkeypatch):
     at.button(key="lab_preset::Interpolation sweep").click().run()
     assert at.checkbox(key="lab_sweep").value and at.multiselect(key="lab_sites").value == []
     at.button(key="lab_quick").click().run()
-    assert at.number_input(key="lab_num_seqs").value == 8  # the tiny demo has 8 sequences (fewer than 12)
-    assert at.number_input(key="lab_batch").value == 8
+    assert at.number_input(key="lab_num_seqs").value == 8  # the tiny demo has 8 sequences (fewer than 10)
+    assert at.number_input(key="lab_batch").value == QUICK_BATCH == 2  # progress after every 2 sequences
     no_exceptions(at)
+
+
+def test_a_quick_run_reports_progress_after_every_small_batch_and_names_its_loading_steps(tiny_demo):
+    """The quick mode's count moves after each batch of QUICK_BATCH sequences (4 times for 8 sequences), and
+    each loading step is named by the job while it runs (the progress line shows it)."""
+    from app.jobs import ReplayJob
+    from fca.jobs.runs import run_replay
+    from tests.test_app import _lab_settings
+
+    reported: list[tuple[int, int]] = []
+
+    class Counted(ReplayJob):
+        def progress(self, done: int, total: int) -> None:
+            reported.append((done, total))
+            super().progress(done, total)
+
+    settings = _lab_settings(tiny_demo, num_seqs=8, batch_size=QUICK_BATCH, save=False)
+    named: list[str] = []
+    job = Counted(settings, total=8)
+    job.start(
+        run_replay, preparing=[("torch", lambda: named.append(job.step)), ("code", lambda: named.append(job.step))]
+    )
+    job.wait(120)
+    assert job.record is not None, job.error
+    assert named == ["torch", "code"]
+    assert reported == [(2, 8), (4, 8), (6, 8), (8, 8)]
+
+
+def test_lab_charts_name_the_sites_a_run_froze(tiny_demo, tmp_path, monkeypatch):
+    from tests.test_app import _lab_copy
+
+    root = _lab_copy(tiny_demo, tmp_path)
+    at = app_for(monkeypatch, [root], root / "eval")
+    at.switch_page("views/replay_lab.py")
+    at.run()
+    at.sidebar.selectbox(key="device").set_value("cpu").run()
+    at.button(key="lab_preset::Freeze one layer").click().run()
+    at.button(key="lab_quick").click().run()
+    at.button(key="lab_run").click().run()
+    job = at.session_state["replay_job"]
+    job.wait(120)
+    assert job.record is not None, job.error
+    at.run()
+    no_exceptions(at)
+    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"].replace("<br>", " ") for c in at.get("plotly_chart")]
+    assert sum("site frozen blocks.0.gate" in t for t in titles) == 2, titles  # the NLL and penalty charts
+    at.button(key="lab_preset::The paper's experiment").click().run()  # every site: no note
+    at.button(key="lab_run").click().run()
+    at.session_state["replay_job"].wait(120)
+    at.run()
+    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"].replace("<br>", " ") for c in at.get("plotly_chart")]
+    assert titles and not any("frozen" in t for t in titles)

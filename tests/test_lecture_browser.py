@@ -55,7 +55,7 @@ def test_lecture_arrow_keys_and_an_svg_download(tiny_demo):
                 # Presenter view: every chart text at 16 px or more, the explanations hidden.
                 page.keyboard.press("Escape")  # (the popover closed)
                 page.get_by_role("radio", name="presenter").first.click()
-                page.wait_for_function("() => !document.body.innerText.includes('step 1 of 6')", timeout=20_000)
+                page.wait_for_function("() => !document.body.innerText.includes('step 1 of 7')", timeout=20_000)
                 page.wait_for_function(
                     "() => [...document.querySelectorAll('.js-plotly-plot .main-svg text')].length > 0", timeout=20_000
                 )
@@ -73,7 +73,7 @@ def test_lecture_arrow_keys_and_an_svg_download(tiny_demo):
                 except Exception:
                     box = page.locator('[data-testid="stSidebar"]').bounding_box()
                     raise AssertionError(f"the sidebar is not folded away: {box}") from None
-                assert "step 1 of 6" not in page.inner_text("body")  # (a caption: hidden)
+                assert "step 1 of 7" not in page.inner_text("body")  # (a caption: hidden)
                 assert not outside, f"requests left loopback: {outside}"
             finally:
                 browser.close()

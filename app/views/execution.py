@@ -9,8 +9,9 @@ import streamlit as st
 from app import figures, resources
 from app.views.common import chart, download, guard, require_cache, teach
 from fca.tables import catalog
-from fca.tables.report import latency_is_noisy, report_mismatch
-from fca.tables.text import markdown_code
+from fca.tables.execution import blocks_of
+from fca.tables.report import condition_cell, latency_is_noisy, report_mismatch
+from fca.tables.text import markdown_code, markdown_text
 
 MEASURED_KEY = "execution_measured"
 # Families whose controllers scale or mix what every block computes (gates, dynamic dense weights): when
@@ -70,6 +71,12 @@ if measure:
             result = experiment.measure_execution(runs=5)
         st.session_state.setdefault(MEASURED_KEY, {})[measured_key] = result
 
+
+def show_report() -> None:
+    """Back to the audit report's figures: this selection's measurement is forgotten (a callback)."""
+    st.session_state.get(MEASURED_KEY, {}).pop(measured_key, None)
+
+
 measured = st.session_state.get(MEASURED_KEY, {}).get(measured_key)
 exe = measured or report_exe
 with left:
@@ -83,6 +90,9 @@ with left:
             else "nothing yet"
         )
     )
+with right:
+    if measured and report_exe:
+        st.button("Show the audit report's figures", key="exec_show_report", type="tertiary", on_click=show_report)
 if exe is None:
     # (a report that is there but unreadable has had its error shown above: not "no report")
     found = (
@@ -100,27 +110,46 @@ if exe is None:
 if not measured and report_stale:
     st.warning(f"The audit report beside the cache {report_stale}; press **Measure now** for figures of this one.")
 
-c1, c2, c3 = st.columns(3)
+flops_ratio = exe.get("flops_ratio_vs_dense")  # (a report of a model that skips work; older reports lack it)
+c1, c2, c3, *c4 = st.columns(4 if flops_ratio is not None else 3)
 ratio = exe.get("latency_ratio_vs_dense")
-if ratio is not None and latency_is_noisy(exe):
+noisy = ratio is not None and latency_is_noisy(exe)
+if noisy:
     st.warning(
         f"The timed runs ranged from {exe['ratio_min']:.2f}x to {exe['ratio_max']:.2f}x: too wide to trust. Other "
         "work shared the machine while they ran (a replay, a build, a second tab); measure again when it is idle."
+        + (
+            " Their median was " + f"{ratio:.3f}x; the audit report's figures are a click away (above)."
+            if measured and report_exe
+            else f" Their median was {ratio:.3f}x."
+        )
     )
 c1.metric(
     "Time vs Dense twin",  # (as on the Overview, where a longer label was cut at 800 px)
-    "not measured" if ratio is None else f"{ratio:.3f}x",
+    # A figure its own warning calls untrustworthy is not the headline: the median is in the warning.
+    "not measured" if ratio is None else "too noisy" if noisy else f"{ratio:.3f}x",
     help=None
     if ratio is None
-    else f"range over runs {exe['ratio_min']:.2f}-{exe['ratio_max']:.2f}; "
+    else f"median {ratio:.3f}x; range over runs {exe['ratio_min']:.2f}-{exe['ratio_max']:.2f}; "
     f"batch {exe['batch_shape']} on {exe['device']}",
 )
 c2.metric(
     "Blocks executed",  # (per token: said in its help; the longer label was cut at 800 px)
-    f"{exe['blocks_executed_per_token']:.2f} of {exe['num_blocks']}",
+    blocks_of(exe["blocks_executed_per_token"], exe["num_blocks"]),
     help="blocks a token runs, on average, of the model's blocks (counted with forward hooks)",
 )
 c3.metric("Controller FLOPs share", f"{100 * exe['controller_flops_share']:.2f}%")
+if c4:
+    c4[0].metric(
+        "FLOPs vs Dense twin",
+        f"{flops_ratio:.3f}x",
+        help="FLOPs of one forward of the model / its Dense twin's on the same batch"
+        + (
+            f": {exe['flops_per_token'] / 1e6:.2f} M against {exe['dense_flops_per_token'] / 1e6:.2f} M per token"
+            if exe.get("flops_per_token") and exe.get("dense_flops_per_token")
+            else ""
+        ),
+    )
 
 fractions = np.asarray(exe["tokens_per_block"]) / exe["tokens"]
 share = 100 * exe["controller_flops_share"]
@@ -128,8 +157,8 @@ skipped = bool((fractions < 1).any())
 experts = exe.get("experts")
 if skipped:
     said = (
-        f"**Some blocks were skipped**: a token ran {exe['blocks_executed_per_token']:.2f} of "
-        f"{exe['num_blocks']} blocks on average (per block below)."
+        f"**Some blocks were skipped**: a token ran {blocks_of(exe['blocks_executed_per_token'], exe['num_blocks'])} "
+        "blocks on average (per block below)."
     )
 elif experts:  # a router selects experts inside every block: the skipping happens there
     said = (
@@ -184,6 +213,45 @@ chart(figures.flops_bar(flops), key="exec_flops", where=charts[1])
 if skipped:  # six identical bars at 100% say less than the sentence above
     blocks = pd.DataFrame({"block": range(exe["num_blocks"]), "fraction": fractions})
     chart(figures.blocks_bar(blocks), key="exec_blocks")
+if skipped and (flops_ratio is not None or ratio is not None):
+    st.markdown(
+        "What skipping saves: "
+        + "; ".join(
+            part
+            for part in (
+                f"**{flops_ratio:.3f}x** the Dense twin's FLOPs" if flops_ratio is not None else "",
+                f"**{ratio:.3f}x** its time" + (" (noisy, see above)" if noisy else "") if ratio is not None else "",
+            )
+            if part
+        )
+        + f" ({blocks_of(exe['blocks_executed_per_token'], exe['num_blocks'])} blocks per token)."
+    )
+if exe.get("note"):
+    st.caption(markdown_text(exe["note"]))  # (the family's own words on what it counts; from a file)
+under = exe.get("conditions") or {}  # the audit's tally of what each condition's replay ran
+if under:
+    st.subheader("What runs under each condition")
+    st.caption(
+        "Blocks each condition's replay ran, counted at the blocks over every evaluated sequence: the router is "
+        "removed and fed the condition's decisions, so what runs follows the coefficients, not the tokens."
+        if skipped
+        else "Blocks each condition's replay ran, counted at the blocks over every evaluated sequence: a model whose "
+        "controllers only rescale runs every block under every condition."
+    )
+    lines = ["| condition | blocks per token | blocks executed | per block |", "|---|---|---|---|"]
+    for name, row in under.items():
+        per_block = ", ".join(f"{100 * f:.0f}%" for f in row["per_block_fraction"])
+        lines.append(
+            f"| {condition_cell(name)} | {blocks_of(row['blocks_executed_per_token'], exe['num_blocks'])} | "
+            f"{100 * row['blocks_executed_fraction']:.1f}% | {per_block} |"
+        )
+    st.markdown("\n".join(lines))
+    shown = [n for n in under if not n.startswith("interpolate:")]
+    rows = [
+        {"model": cache.manifest.model.model_type, "condition": n, "fraction": under[n]["blocks_executed_fraction"]}
+        for n in shown
+    ]
+    chart(figures.executed_by_condition(rows), key="exec_conditions")
 if experts:
     if experts.get("note"):
         st.caption(experts["note"])

@@ -26,6 +26,7 @@ from app.views.common import (
 from app.views.common import chart as figure_chart
 from fca.tables import paper
 from fca.tables import study as studies
+from fca.tables.execution import blocks_of, compare_audits
 from fca.tables.report import retention_sentence
 from fca.tables.scoring import quoted_interval
 
@@ -88,12 +89,25 @@ def step_execution(sel: Selection, report: dict | None) -> None:
     if not per_block or not exe.get("tokens"):
         return no_data("its report does not count the tokens each block ran.")
     ratio = exe.get("latency_ratio_vs_dense")
-    st.markdown(
-        f"Varying coefficients are not skipped work: each block ran for {100 * exe['blocks_executed_fraction']:.0f}% of "
-        "the tokens, counted at the blocks that ran"
-        + (f", and the model took {ratio:.3f}x its Dense twin's time" if ratio is not None else "")
-        + f" (the paper: every block, {paper.LATENCY_VS_DENSE:.3f}x)."
-    )
+    if exe["blocks_executed_fraction"] < 1:  # a router that decides: this model's inference is dynamic
+        st.markdown(
+            f"This model does skip work: a token ran {blocks_of(exe['blocks_executed_per_token'], exe['num_blocks'])} "
+            "blocks on average, counted at the blocks that ran"
+            + (
+                f", {exe['flops_ratio_vs_dense']:.3f}x its Dense twin's FLOPs"
+                if exe.get("flops_ratio_vs_dense")
+                else ""
+            )
+            + (f", and it took {ratio:.3f}x its time" if ratio is not None else "")
+            + f" (the paper's models: every block, {paper.LATENCY_VS_DENSE:.3f}x)."
+        )
+    else:
+        st.markdown(
+            f"Varying coefficients are not skipped work: each block ran for {100 * exe['blocks_executed_fraction']:.0f}% "
+            "of the tokens, counted at the blocks that ran"
+            + (f", and the model took {ratio:.3f}x its Dense twin's time" if ratio is not None else "")
+            + f" (the paper: every block, {paper.LATENCY_VS_DENSE:.3f}x)."
+        )
     blocks = {"block": list(range(len(per_block))), "fraction": [n / exe["tokens"] for n in per_block]}
     import pandas as pd
 
@@ -185,6 +199,64 @@ def step_seeds(sel: Selection, report: dict | None) -> None:
     )
 
 
+# The two shipped demos: a controller that only rescales (FeatureGate) and a router that skips blocks.
+DEMOS = {"FeatureGate (rescales)": "demo", "Mixture-of-depths (skips)": "demo-skip"}
+CACHE_ROOT = Path(__file__).resolve().parents[2] / "cache"
+
+
+def step_parameters_vs_inference(sel: Selection, report: dict | None) -> None:
+    paths = {label: CACHE_ROOT / name / "audit.json" for label, name in DEMOS.items()}
+    missing = [str(p.relative_to(CACHE_ROOT.parent)) for p in paths.values() if not p.is_file()]
+    if missing:
+        return no_data(f"it needs both shipped demos' audits, and {', '.join(missing)} is not there.")
+    rows = compare_audits(list(paths.values()), list(paths))
+    st.markdown(
+        "Dynamic parameters are not dynamic inference. Both models give every token its own coefficients, and "
+        "both need them (their penalties); only the one whose router decides which blocks run saves work, and "
+        "replayed with other decisions it runs what those decisions say."
+    )
+
+    def percent(value) -> str:
+        return "n/a" if value is None else f"{100 * value:.1f}%"
+
+    def times(value) -> str:
+        return "n/a" if value is None else f"{value:.3f}x"
+
+    figures_shown = {
+        "1. layer-identity share of the coefficients": lambda r: percent(r["layer_identity_share"]),
+        "2. static_layer penalty (nats/token)": lambda r: f"{r['penalty'].get('static_layer', float('nan')):+.4f}",
+        "2. static_layer gap retention": lambda r: percent(r["gap_retention_static_layer"]),
+        "3. blocks executed per token": lambda r: blocks_of(r["blocks_executed_per_token"], r["num_blocks"]),
+        "3. FLOPs vs Dense twin": lambda r: times(r["flops_ratio_vs_dense"]),
+        "3. time vs Dense twin": lambda r: times(r["latency_ratio_vs_dense"]),
+    }
+    lines = ["| figure | " + " | ".join(paths) + " |", "|---|" + "---|" * len(paths)]
+    for name, cell in figures_shown.items():
+        lines.append(f"| {name} | " + " | ".join(cell(r) for r in rows) + " |")
+    st.markdown("\n".join(lines))
+    executed = [
+        {"model": r["label"], "condition": c, "fraction": f}
+        for r in rows
+        for c, f in r["blocks_executed_fraction_under"].items()
+    ]
+    if executed:
+        figure_chart(
+            figures.executed_by_condition(executed, "Blocks executed under each condition: rescaling vs skipping"),
+            "lecture_parameters_vs_inference",
+            "audits cache/demo/audit.json and cache/demo-skip/audit.json | conditions "
+            + ", ".join(dict.fromkeys(e["condition"] for e in executed)),
+        )
+    if lacking := [r["label"] for r in rows if not r["blocks_executed_fraction_under"]]:
+        st.caption(
+            f"{', '.join(lacking)}: its audit does not record what ran under each condition (an audit made before "
+            "audits counted it), so it has no bars here; `python -m fca audit` records it."
+        )
+    st.caption(
+        "Read from the two shipped audits (cache/demo and cache/demo-skip), whatever cache is selected; the Overview "
+        "and Execution pages of each give every figure in detail."
+    )
+
+
 STEPS = [
     ("Coefficients vary from token to token", step_variation),
     ("Yet every block runs", step_execution),
@@ -192,6 +264,7 @@ STEPS = [
     ("What the static profile keeps, beside the paper", step_static),
     ("The interpolation sweep", step_sweep),
     ("Seeds", step_seeds),
+    ("Parameters vs inference: a controller that rescales beside one that skips", step_parameters_vs_inference),
 ]
 
 
@@ -203,6 +276,9 @@ sel = require_cache()
 step = min(len(STEPS) - 1, max(0, int(st.session_state.get(STEP_KEY, 0))))
 st.session_state[STEP_KEY] = step
 title, draw = STEPS[step]
+report_shown = _report(sel)
+if draw is step_execution and report_shown is not None and report_shown["execution"]["blocks_executed_fraction"] < 1:
+    title = "And some blocks are skipped"  # (a router that decides: the step says what this model does)
 st.title(f"{step + 1}. {title}")
 with st.container(horizontal=True):
     st.button(
@@ -226,4 +302,4 @@ with st.container(horizontal=True):
     )
     st.caption(f"step {step + 1} of {len(STEPS)} (arrow keys: left, right)")
 with guard("This step"):
-    draw(sel, _report(sel))
+    draw(sel, report_shown)

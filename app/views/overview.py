@@ -33,7 +33,7 @@ from fca.tables.report import (
     routing_table,
 )
 from fca.tables.scoring import quoted_interval
-from fca.tables.text import markdown_code, markdown_text
+from fca.tables.text import mappings_as_words, markdown_code, markdown_text
 
 
 def chart(fig, key: str) -> None:
@@ -123,7 +123,7 @@ def definition_lines(value: dict) -> str:
         elif isinstance(v, list):
             v = ", ".join(markdown_code(x) for x in v)
         else:
-            v = markdown_text(v)
+            v = markdown_text(mappings_as_words(str(v)))
         lines.append(f"- {markdown_code(k)}: {v}")
     return "\n".join(lines)
 
@@ -300,7 +300,8 @@ with c3:
         )
 
 # A Markdown table, not st.dataframe: the first page then needs no data-grid bundle in the browser.
-st.markdown("\n".join(conditions_table(report, both_intervals=False)))  # (both would not fit 1024 px)
+# (both intervals would not fit 1024 px; the retention first: at 800 px the NLL is what scrolls out of sight)
+st.markdown("\n".join(conditions_table(report, both_intervals=False, retention_first=True)))
 if documents := documents_sentence(report):
     # (the table shows the one over documents)
     st.caption(
@@ -348,7 +349,7 @@ with st.expander("What each figure means (the report's definitions)"):
         if isinstance(value, dict):
             st.markdown(f"**{markdown_text(key.replace('_', ' '))}**\n" + definition_lines(value))
         else:
-            st.markdown(f"**{markdown_text(key)}**: {markdown_text(value)}")
+            st.markdown(f"**{markdown_text(key)}**: {markdown_text(mappings_as_words(str(value)))}")
 
 # One row that wraps: in three columns, "Audit report (Markdown)" was cut at 800 px.
 with st.container(horizontal=True):

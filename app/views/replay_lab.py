@@ -11,6 +11,7 @@ run has (its errors, such as a model that did not make this cache, are then the 
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +19,9 @@ import pandas as pd
 import streamlit as st
 
 from app import figures, resources
-from app.jobs import ReplayJob
+from app.jobs import QUICK_BATCH, QUICK_SEQUENCES, ReplayJob
 from app.views.common import chart, download, figure_caption, guard, require_cache, teach
-from fca.tables.conditions import Condition
+from fca.tables.conditions import Condition, as_conditions
 from fca.tables.report import NO_INTERVAL, condition_cell, documents_note, exactness_sentences, few_sequences_caution
 from fca.tables.runs import (
     SWEEP_ALPHAS,
@@ -55,7 +56,6 @@ DEFAULT_BATCH = 2
 # windows lie in 7 chapters, too few for a CI over documents (`MIN_DOCUMENTS`, 10; 96 windows: 10).
 DEFAULT_SEQUENCES = 96
 MAX_BATCH = 256
-QUICK_SEQUENCES = 12  # the fewest that still give bootstrap CIs (MIN_BOOTSTRAP_VALUES is 10)
 # name -> the form's settings it sets (the rest stay as they are); "freeze one layer" takes the first site.
 PRESETS = {
     "The paper's experiment": {
@@ -75,9 +75,43 @@ def apply_preset(name: str) -> None:
 
 
 def quick_mode() -> None:
-    """Few sequences in one batch: a run that finishes in seconds, for a lecture (wider CIs, said by them)."""
+    """Few sequences in small batches: a run that finishes in seconds, for a lecture (wider CIs, said by
+    them), its count moving after every batch."""
     st.session_state["lab_num_seqs"] = min(QUICK_SEQUENCES, cache.num_seqs)
-    st.session_state["lab_batch"] = min(QUICK_SEQUENCES, cache.num_seqs)
+    st.session_state["lab_batch"] = QUICK_BATCH
+
+
+def replay(**settings) -> dict:
+    """`fca.jobs.runs.run_replay`, imported in the run's thread: importing torch in the page's own run
+    held the first progress line back by seconds on a freshly started server."""
+    from fca.jobs.runs import run_replay
+
+    return run_replay(**settings)
+
+
+def import_torch() -> None:
+    import fca.jobs.runs  # noqa: F401 (torch and the replay engine)
+
+
+def import_transformers() -> None:
+    from fca.jobs.families import import_transformers
+
+    import_transformers()
+
+
+def import_model_code() -> None:
+    from fca.jobs.families import load_builtin_families
+
+    load_builtin_families()
+
+
+# What a run loads before the model, each step named by the progress line while it lasts (on a freshly
+# started server they take seconds; loaded already, no time at all).
+PREPARING = (
+    ("torch", import_torch),
+    ("transformers", import_transformers),
+    ("the model families' code", import_model_code),
+)
 
 
 # Columns the shared bar figures read (app/figures.py), from the plain names of our tables.
@@ -158,6 +192,16 @@ def result_view(result: pd.DataFrame, intervals: bool = True) -> pd.DataFrame:
     return view
 
 
+def frozen_sites_note(conditions: list[str], every: list[str]) -> str:
+    """What a chart title adds for a run that froze only some sites: ": sites frozen a, b" (empty when
+    its conditions froze every site). Names read from the cache are escaped: plotly reads tags in titles."""
+    frozen = [s for c in as_conditions([c for c in conditions if c != "correct"], 0) for s in (c.sites or every)]
+    frozen = list(dict.fromkeys(frozen))
+    if not frozen or sorted(frozen) == sorted(every):
+        return ""
+    return f": site{'s' if len(frozen) > 1 else ''} frozen {html.escape(', '.join(frozen))}"
+
+
 def rel(path: str | Path) -> str:
     try:
         return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
@@ -217,10 +261,12 @@ if resources.experiment_ready(*selection):
         f"Model {markdown_code(sel.model_dir.name)} (fingerprint {markdown_code(experiment.model_fingerprint[:12])}) on **{experiment.device}** "
         f"matches the cache; calibration: {markdown_code(sel.calibration.label)}."
     )
-else:  # not loaded yet: the page draws at once, and a run loads it as its first step
+else:  # not loaded yet: the page draws at once, the model loads meanwhile, and a run waits for it
+    resources.preload_experiment(*selection)
     st.caption(
-        f"Model {markdown_code(sel.model_dir.name)}: loaded and checked against the cache when the first run starts (shown "
-        f"as the run's first step), then kept for the next runs; calibration: {markdown_code(sel.calibration.label)}."
+        f"Model {markdown_code(sel.model_dir.name)}: loading in the background and checked against the cache (a run "
+        f"started before it is ready shows it as its first step), then kept for the next runs; calibration: "
+        f"{markdown_code(sel.calibration.label)}."
     )
 
 job: ReplayJob | None = st.session_state.get(JOB_KEY)
@@ -309,7 +355,7 @@ def settings_form() -> None:
             on_click=quick_mode,
             disabled=locked,
             icon=":material/bolt:",
-            help="the first few sequences in one batch: seconds instead of a minute, with wider CIs",
+            help=f"the first few sequences in batches of {QUICK_BATCH}: seconds instead of a minute, with wider CIs",
         )
     with st.container(border=True):
         c1, c2 = st.columns([3, 2])
@@ -391,9 +437,7 @@ def settings_form() -> None:
         if st.button("Run", type="primary", disabled=locked, key="lab_run"):
             with guard("Replay"):
                 started = ReplayJob(settings, total=settings["num_seqs"])
-                from fca.jobs.runs import run_replay  # torch: imported by a run, not by drawing the page
-
-                started.start(run_replay, open_experiment=lambda: resources.experiment(*selection))
+                started.start(replay, open_experiment=lambda: resources.experiment(*selection), preparing=PREPARING)
                 st.session_state[JOB_KEY] = started
                 st.rerun()  # the whole page: lock the form, drop the previous result, show progress
 
@@ -420,9 +464,10 @@ def progress_panel() -> None:
     if current is None:
         return
     if current.running:
+        resources.page_ran()  # the background warm-up waits while a run is in progress
         elapsed = f"{current.elapsed:.0f} s"
         if current.phase in ("queued", "loading"):
-            st.progress(0.0, text=f"Loading the model and calibration profiles… ({elapsed})")
+            st.progress(0.0, text=f"Loading {current.step or 'the model'}… ({elapsed})")
         else:
             total = max(current.total, 1)
             st.progress(
@@ -498,12 +543,17 @@ if job is not None and not job.running:
                 result["penalty 95% CI high (documents)"],
             )
         run_caption = figure_caption(sel, spec["conditions"], seed=spec["seed"], sequences=spec["num_seqs"])
+        frozen = frozen_sites_note(spec["conditions"], cache.sites)  # each chart says which sites were frozen
         left, right = st.columns(2)
-        nll_title = "NLL per condition" + (" (95% CI of the mean over sequences)" if intervals else "")
+        nll_title = "NLL per condition" + frozen + (" (95% CI of the mean over sequences)" if intervals else "")
         chart(figures.nll_bars(plotted, nll_title), "lab_nll", run_caption, where=left)
         others = plotted[plotted["condition"] != "correct"]
         if len(others):
-            penalty_title = figures.penalty_title(by_document) if intervals else "Penalty vs correct"
+            penalty_title = (
+                figures.penalty_title(by_document, "Penalty vs correct" + frozen)
+                if intervals
+                else "Penalty vs correct" + frozen
+            )
             chart(figures.penalty_bars(others, penalty_title), "lab_penalty", run_caption, where=right)
         else:
             right.info("Only correct ran: there is no penalty to draw. Choose a condition above to compare with it.")
@@ -524,7 +574,10 @@ if job is not None and not job.running:
             st.text(routing["not_reported"])  # (names read from the file: shown as text)
         sweep = sweep_points(record["results"]["conditions"])
         if len(sweep) >= 2:  # a curve, drawn like the report's, with the run's reference lines
-            chart(figures.sweep_curve(sweep, record["results"]["conditions"]), "lab_sweep_chart", run_caption)
+            sweep_title = figures.SWEEP_TITLE + frozen
+            chart(
+                figures.sweep_curve(sweep, record["results"]["conditions"], sweep_title), "lab_sweep_chart", run_caption
+            )
         download(result, "replay_result.csv")
 
 st.subheader("Saved runs of this cache")

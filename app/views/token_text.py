@@ -45,7 +45,15 @@ with guard("Sequence"):
     cal = sel.static_profile_cache
     modes = [COEFFICIENT, DEVIATION] if cal is not None else [COEFFICIENT]
     keep("tt_mode", modes[0], one_of(modes))
-    mode = c4.radio("Colour by", modes, key="tt_mode", help="deviation needs a calibration cache of this model")
+    mode = c4.radio(
+        "Colour by",
+        modes,
+        key="tt_mode",
+        # One word an option: "deviation from the static profile" wrapped mid-phrase in its column at 800 px.
+        format_func=lambda m: "deviation" if m == DEVIATION else m,
+        help="coefficient: the value itself; deviation: from the static profile (the calibration mean of the site "
+        "and channel), which needs a calibration cache of this model",
+    )
     if cal is None:
         st.caption("No calibration cache of this model was found: deviations from the static profile are unavailable.")
 

@@ -88,7 +88,9 @@ def _slot_section() -> None:
     # one per expert), so the table is long (site, channel) and the figure pads with blanks.
     dec = stats["decomposition"]
     keep("var_quantity", next(iter(QUANTITIES)), one_of(QUANTITIES))
-    quantity = st.selectbox("Show per slot", list(QUANTITIES), key="var_quantity")
+    # Radio buttons, not a select box: a select box's list closes when the page scrolls just as it opens, so
+    # the first click on a box below the fold (scrolled into view by that click, or still moving) did nothing.
+    quantity = st.radio("Show per slot", list(QUANTITIES), key="var_quantity", horizontal=True)
     color_title, column = QUANTITIES[quantity]
     values = {
         "mean": stats["slot_mean"],

@@ -41,6 +41,7 @@ from fca.tables.scoring import (
 )
 from fca.tables.stats import MIN_BOOTSTRAP_VALUES, variance_decomposition
 from fca.tables.store import Cache
+from fca.tables.text import mapping_text
 
 
 def run_audit(
@@ -305,8 +306,9 @@ def _definitions(
         "cache_fidelity": "cached coefficients of the evaluated sequences vs those recorded now (max |diff|; relative: "
         "|diff| / (|recorded| + rms of the site's recorded)) and Correct-from-cache NLL vs live NLL; "
         "bit-identical required when the cache was written in this environment and batch composition, "
-        f"else accepted within the tolerances by model dtype {FOREIGN_TOLERANCES}, to which a reduced-precision "
-        f"cache adds its storage unit u {STORAGE_ULP} times {STORAGE_ULP_ALLOWANCE}; the conditions are built "
+        f"else accepted within the tolerances by model dtype: {mapping_text(FOREIGN_TOLERANCES)}, to which a "
+        f"reduced-precision cache adds its storage unit u ({mapping_text(STORAGE_ULP)}) times "
+        f"({mapping_text(STORAGE_ULP_ALLOWANCE)}); the conditions are built "
         "from the cache and "
         "Correct-from-cache is the reference row",
         "controller_flops": "FLOPs inside controller sites / FLOPs of the whole forward "

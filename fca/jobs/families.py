@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from fca.engine.families import registered_families
 from fca.engine.user_families import load_family_file
 from fca.tables.errors import ModelLoadError
 
@@ -19,3 +20,15 @@ def load_each_family_file(paths: Iterable[str]) -> tuple[list[tuple[str, str]], 
         except ModelLoadError as err:
             errors.append(str(err))
     return declared, errors
+
+
+def import_transformers() -> None:
+    """Import the part of transformers every built-in family builds on (its model classes, about two thirds
+    of `load_builtin_families`' time on a first call), so that a caller can say it is under way."""
+    import transformers.modeling_utils  # noqa: F401
+
+
+def load_builtin_families() -> None:
+    """Import the built-in families' model code (transformers, mostly), as the first model lookup would:
+    the slowest step of a first model load, done apart so that a caller can say it is under way."""
+    registered_families()

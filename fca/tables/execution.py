@@ -86,3 +86,10 @@ def compare_audits(paths: Sequence[str | Path], labels: Sequence[str] | None = N
     if len(labels) != len(paths):
         raise ValueError(f"{len(paths)} audits and {len(labels)} labels")
     return [audit_summary(read_report(Path(path)), label) for path, label in zip(paths, labels)]
+
+
+def blocks_of(per_token: float, num_blocks: int) -> str:
+    """Blocks a token ran on average, of the model's: "6 of 6" where the mean is a whole number (every
+    token ran as many), "4.37 of 6" otherwise (two decimals, as the reports give it)."""
+    shown = f"{per_token:.2f}"
+    return f"{shown.removesuffix('.00')} of {num_blocks}"

@@ -163,17 +163,28 @@ def _interval_cell(bounds: list) -> str:
     return f"[{bounds[0]:+.4f}, {bounds[1]:+.4f}]"
 
 
-def conditions_table(report: dict, both_intervals: bool = True) -> list[str]:
+def conditions_table(report: dict, both_intervals: bool = True, retention_first: bool = False) -> list[str]:
     """The report's conditions as Markdown table lines (the report's page and the dashboard's Overview):
     NLL, penalty and its 95% CI (over sequences, and over documents where the report has that; only the
     latter without `both_intervals`, for a narrow page), and gap retention ("undefined" where its CI does
-    not lie above zero; blank for the scale's two ends)."""
+    not lie above zero; blank for the scale's two ends). `retention_first`: gap retention right after the
+    condition and the NLL last, so that on a narrow page the column that scrolls out of sight is the NLL
+    (drawn on the retention scale), not the retention."""
     columns = interval_columns(report["conditions"].values(), both_intervals)
     retention_ci = report.get("gap_retention_ci95") or {}  # (reports made before it have none)
+    headers = {
+        "nll": "NLL (nats/token)",
+        "penalty": "penalty vs correct (nats/token)",
+        "intervals": " | ".join(f"penalty 95% CI{label}" for label in columns.values()),
+        "retention": f"gap retention{' [95% CI]' if retention_ci else ''}",
+    }
+    order = (
+        ["retention", "penalty", "intervals", "nll"]
+        if retention_first
+        else ["nll", "penalty", "intervals", "retention"]
+    )
     lines = [
-        "| condition | NLL (nats/token) | penalty vs correct (nats/token) | "
-        + " | ".join(f"penalty 95% CI{label}" for label in columns.values())
-        + f" | gap retention{' [95% CI]' if retention_ci else ''} |",
+        "| condition | " + " | ".join(headers[k] for k in order) + " |",
         "|---|---|---|" + "---|" * len(columns) + "---|",
     ]
     for name, row in report["conditions"].items():
@@ -183,8 +194,13 @@ def conditions_table(report: dict, both_intervals: bool = True) -> list[str]:
             lo, hi = retention_ci[name]
             shown += f" [{100 * lo:.1f}%, {100 * hi:.1f}%]"
         shown = "" if name in ("correct", "global_mean") else shown
-        cells = _interval_cells(row, columns)
-        lines.append(f"| {condition_cell(name)} | {row['nll']:.4f} | {row['penalty']:+.4f} | {cells} | {shown} |")
+        cells = {
+            "nll": f"{row['nll']:.4f}",
+            "penalty": f"{row['penalty']:+.4f}",
+            "intervals": _interval_cells(row, columns),
+            "retention": shown,
+        }
+        lines.append(f"| {condition_cell(name)} | " + " | ".join(cells[k] for k in order) + " |")
     return lines
 
 

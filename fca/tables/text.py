@@ -36,3 +36,51 @@ def markdown_code(value: object) -> str:
     fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
     padded = f" {text} " if text.startswith("`") or text.endswith("`") else text
     return f"{fence}{padded}{fence}"
+
+
+def mapping_text(value: object) -> str:
+    """A (nested) mapping in words, as a reader wants it rather than as Python prints it:
+    {'float32': {'nll_mean': 0.0001}, 'float16': {'nll_mean': 0.005}} -> 'float32 (nll_mean 0.0001); float16
+    (nll_mean 0.005)'. Numbers as `:g` gives them; anything else as its text."""
+    if isinstance(value, dict):
+        nested = any(isinstance(v, dict) for v in value.values())
+        parts = [
+            f"{k} ({mapping_text(v)})" if isinstance(v, dict) else f"{k} {mapping_text(v)}" for k, v in value.items()
+        ]
+        return ("; " if nested else ", ").join(parts)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+# The longest mapping printed inside a sentence that `mappings_as_words` reads back (a definition's
+# tolerance tables: about 400 characters).
+_MAX_MAPPING_CHARS = 4000
+
+
+def mappings_as_words(text: str) -> str:
+    """`text` with every Python-printed dict inside it (`{'float32': 0.0, ...}`, as older audit reports wrote
+    their tolerance tables into a definition) rewritten by `mapping_text`. Read back as a literal only
+    (`ast.literal_eval`: no code runs), and only where it parses as a dict; any other brace is left as it is."""
+    import ast
+
+    out, i = [], 0
+    while (start := text.find("{", i)) >= 0:
+        depth, end = 0, -1
+        for j in range(start, min(len(text), start + _MAX_MAPPING_CHARS)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                end = j + 1
+                break
+        try:
+            value = ast.literal_eval(text[start:end]) if end > 0 else None
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            value = None
+        if isinstance(value, dict):
+            out += [text[i:start], mapping_text(value)]
+        else:
+            end = start + 1
+            out.append(text[i:end])
+        i = end
+    out.append(text[i:])
+    return "".join(out)
