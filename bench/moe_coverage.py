@@ -202,7 +202,7 @@ def check_type(model_type: str, work: Path) -> dict:
         else "by structure"
     )
     try:
-        live, replayed = _replay_without_routers(loaded)
+        live, replayed = replay_without_routers(loaded)
     except Exception as err:
         row["why"] = f"replay fails ({type(err).__name__}: {_first_line(err)})"
         return row
@@ -219,11 +219,15 @@ def _first_line(err: Exception, limit: int = 120) -> str:
     return (lines[0] if lines else "")[:limit]
 
 
-def _replay_without_routers(loaded: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(live logits while recording, Correct-replay logits with every site's weights NaN)."""
+def replay_without_routers(
+    loaded: torch.nn.Module, ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(live logits while recording, Correct-replay logits with every site's weights NaN); ids: [B, T],
+    by default two seeded sequences of 7 tokens."""
     from fca.engine.sites import find_sites, site_modes
 
-    ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+    if ids is None:
+        ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(1))
     sites = find_sites(loaded)
     with torch.no_grad():
         sink: dict = {}

@@ -23,6 +23,7 @@ from bench.moe_coverage import (
     coverage_table,
     moe_model_types,
     readme_table,
+    replay_without_routers,
     tiny_config,
     tiny_model,
 )
@@ -32,21 +33,6 @@ from fca.engine.families import family_of
 from fca.engine.models.hf_structure import adapt_structural
 from fca.engine.sites import find_sites, site_modes
 from fca.tables.errors import ModelLoadError
-
-
-def _replay_with_routers_removed(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(live logits while recording, Correct-replay logits with every site's weights NaN)."""
-    sink: dict = {}
-    with torch.no_grad():
-        with site_modes(model, "record", sink=sink):
-            live = model(ids).logits
-        for site in find_sites(model).values():  # the projections' weights
-            for p in site.controller.parameters():
-                if p.dim() == 2 and p.shape[0] == site.spec.num_channels:
-                    p.fill_(math.nan)
-        with site_modes(model, "replay", provider=lambda site, B, T: sink[site.site_name]):
-            replayed = model(ids).logits
-    return live, replayed
 
 
 def test_hunyuan_recognised_by_structure_replays_exactly():
@@ -73,7 +59,7 @@ def test_hunyuan_recognised_by_structure_replays_exactly():
     for hook in hooks:
         hook.remove()
     assert torch.equal(read[0][0], made[0][2]) and torch.equal(read[0][1], made[0][1])
-    live, replayed = _replay_with_routers_removed(model, torch.randint(3, 100, (2, 7)))
+    live, replayed = replay_without_routers(model, torch.randint(3, 100, (2, 7)))
     assert torch.isfinite(live).all() and torch.equal(live, replayed)
 
 
