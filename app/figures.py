@@ -1326,7 +1326,7 @@ def themed(fig: go.Figure, theme: str = "light") -> go.Figure:
     for trace in spec.get("data", []):
         for bars in ("error_x", "error_y"):
             if bars in trace and "color" not in trace[bars]:
-                trace[bars]["color"] = INK  # (plotly's default, #444, was dark on a dark page)
+                trace[bars]["color"] = INK  # (plotly's default, #444, is dark on a dark page)
     _swap_colours(spec, chosen.swap)
     out = go.Figure(spec)
     out.update_layout(

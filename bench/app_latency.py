@@ -91,7 +91,7 @@ def one_server(browser, cache: Path, pause_s: float = 0.0) -> dict[str, float]:
                 out[f"{visit}_open_{name}_s"] = open_page(label)
         open_page("Variance")
         quantity = page.get_by_role("combobox", name="Show per slot")
-        if quantity.count():  # a checkout where the quantity was a select box
+        if quantity.count():  # an older checkout, timed against this one, draws a select box
             quantity.click()  # opening the list is drawn by the browser alone; choosing reruns the chart
             option = page.get_by_role("option", name="standard deviation", exact=True)
             out["variance_change_quantity_s"] = timed(page, option.click)
