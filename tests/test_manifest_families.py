@@ -255,8 +255,11 @@ def test_parts_listed_twice_out_of_order_or_exchanged_are_refused_by_name(tmp_pa
     with pytest.raises(CacheError, match=r"part-00001\.parquet: holds sequences 0-3, but the manifest places "):
         open_cache(copied).read_seqs([5])
     assert open_cache(copied).read_seqs([1])["token"].shape == (1, raw["seq_len"])  # part 0 is what it says
-    # Caches from before `first_seq` was recorded still open (their parts follow one another by count).
-    Manifest.from_json({**raw, "parts": [{k: v for k, v in p.items() if k != "first_seq"} for p in raw["parts"]]}, "m")
+    # A part record without its first sequence is refused by name (readers place parts by it).
+    with pytest.raises(CacheError, match="m: malformed manifest: part-00000.parquet's first_seq is null"):
+        Manifest.from_json(
+            {**raw, "parts": [{k: v for k, v in p.items() if k != "first_seq"} for p in raw["parts"]]}, "m"
+        )
     # A part holding sequences past its range (part 0 holds 1-4 for 0-3) is refused as one holding others.
     shifted = tmp_path / "shifted"
     shutil.copytree(good, shifted)

@@ -565,9 +565,9 @@ def test_a_resumed_build_rewrites_parts_damaged_since_they_were_recorded(artifac
     assert _hashes(out) == _hashes(clean) and _same_values(out, clean)
 
 
-def test_parts_whose_items_an_older_fca_declared_nullable_read_beside_new_ones(artifacts, tmp_path, small_parts):
-    """Caches written before the items were declared non-null still open, and a cache mixing both kinds
-    of part (one an older FCA began and this one resumed) reads across them: same values."""
+def test_a_part_whose_items_are_declared_nullable_is_refused_naming_its_column(artifacts, tmp_path, small_parts):
+    """FCA writes every coefficient list's items non-null; a part declaring them nullable (another
+    writer's, or an edited file) is a part of another schema, refused in one line naming file and column."""
     import shutil
 
     from fca.tables.schema import MANIFEST, file_sha256
@@ -586,7 +586,9 @@ def test_parts_whose_items_an_older_fca_declared_nullable_read_beside_new_ones(a
     assert pq.read_schema(mixed / record["file"]).field("blocks.0.gate").type.value_field.nullable
     record.update(sha256=file_sha256(mixed / record["file"]), bytes=(mixed / record["file"]).stat().st_size)
     (mixed / MANIFEST).write_text(json.dumps(manifest))
-    assert len(manifest["parts"]) == 3 and _same_values(mixed, clean)  # one read spans the old and new parts
+    assert len(manifest["parts"]) == 3
+    with pytest.raises(CacheError, match=r"part-00000\.parquet: column 'blocks\.0\.gate' has type .* expected "):
+        open_cache(mixed).read_seqs([0])
 
 
 def test_parts_completed_out_of_order_are_kept(tmp_path):

@@ -157,11 +157,9 @@ def assign_site_names(model: nn.Module) -> None:
 
 def find_sites(model: nn.Module) -> dict[str, Site]:
     """All sites of a model, by name, in registration order (which our models keep equal to execution
-    order): `named_modules()`'s walk, with names built only for the sites. Every record and replay pass
-    walks the tree once, which counts where the host's time per op is the pass's time (a small model on
-    a GPU): there `named_modules` and setting each site's mode through `nn.Module.__setattr__` (69 us a
-    pass for the demo model, 29 us now) had made a replay pass 2.5% slower (one 8-token sequence on one
-    CPU thread: replay / live 1.05-1.06 before, 1.03-1.04 after)."""
+    order), with names built only for the sites. Every record and replay pass walks the tree once, and
+    where the host's time per op is the pass's time (a small model on a GPU) that walk shows in the
+    replay/live ratio: hence a walk over `_modules` rather than `named_modules()`, which names every module."""
     model = unwrapped(model)  # a compiled model's sites are named as the uncompiled model's
     found: dict[str, Site] = {}
     seen = {id(model)}

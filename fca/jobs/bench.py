@@ -199,8 +199,8 @@ def writer_seconds(
         writer.write(record_batch(schema, np.arange(lo, lo + n), tokens[:n], tokens[:n], nll[:n], values), n)
     writer.finish()
     seconds = time.perf_counter() - start
-    # Deleted after the clock stops (deleting is not writing; an overwrite spent ~23 ms in unlink in
-    # one thread) and before the next run starts: the kernel can write a cache left on disk back during
+    # Deleted after the clock stops (deleting is not writing, and an overwrite would time the unlink)
+    # and before the next run starts: the kernel can write a cache left on disk back during
     # a later run, on the same cores, slowing whichever run that lands in.
     shutil.rmtree(out, ignore_errors=True)
     return seconds
@@ -241,7 +241,7 @@ def writer_scaling(
 
     try:
         # Every count once before timing: a first run with new threads also pays for setting up their
-        # allocator arenas (measured: 40-45% longer, with more page faults), which a build pays once.
+        # allocator arenas (a longer run, with more page faults), which a build pays once.
         for w in workers:
             starting(w)
             writer_seconds(specs, w, work / "warmup", min(num_seqs, 2 * w * batch), seq_len, batch)
@@ -296,7 +296,7 @@ class BenchRun:
     @cached_property
     def capture_plan(self) -> dict:
         """The build's plan, made once as a real build makes it, outside the timed write: it hashes every
-        weight (17 ms for the shipped model on a CPU; on a GPU a copy of each to the host besides)."""
+        weight (on a GPU, a copy of each to the host besides)."""
         return _plan(self.model, self.capture_windows, self.batch_size)
 
     def build_cache(self) -> None:

@@ -62,8 +62,8 @@ def _part_record(p: object, where: str) -> PartRecord:
         rows=_typed(p.get("rows"), int, f"{file}'s rows", where),
         sha256=_typed(p.get("sha256"), str, f"{file}'s sha256", where),
         bytes=_typed(p.get("bytes"), int, f"{file}'s bytes", where),
-        index=_typed(p.get("index"), int, f"{file}'s index", where, optional=True),
-        first_seq=_typed(p.get("first_seq"), int, f"{file}'s first_seq", where, optional=True),
+        index=_typed(p.get("index"), int, f"{file}'s index", where),
+        first_seq=_typed(p.get("first_seq"), int, f"{file}'s first_seq", where),
     )
 
 
@@ -120,16 +120,15 @@ class CorpusRecord:
 
 @dataclass(frozen=True)
 class PartRecord:
-    """One part file. Part `index` holds sequences from `first_seq` on (None in caches written before
-    they were recorded: parts were then listed in order)."""
+    """One part file. Part `index` holds sequences from `first_seq` on."""
 
     file: str
     num_seqs: int
     rows: int
     sha256: str
     bytes: int
-    index: int | None = None
-    first_seq: int | None = None
+    index: int
+    first_seq: int
 
 
 def _environment(env: object, where: str) -> dict | None:
@@ -155,8 +154,8 @@ class Manifest:
     coefficient_dtype: str
     sites: dict[str, SiteSpec]  # in execution order
     parts: tuple[PartRecord, ...]
-    seqs_per_part: int | None  # None for caches written before it was recorded
-    environment: dict | None  # fca.tables.environment's record; None for caches that predate it
+    seqs_per_part: int
+    environment: dict | None  # fca.tables.environment's record; None where the writer did not know it
     created: str | None
     library_versions: dict
     raw: dict  # the JSON as read: for writing copies and for extra keys (e.g. `raw_bytes_per_token`)
@@ -210,7 +209,7 @@ class Manifest:
                     name: _site_spec(name, d, where) for name, d in _typed(raw["sites"], dict, "sites", where).items()
                 },
                 parts=tuple(_part_record(p, where) for p in _typed(raw["parts"], list, "parts", where)),
-                seqs_per_part=_typed(raw.get("seqs_per_part"), int, "seqs_per_part", where, optional=True),
+                seqs_per_part=_typed(raw.get("seqs_per_part"), int, "seqs_per_part", where),
                 environment=_environment(raw.get("environment"), where),
                 created=raw.get("created"),
                 library_versions=_typed(raw.get("library_versions") or {}, dict, "library_versions", where),
@@ -232,7 +231,7 @@ class Manifest:
             problem = f"{N} sequences of {T} tokens"
         elif not self.sites:
             problem = "no sites"
-        elif self.seqs_per_part is not None and self.seqs_per_part < 1:
+        elif self.seqs_per_part < 1:
             problem = f"seqs_per_part {self.seqs_per_part}"
         elif self.coefficient_dtype not in COEFFICIENT_BYTES:
             problem = f"coefficient dtype {self.coefficient_dtype!r} (known: {', '.join(COEFFICIENT_BYTES)})"
@@ -250,7 +249,7 @@ class Manifest:
             # sequence's part by arithmetic on these).
             follows, misplaced = 0, None
             for part in self.parts:
-                if part.first_seq not in (None, follows):
+                if part.first_seq != follows:
                     misplaced = part
                     break
                 follows += part.num_seqs

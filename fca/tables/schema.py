@@ -43,19 +43,10 @@ def cache_schema(specs: dict[str, SiteSpec], coefficient_type: pa.DataType = pa.
         pa.field("live_nll", pa.float32(), nullable=False),
     ]
     # The list items are declared non-null: Parquet then stores no definition level per value, which
-    # made encoding a demo part 13% and decoding it 12% faster (zstd, byte-stream split; 41 interleaved
-    # repeats). Caches written before that declared them nullable; readers take either (`same_site_type`).
+    # encoding and decoding would otherwise spend time on.
     item = pa.field("element", coefficient_type, nullable=False)
     fields += [pa.field(name, pa.list_(item, spec.num_channels), nullable=False) for name, spec in specs.items()]
     return pa.schema(fields)
-
-
-def same_site_type(stored: pa.DataType, expected: pa.DataType) -> bool:
-    """Whether a part's column type is the expected one, whether or not its list items are declared
-    nullable (caches by an older FCA declared them so; no coefficient is ever null)."""
-    if pa.types.is_fixed_size_list(stored) and pa.types.is_fixed_size_list(expected):
-        return stored.list_size == expected.list_size and stored.value_type.equals(expected.value_type)
-    return stored.equals(expected)
 
 
 # Stored coefficient types. bfloat16 has no Parquet type: its raw bits are stored as uint16 and the
@@ -303,10 +294,9 @@ def is_partial_file(name: str) -> bool:
 
 def byte_stream_split_columns(schema: pa.Schema) -> list[str]:
     """The columns written byte-stream-split: `live_nll` and every site's values. pyarrow names a list
-    column's values by their leaf path (`<site>.list.element`); the site's own name would leave them PLAIN
-    (measured on the demo cache: 8.07 MB split against 8.66 PLAIN, for 30.3 ms of encoding against 24.7).
-    float16 values stay PLAIN: DuckDB reads byte-stream-split only for 4- and 8-byte types, and refused
-    such caches (PLAIN float16 is 1.4% larger on the demo's coefficients)."""
+    column's values by their leaf path (`<site>.list.element`); the site's own name would leave them PLAIN,
+    and split float32 values compress smaller under zstd. float16 values stay PLAIN: DuckDB reads
+    byte-stream-split only for 4- and 8-byte types."""
     return [
         f.name if f.name == "live_nll" else f"{f.name}.list.element"
         for f in schema
@@ -331,7 +321,7 @@ def check_part_schema(part: Path, schema: pa.Schema, expected: pa.Schema) -> Non
     for column_field in expected:
         if column_field.name not in schema.names:
             raise CacheError(f"{part}: column {column_field.name!r} is missing")
-        if not same_site_type(schema.field(column_field.name).type, column_field.type):
+        if not schema.field(column_field.name).type.equals(column_field.type):
             raise CacheError(
                 f"{part}: column {column_field.name!r} has type {schema.field(column_field.name).type}, "
                 f"expected {column_field.type}"

@@ -106,13 +106,11 @@ class Cache:
         return ds.dataset([str(p) for p in self.part_paths()], format="parquet")
 
     def _part_starts(self) -> np.ndarray:
-        """[parts + 1] first sequence of every part in manifest order, and the end (the manifest's part
-        records say it; older caches listed parts in order without it). Computed once per opened cache."""
+        """[parts + 1] first sequence of every part in manifest order, and the end (as the manifest's part
+        records say). Computed once per opened cache."""
         if self._starts is None:
-            sizes = [p.num_seqs for p in self.manifest.parts]
             firsts = [p.first_seq for p in self.manifest.parts]
-            starts = np.concatenate([[0], np.cumsum(sizes)]) if None in firsts else np.array([*firsts, self.num_seqs])
-            self._starts = starts.astype(np.int64)
+            self._starts = np.array([*firsts, self.num_seqs], dtype=np.int64)
         return self._starts
 
     def _footer(self, position: int) -> tuple[Path, pq.ParquetFile, list[tuple[int, int, int]]]:
@@ -173,9 +171,7 @@ class Cache:
                     raise CacheError(f"{path}: unreadable part file ({str(err).splitlines()[0]})") from None
         if not pieces:
             return pa.schema([pa.field("seq", pa.int32())]).empty_table()
-        # "default" unifies list items declared nullable and not: a cache an older FCA began and this one
-        # resumed has parts of both kinds.
-        table = pa.concat_tables(pieces, promote_options="default")
+        table = pa.concat_tables(pieces)
         seq = table.column("seq").to_numpy()
         keep = np.isin(seq, w)
         return table if keep.all() else table.filter(pa.array(keep))
@@ -257,7 +253,7 @@ class Cache:
 
     @property
     def environment(self) -> dict | None:
-        """Where the coefficients were computed (fca.tables.environment), or None for caches that predate the record."""
+        """Where the coefficients were computed (fca.tables.environment), or None where the writer did not know it."""
         return self.manifest.environment
 
     @property
@@ -430,7 +426,7 @@ def open_cache(path: str | Path, verify: bool = False) -> Cache:
         raise CacheError(f"{manifest_path}: missing; not a finished cache{_resume_hint(path)}")
     cache = Cache(path, read_manifest(path))
     # Every part must be there with the size and the rows the manifest records (a stat and a footer each,
-    # ~0.6 ms: truncated, overwritten or overclaimed parts are refused here); one part's schema is read
+    # cheap beside a read: truncated, overwritten or overclaimed parts are refused here); one part's schema is read
     # now, each other's when a read first needs it (`Cache._footer`).
     for record in cache.manifest.parts:
         part = path / record.file
