@@ -43,6 +43,7 @@ FOREIGN = {
     "torch": "2.11.0+cu130",
     "cuda": "13.0",
     "threads": None,
+    "numerics": "default",
     "batch_size": 4,
 }
 

@@ -12,12 +12,9 @@ from __future__ import annotations
 # The fields that decide whether two environments compute bit-identical results. Anything not listed
 # here (the batch size of a build, say) is recorded for the reader but compared separately.
 # `numerics`: settings that change kernels on the same device (float32 matmul precision, TF32, oneDNN's
-# instruction-set limit): a build under ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 machine differed by 4.8e-7
-# from a replay without it, and was refused as "not this model's output" before they were recorded.
-# Older caches lack it: read as the default settings (they were built before anyone set them through FCA),
-# so it differs only from a non-default record.
+# instruction-set limit): a build under ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 machine differs from a replay
+# without it in the last bits, so they are part of what must agree for bit-identical results.
 IDENTITY_FIELDS = ("device_type", "device_name", "capability", "model_dtype", "torch", "cuda", "threads", "numerics")
-RECORDED_LATER = ("numerics",)
 LABELS = {
     "device_type": "device",
     "device_name": "device name",
@@ -46,11 +43,7 @@ def differing_fields(a: dict | None, b: dict | None) -> list[str]:
     """The identity fields on which two known environments differ, in words (empty if either is unknown)."""
     if not a or not b:
         return []
-
-    def value(env: dict, k: str) -> object:
-        return env.get(k) or "default" if k in RECORDED_LATER else env.get(k)
-
-    return [LABELS[k] for k in IDENTITY_FIELDS if value(a, k) != value(b, k)]
+    return [LABELS[k] for k in IDENTITY_FIELDS if a.get(k) != b.get(k)]
 
 
 def same_environment(a: dict | None, b: dict | None) -> bool:
