@@ -11,6 +11,7 @@ no interpolation sweep, no training record).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -314,6 +315,12 @@ class ConditionRow(Section):
     nll_sd_over_sequences: float | None = part(nullable(number))
     penalty_ci95_documents: tuple[float | None, float | None] | None = optional(interval)
 
+    @property
+    def quoted_interval(self) -> list[float]:
+        """The penalty CI to quote (`fca.tables.scoring.quoted_interval`): over documents where there is one."""
+        bounds = self.penalty_ci95_documents or self.penalty_ci95
+        return [math.nan if x is None else x for x in bounds]
+
 
 @dataclass(frozen=True, kw_only=True)
 class SweepRow(Section):
@@ -467,6 +474,11 @@ class Execution(Section):
             latency = Latency.read({key: data[key] for key in timed}, path)
         rest = super().read({k: v for k, v in data.items() if k not in LATENCY_KEYS}, path)
         return dataclasses.replace(rest, latency=latency)
+
+    @property
+    def latency_ratio_vs_dense(self) -> float | None:
+        """The model's time over its Dense twin's (None where there is no twin)."""
+        return None if self.latency is None else self.latency.latency_ratio_vs_dense
 
     def to_json(self) -> dict:
         out = super().to_json()
