@@ -498,7 +498,9 @@ def test_a_product_without_a_formula_is_listed_not_counted_as_zero():
 
     report = json.loads((Path(__file__).parents[1] / "cache" / "demo" / "audit.json").read_text())
     report["execution"]["uncounted_ops"] = counted["uncounted_ops"]
-    assert "- Not counted (no FLOP formula in this torch): aten._int_mm; the share leaves" in render_markdown(AuditReport.from_json(report))
+    assert "- Not counted (no FLOP formula in this torch): aten._int_mm; the share leaves" in render_markdown(
+        AuditReport.from_json(report)
+    )
 
 
 def test_an_moe_report_says_which_blocks_have_experts_and_whether_a_shared_one_runs():

@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fca.tables.audit_report import (
-    REPORT_VERSION,
     AuditReport,
     ConditionRow,
     Exactness,
@@ -25,8 +24,6 @@ from fca.tables.paper import CITATION, STATIC_RETENTION, comparison_markdown
 from fca.tables.scoring import MIN_DOCUMENTS
 from fca.tables.stats import MIN_BOOTSTRAP_VALUES
 from fca.tables.text import markdown_code, markdown_text
-
-__all__ = ["REPORT_VERSION", "AuditReport", "ReportError"]  # (where readers of reports have always found them)
 
 # What an earlier report looks like (`write_report` replaces only that).
 REPORT_FILES = RenderedPair("audit report", json_with("fca_report_version"), starts_with("# FCA audit"))
