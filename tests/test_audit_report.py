@@ -84,7 +84,7 @@ def _damaged(tmp_path: Path, change) -> str:
         (lambda d: d["execution"].update(latency_ratio_vs_dense=None), "execution.model_ms_median is given without"),
         (lambda d: d["interpolation_sweep"][2].update(alpha=True), "interpolation_sweep[2].alpha is a boolean"),
         (lambda d: d["exactness"]["fidelity"].pop("verdict"), "exactness.fidelity.verdict is missing"),
-        (lambda d: d["cache"].pop("documents"), "documents is missing"),  # (its origin's fields: all or none)
+        (lambda d: d["cache"].pop("documents"), "cache.documents is missing"),  # (its origin's fields: all or none)
         (lambda d: d["model"].update(colour="red"), "model.colour is not a field of this FCA's audit report"),
         (lambda d: d["gap_retention"].update(wobble=0.5), "gap_retention.wobble names no condition of the report"),
         (lambda d: d["training"].update(seed="three"), "training.seed is a string, not a whole number"),

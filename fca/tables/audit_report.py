@@ -108,21 +108,19 @@ def interval(value: object, path: str) -> tuple[float | None, float | None]:
     return (value[0], value[1])
 
 
-def _schema(required: bool = True, absent: bool = False, check: Check | None = None, **more) -> Any:
-    """A field's reading: `check` (a Section's own `read` where None), whether its key may be absent (None
-    then, and left out of the JSON again), and whether it must be there."""
-    metadata = {"check": check, "absent": absent, **more}
-    return field(default=None, metadata=metadata) if absent or not required else field(metadata=metadata)
+def part(check: Check) -> Any:
+    """A field every report has, read by `check`."""
+    return field(metadata={"check": check, "absent": False})
 
 
-def part(check: Check | None = None) -> Any:
-    """A field every report has."""
-    return _schema(check=check)
+def optional(check: Check) -> Any:
+    """A field a report may lack, read by `check`: None where its key is absent, and left out of the JSON."""
+    return field(default=None, metadata={"check": check, "absent": True})
 
 
-def optional(check: Check | None = None) -> Any:
-    """A field a report may lack: None, and its key left out of the JSON."""
-    return _schema(absent=True, check=check)
+def derived(default: Any = None) -> Any:
+    """A field read from other keys than its own (`Section._derive`)."""
+    return field(default=default, metadata={"derived": True})
 
 
 def _dump(value: Any) -> Any:
@@ -155,12 +153,11 @@ class Section:
                 if f.metadata["absent"]:
                     continue
                 raise WrongField(_at(path, f.name), "is missing")
-            check = f.metadata["check"] or _section_type(cls, f).read
-            values[f.name] = check(data[f.name], _at(path, f.name))
-        return cls(**cls._derive(data, values))
+            values[f.name] = f.metadata["check"](data[f.name], _at(path, f.name))
+        return cls(**cls._derive(data, values, path))
 
     @classmethod
-    def _derive(cls, data: dict, values: dict) -> dict:
+    def _derive(cls, data: dict, values: dict, path: str) -> dict:
         """The values of fields not read from a key of their own (none by default)."""
         return values
 
@@ -174,15 +171,6 @@ class Section:
     def _written(self, name: str, value: Any, absent: bool) -> bool:
         """Whether a field's key is in the JSON: a field that may be absent is left out where None."""
         return not (absent and value is None)
-
-
-def _section_type(cls: type, f: dataclasses.Field) -> type[Section]:
-    """The Section a field holds, from its annotation ("Model", "Dense | None")."""
-    name = str(f.type).split("|")[0].strip()
-    found = globals().get(name)
-    if not (isinstance(found, type) and issubclass(found, Section)):
-        raise TypeError(f"{cls.__name__}.{f.name}: no check and no Section type")
-    return found
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,16 +203,16 @@ class CacheEntry(Section):
     tokens: int = part(whole)
     coefficient_dtype: str = part(text)
     environment: dict | None = part(nullable(obj))
-    origin_recorded: bool = field(default=True, metadata={"derived": True})
+    origin_recorded: bool = derived(True)
 
     ORIGIN = ("split_seed", "corpus_fingerprint")
 
     @classmethod
-    def _derive(cls, data: dict, values: dict) -> dict:
+    def _derive(cls, data: dict, values: dict, path: str) -> dict:
         recorded = cls.ORIGIN[0] in data
         wrong = next((key for key in cls.ORIGIN if (key in data) != recorded), None)
         if wrong is not None:  # (all of them or none)
-            raise WrongField(wrong, "is missing" if recorded else "is given without split_seed")
+            raise WrongField(_at(path, wrong), "is missing" if recorded else "is given without split_seed")
         return {**values, "origin_recorded": recorded}
 
     def _written(self, name: str, value: Any, absent: bool) -> bool:
@@ -300,8 +288,8 @@ class Exactness(Section):
     nll_correct: float = part(number)
     tolerance: float = part(number)
     mechanism: dict = part(obj)
-    fidelity: Fidelity = part()
-    calibration: CalibrationOrigin | None = optional()
+    fidelity: Fidelity = part(Fidelity.read)
+    calibration: CalibrationOrigin | None = optional(CalibrationOrigin.read)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -360,11 +348,11 @@ class Routing(Section):
     not_reported: str | None = optional(text)
 
     @classmethod
-    def _derive(cls, data: dict, values: dict) -> dict:
+    def _derive(cls, data: dict, values: dict, path: str) -> dict:
         observed = [key for key in ("routers", "experts", "chance", "conditions") if key in values]
-        if observed and len(observed) < 4:
+        if observed and len(observed) < 4:  # (all of them, or only the sentence)
             missing = next(key for key in ("routers", "experts", "chance", "conditions") if key not in values)
-            raise WrongField(f"routing.{missing}", "is missing")
+            raise WrongField(_at(path, missing), "is missing")
         return values
 
 
@@ -452,11 +440,11 @@ class Execution(Section):
     controller_flops_share: float = part(number)
     flops_per_token: float = part(number)
     uncounted_ops: tuple[str, ...] | None = optional(listing(text))  # (early audits: not kept)
-    experts: Experts | None = optional()
+    experts: Experts | None = optional(Experts.read)
     note: str | None = optional(text)
     dense_flops_per_token: float | None = optional(number)  # (early audits with a twin: not counted)
     flops_ratio_vs_dense: float | None = optional(nullable(number))
-    latency: Latency | None = field(default=None, metadata={"derived": True})
+    latency: Latency | None = derived()
     conditions: dict[str, ConditionExecution] | None = optional(mapping(ConditionExecution.read))
 
     @classmethod
@@ -492,18 +480,18 @@ class AuditReport(Section):
     """One audit report (README, "What is measured, exactly")."""
 
     fca_report_version: int = part(whole)
-    model: Model = part()
-    cache: EvaluatedCache = part()
-    calibration: CalibrationCache = part()
+    model: Model = part(Model.read)
+    cache: EvaluatedCache = part(EvaluatedCache.read)
+    calibration: CalibrationCache = part(CalibrationCache.read)
     dense: Dense | None = part(nullable(Dense.read))  # (null: audited without a Dense twin)
-    exactness: Exactness = part()
+    exactness: Exactness = part(Exactness.read)
     conditions: dict[str, ConditionRow] = part(mapping(ConditionRow.read))
     gap_retention: dict[str, float | None] = part(mapping(nullable(number)))  # null: undefined
     gap_retention_ci95: dict[str, tuple[float | None, float | None]] | None = optional(mapping(interval))
     interpolation_sweep: tuple[SweepRow, ...] | None = optional(listing(SweepRow.read))
-    routing: Routing | None = optional()  # (models with routers)
-    variance: Variance = part()
-    execution: Execution = part()
+    routing: Routing | None = optional(Routing.read)  # (models with routers)
+    variance: Variance = part(Variance.read)
+    execution: Execution = part(Execution.read)
     definitions: dict[str, Any] = part(obj)  # the words each figure is defined by, as written
     training: dict[str, Any] | None = optional(obj)  # how the model was trained (seed, steps, ...), where known
     seconds: float = part(number)
