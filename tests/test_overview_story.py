@@ -190,7 +190,7 @@ def test_the_conditions_and_routing_tables_cell_by_cell():
             "cross_input@a.0": {**figures, "weight_kept": None, "routers_changed": ["a.0"], **per_router},
         },
     }
-    table = routing_table(typed({"routing": routing}))
+    table = routing_table(typed({"routing": routing}).routing)
     assert table[-2:] == [
         "| cross_input | 25.0% | 50.0% | 45.0% |",
         "| `cross_input@a.0` (1 of 2 routers) | 25.0% | 50.0% | – |",  # (no weights handed: no figure)
@@ -199,14 +199,16 @@ def test_the_conditions_and_routing_tables_cell_by_cell():
     assert "read from what each MoE layer's experts were handed" in table[1]
     # A condition on sites that are no router changes no routing: said, with no figures
     nothing = {key: None for key in figures} | {"routers_changed": []} | per_router
-    quiet = routing_table(typed({"routing": {**routing, "conditions": {"cross_input@gate.x": nothing}}}))
+    quiet = routing_table(typed({"routing": {**routing, "conditions": {"cross_input@gate.x": nothing}}}).routing)
     assert quiet[-1] == "| `cross_input@gate.x` (no router changed) | – | – | – |"
-    assert routing_table(typed({"conditions": CONDITIONS})) == []
+    assert routing_table(typed({"conditions": CONDITIONS}).routing) == []
     # Routers whose selection could not be observed: one sentence, its names shown as written (not Markdown)
     note = "No routing figure is reported for 1 of 3 routers: which experts ran could not be read (m.2_x: why)."
-    partly = routing_table(typed({"routing": {**routing, "not_reported": note}}))
+    partly = routing_table(typed({"routing": {**routing, "not_reported": note}}).routing)
     assert partly[-2:] == ["", note.replace("_", "\\_").replace("(", "\\(").replace(")", "\\)")]
-    assert routing_table(typed({"routing": {"not_reported": "No routing figure is reported for any router."}})) == [
+    assert routing_table(
+        typed({"routing": {"not_reported": "No routing figure is reported for any router."}}).routing
+    ) == [
         "",
         "**Routing.** No routing figure is reported for any router.",
     ]

@@ -305,7 +305,7 @@ if documents := documents_sentence(report):
     )
 if used := global_mean_sentence(report):
     st.caption(used)
-if routing := routing_table(report):  # (a model with routers: how much routing each condition kept, or why not)
+if routing := routing_table(report.routing):  # (a model with routers: how much routing each condition kept, or why not)
     st.markdown("\n".join(routing))
     if report.routing.conditions is not None:  # (none where no router's selection could be observed)
         swept = [row.condition for row in report.sweep]

@@ -15,6 +15,7 @@ from fca.tables.audit_report import (
     Execution,
     Latency,
     ReportError,
+    Routing,
     SweepRow,
     Variance,
 )
@@ -203,11 +204,10 @@ def markdown_literal(text: object) -> str:
     return re.sub(r"([\\`*_{}\[\]()<>#+!|~-])", r"\\\1", str(text))
 
 
-def routing_table(report: AuditReport) -> list[str]:
-    """Markdown lines for a report's `routing` section: the experts each condition had tokens run, against
-    their own, and the sentence saying which routers have no figure and why; [] when the model has no
-    routers."""
-    routing = report.routing
+def routing_table(routing: Routing | None) -> list[str]:
+    """Markdown lines for a report's (or saved run's results') `routing` section: the experts each condition
+    had tokens run, against their own, and the sentence saying which routers have no figure and why; [] for
+    none (a model without routers)."""
     if routing is None:
         return []
     note = routing.not_reported
@@ -433,7 +433,7 @@ def render_markdown(report: AuditReport) -> str:
         lines += ["", used]
     caution = few_sequences_caution(cache.sequences)
     lines += ["", f"> {caution}"] if caution else []  # (FCA's words and a count)
-    lines += routing_table(report)
+    lines += routing_table(report.routing)
     lines += dependence_story_markdown(report)
     lines += [
         "",
