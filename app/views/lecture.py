@@ -86,8 +86,6 @@ def step_execution(sel: Selection, report: AuditReport | None) -> None:
         return no_data(NO_REPORT)
     exe = report.execution
     per_block = exe.tokens_per_block
-    if not per_block or not exe.tokens:
-        return no_data("its report does not count the tokens each block ran.")
     ratio = exe.latency_ratio_vs_dense
     if exe.blocks_executed_fraction < 1:  # a router that decides: this model's inference is dynamic
         st.markdown(
