@@ -22,6 +22,7 @@ import numpy as np
 import streamlit as st
 
 from fca.tables import catalog
+from fca.tables.audit_report import AuditReport
 from fca.tables.catalog import weights_path
 from fca.tables.data import load_tokenizer
 from fca.tables.errors import CacheError
@@ -253,7 +254,7 @@ def preload_experiment(
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
-def report(path: str, stamp: str) -> dict:
+def report(path: str, stamp: str) -> AuditReport:
     """An audit report, checked whole (`read_report`): a damaged one is refused here, not halfway down a page."""
     return read_report(path)
 

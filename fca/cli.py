@@ -295,18 +295,18 @@ def cmd_audit(args: argparse.Namespace) -> None:
         for bar in bars.values():
             bar.close()
     write_report(report, args.json, args.markdown)
-    audited = report["cache"]["sequences"]
+    audited = report.cache.sequences
     if args.num_seqs is not None and audited < args.num_seqs:  # said as replay says it, on stderr (stdout: Markdown)
         print(f"{args.cache}: {audited} sequences audited (all it has; {args.num_seqs} asked for)", file=sys.stderr)
     if not args.json and not args.markdown:
         print(render_markdown(report))
     else:
-        c = report["conditions"]
-        print(*exactness_sentences(report["exactness"]), sep="\n")
+        print(*exactness_sentences(report.exactness), sep="\n")
+        share = report.variance.layer_identity_share
         print(
-            " ".join(f"{k}={v['nll']:.4f}" for k, v in c.items()),
-            f"| static_layer retention {_percent(report['gap_retention'].get('static_layer'))}",
-            f"| layer-identity share {report['variance']['layer_identity_share']:.3f}",
+            " ".join(f"{k}={v.nll:.4f}" for k, v in report.conditions.items()),
+            f"| static_layer retention {_percent(report.gap_retention.get('static_layer'))}",
+            f"| layer-identity share {'undefined' if share is None else f'{share:.3f}'}",
         )
 
 
@@ -370,6 +370,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 def cmd_replay(args: argparse.Namespace) -> None:
     from fca.jobs.runs import run_replay
+    from fca.tables.audit_report import Exactness
     from fca.tables.report import documents_note, exactness_sentences
     from fca.tables.stats import MIN_BOOTSTRAP_VALUES
 
@@ -394,7 +395,7 @@ def cmd_replay(args: argparse.Namespace) -> None:
     )
     asked, n = args.num_seqs, record["spec"]["num_seqs"]
     print(f"{args.cache}: {n} sequences replayed" + (f" (all it has; {asked} asked for)" if n < asked else ""))
-    for sentence in exactness_sentences(record["results"]["exactness"]):
+    for sentence in exactness_sentences(Exactness.read(record["results"]["exactness"], "exactness")):
         print(sentence)
     routing = record["results"].get("routing", {}).get("conditions", {})  # (models with observed routers)
     rows = record["results"]["conditions"]
@@ -457,7 +458,7 @@ def _routing_figures(record: dict, name: str) -> str:
     if not routing or name not in routing.get("conditions", {}):
         return ""
     row = routing["conditions"][name]
-    mark = routing_scope(row, list(routing["routers"]))
+    mark = routing_scope(row["routers_changed"], list(routing["routers"]))
     if row["same_experts"] is None:
         return f" {mark}"
     weight = row.get("weight_kept")

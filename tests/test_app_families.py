@@ -119,8 +119,10 @@ def test_the_overview_shows_how_much_routing_each_condition_kept(family_root, mo
     """An audit of a model with top-k routers: the Overview gives the report's routing table under the
     conditions; a model without routers has none."""
     import shutil
+    from dataclasses import replace
 
     from fca.jobs.audit import run_audit
+    from fca.tables.audit_report import Routing
     from fca.tables.report import write_report
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -136,21 +138,21 @@ def test_the_overview_shows_how_much_routing_each_condition_kept(family_root, mo
     no_exceptions(at)
     said = [m.value for m in at.markdown if m.value.startswith("**Routing.**")]
     if model_dir.name == "mixtral":
-        cross = 100 * report["routing"]["conditions"]["cross_input"]["same_experts"]
+        cross = 100 * report.routing.conditions["cross_input"].same_experts
         assert len(said) == 1 and f"| cross_input | {cross:.1f}% |" in said[0]
         assert "would be the same set for 16.7% of tokens and keep 50.0% of them" in said[0]
         figure = next(c for c in at.get("plotly_chart") if "Routing kept" in c.proto.spec)
         spec = json.loads(figure.proto.spec)
         lines = {t["name"]: t for t in spec["data"]}
         assert lines["cross_input"]["x"] == ["layer 0", "layer 1"] and "correct" not in lines
-        cross = report["routing"]["conditions"]["cross_input"]["same_experts_per_router"]
+        cross = report.routing.conditions["cross_input"].same_experts_per_router
         assert lines["cross_input"]["y"] == pytest.approx(cross)
         assert "global_mean" in lines  # (read at the experts: no tie mark)
         # Its execution card: the experts each token runs (what an MoE skips), not a Dense twin's "n/a".
         assert [m.label for m in at.metric][2] == "Experts run per token" and at.metric[2].value == "2.00 of 4"
         # Routing that could not be read at the experts: one sentence, no table and no chart.
         note = "No routing figure is reported for any router: which experts ran could not be read (a_b: why)."
-        write_report({**report, "routing": {"not_reported": note}}, tmp_path / "audit.json")
+        write_report(replace(report, routing=Routing(not_reported=note)), tmp_path / "audit.json")
         at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), "views/overview.py")
         no_exceptions(at)
         said = [m.value for m in at.markdown if m.value.startswith("**Routing.**")]
@@ -158,5 +160,5 @@ def test_the_overview_shows_how_much_routing_each_condition_kept(family_root, mo
                         "read \\(a\\_b: why\\)."]  # fmt: skip
         assert not any("Routing kept" in c.proto.spec for c in at.get("plotly_chart"))
     else:
-        assert said == [] and "routing" not in report
+        assert said == [] and report.routing is None
         assert [m.label for m in at.metric][2] == "Time vs Dense twin"

@@ -1288,14 +1288,19 @@ def test_damaged_reports_devices_and_one_path_for_two_outputs_are_refused(demo, 
     assert f"{demo / 'eval'}: {N_SEQS} sequences audited (all it has; 99 asked for)" in capsys.readouterr().err
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["cache"]["sequences"] == N_SEQS  # the JSON counts the sequences evaluated, not those asked for
-    for damage, said, studied in (
-        ({"conditions": 5}, "'conditions' is a int", True),
-        ({"conditions": {**report["conditions"], "correct": {"nll": "x"}}}, "'correct' has no numeric nll", True),
-        ({"interpolation_sweep": 7}, "interpolation_sweep is not a list", True),
-        ({"exactness": None}, "'exactness' is a NoneType", False),  # (a study does not read it)
+    correct = report["conditions"]["correct"]
+    for damage, said, studied in (  # (each names the field's path)
+        ({"conditions": 5}, "(conditions is a number, not an object)", True),
         (
-            {"conditions": {**report["conditions"], "correct": {"nll": 1.0, "penalty": 0.0, "penalty_ci95": [0]}}},
-            "'correct' has no [low, high] penalty_ci95",
+            {"conditions": {**report["conditions"], "correct": {**correct, "nll": "x"}}},
+            "conditions.correct.nll is a string",
+            True,
+        ),
+        ({"interpolation_sweep": 7}, "(interpolation_sweep is a number, not a list)", True),
+        ({"exactness": None}, "(exactness is null, not an object)", True),
+        (
+            {"conditions": {**report["conditions"], "correct": {**correct, "penalty_ci95": [0]}}},
+            "(conditions.correct.penalty_ci95 is not a [low, high] pair)",
             True,
         ),
     ):

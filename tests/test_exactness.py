@@ -24,6 +24,7 @@ from fca.engine.environment import current_environment
 from fca.engine.replay import check_exactness, run_conditions
 from fca.engine.sites import find_sites
 from fca.jobs.experiment import Experiment
+from fca.tables.audit_report import Exactness
 from fca.tables.environment import describe, same_environment
 from fca.tables.errors import CacheError
 from fca.tables.fidelity import FidelityError, FidelityMeasure, calibration_origin, check_dtype, tolerances
@@ -404,18 +405,27 @@ def _fidelity_sentence(**changes) -> str:
         "verdict": "within tolerance",
         "tolerances": tolerances("float32", "float16"),
         "same_environment": False,
+        "same_batches": False,
         "computed_on": FOREIGN,
+        "replayed_on": {},
         "computed_on_text": "X",
         "replayed_on_text": "Y",
         "max_abs_coefficient_diff": 1e-7,
         "max_rel_coefficient_diff": 1e-6,
+        "differing_coefficients": 1,
+        "coefficients_compared": 8,
+        "per_site_max_abs_diff": {},
+        "nll_live": 3.0,
+        "nll_correct_from_cache": 3.0,
         "nll_diff": 1e-6,
+        "max_seq_nll_diff": 1e-6,
         "stored_live_nll_max_diff": 0.0,
+        "coefficient_dtype": "float16",
         "differing_fields": ["device"],
         **changes,
     }
-    ex = {"max_abs_logit_diff": 0.0, "tolerance": 1e-6, "nll_live": 3.0, "nll_correct": 3.0, "fidelity": fid}
-    return exactness_sentences(ex)[1]
+    ex = {"max_abs_logit_diff": 0.0, "tolerance": 1e-6, "nll_live": 3.0, "nll_correct": 3.0, "mechanism": {}}
+    return exactness_sentences(Exactness.read({**ex, "fidelity": fid}, "exactness"))[1]
 
 
 def test_the_fidelity_sentence_says_why_differences_were_accepted():

@@ -135,9 +135,13 @@ def test_mixtral_audit(corpus_and_tokenizer, monkeypatch, capsys):
     assert "router" in report["definitions"]["global_mean_families"]
     assert report["conditions"]["static_layer"]["penalty"] != 0.0
     assert experts["shared_experts"] is False and report["execution"]["uncounted_ops"] == []
-    from fca.tables.report import render_markdown
+    from fca.tables.report import AuditReport, render_markdown
 
-    markdown = render_markdown(report)
+    typed = AuditReport.from_json(report, "mixtral.json")  # (routers and experts: no shipped report has them)
+    assert typed.to_json() == report and typed.routing.conditions["cross_input"].routers_changed == tuple(
+        typed.routing.routers
+    )
+    markdown = render_markdown(typed)
     assert "- Experts run per token: 2.00 of 4 routed experts per MoE layer (top-2: 50.0% of them), counted from the " \
         "dispatched indices.\n" in markdown  # fmt: skip
     assert (
@@ -198,7 +202,7 @@ def test_mixtral_audit(corpus_and_tokenizer, monkeypatch, capsys):
     other = json.loads(json.dumps(report))
     other["routing"]["conditions"]["cross_input"]["same_experts"] = cross["same_experts"] + 0.1
     other["model"]["fingerprint"] = "another seed's"  # (a study refuses one model twice)
-    study = build_study([("a.json", report), ("b.json", other)])
+    study = build_study([("a.json", typed), ("b.json", AuditReport.from_json(other))])
     kept = study["summary"]["conditions"]["cross_input"]["same_experts"]
     assert kept["n"] == 2 and kept["mean"] == pytest.approx(cross["same_experts"] + 0.05)
     assert "interpolate:0.5" not in study["summary"]["conditions"]  # (the sweep is not averaged)

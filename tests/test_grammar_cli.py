@@ -164,13 +164,13 @@ def test_report_of_another_json_is_one_line(tmp_path, capsys, content) -> None:
 @pytest.mark.parametrize(
     "where, value, said",
     [
-        (("exactness", "max_abs_logit_diff"), None, "TypeError"),
-        (("variance", "per_site"), "x", "AttributeError"),
-        (("model", "fingerprint"), None, "TypeError"),
-        (("execution", "ratio_min"), "x", "ValueError"),
-        (("cache", "path"), ..., "no 'path'"),
-        (("variance", "chance_levels"), [0.01, 0.02], "AttributeError"),
-        (("variance", "chance_levels"), {"token_id_within_slot": "x"}, "ValueError"),
+        (("exactness", "max_abs_logit_diff"), None, "exactness.max_abs_logit_diff is null, not a number"),
+        (("variance", "per_site"), "x", "variance.per_site is a string, not an object"),
+        (("model", "fingerprint"), None, "model.fingerprint is null, not a string"),
+        (("execution", "ratio_min"), "x", "execution.ratio_min is a string, not a number"),
+        (("cache", "path"), ..., "cache.path is missing"),
+        (("variance", "chance_levels"), [0.01, 0.02], "variance.chance_levels is a list, not an object"),
+        (("variance", "chance_levels"), {"token_id_within_slot": "x"}, "token_id_within_slot is a string"),
     ],
 )
 def test_a_report_with_a_damaged_field_is_one_line(tmp_path, capsys, where, value, said) -> None:
@@ -186,7 +186,7 @@ def test_a_report_with_a_damaged_field_is_one_line(tmp_path, capsys, where, valu
     path.write_text(json.dumps(report))
     assert main(["report", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"{path}: not an FCA audit report (a field cannot be read: {said}" in err
+    assert err.count("\n") == 1 and f"{path}: not an FCA audit report (" in err and said in err
 
 
 def test_report_of_the_shipped_audit_still_renders(capsys) -> None:

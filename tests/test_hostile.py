@@ -358,9 +358,9 @@ def markup_left(markdown: str) -> list[str]:
 
 
 def test_report_markdown_shows_hostile_strings_as_text(tiny_demo):
-    from fca.tables.report import render_markdown
+    from fca.tables.report import AuditReport, render_markdown
 
-    text = render_markdown(hostile_report(json.loads((tiny_demo / "audit.json").read_text())))
+    text = render_markdown(AuditReport.from_json(hostile_report(json.loads((tiny_demo / "audit.json").read_text()))))
     assert not markup_left(text), markup_left(text)
     assert "\\[x](https:\u2060//attacker.example/link)" in text and "\\<a href=" in text  # the names, escaped
 

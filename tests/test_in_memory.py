@@ -72,22 +72,20 @@ def test_custom_model_audited_end_to_end(adapted, tmp_path):
     fca.build_cache(adapted, tokens[4_000:], tmp_path / "calibration", seq_len=32, split="calibration")
     report = fca.audit(adapted, tmp_path / "eval", tmp_path / "calibration", latency_runs=2, training={"seed": 7})
 
-    assert report["model"]["name"] == "TinyGatedLM" and report["cache"]["sequences"] == 124
+    assert report.model.name == "TinyGatedLM" and report.cache.sequences == 124
     # The seed given travels in the report, so a study of such audits shows it (it showed "?").
     from fca.tables.study import build_study
 
-    assert report["training"] == {"seed": 7} and build_study([("a", report)])["seeds"][0]["seed"] == 7
-    assert report["exactness"]["max_abs_logit_diff"] == 0.0
-    assert report["exactness"]["fidelity"]["verdict"] == "bit-identical"
+    assert report.training == {"seed": 7} and build_study([("a", report)])["seeds"][0]["seed"] == 7
+    assert report.exactness.max_abs_logit_diff == 0.0
+    assert report.exactness.fidelity.verdict == "bit-identical"
     # The five paper conditions and, as from the CLI, the interpolation sweep (alpha 0, 0.25, ..., 1).
     sweep = {f"interpolate:{a:g}" for a in (0, 0.25, 0.5, 0.75, 1)}
-    assert (
-        set(report["conditions"]) == {"correct", "cross_input", "token_shuffle", "static_layer", "global_mean"} | sweep
-    )
-    assert [row["alpha"] for row in report["interpolation_sweep"]] == [0, 0.25, 0.5, 0.75, 1]
-    assert set(report["variance"]["per_site"]) == {"blocks.0.gate", "blocks.1.gate"}
-    assert report["execution"]["blocks_executed_fraction"] == 1.0
-    assert report["execution"]["uncounted_ops"] == []
+    assert set(report.conditions) == {"correct", "cross_input", "token_shuffle", "static_layer", "global_mean"} | sweep
+    assert [row.alpha for row in report.sweep] == [0, 0.25, 0.5, 0.75, 1]
+    assert set(report.variance.per_site) == {"blocks.0.gate", "blocks.1.gate"}
+    assert report.execution.blocks_executed_fraction == 1.0
+    assert report.execution.uncounted_ops == ()
 
     experiment = fca.Experiment.open(adapted, tmp_path / "eval", tmp_path / "calibration")
     record = run_replay(None, None, None, ["static_layer"], num_seqs=8, experiment=experiment, save=False)
@@ -151,8 +149,8 @@ def test_a_compiled_model_is_audited_on_caches_of_the_uncompiled_one(adapted, tm
     for name in conditions:
         assert np.array_equal(results.per_seq_nll[name], uncompiled.per_seq_nll[name])
     report = fca.audit(compiled, tmp_path / "eval", tmp_path / "calibration", num_seqs=8, latency_runs=1, sweep=())
-    assert report["model"]["name"] == "TinyGatedLM" and report["model"]["model_type"] == "TinyGatedLM"
-    assert report["execution"]["blocks_executed_fraction"] == 1.0 and report["execution"]["controller_flops"] > 0
+    assert report.model.name == "TinyGatedLM" and report.model.model_type == "TinyGatedLM"
+    assert report.execution.blocks_executed_fraction == 1.0 and report.execution.controller_flops > 0
 
     declared_compiled = torch.compile(TinyGatedLM().eval(), backend="eager")
     gate = SiteDeclaration(path="blocks.*.gate", axes=(("group", 4),), family="gate", coefficient="gate logits")
@@ -439,15 +437,15 @@ def test_a_model_that_skips_blocks_is_counted_as_it_runs(tmp_path):
     fca.build_cache(model, tokens[2_000:], tmp_path / "calibration", seq_len=32, split="calibration")
     report = fca.audit(model, tmp_path / "eval", tmp_path / "calibration", num_seqs=16, latency_runs=2, sweep=())
 
-    assert report["exactness"]["max_abs_logit_diff"] == 0.0
-    execution = report["execution"]
+    assert report.exactness.max_abs_logit_diff == 0.0
+    execution = report.execution
     probe_tokens = 8 * 32  # the first 8 evaluated sequences
-    assert execution["tokens"] == probe_tokens and execution["tokens_per_block"] == [8 * 16, 8 * 16]
-    assert execution["blocks_executed_per_token"] == 1.0 and execution["blocks_executed_fraction"] == 0.5
-    assert 0 < execution["controller_flops_share"] < 0.05  # a 16 -> 1 router beside 16 -> 32 -> 16 blocks
+    assert execution.tokens == probe_tokens and execution.tokens_per_block == (8 * 16, 8 * 16)
+    assert execution.blocks_executed_per_token == 1.0 and execution.blocks_executed_fraction == 0.5
+    assert 0 < execution.controller_flops_share < 0.05  # a 16 -> 1 router beside 16 -> 32 -> 16 blocks
     assert "Blocks executed per token: 1.00 of 2 (50.0%)" in fca.tables.report.render_markdown(report)
     # Shuffled scores route other tokens through the blocks: the model depends on which tokens its router picks.
-    nll = {name: row["nll"] for name, row in report["conditions"].items()}
+    nll = {name: row.nll for name, row in report.conditions.items()}
     assert nll["token_shuffle"] > nll["correct"] + 1e-3
 
 

@@ -497,18 +497,20 @@ def test_a_product_without_a_formula_is_listed_not_counted_as_zero():
 
     counted = controller_flops(IntegerProduct(), torch.ones(32, 32, dtype=torch.long))
     assert counted["uncounted_ops"] == ["aten._int_mm"] and counted["total_flops"] == 2 * 32 * 32 * 32
-    from fca.tables.report import render_markdown
+    from fca.tables.report import AuditReport, render_markdown
 
     report = json.loads((Path(__file__).parents[1] / "cache" / "demo" / "audit.json").read_text())
     report["execution"]["uncounted_ops"] = counted["uncounted_ops"]
-    assert "- Not counted (no FLOP formula in this torch): aten._int_mm; the share leaves" in render_markdown(report)
+    assert "- Not counted (no FLOP formula in this torch): aten._int_mm; the share leaves" in render_markdown(
+        AuditReport.from_json(report)
+    )
 
 
 def test_an_moe_report_says_which_blocks_have_experts_and_whether_a_shared_one_runs():
     """Qwen2-MoE with a dense MLP in its first block and a shared expert in the others: the report had said
     "per MoE layer" without how many there are, and of Mixtral that "a shared expert ... is not among them"."""
     from fca.engine.models.hf_moe import expert_execution
-    from fca.tables.report import render_markdown
+    from fca.tables.report import AuditReport, render_markdown
 
     config = transformers.Qwen2MoeConfig(
         **{k: v for k, v in MIXTRAL.items() if k != "num_local_experts"},
@@ -524,6 +526,6 @@ def test_an_moe_report_says_which_blocks_have_experts_and_whether_a_shared_one_r
     experts = report["execution"]["experts"]
     assert experts["moe_layers"] == 1 and experts["shared_experts"] is True
     assert "counted from the dispatched indices; 1 of the 2 blocks has an MoE layer; a shared expert runs for " \
-        "every token besides them." in render_markdown(report)  # fmt: skip
+        "every token besides them." in render_markdown(AuditReport.from_json(report))  # fmt: skip
     assert expert_execution(adapt_moe(transformers.AutoModelForCausalLM.from_config(
         transformers.MixtralConfig(**MIXTRAL)).eval()), torch.randint(0, 50, (2, 6)))["shared_experts"] is False  # fmt: skip

@@ -32,6 +32,7 @@ from fca.engine.adapters import Projection, SiteDeclaration, SiteDeclarationErro
 from fca.engine.families import family_of
 from fca.engine.models.hf_structure import adapt_structural
 from fca.engine.sites import find_sites, site_modes
+from fca.tables.audit_report import AuditReport
 from fca.tables.errors import ModelLoadError
 
 
@@ -250,14 +251,15 @@ def test_every_exact_type_audits_end_to_end(chunk, tmp_path, capsys):
         evaluated = fca.build_cache(model, windows[:4], work / "eval", split="eval", batch_size=2)
         calibration = fca.build_cache(model, windows[4:], work / "cal", split="calibration", batch_size=2)
         report = fca.audit(model, evaluated, calibration, num_seqs=4, latency_runs=1, sweep=())
-        assert report["exactness"]["max_abs_logit_diff"] == 0.0, model_type
-        assert report["execution"]["total_flops"] > 0, model_type
-        routing = report["routing"]
+        assert report.exactness.max_abs_logit_diff == 0.0, model_type
+        assert report.execution.total_flops > 0, model_type
+        routing = report.routing
+        assert AuditReport.from_json(report.to_json()) == report, model_type  # (routers and experts: read back)
         if row["routing"] == "observed at experts":
-            assert report["execution"]["experts"]["moe_layers"] >= 1, model_type
-            assert "not_reported" not in routing and routing["conditions"], model_type
+            assert report.execution.experts.moe_layers >= 1, model_type
+            assert routing.not_reported is None and routing.conditions, model_type
         else:
-            assert routing.get("not_reported"), model_type
+            assert routing.not_reported, model_type
         out = work / "report.json"
         args = ["audit", "--model", str(work / model_type), "--cache", str(evaluated), "--calibration"]
         assert main([*args, str(calibration), "--json", str(out), "--num-seqs", "4", "--device", "cpu"]) == 0

@@ -4,21 +4,47 @@ Overview's suggested audit command."""
 
 from __future__ import annotations
 
+import copy
 import html
 import json
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from app import figures
-from fca.tables.report import render_markdown, retention_sentence
+from fca.tables.audit_report import AuditReport
+from fca.tables.report import read_report, render_markdown, retention_sentence
 from fca.tables.study import build_study, study_from_files, without_sweep
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "cache" / "demo"
+DEMO_JSON = json.loads((DEMO / "audit.json").read_text())
+ORIGIN = ("split_seed", "corpus_fingerprint", "documents")
+
+
+def typed(report: dict) -> AuditReport:
+    """A hand-made report (the sections a test is about, in JSON form) completed from the shipped demo's:
+    `model`, `cache` and `variance` fields replace the demo's one by one (a cache's origin fields only as
+    given), other sections whole; given conditions replace the sweep and retention intervals that name
+    the demo's, and rows without an NLL SD have none."""
+    data = copy.deepcopy(DEMO_JSON)
+    if "conditions" in report:
+        for key in ("gap_retention_ci95", "interpolation_sweep"):
+            data.pop(key)
+        data["gap_retention"] = {}
+    for key, value in report.items():
+        if key == "cache":
+            data[key] = {**{k: v for k, v in data[key].items() if k not in ORIGIN}, **value}
+        elif key in ("model", "variance"):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    data["conditions"] = {name: {"nll_sd_over_sequences": None, **row} for name, row in data["conditions"].items()}
+    return AuditReport.from_json(data, "hand-made report")
 
 
 def row(nll: float, penalty: float, lo: float, hi: float) -> dict:
@@ -45,22 +71,22 @@ SWEEP = [
 
 
 def test_retention_sentence_in_plain_words():
-    text = retention_sentence({"conditions": CONDITIONS, "gap_retention": RETENTION})
+    text = retention_sentence(typed({"conditions": CONDITIONS, "gap_retention": RETENTION}))
     assert text.startswith("A fixed per-layer profile keeps 42.0% of what per-token control is worth here")
     assert text.endswith("the paper's gated models kept 98.70-99.43% (arXiv:2607.26192).")  # PAPER_STATIC_RETENTION
     # of another architecture, the paper's range is a reference, not its own yardstick
     for model_type, qualified in (("featuregate", False), ("mixtral", True), ("muddpythia", True)):
         report = {"conditions": CONDITIONS, "gap_retention": RETENTION, "model": {"model_type": model_type}}
-        assert ("not a result for this architecture" in retention_sentence(report)) == qualified, model_type
-    undefined = retention_sentence({"conditions": CONDITIONS, "gap_retention": {"static_layer": None}})
+        assert ("not a result for this architecture" in retention_sentence(typed(report))) == qualified, model_type
+    undefined = retention_sentence(typed({"conditions": CONDITIONS, "gap_retention": {"static_layer": None}}))
     assert "undefined" in undefined and "42%" not in undefined
     assert undefined.startswith("Per-token control is not clearly worth anything here")
     # A global mean significantly better than the own coefficients had read "not clearly worth anything" too.
     better = {**CONDITIONS, "global_mean": row(2.99, -0.0065, -0.0081, -0.005)}
-    assert retention_sentence({"conditions": better, "gap_retention": {"static_layer": None}}).startswith(
+    assert retention_sentence(typed({"conditions": better, "gap_retention": {"static_layer": None}})).startswith(
         "Removing per-token control lowers the NLL here: the global-mean profile scores better than the model's"
     )
-    assert "lacks" in retention_sentence({"conditions": {"correct": CONDITIONS["correct"]}, "gap_retention": {}})
+    assert "lacks" in retention_sentence(typed({"conditions": {"correct": CONDITIONS["correct"]}, "gap_retention": {}}))
     # Beyond the scale's ends ("keeps 126%" of a tiny model read as nonsense): said in words, CI first.
     for static, retention, said in (
         (
@@ -72,7 +98,7 @@ def test_retention_sentence_in_plain_words():
         (row(4.1, 1.1, 1.0, 1.2), -0.1, "does worse here than the global-mean profile (gap retention -10.0%)"),
     ):
         report = {"conditions": {**CONDITIONS, "static_layer": static}, "gap_retention": {"static_layer": retention}}
-        assert said in retention_sentence(report)
+        assert said in retention_sentence(typed(report))
 
 
 def test_retention_sentence_at_the_scales_edges():
@@ -80,10 +106,10 @@ def test_retention_sentence_at_the_scales_edges():
     retention of exactly 100% or 0% is said as a share, not as beating either end."""
     reaches = {**CONDITIONS, "global_mean": row(2.995, -0.005, -0.01, 0.002)}
     undefined = {"conditions": reaches, "gap_retention": {"static_layer": None}}
-    assert retention_sentence(undefined).startswith("Per-token control is not clearly worth anything here")
+    assert retention_sentence(typed(undefined)).startswith("Per-token control is not clearly worth anything here")
     for retention, said in ((1.0, "keeps 100.0% of what"), (0.0, "keeps 0.0% of what")):
         report = {"conditions": CONDITIONS, "gap_retention": {"static_layer": retention}}
-        assert retention_sentence(report).startswith(f"A fixed per-layer profile {said}"), retention
+        assert retention_sentence(typed(report)).startswith(f"A fixed per-layer profile {said}"), retention
 
 
 def test_retention_sentence_reads_the_interval_over_documents_and_retentions_own():
@@ -93,10 +119,10 @@ def test_retention_sentence_reads_the_interval_over_documents_and_retentions_own
     a negative retention whose own CI reaches 0 is within noise of the global mean."""
     below = {**CONDITIONS, "global_mean": {**row(2.99, -0.01, -0.01, -0.005), "penalty_ci95_documents": [-0.02, 0.01]}}
     report = {"conditions": below, "gap_retention": {"static_layer": None}}
-    assert retention_sentence(report).startswith("Per-token control is not clearly worth anything here")
+    assert retention_sentence(typed(report)).startswith("Per-token control is not clearly worth anything here")
     beats = {**CONDITIONS, "static_layer": {**row(2.9, -0.1, -0.2, -0.05), "penalty_ci95_documents": [-0.25, 0.05]}}
     report = {"conditions": beats, "gap_retention": {"static_layer": 1.26}}
-    assert "does as well as per-token control here (gap retention 126.0%" in retention_sentence(report)
+    assert "does as well as per-token control here (gap retention 126.0%" in retention_sentence(typed(report))
     worse = {
         "conditions": {**CONDITIONS, "static_layer": row(4.1, 1.1, 1.0, 1.2)},
         "gap_retention": {"static_layer": -0.84},
@@ -104,18 +130,18 @@ def test_retention_sentence_reads_the_interval_over_documents_and_retentions_own
     noisy = {**worse, "gap_retention_ci95": {"static_layer": [-7.49, 0.28]}}
     assert (
         "does no better than the global-mean profile here (gap retention -84.0%, 95% CI -749.0% to 28.0%"
-        in retention_sentence(noisy)
+        in retention_sentence(typed(noisy))
     )
     clear = {**worse, "gap_retention_ci95": {"static_layer": [-1.2, -0.5]}}
-    assert "does worse here than the global-mean profile (gap retention -84.0%)" in retention_sentence(clear)
+    assert "does worse here than the global-mean profile (gap retention -84.0%)" in retention_sentence(typed(clear))
 
 
 def test_each_familys_layer_identity_share_is_given_beside_the_pooled_one():
     from fca.tables.report import family_shares
 
-    assert family_shares({"per_family": {"gate": 0.19}}) is None  # one family: the pooled share is its own
+    assert family_shares(typed({"variance": {"per_family": {"gate": 0.19}}}).variance) is None  # one family: its own
     assert (
-        family_shares({"per_family": {"router": 0.081, "shared_expert_gate": 0.348}})
+        family_shares(typed({"variance": {"per_family": {"router": 0.081, "shared_expert_gate": 0.348}}}).variance)
         == "router 8.1%, shared_expert_gate 34.8%"
     )
 
@@ -126,7 +152,7 @@ def test_the_conditions_and_routing_tables_cell_by_cell():
     from fca.tables.report import conditions_table, routing_table
 
     report = {"conditions": CONDITIONS, "gap_retention": {**RETENTION, "global_mean": 0.0}}
-    lines = conditions_table(report)
+    lines = conditions_table(typed(report))
     assert lines[2:] == [
         "| correct | 3.0000 | +0.0000 | [+0.0000, +0.0000] |  |",
         "| cross_input | 3.9000 | +0.9000 | [+0.8500, +0.9500] | 10.0% |",
@@ -140,27 +166,31 @@ def test_the_conditions_and_routing_tables_cell_by_cell():
         for name, r in CONDITIONS.items()
     }
     documents = {**report, "conditions": wider, "gap_retention_ci95": {"cross_input": [-0.05, 0.25]}}
-    lines = conditions_table(documents)
+    lines = conditions_table(typed(documents))
     assert "| penalty 95% CI (sequences) | penalty 95% CI (documents) | gap retention [95% CI] |" in lines[0]
     assert (
         lines[3]
         == "| cross_input | 3.9000 | +0.9000 | [+0.8500, +0.9500] | [+0.8400, +0.9700] | 10.0% [-5.0%, 25.0%] |"
     )
     assert lines[4] == "| static_layer | 3.5800 | +0.5800 | [+0.5000, +0.6000] | [+0.4900, +0.6200] | 42.0% |"
-    narrow = conditions_table(documents, both_intervals=False)  # the Overview's: the interval to quote only
+    narrow = conditions_table(typed(documents), both_intervals=False)  # the Overview's: the interval to quote only
     assert "| penalty 95% CI (documents) | gap retention [95% CI] |" in narrow[0] and len(narrow[1].split("|")) == 7
     assert narrow[3] == "| cross_input | 3.9000 | +0.9000 | [+0.8400, +0.9700] | 10.0% [-5.0%, 25.0%] |"
-    assert conditions_table(report, both_intervals=False) == conditions_table(report)  # nothing over documents
+    assert conditions_table(typed(report), both_intervals=False) == conditions_table(
+        typed(report)
+    )  # nothing over documents
     figures = dict(same_experts=0.25, expert_overlap=0.5, weight_kept=0.45)
+    per_router = {f"{figure}_per_router": [0.25, 1.0] for figure in figures}  # (not in the table)
     routing = {
         "routers": {"a.0": 2, "a.1": 2},
+        "experts": {"a.0": 4, "a.1": 4},
         "chance": {"same_experts": 1 / 6, "expert_overlap": 0.5},
         "conditions": {
-            "cross_input": {**figures, "routers_changed": ["a.0", "a.1"]},
-            "cross_input@a.0": {**figures, "weight_kept": None, "routers_changed": ["a.0"]},
+            "cross_input": {**figures, "routers_changed": ["a.0", "a.1"], **per_router},
+            "cross_input@a.0": {**figures, "weight_kept": None, "routers_changed": ["a.0"], **per_router},
         },
     }
-    table = routing_table({"routing": routing})
+    table = routing_table(typed({"routing": routing}).routing)
     assert table[-2:] == [
         "| cross_input | 25.0% | 50.0% | 45.0% |",
         "| `cross_input@a.0` (1 of 2 routers) | 25.0% | 50.0% | – |",  # (no weights handed: no figure)
@@ -168,15 +198,17 @@ def test_the_conditions_and_routing_tables_cell_by_cell():
     assert "top-2" in table[1] and "2 routers" in table[1] and "16.7% of tokens and keep 50.0% of them" in table[1]
     assert "read from what each MoE layer's experts were handed" in table[1]
     # A condition on sites that are no router changes no routing: said, with no figures
-    nothing = {key: None for key in figures} | {"routers_changed": []}
-    quiet = routing_table({"routing": {**routing, "conditions": {"cross_input@gate.x": nothing}}})
+    nothing = {key: None for key in figures} | {"routers_changed": []} | per_router
+    quiet = routing_table(typed({"routing": {**routing, "conditions": {"cross_input@gate.x": nothing}}}).routing)
     assert quiet[-1] == "| `cross_input@gate.x` (no router changed) | – | – | – |"
-    assert routing_table({"conditions": CONDITIONS}) == []
+    assert routing_table(typed({"conditions": CONDITIONS}).routing) == []
     # Routers whose selection could not be observed: one sentence, its names shown as written (not Markdown)
     note = "No routing figure is reported for 1 of 3 routers: which experts ran could not be read (m.2_x: why)."
-    partly = routing_table({"routing": {**routing, "not_reported": note}})
+    partly = routing_table(typed({"routing": {**routing, "not_reported": note}}).routing)
     assert partly[-2:] == ["", note.replace("_", "\\_").replace("(", "\\(").replace(")", "\\)")]
-    assert routing_table({"routing": {"not_reported": "No routing figure is reported for any router."}}) == [
+    assert routing_table(
+        typed({"routing": {"not_reported": "No routing figure is reported for any router."}}).routing
+    ) == [
         "",
         "**Routing.** No routing figure is reported for any router.",
     ]
@@ -288,12 +320,13 @@ def test_what_the_intervals_resample_is_said():
     assert run.startswith("The 96 evaluated windows are consecutive stretches of 10 documents")
     assert audit.endswith("Gap retention's CI resamples documents too.")
     assert "Gap retention" not in run  # (a replay run has no retention interval)
-    older = {"sequences": 256, "split": "eval", "split_seed": 0, "documents": None}  # a corpus cache made before
-    assert documents_sentence({"cache": older}).startswith("This corpus cache was built before caches recorded")
-    assert documents_sentence({"cache": {**older, "split_seed": None}}) is None  # windows from memory
+    older = {"sequences": 256, "split": "eval", "split_seed": 0, "corpus_fingerprint": None, "documents": None}  # a
+    # corpus cache made before caches recorded their documents
+    assert documents_sentence(typed({"cache": older})).startswith("This corpus cache was built before caches recorded")
+    assert documents_sentence(typed({"cache": {**older, "split_seed": None}})) is None  # windows from memory
     assert (
-        documents_sentence({"cache": {k: v for k, v in older.items() if k != "documents"}}) is None
-    )  # an older report
+        documents_sentence(typed({"cache": {k: v for k, v in older.items() if k not in ORIGIN}})) is None
+    )  # a report of the shipped studies' form
 
 
 def test_the_charts_draw_the_interval_over_documents_where_the_report_has_it():
@@ -356,33 +389,31 @@ def test_sweep_section_in_a_tiny_audit(tiny_demo):
     report = run_audit(
         tiny_demo / "featuregate", tiny_demo / "eval", tiny_demo / "calibration", device="cpu", sweep=(1, 0, 0.5)
     )
-    sweep = report["interpolation_sweep"]
-    assert [r["alpha"] for r in sweep] == [0.0, 0.5, 1.0]
-    assert [r["condition"] for r in sweep] == ["interpolate:0", "interpolate:0.5", "interpolate:1"]
-    c = report["conditions"]
+    sweep = report.sweep
+    assert [r.alpha for r in sweep] == [0.0, 0.5, 1.0]
+    assert [r.condition for r in sweep] == ["interpolate:0", "interpolate:0.5", "interpolate:1"]
+    c = report.conditions
     for r in sweep:
-        by_document = {"penalty_ci95_documents"} & set(
-            c[r["condition"]]
-        )  # (5 documents or more: the tiny demo has fewer)
-        assert set(r) == {"alpha", "condition", "nll", "penalty", "penalty_ci95", *by_document}
-        assert all(r[k] == c[r["condition"]][k] for k in ("nll", "penalty_ci95", *by_document))
+        assert (r.nll, r.penalty_ci95) == (c[r.condition].nll, c[r.condition].penalty_ci95)
+        # (over documents only from 5 documents or more: the tiny demo has fewer)
+        assert r.penalty_ci95_documents == c[r.condition].penalty_ci95_documents
     # the ends are the static profile and the own coefficients
-    assert sweep[0]["nll"] == pytest.approx(c["static_layer"]["nll"], abs=1e-6)
-    assert sweep[-1]["nll"] == pytest.approx(c["correct"]["nll"], abs=1e-9)
-    assert "interpolate:0.5" in report["definitions"]["condition_specs"]
+    assert sweep[0].nll == pytest.approx(c["static_layer"].nll, abs=1e-6)
+    assert sweep[-1].nll == pytest.approx(c["correct"].nll, abs=1e-9)
+    assert "interpolate:0.5" in report.definitions["condition_specs"]
     text = render_markdown(report)
     assert "### Interpolation sweep" in text and "| 0.5 |" in text and retention_sentence(report) in text
     # a study leaves the sweep out, so it stays comparable with audits made without one
     stripped = without_sweep(report)
-    assert set(stripped["conditions"]) == {"correct", "cross_input", "token_shuffle", "static_layer", "global_mean"}
-    assert "interpolate:0.5" not in stripped["definitions"]["condition_specs"]
+    assert set(stripped.conditions) == {"correct", "cross_input", "token_shuffle", "static_layer", "global_mean"}
+    assert "interpolate:0.5" not in stripped.definitions["condition_specs"]
 
-    other = {**stripped, "model": {**stripped["model"], "fingerprint": "another"}}  # an audit made without a sweep
-    if "training" in other:  # (another model: another seed)
-        other["training"] = {**other["training"], "seed": other["training"].get("seed", 0) + 1}
-    assert "interpolation_sweep" not in other
+    other = replace(stripped, model=replace(stripped.model, fingerprint="another"))  # an audit made without a sweep
+    if other.training is not None:  # (another model: another seed)
+        other = replace(other, training={**other.training, "seed": other.training.get("seed", 0) + 1})
+    assert other.interpolation_sweep is None and "interpolation_sweep" not in other.to_json()
     study = build_study([("a", report), ("b", other)])
-    assert set(study["summary"]["conditions"]) == set(stripped["conditions"])
+    assert set(study["summary"]["conditions"]) == set(stripped.conditions)
 
 
 @pytest.mark.slow
@@ -396,7 +427,7 @@ def test_definitions_say_what_was_run(tiny_demo):
         tiny_demo / "featuregate", tiny_demo / "eval", tiny_demo / "calibration", device="cpu", sweep=(),
         extra_conditions=extra, latency_runs=1,
     )  # fmt: skip
-    definitions = report["definitions"]
+    definitions = report.definitions
     assert "interpolation_sweep" not in definitions and set(definitions["extra_conditions"]) == set(extra)
     assert "one permutation per sequence and site" in definitions["extra_conditions"]["token_shuffle+independent"]
     assert "at blocks.0.gate only" in definitions["extra_conditions"]["static_layer@blocks.0.gate"]
@@ -412,7 +443,7 @@ def test_shipped_markdown_reports_are_what_their_json_renders():
     shipped = sorted((REPO / "cache").rglob("audit.json"))
     assert len(shipped) == 7  # the demo, the skip demo, and the two studies' five seeds
     for path in shipped:
-        assert path.with_suffix(".md").read_text() == render_markdown(json.loads(path.read_text())), path
+        assert path.with_suffix(".md").read_text() == render_markdown(read_report(path)), path
     assert "| token id within slot | 67.3% | 3.84% |" in (DEMO / "audit.md").read_text()  # (shares in percent)
 
 
@@ -450,10 +481,10 @@ def _chart_titles(at) -> list[str]:
 def test_the_report_says_when_latency_runs_disagree():
     report = json.loads((DEMO / "audit.json").read_text())
     low, high = report["execution"]["ratio_min"], report["execution"]["ratio_max"]
-    assert high / low < 1.25 and f"The runs ranged from {low:.3f}x to {high:.3f}x.\n" in render_markdown(report)
+    assert high / low < 1.25 and f"The runs ranged from {low:.3f}x to {high:.3f}x.\n" in render_markdown(typed(report))
     busy = {**report, "execution": {**report["execution"], "ratio_min": 0.61, "ratio_max": 1.02}}
     assert "ranged from 0.610x to 1.020x: too wide to trust; rerun the audit on an otherwise idle" in render_markdown(
-        busy
+        typed(busy)
     )
 
 
@@ -464,7 +495,7 @@ def test_overview_tells_the_story_of_the_shipped_demo(monkeypatch):
     assert any(t.startswith("Retention scale") for t in titles)
     assert any(t.startswith("Interpolation sweep") for t in titles)
     report = json.loads((DEMO / "audit.json").read_text())
-    assert any(retention_sentence(report) in m.value for m in at.markdown)
+    assert any(retention_sentence(AuditReport.from_json(report)) in m.value for m in at.markdown)
     assert [m.value for m in at.metric][0].endswith("%")  # short values: the unit is in the label or help
     table = next(m.value for m in at.markdown if m.value.startswith("| condition"))
     assert "ci_lo" not in table and "penalty 95% CI" in table
@@ -483,11 +514,13 @@ def test_a_report_over_few_sequences_says_its_intervals_are_rough(tiny_demo, mon
     """Three sequences give a percentile bootstrap 10 distinct means, yet a gap retention was reported as
     defined and quoted like any other: under 10 there is no interval, under 20 it is said to be rough."""
     report = json.loads((DEMO / "audit.json").read_text())
-    assert "bootstrap interval" not in render_markdown(report)
+    assert "bootstrap interval" not in render_markdown(typed(report))
     rough = {**report, "cache": {**report["cache"], "sequences": 12}}
-    assert "> Only 12 evaluated sequences: the bootstrap intervals over sequences" in render_markdown(rough)
+    assert "> Only 12 evaluated sequences: the bootstrap intervals over sequences" in render_markdown(typed(rough))
     few = {**report, "cache": {**report["cache"], "sequences": 3}}
-    assert "> Only 3 evaluated sequences: too few for a bootstrap interval over sequences" in render_markdown(few)
+    assert "> Only 3 evaluated sequences: too few for a bootstrap interval over sequences" in render_markdown(
+        typed(few)
+    )
     at = _app(monkeypatch, [tiny_demo], tiny_demo / "eval").run()  # the tiny demo's audit: 8 sequences
     assert not at.exception, [e.value for e in at.exception]
     assert [w.value for w in at.warning if w.value.startswith("Only 8 evaluated sequences: too few")]
@@ -571,12 +604,12 @@ def test_shipped_markdown_reports_are_their_json_rendered():
     shipped = [(path, path.with_suffix(".md")) for path in reports if path.with_suffix(".md").is_file()]
     assert len(shipped) >= 6
     for json_path, markdown in shipped:
-        assert render_markdown(json.loads(json_path.read_text())) == markdown.read_text(), markdown
+        assert render_markdown(read_report(json_path)) == markdown.read_text(), markdown
     # A calibration cache of another corpus (allowed: independent by construction) is said to be so.
-    report = json.loads((DEMO / "audit.json").read_text())
+    report = read_report(DEMO / "audit.json")
     assert ", from " not in render_markdown(report)
-    report["calibration"]["corpus"] = "other.txt"
-    assert "(calibration split, 32,768 tokens, from other.txt)" in render_markdown(report)
+    other = replace(report, calibration=replace(report.calibration, corpus="other.txt"))
+    assert "(calibration split, 32,768 tokens, from other.txt)" in render_markdown(other)
 
 
 SWEPT = ["static_layer", "global_mean", "token_shuffle", *(f"interpolate:{a:g}" for a in (0, 0.25, 0.5, 0.75, 1))]

@@ -222,7 +222,9 @@ def test_sharded_audit_is_the_single_process_audit(tiny_demo):
         experiment.close()
     for key in ("conditions", "exactness", "gap_retention", "variance", "cache", "calibration", "definitions"):
         # same NLLs, same CIs (NaN from 8 sequences: compared as JSON), same checks: equal, not close
-        assert json.dumps(sharded[key], sort_keys=True) == json.dumps(local[key], sort_keys=True), key
+        assert json.dumps(sharded.to_json()[key], sort_keys=True) == json.dumps(local.to_json()[key], sort_keys=True), (
+            key
+        )
 
 
 @pytest.mark.ray

@@ -246,6 +246,7 @@ def test_routing_that_cannot_be_observed_is_not_reported_and_said_so(tmp_path, m
     """No experts modules declared, or experts that are never called: no routing figure, one sentence why,
     in the run's JSON, its Markdown and the CLI's words."""
     from fca.jobs.runs import run_replay
+    from fca.tables.audit_report import Routing
     from fca.tables.report import routing_table
 
     model = deepseek_v3()
@@ -262,7 +263,9 @@ def test_routing_that_cannot_be_observed_is_not_reported_and_said_so(tmp_path, m
         "experts (model.layers.0.mlp.gate, model.layers.1.mlp.gate: its family names no experts modules "
         "(Family.expert_paths))."
     }
-    assert routing_table(record["results"])[-1].startswith("**Routing.** No routing figure is reported for any")
+    assert routing_table(Routing.read(routing, "routing"))[-1].startswith(
+        "**Routing.** No routing figure is reported for any"
+    )
     # `fca replay` says it too (the run is the one above: the CLI loads models by path)
     from fca.cli import main
 

@@ -113,7 +113,7 @@ def test_an_audits_shares_match_two_pass_figures_on_its_stored_coefficients(mean
     report = fca.audit(model, tmp_path / "eval", tmp_path / "cal", latency_runs=1, sweep=(), batch_size=8)
     expected = two_pass(values, ids, layout)
     assert 0.05 < expected["layer_identity_share"] < 0.95  # both slot and token effects present
-    errors = relative_errors(report["variance"], expected)
+    errors = relative_errors(report.variance.to_json(), expected)
     assert max(errors.values()) <= TOLERANCE, {k: v for k, v in errors.items() if v > TOLERANCE}
 
 
@@ -129,7 +129,7 @@ def test_a_share_is_undefined_only_where_the_coefficients_do_not_vary(tmp_path):
         fca.build_cache(model, tokens, ev, seq_len=16)
         fca.build_cache(model, tokens[::-1].copy(), cal, seq_len=16, split="calibration")
         report = fca.audit(model, ev, cal, latency_runs=1, sweep=())
-        shares.append(report["variance"]["layer_identity_share"])
+        shares.append(report.variance.layer_identity_share)
     assert shares == [1.0, None]
 
 

@@ -17,10 +17,12 @@ import pytest
 
 from fca.cli import main
 from fca.tables import study
+from fca.tables.audit_report import AuditReport
 from fca.tables.outputs import OutputError
+from fca.tables.study import StudyError, spread, t_quantile_975
 
 DEMO = Path(__file__).resolve().parent.parent / "cache" / "demo"
-from fca.tables.study import StudyError, build_study, spread, t_quantile_975
+DEMO_AUDIT = json.loads((DEMO / "audit.json").read_text())
 
 # ------------------------------------------------------------------ hand-made audits
 
@@ -32,80 +34,64 @@ def hand_audit(
     global_mean: float,
     retention: float | None,
     share: float,
-    latency: float | None,
+    latency: float,
     seed: int | None = None,
 ) -> dict:
-    """The parts of an audit report a study reads, with the report's real key layout."""
+    """The shipped demo's audit JSON with the figures a study reads set by hand (only four conditions, no
+    sweep), its cache entries of the form the shipped studies' audits have."""
     conditions = {
         "correct": correct,
         "cross_input": global_mean - 0.01,
         "static_layer": static,
         "global_mean": global_mean,
     }
-    report = {
-        "fca_report_version": 1,
-        "model": {
-            "name": "featuregate",
-            "model_type": "featuregate",
-            "fingerprint": fingerprint,
-            "parameters": 1000,
-            "controller_parameters": 10,
-            "dtype": "float32",
-            "device": "cpu",
-        },
-        "cache": {
-            "path": "eval",
-            "split": "eval",
-            "corpus": "kjv.txt",
-            "sequences": 8,
-            "seq_len": 16,
-            "tokens": 128,
-            "coefficient_dtype": "float32",
-            "fingerprint": "c" + fingerprint[1:],
-        },
-        "calibration": {
-            "path": "calibration",
-            "split": "calibration",
-            "corpus": "kjv.txt",
-            "sequences": 8,
-            "seq_len": 16,
-            "tokens": 128,
-            "coefficient_dtype": "float32",
-        },
-        "dense": {"name": "dense", "fingerprint": "d" + fingerprint[1:], "parameters": 990},
-        "exactness": {"max_abs_logit_diff": 0.0, "mechanism": {"whatever": "passed through"}},
-        "conditions": {
-            k: {"nll": v, "penalty": v - correct, "penalty_ci95": [v - correct - 0.01, v - correct + 0.01]}
-            for k, v in conditions.items()
-        },
-        "gap_retention": {"cross_input": 0.01, "static_layer": retention},
-        "variance": {"layer_identity_share": share, "per_site": {}},
-        "execution": {
-            "blocks_executed_fraction": 1.0,
-            "blocks_executed_per_token": 2.0,
-            "controller_flops_share": 0.004,
-            "latency_ratio_vs_dense": latency,
-            "device": "cpu",
-            "batch_shape": [8, 16],
-            "runs": 7,
-        },
-        "definitions": {
-            "penalty": "paired percentile bootstrap (2000 resamples, seed 0)",
-            "splits": {"evaluated": "eval", "calibration": "calibration"},
-            "global_mean_families": {"gate": ["blocks.0.gate", "blocks.1.gate"]},
-            "conditions": {"static_layer": "per-site mean"},
-            "exactness": "free text, not compared",
-        },
+    report = copy.deepcopy(DEMO_AUDIT)
+    report["model"].update(name="featuregate", fingerprint=fingerprint, parameters=1000, controller_parameters=10)
+    shape = {"corpus": "kjv.txt", "sequences": 8, "seq_len": 16, "tokens": 128, "coefficient_dtype": "float32"}
+    report["cache"].update(path="eval", split="eval", fingerprint="c" + fingerprint[1:], **shape)
+    report["calibration"].update(path="calibration", split="calibration", **shape)
+    for entry in ("cache", "calibration"):  # the entries of the shipped study audits: no split seed, corpus fingerprint
+        for key in ("split_seed", "corpus_fingerprint", "documents"):
+            report[entry].pop(key, None)
+    report["dense"] = {"name": "dense", "fingerprint": "d" + fingerprint[1:], "parameters": 990}
+    report["conditions"] = {
+        k: {
+            "nll": v,
+            "penalty": v - correct,
+            "penalty_ci95": [v - correct - 0.01, v - correct + 0.01],
+            "nll_sd_over_sequences": 0.1,
+        }
+        for k, v in conditions.items()
+    }
+    report["gap_retention"] = {"cross_input": 0.01, "static_layer": retention}
+    for key in ("gap_retention_ci95", "interpolation_sweep", "training"):
+        report.pop(key)
+    report["variance"]["layer_identity_share"] = share
+    execution = report["execution"]
+    execution.update(blocks_executed_fraction=1.0, blocks_executed_per_token=2.0, controller_flops_share=0.004)
+    execution.update(latency_ratio_vs_dense=latency, device="cpu", batch_shape=[8, 16], runs=7)
+    report["definitions"] = {
+        "penalty": "paired percentile bootstrap (2000 resamples, seed 0)",
+        "splits": {"evaluated": "eval", "calibration": "calibration"},
+        "global_mean_families": {"gate": ["blocks.0.gate", "blocks.1.gate"]},
+        "conditions": {"static_layer": "per-site mean"},
+        "exactness": "free text, not compared",
     }
     if seed is not None:
         report["training"] = {"seed": seed, "split_seed": 0, "steps": 20, "device": "cpu"}
     return report
 
 
+def build_study(audits, trainings=None) -> dict:
+    """`fca.tables.study.build_study` of (name, report JSON) pairs, each read as `AuditReport` first."""
+    typed = [(name, AuditReport.from_json(report, name)) for name, report in audits]
+    return study.build_study(typed, trainings)
+
+
 THREE = [
     ("a.json", hand_audit("a" * 64, 3.0, static=3.5, global_mean=4.0, retention=0.5, share=0.2, latency=1.0, seed=0)),
     ("b.json", hand_audit("b" * 64, 3.2, static=3.6, global_mean=4.2, retention=0.6, share=0.3, latency=1.1, seed=1)),
-    ("c.json", hand_audit("c" * 64, 3.4, static=4.1, global_mean=4.4, retention=0.3, share=0.4, latency=None, seed=2)),
+    ("c.json", hand_audit("c" * 64, 3.4, static=4.1, global_mean=4.4, retention=0.3, share=0.4, latency=1.2, seed=2)),
 ]
 
 
@@ -166,9 +152,9 @@ def test_study_aggregates_hand_made_audits():
     assert "gap_retention" not in summary["conditions"]["correct"]
     share = summary["layer_identity_share"]
     assert share["mean"] == pytest.approx(0.3) and share["sd"] == pytest.approx(0.1)
-    latency = summary["latency_ratio_vs_dense"]  # one audit has no latency: averaged over the other two
-    assert latency["n"] == 2 and latency["mean"] == pytest.approx(1.05)
-    assert latency["sd"] == pytest.approx(math.sqrt(0.005))
+    latency = summary["latency_ratio_vs_dense"]
+    assert latency["n"] == 3 and latency["mean"] == pytest.approx(1.1)
+    assert latency["sd"] == pytest.approx(0.1)
     assert summary["controller_flops_share"]["sd"] == pytest.approx(0.0)
     row = result["seeds"][1]
     assert row["fingerprint"] == "b" * 64 and row["nll"]["static_layer"] == 3.6 and row["penalty_ci95"]["static_layer"]
@@ -245,9 +231,26 @@ def test_every_compared_field_is_compared(path):
     *parents, last = path.split(".")
     for key in parents:
         target = target.setdefault(key, {})
-    target[last] = {"changed": path}
+    target[last] = changed(target.get(last, {}), path)
+    if path == "fca_report_version":  # (a report of another version is not read at all: made here)
+        typed = replace(AuditReport.from_json(THREE[1][1]), fca_report_version=2)
+    else:
+        typed = AuditReport.from_json(other, "odd.json")
     with pytest.raises(StudyError, match=re.escape(f"{path} differs between a.json")):
-        build_study([THREE[0], ("odd.json", other)])
+        study.build_study([(THREE[0][0], AuditReport.from_json(THREE[0][1])), ("odd.json", typed)])
+
+
+def changed(value, path: str):
+    """Another value of the same kind (the schema refuses a number where a string belongs)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, str):
+        return value + " (changed)"
+    if isinstance(value, list):
+        return [*value, 1]
+    return {**value, "changed": path}
 
 
 def test_audits_with_and_without_a_dense_twin_are_refused():
@@ -263,12 +266,15 @@ def test_audits_of_two_corpus_files_of_one_name_are_refused():
     name, as they were."""
     a, b = copy.deepcopy(THREE[0][1]), copy.deepcopy(THREE[1][1])
     for report in (a, b):
-        report["cache"]["corpus_fingerprint"] = report["calibration"]["corpus_fingerprint"] = "1" * 64
+        report["cache"].update(split_seed=0, corpus_fingerprint="1" * 64, documents=None)
+        report["calibration"].update(split_seed=0, corpus_fingerprint="1" * 64)
     assert build_study([("a.json", a), ("b.json", b)])["num_models"] == 2
     b["cache"]["corpus_fingerprint"] = "2" * 64
     with pytest.raises(StudyError, match=r"cache.corpus_fingerprint differs between a.json .* and b.json"):
         build_study([("a.json", a), ("b.json", b)])
-    del b["cache"]["corpus_fingerprint"]  # a report made before fingerprints: its name agrees
+    for key in ("split_seed", "corpus_fingerprint", "documents"):  # the form of reports made before fingerprints
+        del b["cache"][key]
+    del b["calibration"]["split_seed"], b["calibration"]["corpus_fingerprint"]  # (its name agrees)
     assert build_study([("a.json", a), ("b.json", b)])["num_models"] == 2
 
 
@@ -277,7 +283,7 @@ def test_rows_follow_the_training_seeds_not_the_order_of_a_glob():
     unknown seed last, the first audit given still being the one the others are compared with."""
     ten = hand_audit("a" * 64, 3.0, static=3.5, global_mean=4.0, retention=0.5, share=0.2, latency=1.0, seed=10)
     two = hand_audit("b" * 64, 3.2, static=3.6, global_mean=4.2, retention=0.6, share=0.3, latency=1.1, seed=2)
-    unknown = hand_audit("c" * 64, 3.4, static=4.1, global_mean=4.4, retention=0.3, share=0.4, latency=None)
+    unknown = hand_audit("c" * 64, 3.4, static=4.1, global_mean=4.4, retention=0.3, share=0.4, latency=1.2)
     result = build_study([("unknown.json", unknown), ("seed10.json", ten), ("seed2.json", two)])
     assert [(r["audit"], r["seed"]) for r in result["seeds"]] == [
         ("seed2.json", 2),
@@ -289,7 +295,7 @@ def test_rows_follow_the_training_seeds_not_the_order_of_a_glob():
 
 def test_refuses_other_conditions_and_the_same_model_twice():
     fewer = copy.deepcopy(THREE[1][1])
-    del fewer["conditions"]["cross_input"]
+    del fewer["conditions"]["cross_input"], fewer["gap_retention"]["cross_input"]
     with pytest.raises(StudyError, match="conditions differ between a.json .* and fewer.json"):
         build_study([THREE[0], ("fewer.json", fewer)])
     with pytest.raises(StudyError, match="again.json: the same model .* as a.json"):
@@ -319,7 +325,8 @@ def test_refuses_other_architectures_repeated_seeds_and_training_text_as_evaluat
     with pytest.raises(StudyError, match="again.json: training seed 0 again \\(also a.json\\)"):
         build_study([THREE[0], ("again.json", again)])
     other_text = copy.deepcopy(THREE[1][1])
-    other_text["cache"]["split_seed"] = 5  # trained on split seed 0, of another corpus: no training text
+    other_text["cache"].update(split_seed=5, corpus_fingerprint=None, documents=None)  # trained on split seed 0, of
+    # another corpus: no training text
     assert build_study([THREE[0], ("odd.json", other_text)])["num_models"] == 2
     other_text["training"]["corpus"] = "kjv.txt"  # the same corpus, split otherwise
     with pytest.raises(StudyError, match="odd.json: evaluated on a split drawn with split seed 5, but the model was"):
@@ -360,7 +367,10 @@ def test_markdown_page():
     assert text.startswith("# FCA study: 3 models")
     assert "| correct | 3.2000 ± 0.2000 [2.7032, 3.6968] |  |  |" in text
     assert "| static_layer | 3.7333 ± " in text and "46.7% ± 15.3% [8.7%, 84.6%]" in text
-    assert "| latency vs Dense twin (x) | 1.050 ± 0.071 [0.415, 1.685] (n=2) |" in text
+    assert "| latency vs Dense twin (x) | 1.100 ± 0.100 [0.852, 1.348] |" in text
+    undefined = copy.deepcopy(THREE)  # a figure some models lack is averaged over the others, and says so
+    undefined[2][1]["gap_retention"]["static_layer"] = None
+    assert "55.0% ± 7.1% [-8.5%, 118.5%] (n=2)" in study.render_markdown(build_study(undefined))
     assert "| 2 | featuregate | `cccccccccccc` | 3.4000 |" in text and "t(0.975, n - 1)" in text
 
 
@@ -592,7 +602,8 @@ def test_audits_with_a_damaged_or_huge_field_are_one_line_or_summarized(tmp_path
     (tmp_path / "damaged.json").write_text(json.dumps(other))
     assert main(["study", str(DEMO / "audit.json"), str(tmp_path / "damaged.json")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "damaged.json: not an FCA audit report for a study (a field cannot be read" in err
+    said = "damaged.json: not an FCA audit report (variance.layer_identity_share is a string, not a number)"
+    assert err.count("\n") == 1 and said in err
     assert study.spread([1e300, 0.5])["sd"] == pytest.approx(7.0710678e299)  # absurd, but figures, not a crash
 
 

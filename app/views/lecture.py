@@ -26,9 +26,9 @@ from app.views.common import (
 from app.views.common import chart as figure_chart
 from fca.tables import paper
 from fca.tables import study as studies
+from fca.tables.audit_report import AuditReport
 from fca.tables.execution import blocks_of, compare_audits
 from fca.tables.report import retention_sentence
-from fca.tables.scoring import quoted_interval
 
 STEP_KEY = "lecture_step"
 TOKENS_SHOWN = 32  # positions of the first sequence in step 1: every label legible on a projected chart
@@ -42,7 +42,7 @@ def no_data(why: str) -> None:
     st.info(f"This step has no figure for this cache: {why}")
 
 
-def _report(sel: Selection) -> dict | None:
+def _report(sel: Selection) -> AuditReport | None:
     if sel.report_path is None:
         return None
     report = None
@@ -54,7 +54,7 @@ def _report(sel: Selection) -> dict | None:
 NO_REPORT = "it has no audit report (the Overview gives the command that makes one)."
 
 
-def step_variation(sel: Selection, report: dict | None) -> None:
+def step_variation(sel: Selection, report: AuditReport | None) -> None:
     cache = sel.cache
     data = resources.sequence(str(cache.path), cache.fingerprint, 0)
     span = slice(0, min(cache.seq_len, TOKENS_SHOWN))
@@ -71,7 +71,7 @@ def step_variation(sel: Selection, report: dict | None) -> None:
         "does give every token its own coefficients."
         + (
             f" Yet which layer and channel a coefficient belongs to explains {share_text(share)} of their variance."
-            if report is not None and (share := report["variance"].get("layer_identity_share")) is not None
+            if report is not None and (share := report.variance.layer_identity_share) is not None
             else ""
         )
     )
@@ -81,51 +81,45 @@ def step_variation(sel: Selection, report: dict | None) -> None:
     )
 
 
-def step_execution(sel: Selection, report: dict | None) -> None:
+def step_execution(sel: Selection, report: AuditReport | None) -> None:
     if report is None:
         return no_data(NO_REPORT)
-    exe = report["execution"]
-    per_block = exe.get("tokens_per_block")
-    if not per_block or not exe.get("tokens"):
-        return no_data("its report does not count the tokens each block ran.")
-    ratio = exe.get("latency_ratio_vs_dense")
-    if exe["blocks_executed_fraction"] < 1:  # a router that decides: this model's inference is dynamic
+    exe = report.execution
+    per_block = exe.tokens_per_block
+    ratio = exe.latency_ratio_vs_dense
+    if exe.blocks_executed_fraction < 1:  # a router that decides: this model's inference is dynamic
         st.markdown(
-            f"This model does skip work: a token ran {blocks_of(exe['blocks_executed_per_token'], exe['num_blocks'])} "
+            f"This model does skip work: a token ran {blocks_of(exe.blocks_executed_per_token, exe.num_blocks)} "
             "blocks on average, counted at the blocks that ran"
-            + (
-                f", {exe['flops_ratio_vs_dense']:.3f}x its Dense twin's FLOPs"
-                if exe.get("flops_ratio_vs_dense")
-                else ""
-            )
+            + (f", {exe.flops_ratio_vs_dense:.3f}x its Dense twin's FLOPs" if exe.flops_ratio_vs_dense else "")
             + (f", and it took {ratio:.3f}x its time" if ratio is not None else "")
             + f" (the paper's models: every block, {paper.LATENCY_VS_DENSE:.3f}x)."
         )
     else:
         st.markdown(
-            f"Varying coefficients are not skipped work: each block ran for {100 * exe['blocks_executed_fraction']:.0f}% "
+            f"Varying coefficients are not skipped work: each block ran for {100 * exe.blocks_executed_fraction:.0f}% "
             "of the tokens, counted at the blocks that ran"
             + (f", and the model took {ratio:.3f}x its Dense twin's time" if ratio is not None else "")
             + f" (the paper: every block, {paper.LATENCY_VS_DENSE:.3f}x)."
         )
-    blocks = {"block": list(range(len(per_block))), "fraction": [n / exe["tokens"] for n in per_block]}
+    blocks = {"block": list(range(len(per_block))), "fraction": [n / exe.tokens for n in per_block]}
     import pandas as pd
 
     chart(figures.blocks_bar(pd.DataFrame(blocks)), "lecture_execution")
 
 
-def step_replay(sel: Selection, report: dict | None) -> None:
+def step_replay(sel: Selection, report: AuditReport | None) -> None:
     if report is None:
         return no_data(NO_REPORT)
-    cond = report["conditions"]
+    cond = report.conditions
     perturbed = [c for c in cond if c != "correct" and not c.startswith("interpolate:")]
     if not perturbed:
         return no_data("its report has no condition besides correct.")
-    over_documents = all("penalty_ci95_documents" in cond[c] for c in perturbed)
-    intervals = [quoted_interval(cond[c]) for c in perturbed]
+    over_documents = all(cond[c].penalty_ci95_documents is not None for c in perturbed)
+    intervals = [cond[c].quoted_interval for c in perturbed]
     bars = {
         "condition": perturbed,
-        "penalty": [cond[c]["penalty"] for c in perturbed],
+        "penalty": [cond[c].penalty for c in perturbed],
         "lo": [lo for lo, _ in intervals],
         "hi": [hi for _, hi in intervals],
     }
@@ -139,28 +133,31 @@ def step_replay(sel: Selection, report: dict | None) -> None:
         st.page_link("views/replay_lab.py", label="Run a replay now, in the Replay lab", icon=":material/science:")
 
 
-def step_static(sel: Selection, report: dict | None) -> None:
+def step_static(sel: Selection, report: AuditReport | None) -> None:
     if report is None:
         return no_data(NO_REPORT)
-    cond = report["conditions"]
+    cond = report.conditions
     if not all(k in cond for k in ("correct", "global_mean", "static_layer")):
         return no_data("its report lacks the correct, static_layer or global_mean condition.")
     st.markdown(retention_sentence(report))
-    chart(figures.retention_scale(cond, report.get("gap_retention")), "lecture_static", list(cond))
+    drawn = report.to_json()["conditions"]  # (the chart is shared with saved runs: their JSON form)
+    chart(figures.retention_scale(drawn, report.gap_retention), "lecture_static", list(cond))
     st.caption(paper.citation_sentence() + " Its band: the static-profile retention of its two gated models.")
 
 
-def step_sweep(sel: Selection, report: dict | None) -> None:
+def step_sweep(sel: Selection, report: AuditReport | None) -> None:
     if report is None:
         return no_data(NO_REPORT)
-    sweep = report.get("interpolation_sweep") or []
-    if not sweep:
+    if not report.sweep:
         return no_data("its report has no interpolation sweep (`python -m fca audit` adds one by default).")
     st.markdown(
         "Between the static profile (alpha 0) and each token's own coefficients (alpha 1): how much per-token "
         "variation does the model need to get its NLL back?"
     )
-    chart(figures.sweep_curve(sweep, report["conditions"]), "lecture_sweep", list(report["conditions"]))
+    drawn = report.to_json()  # (the chart is shared with saved runs: their JSON form)
+    chart(
+        figures.sweep_curve(drawn["interpolation_sweep"], drawn["conditions"]), "lecture_sweep", list(report.conditions)
+    )
 
 
 def study_of(sel: Selection) -> tuple[Path, dict] | None:
@@ -177,7 +174,7 @@ def study_of(sel: Selection) -> tuple[Path, dict] | None:
     return None
 
 
-def step_seeds(sel: Selection, report: dict | None) -> None:
+def step_seeds(sel: Selection, report: AuditReport | None) -> None:
     found = study_of(sel)
     if found is None:
         return no_data(
@@ -204,7 +201,7 @@ DEMOS = {"FeatureGate (rescales)": "demo", "Mixture-of-depths (skips)": "demo-sk
 CACHE_ROOT = Path(__file__).resolve().parents[2] / "cache"
 
 
-def step_parameters_vs_inference(sel: Selection, report: dict | None) -> None:
+def step_parameters_vs_inference(sel: Selection, report: AuditReport | None) -> None:
     paths = {label: CACHE_ROOT / name / "audit.json" for label, name in DEMOS.items()}
     missing = [str(p.relative_to(CACHE_ROOT.parent)) for p in paths.values() if not p.is_file()]
     if missing:
@@ -277,7 +274,7 @@ step = min(len(STEPS) - 1, max(0, int(st.session_state.get(STEP_KEY, 0))))
 st.session_state[STEP_KEY] = step
 title, draw = STEPS[step]
 report_shown = _report(sel)
-if draw is step_execution and report_shown is not None and report_shown["execution"]["blocks_executed_fraction"] < 1:
+if draw is step_execution and report_shown is not None and report_shown.execution.blocks_executed_fraction < 1:
     title = "And some blocks are skipped"  # (a router that decides: the step says what this model does)
 st.title(f"{step + 1}. {title}")
 with st.container(horizontal=True):

@@ -32,13 +32,12 @@ from fca.tables.report import (
     retention_sentence,
     routing_table,
 )
-from fca.tables.scoring import quoted_interval
 from fca.tables.text import mappings_as_words, markdown_code, markdown_text
 
 
 def chart(fig, key: str) -> None:
     """A chart with its downloads for slides, captioned with the report's conditions (none without one)."""
-    conditions = list(report["conditions"]) if report is not None else None
+    conditions = list(report.conditions) if report is not None else None
     figure_chart(fig, key, figure_caption(sel, conditions=conditions))
 
 
@@ -170,7 +169,7 @@ if report is None:
 mismatch = report_mismatch(report, manifest.model.fingerprint, cache.fingerprint)
 if mismatch == "model":
     st.error(
-        f"This report is about model {markdown_code(report['model']['fingerprint'][:12])}, but the cache was made by "
+        f"This report is about model {markdown_code(report.model.fingerprint[:12])}, but the cache was made by "
         f"{manifest.model.fingerprint[:12]}: the numbers below do not describe this cache."
     )
 elif mismatch == "cache":
@@ -178,45 +177,42 @@ elif mismatch == "cache":
         "The cache changed since this report was written (its fingerprint differs); rerun `python -m fca audit`."
     )
 
-var, cond, exe, retention = (
-    report["variance"],
-    report["conditions"],
-    report["execution"],
-    report.get("gap_retention", {}),
-)
+var, cond, exe, retention = report.variance, report.conditions, report.execution, report.gap_retention
+# The charts are shared with the Replay lab's saved runs, whose sections have the report's JSON form.
+drawn = report.to_json()
 # Every condition has an interval over documents, or none does: the one quoted_interval, the charts and the
 # table then use.
-over_documents = all("penalty_ci95_documents" in row for row in cond.values())
+over_documents = all(row.penalty_ci95_documents is not None for row in cond.values())
 # Column names say what they hold (the CSV download uses them as they are).
 rows = [
     {
         "condition": k,
-        "nll_nats": v["nll"],
-        "penalty_nats": v["penalty"],
-        "penalty_ci95_low": v["penalty_ci95"][0],
-        "penalty_ci95_high": v["penalty_ci95"][1],
+        "nll_nats": v.nll,
+        "penalty_nats": v.penalty,
+        "penalty_ci95_low": v.penalty_ci95[0],
+        "penalty_ci95_high": v.penalty_ci95[1],
         **(
             {
-                "penalty_ci95_documents_low": v["penalty_ci95_documents"][0],
-                "penalty_ci95_documents_high": v["penalty_ci95_documents"][1],
+                "penalty_ci95_documents_low": v.penalty_ci95_documents[0],
+                "penalty_ci95_documents_high": v.penalty_ci95_documents[1],
             }
-            if "penalty_ci95_documents" in v
+            if v.penalty_ci95_documents is not None
             else {}
         ),
         "gap_retention": retention.get(k),
         **(
             {"gap_retention_ci95_low": ci[0], "gap_retention_ci95_high": ci[1]}
-            if (ci := (report.get("gap_retention_ci95") or {}).get(k))
+            if (ci := report.retention_interval(k))
             else {}
         ),
     }
     for k, v in cond.items()
 ]
-sweep = report.get("interpolation_sweep") or []
+sweep = report.sweep
 cards = st.container()  # the three metric cards, filled after the charts below are sent
 st.subheader("The story in one look")
 st.markdown(f"**{retention_sentence(report)}**")
-chart(figures.retention_scale(cond, retention), "overview_retention")
+chart(figures.retention_scale(drawn["conditions"], retention), "overview_retention")
 st.caption(
     "Gap retention = (NLL global mean - NLL condition) / (NLL global mean - NLL correct): 0% is no better than one "
     "number per coefficient family, 100% as good as each token's own coefficients. Bars: 95% paired bootstrap CI "
@@ -224,7 +220,7 @@ st.caption(
     "condition's NLL."
 )
 if sweep:
-    chart(figures.sweep_curve(sweep, cond), "overview_sweep")
+    chart(figures.sweep_curve(drawn["interpolation_sweep"], drawn["conditions"]), "overview_sweep")
     st.caption(
         "Each point replays alpha x own coefficients + (1 - alpha) x static profile at every site and token. "
         "A curve that falls mostly near alpha = 1 means only the exact per-token values help; one that falls "
@@ -235,13 +231,13 @@ else:
 left, right = st.columns(2)
 with left:
     perturbed = [r for r in rows if r["condition"] != "correct" and not r["condition"].startswith("interpolate:")]
-    intervals = [quoted_interval(cond[r["condition"]]) for r in perturbed]  # (over documents where known)
+    intervals = [cond[r["condition"]].quoted_interval for r in perturbed]  # (over documents where known)
     bars = {"condition": [r["condition"] for r in perturbed], "penalty": [r["penalty_nats"] for r in perturbed]}
     bars.update(lo=[lo for lo, _ in intervals], hi=[hi for _, hi in intervals])
     chart(figures.penalty_bars(bars, figures.penalty_title(over_documents)), "overview_penalty")
 with right:
-    sites = {"site": list(var["per_site"]), "share": list(var["per_site"].values())}
-    chart(figures.share_by_site(sites, var["layer_identity_share"]), "overview_share")
+    sites = {"site": list(var.per_site), "share": list(var.per_site.values())}
+    chart(figures.share_by_site(sites, var.layer_identity_share), "overview_share")
 
 with cards:
     c1, c2, c3 = st.columns(3)
@@ -249,7 +245,7 @@ with c1:
     st.markdown("#### 1. Variation")  # (a subheader wrapped at 1024 px and set its card lower)
     st.metric(
         "Layer-identity share",
-        share_text(var["layer_identity_share"]),
+        share_text(var.layer_identity_share),
         help="Share of the coefficient variance explained by the site and channel alone: SS between slot "
         "(site x channel) means / SS total, within each coefficient family",
     )
@@ -259,11 +255,11 @@ with c1:
     )
 with c2:
     st.markdown("#### 2. Dependence")  # (a subheader wrapped at 1024 px and set its card lower)
-    static = cond.get("static_layer", {})
+    static = cond.get("static_layer")
     static_retention = retention.get("static_layer")
     st.metric(  # the unit in the label: "+0.446 nats" was cut to "+0.446 ..." in a card 800 px screens give
         "Static penalty (nats)",
-        f"{static.get('penalty', float('nan')):+.3f}",
+        f"{static.penalty if static is not None else float('nan'):+.3f}",
         help="Static-profile penalty in nats per token: NLL(static_layer) - NLL(correct), the cost of replacing "
         "every token's coefficients by the calibration mean of its site and channel",
     )
@@ -274,28 +270,28 @@ with c2:
     )
 with c3:
     st.markdown("#### 3. Execution")  # (a subheader wrapped at 1024 px and set its card lower)
-    ratio, experts = exe.get("latency_ratio_vs_dense"), exe.get("experts")
+    ratio, experts = exe.latency_ratio_vs_dense, exe.experts
     if ratio is None and experts:  # an MoE model: what it skips is experts, and it has no Dense twin here
         st.metric(
             "Experts run per token",
-            f"{experts['experts_run_per_token_mean']:.2f} of {experts['experts_available']:g}",
+            f"{experts.experts_run_per_token_mean:.2f} of {experts.experts_available:g}",
             help="routed experts each token is dispatched to per MoE layer, counted from the dispatched indices",
         )
         st.caption(
-            f"{100 * experts['expert_fraction']:.0f}% of the routed experts run per token: the MoE's conditional "
-            f"work. Blocks executed: {100 * exe['blocks_executed_fraction']:.0f}%; controllers take "
-            f"{100 * exe['controller_flops_share']:.2f}% of the FLOPs."
+            f"{100 * experts.expert_fraction:.0f}% of the routed experts run per token: the MoE's conditional "
+            f"work. Blocks executed: {100 * exe.blocks_executed_fraction:.0f}%; controllers take "
+            f"{100 * exe.controller_flops_share:.2f}% of the FLOPs."
         )
     else:
         st.metric(  # (short: "Latency vs Dense twin" was cut in a card 800 px screens give)
             "Time vs Dense twin",
             "n/a" if ratio is None else f"{ratio:.3f}x",
             help="Latency: the median over interleaved runs of forward time (model / Dense twin), same device and batch"
-            + (f" ({' x '.join(map(str, exe['batch_shape']))} tokens)" if exe.get("batch_shape") else ""),
+            + (f" ({' x '.join(map(str, exe.latency.batch_shape))} tokens)" if exe.latency else ""),
         )
         st.caption(
-            f"Blocks executed: {100 * exe['blocks_executed_fraction']:.0f}% per token; controllers take "
-            f"{100 * exe['controller_flops_share']:.2f}% of the FLOPs. Below 1x would mean the dynamic model saves "
+            f"Blocks executed: {100 * exe.blocks_executed_fraction:.0f}% per token; controllers take "
+            f"{100 * exe.controller_flops_share:.2f}% of the FLOPs. Below 1x would mean the dynamic model saves "
             "time."
         )
 
@@ -309,33 +305,28 @@ if documents := documents_sentence(report):
     )
 if used := global_mean_sentence(report):
     st.caption(used)
-if routing := routing_table(report):  # (a model with routers: how much routing each condition kept, or why not)
+if routing := routing_table(report.routing):  # (a model with routers: how much routing each condition kept, or why not)
     st.markdown("\n".join(routing))
-    if "conditions" in report["routing"]:  # (none where no router's selection could be observed)
-        swept = [row["condition"] for row in report.get("interpolation_sweep") or [] if "condition" in row]
-        chart(figures.routing_by_router(report["routing"], leave_out=swept), "overview_routing")  # (sweep: its table)
-if caution := few_sequences_caution(report["cache"]["sequences"]):
+    if report.routing.conditions is not None:  # (none where no router's selection could be observed)
+        swept = [row.condition for row in report.sweep]
+        chart(figures.routing_by_router(drawn["routing"], leave_out=swept), "overview_routing")  # (sweep: its table)
+if caution := few_sequences_caution(report.cache.sequences):
     st.warning(caution)
 st.subheader("This model beside the paper")
 st.markdown("\n".join(paper.comparison_markdown(report)[2:-2]))  # (the heading above; the citation below)
 st.caption(paper.citation_sentence() + " The band on the retention scale marks its static-profile range.")
 
-m, ex = report["model"], report["exactness"]
+m, ex, evaluated, calibration, dense = report.model, report.exactness, report.cache, report.calibration, report.dense
 st.subheader("Model and data")
 c, t = markdown_code, markdown_text  # (the report's strings come from a file: shown as code or text)
 st.markdown(
-    f"- **Model** {c(m['name'])} ({t(m['model_type'])}), {m['parameters']:,} parameters, "
-    f"{m['controller_parameters']:,} in controllers; fingerprint {c(m['fingerprint'][:16])}\n"
-    f"- **Evaluated cache** {c(report['cache']['path'])}: {t(report['cache']['split'])} split, "
-    f"{report['cache']['sequences']} x {report['cache']['seq_len']} tokens, "
-    f"fingerprint {c(str(report['cache'].get('fingerprint'))[:16])}\n"
-    f"- **Calibration cache** {c(report['calibration']['path'])}: {report['calibration']['tokens']:,} tokens, "
-    f"fingerprint {c(str(report['calibration'].get('fingerprint'))[:16])}\n"
-    + (
-        f"- **Dense twin** {c(report['dense']['name'])}, fingerprint {c(report['dense']['fingerprint'][:16])}\n"
-        if report.get("dense")
-        else ""
-    )
+    f"- **Model** {c(m.name)} ({t(m.model_type)}), {m.parameters:,} parameters, "
+    f"{m.controller_parameters:,} in controllers; fingerprint {c(m.fingerprint[:16])}\n"
+    f"- **Evaluated cache** {c(evaluated.path)}: {t(evaluated.split)} split, "
+    f"{evaluated.sequences} x {evaluated.seq_len} tokens, fingerprint {c(str(evaluated.fingerprint)[:16])}\n"
+    f"- **Calibration cache** {c(calibration.path)}: {calibration.tokens:,} tokens, "
+    f"fingerprint {c(str(calibration.fingerprint)[:16])}\n"
+    + (f"- **Dense twin** {c(dense.name)}, fingerprint {c(dense.fingerprint[:16])}\n" if dense else "")
     + "".join(
         f"- **{t(sentence.split(':', 1)[0])}**:{t(sentence.split(':', 1)[1])}\n" for sentence in exactness_sentences(ex)
     )
@@ -345,7 +336,7 @@ st.caption(
     '("now" is that run); a run in the Replay lab measures both again here.'
 )
 with st.expander("What each figure means (the report's definitions)"):
-    for key, value in report.get("definitions", {}).items():
+    for key, value in report.definitions.items():
         if isinstance(value, dict):
             st.markdown(f"**{markdown_text(key.replace('_', ' '))}**\n" + definition_lines(value))
         else:
@@ -354,7 +345,7 @@ with st.expander("What each figure means (the report's definitions)"):
 # One row that wraps: in three columns, "Audit report (Markdown)" was cut at 800 px.
 with st.container(horizontal=True):
     st.download_button(
-        "Audit report (JSON)", json.dumps(report, indent=1), file_name="audit.json", mime="application/json"
+        "Audit report (JSON)", json.dumps(drawn, indent=1), file_name="audit.json", mime="application/json"
     )
     with guard("Markdown rendering"):
         st.download_button(

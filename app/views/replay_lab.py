@@ -21,6 +21,7 @@ import streamlit as st
 from app import figures, resources
 from app.jobs import QUICK_BATCH, QUICK_SEQUENCES, ReplayJob
 from app.views.common import chart, download, figure_caption, guard, require_cache, teach
+from fca.tables.audit_report import Exactness
 from fca.tables.conditions import Condition, as_conditions
 from fca.tables.report import NO_INTERVAL, condition_cell, documents_note, exactness_sentences, few_sequences_caution
 from fca.tables.runs import (
@@ -511,7 +512,7 @@ if job is not None and not job.running:
             st.warning(caution)
         st.caption("The command that reproduces this result:")
         st.code(replay_command(ran, Path.cwd(), one_option_per_line=True), language="bash", wrap_lines=True)
-        checks = exactness_sentences(record["results"]["exactness"])  # mechanism, fidelity, calibration
+        checks = exactness_sentences(Exactness.read(record["results"]["exactness"], "exactness"))  # all three
         st.success("  \n".join([*map(markdown_text, checks), f"Saved {markdown_code(rel(record.get('path', '')))}."]))
         result = pd.DataFrame(condition_rows(record))
         by_document = "penalty 95% CI low (documents)" in result  # (a cache built from a corpus records them)

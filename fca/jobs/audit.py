@@ -1,8 +1,8 @@
 """The three-property audit: coefficient variation, functional dependence, actual execution.
 
 `run_audit` (also `fca.audit`) opens and checks an `Experiment`, runs both exactness checks first and
-refuses to report anything else if either fails. The report is one JSON-ready dict;
-`fca.tables.report.render_markdown` turns it into a page, `write_report` writes both.
+refuses to report anything else if either fails. The report is one `AuditReport`
+(`fca.tables.audit_report`); `fca.tables.report.render_markdown` turns it into a page, `write_report` writes both.
 """
 
 from __future__ import annotations
@@ -17,6 +17,20 @@ from fca.engine.families import family_of
 from fca.engine.loading import fingerprint_state
 from fca.engine.sites import controller_parameters, model_class_name
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource, check_condition_sites
+from fca.tables.audit_report import (
+    REPORT_VERSION,
+    AuditReport,
+    CalibrationCache,
+    ConditionRow,
+    Dense,
+    EvaluatedCache,
+    Exactness,
+    Execution,
+    Model,
+    Routing,
+    SweepRow,
+    Variance,
+)
 from fca.tables.conditions import PAPER_CONDITIONS, Condition, as_conditions
 from fca.tables.execution import EXECUTION_CONDITIONS_DEFINITION, FLOPS_RATIO_DEFINITION, condition_execution
 from fca.tables.fidelity import (
@@ -27,7 +41,6 @@ from fca.tables.fidelity import (
     STORAGE_ULP_ALLOWANCE,
 )
 from fca.tables.profiles import cache_moments
-from fca.tables.report import REPORT_VERSION
 from fca.tables.runs import SWEEP_ALPHAS  # an audit's interpolation sweep, as the Replay lab's; `sweep=()` skips it
 from fca.tables.scoring import (
     BOOTSTRAP_RESAMPLES,
@@ -59,7 +72,7 @@ def run_audit(
     progress: Callable[[str, int, int], None] | None = None,
     sweep: Sequence[float] = SWEEP_ALPHAS,
     training: dict | None = None,
-) -> dict:
+) -> AuditReport:
     """The three-property report of `model` (a directory, or a module held in memory: `fca.audit`) on an
     evaluated and a calibration cache (directories or opened caches), with its Dense twin's latency when
     `dense` is given. Cache part hashes are verified first. `sweep`: alphas of an interpolation sweep
@@ -93,7 +106,7 @@ def audit_experiment(
     latency_runs: int = 7,
     progress: Callable[[str, int, int], None] | None = None,
     sweep: Sequence[float] = SWEEP_ALPHAS,
-) -> dict:
+) -> AuditReport:
     """The report of an opened experiment. Nothing is reported unless both exactness checks pass."""
     started = time.perf_counter()
     step = (lambda stage: lambda i, n: progress(stage, i, n)) if progress else (lambda stage: None)
@@ -123,78 +136,79 @@ def audit_experiment(
         execution["conditions"] = condition_execution(results.executed, evaluated.seq_len)
     params = sum(p.numel() for p in model.parameters())
     controller_params = controller_parameters(model)
-    return {
-        "fca_report_version": REPORT_VERSION,
-        "model": {
-            "name": experiment.name,
-            "model_type": model.config.model_type if hasattr(model, "config") else model_class_name(model),
-            "fingerprint": experiment.model_fingerprint,
-            "parameters": params,
-            "controller_parameters": controller_params,
-            "dtype": model_dtype_name(model),
-            "device": str(experiment.device),
+    routed = bool(results.routers or results.routing_unobserved)
+    return AuditReport(
+        fca_report_version=REPORT_VERSION,
+        model=Model(
+            name=experiment.name,
+            model_type=model.config.model_type if hasattr(model, "config") else model_class_name(model),
+            fingerprint=experiment.model_fingerprint,
+            parameters=params,
+            controller_parameters=controller_params,
+            dtype=model_dtype_name(model),
+            device=str(experiment.device),
             # The configuration the caches record: a study compares it, so that two architectures of equal
             # parameter counts are not averaged as seeds of one.
-            "config": evaluated.manifest.model.config,
-        },
-        "cache": {
-            **_cache_entry(evaluated, len(results.seqs)),
-            "documents": count_documents(documents),
-        },
-        "calibration": {
+            config=evaluated.manifest.model.config,
+        ),
+        cache=EvaluatedCache(**_cache_entry(evaluated, len(results.seqs)), documents=count_documents(documents)),
+        calibration=CalibrationCache(
             **_cache_entry(calibration, calibration.num_seqs),
             # what global_mean put at every coefficient of each family (the evaluated cache's own grand
             # means, under variance, are another split's)
-            "family_grand_means": {f: float(v) for f, v in experiment.profiles().family_means.items()},
-        },
-        "dense": {
-            "name": experiment.dense_name,
-            "fingerprint": fingerprint_state(dense),
-            "parameters": sum(p.numel() for p in dense.parameters()),
-        }
+            family_grand_means={f: float(v) for f, v in experiment.profiles().family_means.items()},
+        ),
+        dense=Dense(
+            name=experiment.dense_name,
+            fingerprint=fingerprint_state(dense),
+            parameters=sum(p.numel() for p in dense.parameters()),
+        )
         if dense is not None
         else None,
-        "exactness": exactness,
-        "conditions": table,
-        "gap_retention": retention,
-        "gap_retention_ci95": gap_retention_ci(results.per_seq_nll, retention, seed, documents),
-        **({"interpolation_sweep": _sweep_section(table, swept)} if swept else {}),
-        **(
-            {
-                "routing": summarize_routing(
-                    results.routers, evaluated.site_specs, results.routing, results.routing_unobserved
-                )
-            }
-            if results.routers or results.routing_unobserved
-            else {}
-        ),
-        "variance": variance,
-        "execution": execution,
-        "definitions": {
+        exactness=Exactness.read(exactness, "exactness"),
+        conditions={name: ConditionRow.read(row, f"conditions.{name}") for name, row in table.items()},
+        gap_retention=retention,
+        gap_retention_ci95={
+            k: tuple(v) for k, v in gap_retention_ci(results.per_seq_nll, retention, seed, documents).items()
+        },
+        interpolation_sweep=_sweep_section(table, swept) if swept else None,
+        routing=Routing.read(
+            summarize_routing(results.routers, evaluated.site_specs, results.routing, results.routing_unobserved),
+            "routing",
+        )
+        if routed
+        else None,
+        variance=Variance.read(variance, "variance"),
+        execution=Execution.read(execution, "execution"),
+        definitions={
             **_definitions(evaluated, calibration, layout, seed, conditions, swept, family_of(model).coefficient_kind),
             **family_of(model).definitions(model),
-            **({"routing": ROUTING_DEFINITION} if results.routers or results.routing_unobserved else {}),
+            **({"routing": ROUTING_DEFINITION} if routed else {}),
         },
         # The seed and training run travel inside the report: a study of committed audits needs no models.
-        **({"training": experiment.training} if experiment.training else {}),
-        "seconds": round(time.perf_counter() - started, 1),
-    }
+        training=experiment.training or None,
+        seconds=round(time.perf_counter() - started, 1),
+    )
 
 
-def _sweep_section(table: dict, swept: Sequence[Condition]) -> list[dict]:
+def _sweep_section(table: dict, swept: Sequence[Condition]) -> tuple[SweepRow, ...]:
     """One row per alpha, in increasing order, with the condition's name so readers (the study) can
     tell the sweep's conditions from the others."""
-    return [
-        {
-            "alpha": c.alpha,
-            "condition": c.name,
-            "nll": table[c.name]["nll"],
-            "penalty": table[c.name]["penalty"],
-            "penalty_ci95": table[c.name]["penalty_ci95"],
-            **{k: v for k, v in table[c.name].items() if k == "penalty_ci95_documents"},
-        }
+    return tuple(
+        SweepRow(
+            alpha=c.alpha,
+            condition=c.name,
+            nll=table[c.name]["nll"],
+            penalty=table[c.name]["penalty"],
+            penalty_ci95=tuple(table[c.name]["penalty_ci95"]),
+            penalty_ci95_documents=_pair(table[c.name].get("penalty_ci95_documents")),
+        )
         for c in swept
-    ]
+    )
+
+
+def _pair(bounds: Sequence[float] | None) -> tuple[float, float] | None:
+    return None if bounds is None else tuple(bounds)
 
 
 def _cache_entry(cache: Cache, evaluated_seqs: int) -> dict:

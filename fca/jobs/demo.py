@@ -33,13 +33,13 @@ from fca.jobs.audit import run_audit
 from fca.jobs.build import build_cache_from_corpus
 from fca.jobs.train import TrainableConfig, TrainSettings, train
 from fca.tables import data
+from fca.tables.audit_report import AuditReport
 from fca.tables.catalog import DENSE_TWINS, read_json_object
 from fca.tables.report import render_markdown, write_report
 from fca.tables.runs import SWEEP_ALPHAS
 from fca.tables.study import (
     StudyError,
     check_study_paths,
-    field,
     load_audit,
     load_study,
     study_from_files,
@@ -135,7 +135,7 @@ def cache_and_audit(
     sweep: Sequence[float] = (),
     show_progress: bool = True,
     model: str = "featuregate",
-) -> dict:
+) -> AuditReport:
     """The eval and calibration caches of `out/<model>` (batches of 16) and its audit against `out/dense`."""
     for split in ("eval", "calibration"):
         build_cache_from_corpus(
@@ -228,11 +228,11 @@ def check_study_plan(out: Path, include: Sequence[Path], seq_len: int, num_seqs:
     check_study_paths(out / "study.json", out / "study.md")  # (inside a cache, say: refused after training before)
     planned = {"cache.seq_len": seq_len, "cache.sequences": num_seqs}
     for path in include:
-        report = load_audit(path)
+        cache = load_audit(path).cache
         for key, value in planned.items():
-            if field(report, key) != value:
+            if (had := {"cache.seq_len": cache.seq_len, "cache.sequences": cache.sequences}[key]) != value:
                 raise StudyError(
-                    f"{path}: an audit with {key} {field(report, key)}, and this study's seeds will have {value}; "
+                    f"{path}: an audit with {key} {had}, and this study's seeds will have {value}; "
                     "leave it out (--include with the audits to keep, or a bare --include for none)"
                 )
     existing = out / "study.json"

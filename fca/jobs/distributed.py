@@ -40,6 +40,7 @@ from fca.engine.capture import (
 )
 from fca.engine.replay import ReplayResults
 from fca.jobs.experiment import Experiment, ModelSource, ReplaySpec
+from fca.tables.audit_report import AuditReport
 from fca.tables.conditions import Condition
 from fca.tables.errors import CacheError, Cancelled
 from fca.tables.fidelity import FidelityMeasure
@@ -427,7 +428,7 @@ def run_audit_distributed(
     workers: int | None = None,
     address: str | None = None,
     **audit: object,
-) -> dict:
+) -> AuditReport:
     """`fca.jobs.audit.run_audit` with the replay sharded over Ray actors: the same report. `audit`: the
     keyword arguments of `audit_experiment` (batch_size, num_seqs, seed, extra_conditions, ...)."""
     from fca.jobs.audit import audit_experiment

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from fca.tables.audit_report import AuditReport
 from fca.tables.conditions import PAPER_CONDITIONS
-from fca.tables.report import check_report, read_report
+from fca.tables.report import read_report
 
 EXECUTION_CONDITIONS_DEFINITION = (
     "execution.conditions: for each condition, the tokens each block processed during that condition's replay "
@@ -47,33 +48,32 @@ def condition_execution(executed: Mapping[str, np.ndarray], seq_len: int) -> dic
     return out
 
 
-def audit_summary(report: dict, label: str = "") -> dict:
+def audit_summary(report: AuditReport, label: str = "") -> dict:
     """One audit report's three properties in one flat record (None where the report has no such figure)."""
-    check_report(report, label or "report")
-    exe, conditions = report["execution"], report["conditions"]
-    under = exe.get("conditions") or {}
+    exe, conditions = report.execution, report.conditions
+    under = exe.conditions or {}
     return {
-        "label": label or report["model"].get("name", ""),
-        "model_type": report["model"].get("model_type"),
-        "parameters": report["model"].get("parameters"),
-        "controller_parameters": report["model"].get("controller_parameters"),
-        "tokens": report["cache"].get("tokens"),
+        "label": label or report.model.name,
+        "model_type": report.model.model_type,
+        "parameters": report.model.parameters,
+        "controller_parameters": report.model.controller_parameters,
+        "tokens": report.cache.tokens,
         # 1. variation
-        "layer_identity_share": report["variance"].get("layer_identity_share"),
+        "layer_identity_share": report.variance.layer_identity_share,
         # 2. dependence
-        "nll_correct": conditions.get("correct", {}).get("nll"),
-        "penalty": {name: conditions[name]["penalty"] for name in PAPER_CONDITIONS if name in conditions},
-        "gap_retention_static_layer": report["gap_retention"].get("static_layer"),
+        "nll_correct": conditions["correct"].nll if "correct" in conditions else None,
+        "penalty": {name: conditions[name].penalty for name in PAPER_CONDITIONS if name in conditions},
+        "gap_retention_static_layer": report.gap_retention.get("static_layer"),
         # 3. execution
-        "num_blocks": exe.get("num_blocks"),
-        "blocks_executed_fraction": exe.get("blocks_executed_fraction"),
-        "blocks_executed_per_token": exe.get("blocks_executed_per_token"),
-        "controller_flops_share": exe.get("controller_flops_share"),
-        "flops_ratio_vs_dense": exe.get("flops_ratio_vs_dense"),
-        "latency_ratio_vs_dense": exe.get("latency_ratio_vs_dense"),
-        "latency_device": exe.get("device"),
+        "num_blocks": exe.num_blocks,
+        "blocks_executed_fraction": exe.blocks_executed_fraction,
+        "blocks_executed_per_token": exe.blocks_executed_per_token,
+        "controller_flops_share": exe.controller_flops_share,
+        "flops_ratio_vs_dense": exe.flops_ratio_vs_dense,
+        "latency_ratio_vs_dense": exe.latency_ratio_vs_dense,
+        "latency_device": exe.latency.device if exe.latency is not None else None,
         "blocks_executed_fraction_under": {
-            name: under[name]["blocks_executed_fraction"] for name in PAPER_CONDITIONS if name in under
+            name: under[name].blocks_executed_fraction for name in PAPER_CONDITIONS if name in under
         },
     }
 

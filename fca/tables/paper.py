@@ -7,6 +7,8 @@ model a report describes (the paper's gated Transformers are larger and trained 
 
 from __future__ import annotations
 
+from fca.tables.audit_report import AuditReport
+
 ARXIV_ID = "2607.26192"
 CITATION = f"arXiv:{ARXIV_ID}"
 
@@ -29,34 +31,31 @@ def _range(pair: tuple[float, float], digits: int) -> str:
     return f"{100 * pair[0]:.{digits}f}-{100 * pair[1]:.{digits}f}%"
 
 
-def comparison_rows(report: dict) -> list[dict]:
+def comparison_rows(report: AuditReport) -> list[dict]:
     """One row per figure the paper published: {question, figure, this_model, paper}, as text. A figure the
     report lacks reads "not in this report" (never 0)."""
-    variance = report.get("variance") or {}
-    conditions = report.get("conditions") or {}
-    retention = report.get("gap_retention") or {}
-    interval = (report.get("gap_retention_ci95") or {}).get("static_layer")
-    execution = report.get("execution") or {}
+    conditions = report.conditions
+    interval = report.retention_interval("static_layer")
     missing = "not in this report"
 
-    static = retention.get("static_layer")
+    static = report.gap_retention.get("static_layer")
     static_text = missing if "static_layer" not in conditions else _percent(static)
     if static is not None and interval:
         static_text += f" (95% CI {_percent(interval[0])} to {_percent(interval[1])})"
 
     def penalty(name: str) -> str:
         row = conditions.get(name)
-        return missing if row is None else f"{row['penalty']:+.4f} nats"
+        return missing if row is None else f"{row.penalty:+.4f} nats"
 
-    share = variance.get("layer_identity_share")
-    ratio = execution.get("latency_ratio_vs_dense")
-    blocks = execution.get("blocks_executed_fraction")
+    share = report.variance.layer_identity_share
+    ratio = report.execution.latency.latency_ratio_vs_dense if report.execution.latency is not None else None
+    blocks = report.execution.blocks_executed_fraction
     paper_muddpythia = "MUDDPythia-1.4B: {:+.4f} nats"
     return [
         {
             "question": "variation",
             "figure": "layer-identity share of the coefficient variance",
-            "this_model": missing if "layer_identity_share" not in variance else _percent(share),
+            "this_model": _percent(share),
             "paper": _range(LAYER_IDENTITY_SHARE, 0),
         },
         {
@@ -80,7 +79,7 @@ def comparison_rows(report: dict) -> list[dict]:
         {
             "question": "execution",
             "figure": "blocks executed per token",
-            "this_model": missing if blocks is None else _percent(blocks, 0),
+            "this_model": _percent(blocks, 0),
             "paper": _percent(BLOCKS_EXECUTED_FRACTION, 0),
         },
         {
@@ -100,7 +99,7 @@ def citation_sentence() -> str:
     )
 
 
-def comparison_markdown(report: dict) -> list[str]:
+def comparison_markdown(report: AuditReport) -> list[str]:
     """The comparison as Markdown lines: a heading, the table and the citation."""
     lines = [
         "## This model beside the paper",

@@ -1,20 +1,23 @@
 """Multi-seed studies: one table across independently trained models, from their audit reports.
 
-`build_study` takes audit reports (the dicts `fca.jobs.audit.run_audit` writes) of models that differ only
+`build_study` takes audit reports (`fca.tables.audit_report.AuditReport`, as `fca.jobs.audit.run_audit`
+returns them) of models that differ only
 in their training seed, checks that every report was made with the same definitions, and returns per
 quantity the mean, the sample standard deviation and a 95% Student t interval over models, beside the
-per-model rows. Pure functions over dicts plus small JSON/Markdown I/O: no torch, no UI, so the CLI's
+per-model rows. Pure functions over reports plus small JSON/Markdown I/O: no torch, no UI, so the CLI's
 `study` command and the dashboard's Study page read studies without loading a model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from fca.tables.audit_report import AuditReport, report_field
 from fca.tables.catalog import read_json_object
 from fca.tables.jsonfile import read_json
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
@@ -22,8 +25,6 @@ from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, condition_cell,
 from fca.tables.text import markdown_code, markdown_text
 
 STUDY_VERSION = 1
-# Keys every audit report has (README, "What is measured, exactly"); anything else is passed through or optional.
-REPORT_KEYS = ("model", "conditions", "gap_retention", "variance", "execution", "definitions")
 # The fields that must agree for numbers to be averaged: what was evaluated (corpus, split, window
 # length, sizes), how the conditions and statistics are defined (families, permutation seeds,
 # bootstrap settings), and where latency was measured. Dotted paths into the report. Not compared:
@@ -73,14 +74,28 @@ OPTIONAL_FIELDS = (
     "cache.corpus_fingerprint",  # (reports before it name the corpus file only)
     "calibration.corpus_fingerprint",
 )
-# Scalars of a report aggregated beside the conditions: study key -> dotted path.
-SCALARS = {
-    "layer_identity_share": "variance.layer_identity_share",
-    "latency_ratio_vs_dense": "execution.latency_ratio_vs_dense",
-    "blocks_executed_fraction": "execution.blocks_executed_fraction",
-    "blocks_executed_per_token": "execution.blocks_executed_per_token",
-    "controller_flops_share": "execution.controller_flops_share",
-}
+# Scalars of a report aggregated beside the conditions (`scalars`).
+SCALARS = (
+    "layer_identity_share",
+    "latency_ratio_vs_dense",
+    "blocks_executed_fraction",
+    "blocks_executed_per_token",
+    "controller_flops_share",
+)
+
+
+def scalars(report: AuditReport) -> dict[str, float | None]:
+    """The SCALARS of one report."""
+    exe = report.execution
+    return {
+        "layer_identity_share": report.variance.layer_identity_share,
+        "latency_ratio_vs_dense": exe.latency_ratio_vs_dense,
+        "blocks_executed_fraction": exe.blocks_executed_fraction,
+        "blocks_executed_per_token": exe.blocks_executed_per_token,
+        "controller_flops_share": exe.controller_flops_share,
+    }
+
+
 # Two-sided 95% Student t quantiles t(0.975, df) for df = 1..30 (standard tables, 6 decimals).
 _T975 = (
     12.706205,
@@ -160,25 +175,14 @@ def spread(values: Sequence[float | None]) -> dict:
     return {"n": n, "mean": mean, "sd": sd, "ci95": [mean - half, mean + half]}
 
 
-def field(report: dict, path: str, default=None):
-    """The value at a dotted path of a report, or `default` where any part is missing."""
-    value = report
-    for key in path.split("."):
-        if not isinstance(value, dict) or key not in value:
-            return default
-        value = value[key]
-    return value
-
-
-def load_audit(path: str | Path) -> dict:
+def load_audit(path: str | Path) -> AuditReport:
     """An audit report from disk, or a one-line StudyError naming the file."""
     path = Path(path)
     try:
-        report = read_report(path, REPORT_KEYS)  # as `fca report` reads it, with the sections a study needs
+        report = read_report(path)  # as `fca report` reads it
     except ReportError as err:  # (its message names the file)
         raise StudyError(str(err)) from None
-    fingerprint = field(report, "model.fingerprint")
-    if not isinstance(fingerprint, str) or not fingerprint:
+    if not report.model.fingerprint:
         raise StudyError(f"{path}: not an FCA audit report (no model fingerprint)")
     try:  # what a study reads of it, read once here: a damaged field is this line, not a traceback later
         render_markdown(build_study([(str(path), report)]))
@@ -189,15 +193,15 @@ def load_audit(path: str | Path) -> dict:
     return report
 
 
-def training_info(report: dict, audit_path: str | Path | None = None) -> dict:
+def training_info(report: AuditReport, audit_path: str | Path | None = None) -> dict:
     """Seed and training summary of the audited model: the report's own `training` entry, else the
     model directory beside the report (`<audit dir>/<model name>/training_log.json` or `config.json`).
     Empty when neither is there (a study does not need it; rows then show no seed)."""
-    if isinstance(report.get("training"), dict):
-        return dict(report["training"])
+    if report.training is not None:
+        return dict(report.training)
     if audit_path is None:
         return {}
-    return model_training(Path(audit_path).parent / str(field(report, "model.name", "")))
+    return model_training(Path(audit_path).parent / report.model.name)
 
 
 def model_training(model_dir: str | Path) -> dict:
@@ -239,43 +243,46 @@ def _short(value) -> str:
 _MISSING = object()
 
 
-def without_sweep(report: dict) -> dict:
+def without_sweep(report: AuditReport) -> AuditReport:
     """The report without its interpolation sweep's conditions (in `conditions`, `gap_retention` and
     `definitions.condition_specs`): a study averages the conditions every audit has, and audits made
     before the sweep, or with other alphas, stay comparable. The sweep itself is not averaged."""
-    swept = {row.get("condition") for row in report.get("interpolation_sweep") or ()}
+    swept = report.sweep_conditions
     if not swept:
         return report
-    out = {key: value for key, value in report.items() if key != "interpolation_sweep"}
-    out["conditions"] = {k: v for k, v in report["conditions"].items() if k not in swept}
-    out["gap_retention"] = {k: v for k, v in (report.get("gap_retention") or {}).items() if k not in swept}
-    definitions = dict(report.get("definitions") or {})
+    definitions = dict(report.definitions)
     if isinstance(definitions.get("condition_specs"), dict):
         definitions["condition_specs"] = {k: v for k, v in definitions["condition_specs"].items() if k not in swept}
-    out["definitions"] = definitions
-    return out
+    return dataclasses.replace(
+        report,
+        interpolation_sweep=None,
+        conditions={k: v for k, v in report.conditions.items() if k not in swept},
+        gap_retention={k: v for k, v in report.gap_retention.items() if k not in swept},
+        definitions=definitions,
+    )
 
 
-def check_comparable(audits: Sequence[tuple[str, dict]]) -> None:
+def check_comparable(audits: Sequence[tuple[str, AuditReport]]) -> None:
     """Raise StudyError (one line, the field and both files) unless every audit was made with the same
     definitions as the first, and no model appears twice. Interpolation sweeps are left out."""
     if not audits:
         raise StudyError("a study needs at least one audit report")
     audits = [(name, without_sweep(report)) for name, report in audits]
     first_name, first = audits[0]
+    first_json = first.to_json()  # (the fields compared are dotted paths into a report's JSON form)
     seen: dict[str, str] = {}
     for name, report in audits:
-        fingerprint = field(report, "model.fingerprint")
+        fingerprint = report.model.fingerprint
         if fingerprint in seen:
             raise StudyError(
                 f"{name}: the same model (fingerprint {fingerprint[:16]}) as {seen[fingerprint]}; "
                 "a study needs independently trained models"
             )
         seen[fingerprint] = name
-        if sorted(report["conditions"]) != sorted(first["conditions"]):
-            a, b = _short(sorted(first["conditions"])), _short(sorted(report["conditions"]))
+        if sorted(report.conditions) != sorted(first.conditions):
+            a, b = _short(sorted(first.conditions)), _short(sorted(report.conditions))
             raise StudyError(f"conditions differ between {first_name} ({a}) and {name} ({b})")
-        if (report.get("dense") is None) != (first.get("dense") is None):
+        if (report.dense is None) != (first.dense is None):
             raise StudyError(
                 f"dense twin differs between {first_name} and {name}: "
                 "one was audited with a Dense twin, the other without"
@@ -288,8 +295,9 @@ def check_comparable(audits: Sequence[tuple[str, dict]]) -> None:
                 "a study averages models of one architecture, trained from different seeds"
             )
         checks = [(f, False) for f in COMPARED_FIELDS] + [(f, True) for f in OPTIONAL_FIELDS]
+        this_json = report.to_json()
         for path, optional in checks:
-            a, b = field(first, path, _MISSING), field(report, path, _MISSING)
+            a, b = report_field(first_json, path, _MISSING), report_field(this_json, path, _MISSING)
             if optional and (a is _MISSING or b is _MISSING):
                 continue
             if a != b:
@@ -303,13 +311,14 @@ def check_comparable(audits: Sequence[tuple[str, dict]]) -> None:
 NOT_ARCHITECTURE = ("init_seed", "transformers_version", "_name_or_path")
 
 
-def architecture(report: dict) -> dict | None:
-    """The audited model's configuration without its seed (None in reports made before it was recorded)."""
-    config = field(report, "model.config", None)
-    return {k: v for k, v in config.items() if k not in NOT_ARCHITECTURE} if isinstance(config, dict) else None
+def architecture(report: AuditReport) -> dict | None:
+    """The audited model's configuration without its seed (None where the report does not record it: the
+    released reports of early audits)."""
+    config = report.model.config
+    return {k: v for k, v in config.items() if k not in NOT_ARCHITECTURE} if config is not None else None
 
 
-def check_seeds(rows: Sequence[dict], reports: Sequence[dict]) -> None:
+def check_seeds(rows: Sequence[dict], reports: Sequence[AuditReport]) -> None:
     """Each training seed at most once (where known), and no model evaluated on another split of its own
     training corpus: a split drawn with another split seed than the training split holds training documents."""
     seen: dict[int, str] = {}
@@ -322,11 +331,11 @@ def check_seeds(rows: Sequence[dict], reports: Sequence[dict]) -> None:
         if seed is not None:
             seen[seed] = row["audit"]
         trained, evaluated = training.get("split_seed"), row["cache_split_seed"]
-        trained_on, evaluated_on = training.get("corpus_fingerprint"), field(report, "cache.corpus_fingerprint")
+        trained_on, evaluated_on = training.get("corpus_fingerprint"), report.cache.corpus_fingerprint
         if trained_on and evaluated_on:  # the text itself, where both say it (a file may be renamed or replaced)
             same_corpus = trained_on == evaluated_on
         else:
-            same_corpus = training.get("corpus") == field(report, "cache.corpus")
+            same_corpus = training.get("corpus") == report.cache.corpus
         if same_corpus and trained is not None and evaluated is not None and trained != evaluated:
             raise StudyError(
                 f"{row['audit']}: evaluated on a split drawn with split seed {evaluated}, but the model was trained "
@@ -334,41 +343,44 @@ def check_seeds(rows: Sequence[dict], reports: Sequence[dict]) -> None:
             )
 
 
-def seed_row(report: dict, audit: str, training: dict) -> dict:
+def seed_row(report: AuditReport, audit: str, training: dict) -> dict:
     """One model's line of the study: identity, seed, and the numbers the summary averages."""
-    conditions = report["conditions"]
-    routing = (report.get("routing") or {}).get("conditions") or {}  # (models with observed routers)
+    conditions = report.conditions
+    routing = report.routing.conditions if report.routing is not None else None
+    routing = routing or {}  # (models with observed routers)
     return {
         "audit": audit,
-        "name": field(report, "model.name"),
-        "fingerprint": field(report, "model.fingerprint"),
+        "name": report.model.name,
+        "fingerprint": report.model.fingerprint,
         "seed": training.get("seed"),
-        "parameters": field(report, "model.parameters"),
-        "dense_fingerprint": field(report, "dense.fingerprint"),
-        "evaluated_cache": str(Path(audit).parent / str(field(report, "cache.path", "eval"))),
-        "cache_fingerprint": field(report, "cache.fingerprint"),
-        "cache_split_seed": field(report, "cache.split_seed"),
-        "nll": {c: row["nll"] for c, row in conditions.items()},
-        "penalty": {c: row["penalty"] for c, row in conditions.items()},
-        "penalty_ci95": {c: row.get("penalty_ci95") for c, row in conditions.items()},
+        "parameters": report.model.parameters,
+        "dense_fingerprint": report.dense.fingerprint if report.dense is not None else None,
+        "evaluated_cache": str(Path(audit).parent / report.cache.path),
+        "cache_fingerprint": report.cache.fingerprint,
+        "cache_split_seed": report.cache.split_seed,
+        "nll": {c: row.nll for c, row in conditions.items()},
+        "penalty": {c: row.penalty for c, row in conditions.items()},
+        "penalty_ci95": {c: list(row.penalty_ci95) for c, row in conditions.items()},
         # (over documents, where the audit's cache recorded them: the interval to quote)
         **(
-            {"penalty_ci95_documents": {c: row["penalty_ci95_documents"] for c, row in conditions.items()}}
-            if all("penalty_ci95_documents" in row for row in conditions.values())
+            {"penalty_ci95_documents": {c: list(row.penalty_ci95_documents) for c, row in conditions.items()}}
+            if all(row.penalty_ci95_documents is not None for row in conditions.values())
             else {}
         ),
-        "gap_retention": dict(report.get("gap_retention") or {}),
+        "gap_retention": dict(report.gap_retention),
         # (models with observed routers: the share of tokens each condition keeps on their own experts, and
         # what it is taken over: "(1 of 2 routers)")
-        "same_experts": {c: row["same_experts"] for c, row in routing.items()},
-        "routing_marks": {c: routing_scope(row, list(report["routing"]["routers"])) for c, row in routing.items()},
-        **{key: field(report, path) for key, path in SCALARS.items()},
+        "same_experts": {c: row.same_experts for c, row in routing.items()},
+        "routing_marks": {
+            c: routing_scope(row.routers_changed, list(report.routing.routers)) for c, row in routing.items()
+        },
+        **scalars(report),
         "training": training,
-        "exactness": report.get("exactness"),  # passed through as the audit wrote it
+        "exactness": report.exactness.to_json(),  # passed through as the audit wrote it
     }
 
 
-def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | None = None) -> dict:
+def build_study(audits: Sequence[tuple[str, AuditReport]], trainings: Sequence[dict] | None = None) -> dict:
     """The study of `audits` [(name or path shown in the study, report)], its rows in the order of their
     training seeds (seed 2 before seed 10, whatever order a shell's glob gave), those of unknown seed
     last in the given order. `trainings`: each model's training summary (see `training_info`), or None."""
@@ -378,7 +390,7 @@ def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | 
     rows = [seed_row(report, name, training) for (name, report), training in zip(audits, trainings, strict=True)]
     check_seeds(rows, [report for _, report in audits])
     rows.sort(key=lambda row: (not isinstance(row["seed"], int), row["seed"] if isinstance(row["seed"], int) else 0))
-    names = list(audits[0][1]["conditions"])
+    names = list(audits[0][1].conditions)
     retained = [c for c in names if any(c in r["gap_retention"] for r in rows)]
     routed = [c for c in names if all(c in r["same_experts"] for r in rows)]
     summary = {
@@ -419,7 +431,7 @@ def build_study(audits: Sequence[tuple[str, dict]], trainings: Sequence[dict] | 
             + ", ".join(NOT_ARCHITECTURE)
             + "). Each training seed appears once, and each model is evaluated on a split of its own training "
             "split seed",
-            "audit": {path: field(first, path) for path in COMPARED_FIELDS},
+            "audit": {path: report_field(first, path) for path in COMPARED_FIELDS},
         },
     }
 
