@@ -35,6 +35,8 @@ _API = {
     "audit": ("fca.jobs.audit", "run_audit"),
     "Experiment": ("fca.jobs.experiment", "Experiment"),
     "Condition": ("fca.tables.conditions", "Condition"),
+    "AuditReport": ("fca.tables.audit_report", "AuditReport"),
+    "read_report": ("fca.tables.report", "read_report"),
     "SiteDeclaration": ("fca.engine.adapters", "SiteDeclaration"),
     "Family": ("fca.engine.family", "Family"),
     "register_family": ("fca.engine.families", "register_family"),
