@@ -246,14 +246,17 @@ def coverage_rows() -> list[dict]:
     """check_type of every scanned type, in name order."""
     from transformers.utils import logging as hf_logging
 
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # (one "Writing model shards" bar per type said nothing)
     try:
         with tempfile.TemporaryDirectory(prefix="fca-moe-coverage-") as work, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return [check_type(t, Path(work)) for t in moe_model_types()]
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def coverage_table(rows: list[dict]) -> str:
