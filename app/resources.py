@@ -29,6 +29,7 @@ from fca.tables.errors import CacheError
 from fca.tables.jsonfile import read_json
 from fca.tables.profiles import cache_moments, profiles_from_moments, quantile_band
 from fca.tables.report import read_report
+from fca.tables.runs import list_runs, runs_dir
 from fca.tables.stats import variance_decomposition
 from fca.tables.store import Cache
 from fca.tables.store import open_cache as _open_cache
@@ -251,6 +252,20 @@ def preload_experiment(
 
     thread = threading.Thread(target=load, name=WARM_UP_THREAD, daemon=True)
     thread.start()
+
+
+def saved_runs(cache_path: str | Path) -> list[dict]:
+    """`fca.tables.runs.list_runs`, read again only when a run file or the cache's manifest changes: checking
+    a run reads it as the lab's views would (its CIs included), which every rerun of the lab would repeat."""
+    folder = runs_dir(cache_path)
+    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    stamp = "|".join([file_stamp(Path(cache_path) / "manifest.json"), *(f"{f.name}:{file_stamp(f)}" for f in files)])
+    return _saved_runs(str(cache_path), stamp)
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def _saved_runs(cache_path: str, stamp: str) -> list[dict]:
+    return list_runs(cache_path)
 
 
 @st.cache_data(show_spinner=False, max_entries=16)

@@ -1422,3 +1422,32 @@ def test_the_overview_quotes_the_shipped_demos_intervals_over_documents(monkeypa
     y = _decoded(penalty["y"])[static]
     assert _decoded(penalty["error_y"]["array"])[static] == pytest.approx(hi - y)
     assert _decoded(penalty["error_y"]["arrayminus"])[static] == pytest.approx(y - lo)
+
+
+def test_the_labs_saved_runs_are_read_again_only_when_a_run_or_the_cache_changes(tmp_path):
+    """The Replay lab lists a cache's saved runs on every rerun; the listing is kept until a run file or the
+    cache's manifest changes, and then read again (a new run is listed, one of other contents is not)."""
+    from app import resources
+    from fca.tables.runs import save_run
+    from fca.tables.store import open_cache
+    from fca.tables.writer import CacheWriter
+
+    from .test_writer import _plan_and_schema, _write_pairs
+
+    plan, schema = _plan_and_schema(4)
+    cache = _write_pairs(CacheWriter(tmp_path / "c", plan, schema, 2), 0, 4).finish()
+    results = {"conditions": {"correct": {"nll": 1.0, "penalty": 0.0, "penalty_ci95": [0.0, 0.0]}}}
+
+    def run(created: str, fingerprint: str) -> None:
+        spec = {"conditions": ["correct"], "num_seqs": 4, "seed": 0, "cache_fingerprint": fingerprint}
+        save_run(cache, {"spec": spec, "results": results, "created": created})
+
+    run("2026-01-01T00:00:01Z", open_cache(cache).fingerprint)
+    first = resources.saved_runs(cache)
+    assert [r["created"] for r in first] == ["2026-01-01T00:00:01Z"]
+    assert resources.saved_runs(cache) == first
+    run("2026-01-01T00:00:02Z", open_cache(cache).fingerprint)
+    assert [r["created"][-3:] for r in resources.saved_runs(cache)] == ["02Z", "01Z"]
+    plan, schema = _plan_and_schema(6)  # rebuilt: its runs are of the old contents
+    _write_pairs(CacheWriter(cache, plan, schema, 2, overwrite=True), 0, 6).finish()
+    assert resources.saved_runs(cache) == []

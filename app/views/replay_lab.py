@@ -27,7 +27,6 @@ from fca.tables.report import NO_INTERVAL, condition_cell, documents_note, exact
 from fca.tables.runs import (
     SWEEP_ALPHAS,
     condition_rows,
-    list_runs,
     replay_command,
     run_label,
     run_labels,
@@ -582,7 +581,7 @@ if job is not None and not job.running:
         download(result, "replay_result.csv")
 
 st.subheader("Saved runs of this cache")
-runs = list_runs(cache.path)
+runs = resources.saved_runs(cache.path)
 if not runs:
     st.caption(f"None yet. Runs are saved in `{rel(cache.path)}.runs/`.")
 else:
