@@ -354,7 +354,7 @@ def warm_up(
 ) -> None:
     """Fill, in a background thread, the caches that the other pages will ask for: the statistics of the
     selected cache and of its calibration cache (Variance, Profiles), the first sequence with its decoded
-    tokens and the default calibration band (what those pages draw first), and the model (Replay lab,
+    tokens and the default calibration band (what those pages draw first), the saved runs, and the model (Replay lab,
     Execution; importing torch and loading it is the slowest step of a first visit). Started once per
     selection and server process, a second after a page has been sent (WARM_UP_DELAY_S), each step when
     no page has run for WARM_UP_IDLE_S (the model: WARM_UP_MODEL_IDLE_S). The thread shows nothing: a
@@ -380,6 +380,7 @@ def warm_up(
         first_sequence,
         lambda: site_quantiles(str(cache.path), cache.fingerprint),
         lambda: calibration_band(str(reference.path), reference.fingerprint, *DEFAULT_BAND),
+        lambda: saved_runs(cache.path),  # the Replay lab's list
     ]
     if calibration is not None:
         steps.append(lambda: profiles(str(calibration.path), calibration.fingerprint))

@@ -295,6 +295,19 @@ def figure_caption(sel: Selection, conditions=None, sites=None, seed=None, seque
 CHART_CONFIG = {"displaylogo": False}
 
 
+def _shown(fig, theme: str, presenter: bool):
+    """`fig` as the page draws it: for the presenter's text sizes, then in the page's own theme (Streamlit's
+    chart theme draws grey 12 px text, 3.7:1 on white, and keeps dark marks dark on a dark page). Kept on
+    the figure, so that a figure a page caches (`st.cache_resource`) is themed once per theme and display."""
+    from app import figures
+
+    kept = fig.__dict__.setdefault("_fca_shown", {})
+    if (theme, presenter) not in kept:
+        drawn = figures.for_presenter(fig, PRESENTER_FONT) if presenter else fig
+        kept[(theme, presenter)] = figures.themed(drawn, theme)
+    return kept[(theme, presenter)]
+
+
 def chart(fig, key: str, caption: str | None = None, where=None, **kwargs):
     """A plotly chart and, beside it, its downloads for slides: SVG, PNG at 2x and 3x, each with `caption`
     at its foot (`figures.for_slides`; None: the selected cache's own), rendered on this machine only when
@@ -306,11 +319,7 @@ def chart(fig, key: str, caption: str | None = None, where=None, **kwargs):
 
     where = where or st
     caption = figure_caption(selection()) if caption is None else caption
-    if presenting():
-        fig = figures.for_presenter(fig, PRESENTER_FONT)
-    # The page's theme drawn by the figure itself: Streamlit's chart theme draws grey 12 px text (3.7:1 on white)
-    # and keeps the figures' dark marks dark on a dark page. The slides' copy below starts from the unthemed one.
-    shown = figures.themed(fig, page_theme())
+    shown = _shown(fig, page_theme(), presenting())
     event = where.plotly_chart(shown, key=key, config=CHART_CONFIG, theme=None, **kwargs)
     # Escaped: the caption holds names from files (a cache's folder, a model's), and plotly reads markup.
     slide = lambda: figures.for_slides(fig, html.escape(caption, quote=False))  # noqa: E731

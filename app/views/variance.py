@@ -46,6 +46,28 @@ CELLS = {  # token x layer cell value: colour bar title, diverging (signed aroun
 }
 
 
+@st.cache_resource(show_spinner=False, max_entries=8)
+def overview_figures(path: str, fingerprint: str) -> dict:
+    """The two charts above the sections and their tables, built once per cache: every section opened reruns
+    the page, and these do not change with it. (The cached figures are only read: `chart` draws copies.)"""
+    dec = resources.cache_stats(path, fingerprint)["decomposition"]
+    per_site = pd.DataFrame({"site": list(dec["per_site"]), "share": list(dec["per_site"].values())})
+    chance = dec.get("chance_levels", {})
+    factors = pd.DataFrame(
+        {
+            "factor": [k.replace("_", " ") for k in dec["factors"]],
+            "share": list(dec["factors"].values()),
+            "chance": [chance.get(k) for k in dec["factors"]],
+        }
+    )
+    return {
+        "per_site": per_site,
+        "factors": factors,
+        "share_chart": figures.share_by_site(per_site, dec["layer_identity_share"]),
+        "factor_chart": figures.factor_bars(factors),
+    }
+
+
 def overview_charts() -> None:
     dec = stats["decomposition"]
     families = {f: v for f, v in dec["per_family"].items()}
@@ -59,22 +81,14 @@ def overview_charts() -> None:
         for col, (f, v) in zip(cols[1:], families.items()):
             col.metric(f"family {f}", share_text(v))
 
-    per_site = pd.DataFrame({"site": list(dec["per_site"]), "share": list(dec["per_site"].values())})
-    chance = dec.get("chance_levels", {})
-    factors = pd.DataFrame(
-        {
-            "factor": [k.replace("_", " ") for k in dec["factors"]],
-            "share": list(dec["factors"].values()),
-            "chance": [chance.get(k) for k in dec["factors"]],
-        }
-    )
+    built = overview_figures(str(cache.path), cache.fingerprint)
     left, right = st.columns(2)
     with left:
-        chart(figures.share_by_site(per_site, dec["layer_identity_share"]), key="var_share")
-        download(per_site, "layer_identity_per_site.csv")
+        chart(built["share_chart"], key="var_share")
+        download(built["per_site"], "layer_identity_per_site.csv")
     with right:
-        chart(figures.factor_bars(factors), key="var_factors")
-        download(factors, "variance_factors.csv")
+        chart(built["factor_chart"], key="var_factors")
+        download(built["factors"], "variance_factors.csv")
 
 
 @st.fragment
