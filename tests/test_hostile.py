@@ -622,7 +622,7 @@ def _set(manifest: dict, path: tuple, value) -> None:
 
 @pytest.mark.slow
 def test_fuzzed_manifest_fields_end_in_one_line_or_a_valid_cache(tiny_demo, tmp_path_factory):
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, example, given, settings
     from hypothesis import strategies as st
 
     site = next(iter(json.loads((tiny_demo / "eval" / "manifest.json").read_text())["sites"]))
@@ -630,6 +630,7 @@ def test_fuzzed_manifest_fields_end_in_one_line_or_a_valid_cache(tiny_demo, tmp_
 
     @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(edits=st.lists(st.tuples(st.sampled_from(fields), _field_values()), min_size=1, max_size=3))
+    @example(edits=[(("coefficient_dtype",), [])])  # (a list reached the dtype lookup as a TypeError)
     def check(edits):
         root = tmp_path_factory.mktemp("fuzz")
         copy_demo(tiny_demo, root, ("eval",))

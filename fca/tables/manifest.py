@@ -204,7 +204,7 @@ class Manifest:
                 seq_len=seq_len,
                 num_seqs=num_seqs,
                 num_tokens=int(raw.get("num_tokens", num_seqs * seq_len)),
-                coefficient_dtype=raw.get("coefficient_dtype", "float32"),
+                coefficient_dtype=_typed(raw.get("coefficient_dtype", "float32"), str, "coefficient_dtype", where),
                 sites={
                     name: _site_spec(name, d, where) for name, d in _typed(raw["sites"], dict, "sites", where).items()
                 },
