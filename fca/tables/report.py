@@ -284,10 +284,6 @@ def read_report(path: str | Path) -> AuditReport:
     return AuditReport.from_json(report, path)
 
 
-def _fmt(x, digits: int = 4) -> str:
-    return "n/a" if x is None else f"{x:.{digits}f}"
-
-
 def exactness_sentences(ex: Exactness) -> list[str]:
     """The two exactness checks of a report's (or a saved run's) `exactness` in plain words (reports, CLI,
     dashboard)."""
