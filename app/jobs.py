@@ -27,8 +27,8 @@ SAID_AS_IS = (CacheError, CorpusError, ExactnessError, ModelLoadError, ValueErro
 BATCH_DELAY_ENV = "FCA_REPLAY_BATCH_DELAY_S"
 
 # The lab's quick mode: the fewest sequences that still give bootstrap CIs (`MIN_BOOTSTRAP_VALUES`), in
-# batches of 2, so that the count moves after each (about 0.4 s apiece on 2 cores for the demo); the whole
-# replay takes no longer than in one batch.
+# batches of 2, so that the count moves well within the 2 s a reader waits without a sign of progress; the
+# whole replay takes no longer than in one batch.
 QUICK_SEQUENCES = 10
 QUICK_BATCH = 2
 

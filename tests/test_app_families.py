@@ -159,6 +159,12 @@ def test_the_overview_shows_how_much_routing_each_condition_kept(family_root, mo
         assert said == ["**Routing.** No routing figure is reported for any router: which experts ran could not be "
                         "read \\(a\\_b: why\\)."]  # fmt: skip
         assert not any("Routing kept" in c.proto.spec for c in at.get("plotly_chart"))
+        # The experts' note is the report's text: the Execution page shows it as text, never as a link.
+        experts = replace(report.execution.experts, note="see [x](https://attacker.example/link)")
+        write_report(replace(report, execution=replace(report.execution, experts=experts)), tmp_path / "audit.json")
+        at = render(app_for(monkeypatch, [tmp_path], tmp_path / "eval"), "views/execution.py")
+        no_exceptions(at)
+        assert "see \\[x](https:\u2060//attacker.example/link)" in [c.value for c in at.caption]
     else:
         assert said == [] and report.routing is None
         assert [m.label for m in at.metric][2] == "Time vs Dense twin"

@@ -252,7 +252,7 @@ if under:
     chart(figures.executed_by_condition(rows), key="exec_conditions")
 if experts:
     if experts.note:
-        st.caption(experts.note)
+        st.caption(markdown_text(experts.note))  # (the family's words, read from the report)
     st.json(experts.to_json(), expanded=False)
 figures_csv = {k: v for k, v in exe.to_json().items() if not isinstance(v, (list, dict))}
 download(pd.DataFrame([figures_csv]), "execution.csv")
