@@ -16,18 +16,16 @@ from fca.engine.sites import model_class_name
 from fca.tables.catalog import DenseTwin
 
 
-def longest_module_list(model: nn.Module) -> list[nn.Module]:
-    """The blocks of a model that names none: the longest `nn.ModuleList` in its module tree."""
+def default_blocks(model: nn.Module) -> list[nn.Module]:
+    """The block list `attach_sites(..., blocks=PATH)` recorded on the model, else the longest `nn.ModuleList`
+    in its module tree."""
+    adapted = getattr(model, "fca_blocks", None)  # set by fca.engine.adapters.attach_sites
+    if callable(adapted):
+        return list(adapted())
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     if not lists:
         raise ValueError(f"{model_class_name(model)}: cannot find its blocks (declare a Family with `blocks`)")
     return list(max(lists, key=len))
-
-
-def default_blocks(model: nn.Module) -> list[nn.Module]:
-    """The block list `attach_sites(..., blocks=PATH)` recorded on the model, else the longest ModuleList."""
-    adapted = getattr(model, "fca_blocks", None)  # set by fca.engine.adapters.attach_sites
-    return list(adapted()) if callable(adapted) else longest_module_list(model)
 
 
 ExpertSelection = Callable[[nn.Module, tuple, dict], tuple[torch.Tensor, "torch.Tensor | None"]]

@@ -39,7 +39,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutput
 
-from fca.engine.family import Family
+from fca.engine.family import Family, whole_sequences
 from fca.engine.models.small_gpt import MLP, CausalSelfAttention, SmallGPT, check_sizes
 from fca.engine.sites import Site, SiteSpec
 from fca.tables.catalog import DENSE_TWINS
@@ -219,11 +219,8 @@ load_mixture_of_depths = MixtureOfDepthsModel.load
 def tokens_per_sequence(body: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
     """The tokens of each sequence a block body is called with: [B]. Called with every token ([B, T, D]) in
     the Dense twin, or with the selected tokens and their `Selection`."""
-    x = args[0] if args else kwargs["x"]
     selection = args[1] if len(args) > 1 else kwargs.get("selection")
-    if selection is None:
-        return torch.full((x.shape[0],), x.shape[1], dtype=torch.long, device=x.device)
-    return selection.tokens_per_sequence()
+    return whole_sequences(body, args, kwargs) if selection is None else selection.tokens_per_sequence()
 
 
 FAMILY = Family(
