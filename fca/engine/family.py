@@ -56,11 +56,8 @@ def whole_sequences(block: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor
     return torch.full((x.shape[0],), x.shape[1], dtype=torch.long, device=x.device)
 
 
-def no_definitions(model: nn.Module) -> dict:
-    return {}
-
-
-def no_routers(model: nn.Module) -> dict[str, int]:
+def no_entries(model: nn.Module) -> dict:
+    """The neutral `definitions` and `routers`: none."""
     return {}
 
 
@@ -97,10 +94,10 @@ class Family:
     load: Callable[[Path], nn.Module] | None = None
     dense_twin: DenseTwin | None = None
     blocks: Callable[[nn.Module], list[nn.Module]] = default_blocks
-    definitions: Callable[[nn.Module], dict] = no_definitions
+    definitions: Callable[[nn.Module], dict] = no_entries
     coefficient_kind: str = ""
     expert_paths: tuple[str, ...] = ()
     execution_note: str = ""
-    routers: Callable[[nn.Module], dict] = no_routers
+    routers: Callable[[nn.Module], dict] = no_entries
     expert_selection: ExpertSelection = transformers_expert_selection
     tokens_per_sequence: Callable[[nn.Module, tuple, dict], torch.Tensor | None] = whole_sequences
