@@ -16,18 +16,16 @@ from fca.engine.sites import model_class_name
 from fca.tables.catalog import DenseTwin
 
 
-def longest_module_list(model: nn.Module) -> list[nn.Module]:
-    """The blocks of a model that names none: the longest `nn.ModuleList` in its module tree."""
+def default_blocks(model: nn.Module) -> list[nn.Module]:
+    """The block list `attach_sites(..., blocks=PATH)` recorded on the model, else the longest `nn.ModuleList`
+    in its module tree."""
+    adapted = getattr(model, "fca_blocks", None)  # set by fca.engine.adapters.attach_sites
+    if callable(adapted):
+        return list(adapted())
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     if not lists:
         raise ValueError(f"{model_class_name(model)}: cannot find its blocks (declare a Family with `blocks`)")
     return list(max(lists, key=len))
-
-
-def default_blocks(model: nn.Module) -> list[nn.Module]:
-    """The block list `attach_sites(..., blocks=PATH)` recorded on the model, else the longest ModuleList."""
-    adapted = getattr(model, "fca_blocks", None)  # set by fca.engine.adapters.attach_sites
-    return list(adapted()) if callable(adapted) else longest_module_list(model)
 
 
 ExpertSelection = Callable[[nn.Module, tuple, dict], tuple[torch.Tensor, "torch.Tensor | None"]]
@@ -58,11 +56,8 @@ def whole_sequences(block: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor
     return torch.full((x.shape[0],), x.shape[1], dtype=torch.long, device=x.device)
 
 
-def no_definitions(model: nn.Module) -> dict:
-    return {}
-
-
-def no_routers(model: nn.Module) -> dict[str, int]:
+def no_entries(model: nn.Module) -> dict:
+    """The neutral `definitions` and `routers`: none."""
     return {}
 
 
@@ -99,10 +94,10 @@ class Family:
     load: Callable[[Path], nn.Module] | None = None
     dense_twin: DenseTwin | None = None
     blocks: Callable[[nn.Module], list[nn.Module]] = default_blocks
-    definitions: Callable[[nn.Module], dict] = no_definitions
+    definitions: Callable[[nn.Module], dict] = no_entries
     coefficient_kind: str = ""
     expert_paths: tuple[str, ...] = ()
     execution_note: str = ""
-    routers: Callable[[nn.Module], dict] = no_routers
+    routers: Callable[[nn.Module], dict] = no_entries
     expert_selection: ExpertSelection = transformers_expert_selection
     tokens_per_sequence: Callable[[nn.Module, tuple, dict], torch.Tensor | None] = whole_sequences

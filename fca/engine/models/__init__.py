@@ -1,6 +1,7 @@
 """Model families FCA knows how to audit. Each file holds one architecture, top to bottom, and ends
-with its `Family` (`fca.engine.family`); `BUILTIN_FAMILIES` lists them for the registry
-(`fca.engine.families`), which adds them on its first lookup."""
+with its `Family` (`fca.engine.family`), except `small_gpt`, the parts FeatureGate and mixture of depths
+share; `BUILTIN_FAMILIES` lists them for the registry (`fca.engine.families`), which adds them on its
+first lookup."""
 
 from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -13,18 +13,14 @@ K = gate channels of a block, V = vocabulary.
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
-
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutput
 
-from fca.engine.checkpoints import load_strict, read_config, read_state_dict
 from fca.engine.family import Family
-from fca.engine.sites import Site, SiteSpec, assign_site_names
+from fca.engine.models.small_gpt import MLP, CausalSelfAttention, SmallGPT, check_sizes
+from fca.engine.sites import Site, SiteSpec
 from fca.tables.catalog import DENSE_TWINS
 
 GATE_FAMILY = "gate"
@@ -66,12 +62,7 @@ class FeatureGateConfig(PretrainedConfig):
 
     def validate_shapes(self) -> None:
         sizes = ("vocab_size", "d_model", "n_layers", "n_heads", "mlp_groups", "mlp_ratio", "max_seq_len")
-        for name in (*sizes, "controller_hidden"):  # (a size given as "192" failed with a % format error)
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a whole number of at least 1, not {value!r}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        check_sizes(self, (*sizes, "controller_hidden"))
         if self.d_model % self.mlp_groups:
             raise ValueError(f"d_model {self.d_model} is not divisible by mlp_groups {self.mlp_groups}")
         if self.controller not in ("linear", "mlp"):
@@ -90,31 +81,6 @@ class FeatureGateConfig(PretrainedConfig):
     @property
     def gates_per_block(self) -> int:
         return self.attn_gates + self.mlp_gates
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: FeatureGateConfig) -> None:
-        super().__init__()
-        self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, D = x.shape
-        q, k, v = self.qkv(x).split(D, dim=2)  # 3 x [B, T, D]
-        q, k, v = (t.view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D/H]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D/H]
-        return self.proj(y.transpose(1, 2).reshape(B, T, D))  # [B, T, D]
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: FeatureGateConfig) -> None:
-        super().__init__()
-        self.up = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
-        self.down = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
 
 
 class GateController(nn.Module):
@@ -170,70 +136,21 @@ class Block(nn.Module):
         return x + scale_groups(self.mlp(self.ln_mlp(x)), gates[..., self.attn_gates :])
 
 
-class FeatureGateModel(PreTrainedModel):
+class FeatureGateModel(SmallGPT):
     config_class = FeatureGateConfig
     base_model_prefix = "featuregate"
-    _no_split_modules = ["Block"]
-
-    def __init__(self, config: FeatureGateConfig) -> None:
-        super().__init__(config)
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.ln_f = nn.LayerNorm(config.d_model)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        assign_site_names(self)
-        self.post_init()
-
-    def _init_weights(self, module: nn.Module) -> None:
-        # Real initialisation happens in `init_weights_seeded`, which is deterministic per seed and
-        # identical for the Dense twin; from_pretrained overwrites everything anyway.
-        pass
-
-    def init_weights_seeded(self, seed: int) -> None:
-        """GPT-2 style init. Shared parameters draw from one generator in name order and controller
-        parameters from another, so the gated model and its Dense twin start from the same weights."""
-        shared = torch.Generator().manual_seed(seed)
-        controllers = torch.Generator().manual_seed(seed + 1_000_003)
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
-        with torch.no_grad():
-            for name, module in self.named_modules():
-                gen = controllers if ".gate." in f"{name}." else shared
-                if isinstance(module, nn.LayerNorm):
-                    module.weight.fill_(1.0)
-                    module.bias.zero_()
-                elif isinstance(module, (nn.Linear, nn.Embedding)):
-                    std = residual_std if name.endswith(("attn.proj", "mlp.down")) else 0.02
-                    module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
-                    if getattr(module, "bias", None) is not None:
-                        module.bias.zero_()
+    block_class = Block
+    controller_name = "gate"
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **_) -> CausalLMOutput:
-        B, T = input_ids.shape
-        if T > self.config.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.config.max_seq_len}")
-        pos = torch.arange(T, device=input_ids.device)
-        x = self.tok_emb(input_ids) + self.pos_emb(pos)  # [B, T, D]
+        x = self.embed(input_ids)  # [B, T, D]
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))  # [B, T, V]
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-        return CausalLMOutput(loss=loss, logits=logits)
+        return self.head(x, labels)
 
 
-def build_featuregate(config: FeatureGateConfig) -> FeatureGateModel:
-    """A freshly initialised model, deterministic in `config.init_seed`."""
-    model = FeatureGateModel(config)
-    model.init_weights_seeded(config.init_seed)
-    return model
-
-
-def load_featuregate(path: Path) -> FeatureGateModel:
-    """A FeatureGate (or Dense twin) directory -> the model on CPU in float32."""
-    config = FeatureGateConfig.from_dict(read_config(path))
-    return load_strict(FeatureGateModel(config), read_state_dict(path), path)
+build_featuregate = FeatureGateModel.build
+load_featuregate = FeatureGateModel.load
 
 
 FAMILY = Family(

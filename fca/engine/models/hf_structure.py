@@ -26,11 +26,10 @@ from torch import nn
 
 from fca.engine.adapters import F_LINEAR, Projection, SiteDeclaration, attach_sites
 from fca.engine.checkpoints import read_config
-from fca.engine.family import Family, transformers_expert_selection
+from fca.engine.family import Family, default_blocks, transformers_expert_selection
+from fca.engine.models.hf_moe import ROUTER_FAMILY, SHARED_GATE_FAMILY, load_transformers_causal_lm
 from fca.tables.errors import ModelLoadError
 
-ROUTER_FAMILY = "router"
-SHARED_GATE_FAMILY = "shared_expert_gate"
 ROUTER_COEFFICIENT = "router logits (the router's projection, one per expert)"
 SHARED_GATE_COEFFICIENT = "shared-expert gate logit (its projection)"
 EXECUTION_NOTE = (
@@ -257,7 +256,7 @@ def structural_family(model: nn.Module, structure: MoEStructure) -> Family:
     return Family(
         model.config.model_type,
         load=load_structural,
-        blocks=(lambda m: list(m.get_submodule(blocks))) if blocks else Family.__dataclass_fields__["blocks"].default,
+        blocks=(lambda m: list(m.get_submodule(blocks))) if blocks else default_blocks,
         coefficient_kind="router logits",
         expert_paths=structure.experts if counted else (),
         execution_note=EXECUTION_NOTE if counted else "",
@@ -306,8 +305,6 @@ def is_transformers_type(model_type: str | None) -> bool:
 
 def load_structural(path: Path) -> nn.Module:
     """A local transformers MoE causal-LM directory of a type not declared by name, recognised by structure."""
-    from fca.engine.models.hf_moe import load_transformers_causal_lm
-
     model_type = read_config(path).get("model_type")
     refusal = seq2seq_refusal(path, model_type)
     if refusal:

@@ -31,19 +31,17 @@ M = most tokens one sequence runs in a block, V = vocabulary.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutput
 
-from fca.engine.checkpoints import load_strict, read_config, read_state_dict
-from fca.engine.family import Family
-from fca.engine.sites import Site, SiteSpec, assign_site_names
+from fca.engine.family import Family, whole_sequences
+from fca.engine.models.small_gpt import MLP, CausalSelfAttention, SmallGPT, check_sizes
+from fca.engine.sites import Site, SiteSpec
 from fca.tables.catalog import DENSE_TWINS
 
 ROUTE_FAMILY = "route"
@@ -81,12 +79,7 @@ class MixtureOfDepthsConfig(PretrainedConfig):
         self.validate_shapes()
 
     def validate_shapes(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "mlp_ratio", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a whole number of at least 1, not {value!r}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        check_sizes(self, ("vocab_size", "d_model", "n_layers", "n_heads", "mlp_ratio", "max_seq_len"))
         if not isinstance(self.capacity, (int, float)) or not 0 < self.capacity <= 1:
             raise ValueError(f"capacity must be a share of tokens in (0, 1], not {self.capacity!r}")
 
@@ -126,41 +119,6 @@ class Selection:
     def tokens_per_sequence(self) -> torch.Tensor:
         """[B] how many tokens of each sequence the block runs."""
         return torch.bincount(self.rows, minlength=self.batch)
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: MixtureOfDepthsConfig) -> None:
-        super().__init__()
-        self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-
-    def forward(self, h: torch.Tensor, selection: Selection | None) -> torch.Tensor:
-        """h: [B, T, D] (every token) or [N, D] (the selected tokens of `selection`) -> the same shape."""
-        qkv = self.qkv(h)  # [B, T, 3D] or [N, 3D]
-        if selection is not None:
-            qkv = selection.pad(qkv)  # [B, M, 3D]
-        B, T, D3 = qkv.shape
-        D = D3 // 3
-        q, k, v = qkv.split(D, dim=2)  # 3 x [B, T, D]
-        q, k, v = (t.view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D/H]
-        # Causal over slots is causal over positions: a sequence's selected tokens sit in position order, and a
-        # real slot never looks past itself into the padding.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D/H]
-        y = y.transpose(1, 2).reshape(B, T, D)  # [B, T, D]
-        if selection is not None:
-            y = selection.unpad(y)  # [N, D]
-        return self.proj(y)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: MixtureOfDepthsConfig) -> None:
-        super().__init__()
-        self.up = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
-        self.down = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
 
 
 class BlockBody(nn.Module):
@@ -229,88 +187,40 @@ def capacity_loss(scores: torch.Tensor, capacity: float) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(flat, (flat.detach() >= cut).float())
 
 
-class MixtureOfDepthsModel(PreTrainedModel):
+class MixtureOfDepthsModel(SmallGPT):
+    """Router biases start at 0 and their weights small (`init_weights_seeded`), so that about half the tokens
+    run at first."""
+
     config_class = MixtureOfDepthsConfig
     base_model_prefix = "mixture_of_depths"
-    _no_split_modules = ["Block"]
-
-    def __init__(self, config: MixtureOfDepthsConfig) -> None:
-        super().__init__(config)
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.ln_f = nn.LayerNorm(config.d_model)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        assign_site_names(self)
-        self.post_init()
-
-    def _init_weights(self, module: nn.Module) -> None:
-        # Real initialisation happens in `init_weights_seeded`; from_pretrained overwrites everything anyway.
-        pass
-
-    def init_weights_seeded(self, seed: int) -> None:
-        """GPT-2 style init. Shared parameters draw from one generator in name order and the routers from
-        another, so the routed model and its Dense twin start from the same weights. Router biases start at
-        0 and their weights small, so that about half the tokens run at first."""
-        shared = torch.Generator().manual_seed(seed)
-        routers = torch.Generator().manual_seed(seed + 1_000_003)
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
-        with torch.no_grad():
-            for name, module in self.named_modules():
-                gen = routers if ".router." in f"{name}." else shared
-                if isinstance(module, nn.LayerNorm):
-                    module.weight.fill_(1.0)
-                    module.bias.zero_()
-                elif isinstance(module, (nn.Linear, nn.Embedding)):
-                    std = residual_std if name.endswith(("attn.proj", "mlp.down")) else 0.02
-                    module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
-                    if getattr(module, "bias", None) is not None:
-                        module.bias.zero_()
+    block_class = Block
+    controller_name = "router"
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **_) -> CausalLMOutput:
-        """Logits [B, T, V]; with `labels`, the loss is the next-token cross-entropy plus, for a routed model,
-        `capacity_loss_weight` times the blocks' mean capacity loss."""
-        B, T = input_ids.shape
-        if T > self.config.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.config.max_seq_len}")
-        pos = torch.arange(T, device=input_ids.device)
-        x = self.tok_emb(input_ids) + self.pos_emb(pos)  # [B, T, D]
+        """Logits [B, T, V]; with `labels`, the loss is the next-token cross-entropy plus, for a routed model
+        in training, `capacity_loss_weight` times the blocks' mean capacity loss."""
+        x = self.embed(input_ids)  # [B, T, D]
         scores = []
         for block in self.blocks:
             x, block_scores = block(x)
             if block_scores is not None:
                 scores.append(block_scores)
-        logits = self.lm_head(self.ln_f(x))  # [B, T, V]
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-            if scores and self.training:
-                capacity = sum(capacity_loss(s, self.config.capacity) for s in scores) / len(scores)
-                loss = loss + self.config.capacity_loss_weight * capacity
-        return CausalLMOutput(loss=loss, logits=logits)
+        capacity = None
+        if labels is not None and scores and self.training:
+            mean = sum(capacity_loss(s, self.config.capacity) for s in scores) / len(scores)
+            capacity = self.config.capacity_loss_weight * mean
+        return self.head(x, labels, capacity)
 
 
-def build_mixture_of_depths(config: MixtureOfDepthsConfig) -> MixtureOfDepthsModel:
-    """A freshly initialised model, deterministic in `config.init_seed`."""
-    model = MixtureOfDepthsModel(config)
-    model.init_weights_seeded(config.init_seed)
-    return model
-
-
-def load_mixture_of_depths(path: Path) -> MixtureOfDepthsModel:
-    """A mixture-of-depths (or Dense twin) directory -> the model on CPU in float32."""
-    config = MixtureOfDepthsConfig.from_dict(read_config(path))
-    return load_strict(MixtureOfDepthsModel(config), read_state_dict(path), path)
+build_mixture_of_depths = MixtureOfDepthsModel.build
+load_mixture_of_depths = MixtureOfDepthsModel.load
 
 
 def tokens_per_sequence(body: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
     """The tokens of each sequence a block body is called with: [B]. Called with every token ([B, T, D]) in
     the Dense twin, or with the selected tokens and their `Selection`."""
-    x = args[0] if args else kwargs["x"]
     selection = args[1] if len(args) > 1 else kwargs.get("selection")
-    if selection is None:
-        return torch.full((x.shape[0],), x.shape[1], dtype=torch.long, device=x.device)
-    return selection.tokens_per_sequence()
+    return whole_sequences(body, args, kwargs) if selection is None else selection.tokens_per_sequence()
 
 
 FAMILY = Family(
