@@ -67,48 +67,45 @@ def connect(address: str | None = None):
     return ray
 
 
-def worker_resources(ray, workers: int | None) -> tuple[dict, int]:
-    """(actor options, actor count): one GPU per actor where the cluster has GPUs, else one CPU each."""
-    resources = ray.cluster_resources()
-    gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 1))
-    if gpus:
-        return {"num_gpus": 1, "num_cpus": 1}, workers or gpus
-    return {"num_cpus": 1}, workers or max(1, cpus)
-
-
-def _set_threads(threads: int | None) -> None:
-    # Ray sets OMP_NUM_THREADS=1 in its workers; torch's thread count is part of the recorded environment
-    # (CPU reductions may depend on it), so CPU workers use the driver's unless told otherwise.
-    if threads:
-        torch.set_num_threads(threads)
-
-
-def _load_family_files(family_files: Sequence[str]) -> None:
-    # A model of a family declared in a file (`--family`) loads in each actor only once the actor has
-    # run the files the driver ran: an actor is a process of its own, with the built-in registry.
-    if family_files:
-        from fca.engine.user_families import load_family_files
-
-        load_family_files(family_files)
-
-
-def _driver_family_files() -> list[str]:
+def start_actors(ray, actor_class: type, workers: int | None, *args) -> list:
+    """`workers` actors of `actor_class` (default one per GPU, else one per CPU of the cluster), each with
+    one GPU where the cluster has GPUs, else one CPU; each is made as `actor_class(threads, family_files,
+    *args)` (`_Actor`), with the driver's torch threads for CPU actors and the family files it ran."""
     from fca.engine.user_families import loaded_family_files
 
-    return loaded_family_files()
+    resources = ray.cluster_resources()
+    gpus = int(resources.get("GPU", 0))
+    options = {"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": 1}
+    count = workers or gpus or max(1, int(resources.get("CPU", 1)))
+    threads = None if gpus else torch.get_num_threads()
+    Worker = ray.remote(max_restarts=0)(actor_class)
+    family_files = loaded_family_files()
+    return [Worker.options(**options).remote(threads, family_files, *args) for _ in range(count)]
+
+
+class _Actor:
+    """What every actor sets up before its work."""
+
+    def __init__(self, threads: int | None, family_files: Sequence[str]) -> None:
+        from fca.engine.user_families import load_family_files
+
+        # Ray sets OMP_NUM_THREADS=1 in its workers; torch's thread count is part of the recorded environment
+        # (CPU reductions may depend on it), so CPU workers use the driver's.
+        if threads:
+            torch.set_num_threads(threads)
+        # A model of a family declared in a file (`--family`) loads in each actor only once the actor has
+        # run the files the driver ran: an actor is a process of its own, with the built-in registry.
+        load_family_files(family_files)
 
 
 # ------------------------------------------------------------------------------------------ build
 
 
-class _BuildWorker:
+class _BuildWorker(_Actor):
     """One build actor: the model loaded once, the windows held, parts written on request."""
 
-    def __init__(
-        self, spec, threads: int | None, fail_after: int | None = None, family_files: Sequence[str] = ()
-    ) -> None:
-        _set_threads(threads)
-        _load_family_files(family_files)
+    def __init__(self, threads: int | None, family_files: Sequence[str], spec, fail_after: int | None) -> None:
+        super().__init__(threads, family_files)
         self.spec = spec  # a `fca.jobs.build.BuildSpec`
         self.fail_after = fail_after  # tests: raise after this many parts, as a lost worker would
         self.written = 0
@@ -154,7 +151,6 @@ def build_cache_distributed(
     overwrite: bool = False,
     workers: int | None = None,
     address: str | None = None,
-    threads: int | None = None,
     show_progress: bool = True,
     fail_after: int | None = None,
     **settings,
@@ -162,8 +158,7 @@ def build_cache_distributed(
     """`build_cache_from_corpus` over Ray actors; the same cache, value for value (module docstring).
     `settings`: the other fields of `fca.jobs.build.BuildSpec`.
 
-    `workers`: actors (default one per GPU, else one per CPU of the cluster); `threads`: torch threads
-    of CPU actors (default the driver's); `fail_after`: for tests, every actor fails after that many
+    `workers`: actors (`start_actors`); `fail_after`: for tests, every actor fails after that many
     parts. Raises CacheError when every actor has failed; rerunning resumes from the committed parts.
     `out` may be a pyarrow filesystem URI (s3://..., file://...): the actors commit their parts there."""
     from fca.jobs.build import BuildSpec
@@ -172,12 +167,7 @@ def build_cache_distributed(
     spec.check()
     check_cache_destination(out, overwrite)  # before starting a cluster and tokenizing for nothing
     ray = connect(address)
-    options, count = worker_resources(ray, workers)
-    if threads is None and "num_gpus" not in options:
-        threads = torch.get_num_threads()
-    Worker = ray.remote(max_restarts=0)(_BuildWorker)
-    family_files = _driver_family_files()
-    actors = [Worker.options(**options).remote(spec, threads, fail_after, family_files) for _ in range(count)]
+    actors = start_actors(ray, _BuildWorker, workers, spec, fail_after)
     try:
         plan_ref, windows_ref = actors[0].prepare.options(num_returns=2).remote()
         plan = ray.get(plan_ref)
@@ -268,12 +258,11 @@ def drive_parts(
 # ------------------------------------------------------------------------------------------ replay
 
 
-class _ReplayWorker:
+class _ReplayWorker(_Actor):
     """One replay actor: the experiment opened once; scores shards of a run."""
 
-    def __init__(self, spec: ReplaySpec, threads: int | None, family_files: Sequence[str] = ()) -> None:
-        _set_threads(threads)
-        _load_family_files(family_files)
+    def __init__(self, threads: int | None, family_files: Sequence[str], spec: ReplaySpec) -> None:
+        super().__init__(threads, family_files)
         self.experiment = spec.open()
 
     def run(self, conditions: list[Condition], n: int, batch_size: int, seed: int, shard) -> ReplayResults:
@@ -353,22 +342,16 @@ class ShardedExperiment(Experiment):
         verify: bool = False,
         workers: int | None = None,
         address: str | None = None,
-        threads: int | None = None,
     ) -> ShardedExperiment:
         """Open the experiment in the driver (checks, as `Experiment.open`) and once in each actor. The
         model and caches are given as paths, which every actor must see (a shared filesystem)."""
         if not isinstance(spec.model, (str, Path)):
             raise ValueError("a sharded experiment loads the model in every actor: give its directory, not a module")
         base = spec.open(verify)
-        ray = connect(address)
-        options, count = worker_resources(ray, workers)
-        if threads is None and "num_gpus" not in options:
-            threads = torch.get_num_threads()
-        Worker = ray.remote(max_restarts=0)(_ReplayWorker)
-        paths = {"model": str(spec.model), "cache": str(base.evaluated.path), "calibration": _path(base.calibration)}
+        calibration = None if base.calibration is None else str(base.calibration.path)
+        paths = {"model": str(spec.model), "cache": str(base.evaluated.path), "calibration": calibration}
         each = replace(spec, dense=None, **paths)  # (the Dense twin's latency is the driver's)
-        family_files = _driver_family_files()
-        actors = [Worker.options(**options).remote(each, threads, family_files) for _ in range(count)]
+        actors = start_actors(connect(address), _ReplayWorker, workers, each)
         return cls(**{f.name: getattr(base, f.name) for f in fields(Experiment)}, actors=actors)
 
     def run(
@@ -409,10 +392,6 @@ class ShardedExperiment(Experiment):
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
-
-
-def _path(cache) -> str | None:
-    return None if cache is None else str(cache.path)
 
 
 # ------------------------------------------------------------------------------------------ entry points
