@@ -164,7 +164,6 @@ def build_cache_distributed(
     from fca.jobs.build import BuildSpec
 
     spec = BuildSpec(str(model_dir), str(corpus), split, **settings)
-    spec.check()
     check_cache_destination(out, overwrite)  # before starting a cluster and tokenizing for nothing
     ray = connect(address)
     actors = start_actors(ray, _BuildWorker, workers, spec, fail_after)
