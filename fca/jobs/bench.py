@@ -61,12 +61,8 @@ def interleaved(
         a(), b()
     ta, tb = [], []
     for i in range(repeats):
-        if i % 2:
-            tb.append(_timed(b, device))
-            ta.append(_timed(a, device))
-        else:
-            ta.append(_timed(a, device))
-            tb.append(_timed(b, device))
+        for fn, times in ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta)):  # alternate who goes first
+            times.append(_timed(fn, device))
     return {
         "ratio": statistics.median(x / y for x, y in zip(ta, tb)),
         "a_s": statistics.median(ta),
