@@ -205,19 +205,18 @@ def drive_parts(
     submit: Callable[[object, int], object],
     show_progress: bool = False,
     in_flight: int = 2,
-) -> dict:
+) -> None:
     """Hand the writer's pending parts to actors, `in_flight` at a time each (the next part waits in the
     actor's queue, so an actor never idles between parts), and record each part as it commits.
 
     A part whose actor fails goes back to the queue and that actor is dropped; when no actor is left the
     build stops (CacheError naming the writer's directory; committed parts stay). Each committed part's
-    moments are merged as it comes. -> counts of parts written and requeued."""
+    moments are merged as it comes."""
     from tqdm.auto import tqdm
 
     queue = list(reversed(writer.pending_parts()))  # popped from the end: lowest index first
     alive = list(actors)
     running: dict = {}  # object ref -> (actor, part)
-    requeued, errors = 0, []
     bar = tqdm(total=writer.num_parts, initial=len(writer.parts), unit="part", disable=not show_progress)
 
     def fill() -> None:
@@ -234,9 +233,7 @@ def drive_parts(
             try:
                 record = ray.get(done[0])
             except Exception as err:  # a lost or failing worker: its part is redone by another
-                errors.append(err)
                 queue.append(k)
-                requeued += 1
                 if actor in alive:
                     alive.remove(actor)
                 if not alive:
@@ -251,7 +248,6 @@ def drive_parts(
             fill()
     finally:
         bar.close()
-    return {"requeued": requeued, "errors": len(errors)}
 
 
 # ------------------------------------------------------------------------------------------ replay
