@@ -213,24 +213,17 @@ def writer_scaling(
     raw_mb = bytes_per_token(specs) * num_seqs * seq_len / 1e6
     work = Path(tempfile.mkdtemp(prefix="fca-writer-"))
     times: dict[int, list[float]] = {w: [] for w in workers}
-    runs = len(workers) * (1 + repeats)
-    started = 0
-
-    def starting(w: int) -> None:
-        nonlocal started
-        started += 1
-        if on_run is not None:
-            on_run(started, runs, w)
-
+    # Every count once before timing (repeat None): a first run with new threads also pays for setting up
+    # their allocator arenas (a longer run, with more page faults), which a build pays once.
+    runs = [(w, None) for w in workers]
+    runs += [(w, r) for r in range(repeats) for w in (workers if r % 2 == 0 else workers[::-1])]
     try:
-        # Every count once before timing: a first run with new threads also pays for setting up their
-        # allocator arenas (a longer run, with more page faults), which a build pays once.
-        for w in workers:
-            starting(w)
-            writer_seconds(specs, w, work / "warmup", min(num_seqs, 2 * w * batch), seq_len, batch)
-        for r in range(repeats):
-            for w in workers if r % 2 == 0 else workers[::-1]:
-                starting(w)
+        for k, (w, r) in enumerate(runs, 1):
+            if on_run is not None:
+                on_run(k, len(runs), w)
+            if r is None:
+                writer_seconds(specs, w, work / "warmup", min(num_seqs, 2 * w * batch), seq_len, batch)
+            else:
                 times[w].append(writer_seconds(specs, w, work / f"w{w}", num_seqs, seq_len, batch, seed=r))
     finally:
         shutil.rmtree(work, ignore_errors=True)
