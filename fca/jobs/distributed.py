@@ -38,7 +38,10 @@ from fca.engine.capture import (
     seqs_per_part,
     spreads_parts,
 )
+from fca.engine.environment import current_environment
+from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.replay import ReplayResults
+from fca.jobs.build import BuildSpec, prepare_corpus_build
 from fca.jobs.experiment import Experiment, ModelSource, ReplaySpec
 from fca.tables.audit_report import AuditReport
 from fca.tables.conditions import Condition
@@ -104,25 +107,22 @@ class _Actor:
 class _BuildWorker(_Actor):
     """One build actor: the model loaded once, the windows held, parts written on request."""
 
-    def __init__(self, threads: int | None, family_files: Sequence[str], spec, fail_after: int | None) -> None:
+    def __init__(
+        self, threads: int | None, family_files: Sequence[str], spec: BuildSpec, fail_after: int | None
+    ) -> None:
         super().__init__(threads, family_files)
-        self.spec = spec  # a `fca.jobs.build.BuildSpec`
+        self.spec = spec
         self.fail_after = fail_after  # tests: raise after this many parts, as a lost worker would
         self.written = 0
         self.model = self.windows = self.plan = None
 
     def prepare(self) -> tuple[dict, np.ndarray]:
         """Tokenize the split and make the manifest draft (first actor only)."""
-        from fca.jobs.build import prepare_corpus_build
-
         self.model, self.windows, self.plan = prepare_corpus_build(self.spec)
         return self.plan, self.windows
 
     def load(self, windows: np.ndarray, plan: dict) -> dict:
         """Load the model, take the windows; -> this actor's environment record (must equal the plan's)."""
-        from fca.engine.environment import current_environment
-        from fca.engine.loading import fingerprint_state, load_model
-
         self.model = load_model(self.spec.model_dir, device=self.spec.device, dtype=self.spec.dtype)
         self.windows, self.plan = windows, plan
         return {
@@ -161,8 +161,6 @@ def build_cache_distributed(
     `workers`: actors (`start_actors`); `fail_after`: for tests, every actor fails after that many
     parts. Raises CacheError when every actor has failed; rerunning resumes from the committed parts.
     `out` may be a pyarrow filesystem URI (s3://..., file://...): the actors commit their parts there."""
-    from fca.jobs.build import BuildSpec
-
     spec = BuildSpec(str(model_dir), str(corpus), split, **settings)
     check_cache_destination(out, overwrite)  # before starting a cluster and tokenizing for nothing
     ray = connect(address)
