@@ -41,8 +41,10 @@ from fca.engine.capture import (
 from fca.engine.environment import current_environment
 from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.replay import ReplayResults
+from fca.jobs.audit import audit_experiment
 from fca.jobs.build import BuildSpec, prepare_corpus_build
 from fca.jobs.experiment import Experiment, ModelSource, ReplaySpec
+from fca.jobs.runs import run_replay
 from fca.tables.audit_report import AuditReport
 from fca.tables.conditions import Condition
 from fca.tables.errors import CacheError, Cancelled
@@ -403,8 +405,6 @@ def run_audit_distributed(
 ) -> AuditReport:
     """`fca.jobs.audit.run_audit` with the replay sharded over Ray actors: the same report. `audit`: the
     keyword arguments of `audit_experiment` (batch_size, num_seqs, seed, extra_conditions, ...)."""
-    from fca.jobs.audit import audit_experiment
-
     spec = ReplaySpec(model, cache, calibration, dense, device, dtype)
     experiment = ShardedExperiment.open_sharded(spec, verify=True, workers=workers, address=address)
     try:
@@ -425,8 +425,6 @@ def run_replay_distributed(
     **replay: object,
 ) -> dict:
     """`fca.jobs.runs.run_replay` with the conditions scored on Ray actors: the same record."""
-    from fca.jobs.runs import run_replay
-
     spec = ReplaySpec(model, cache, calibration, device=device, dtype=dtype)
     experiment = ShardedExperiment.open_sharded(spec, workers=workers, address=address)
     try:
