@@ -22,12 +22,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fca.engine.capture import num_slots, write_cache
-from fca.engine.environment import current_environment, model_dtype_name
+from fca.engine.capture import bytes_per_token, num_slots, seqs_per_part, write_cache
 from fca.engine.execution import synchronize
-from fca.engine.loading import fingerprint_state, load_model
+from fca.engine.loading import load_model
 from fca.engine.replay import replay, stack_conditions
 from fca.engine.sites import capture_tensors, model_logits, site_specs
+from fca.jobs.build import manifest_draft
 from fca.jobs.experiment import Experiment
 from fca.tables import data
 from fca.tables.conditions import PAPER_CONDITIONS, Condition, condition_coefficients
@@ -61,12 +61,8 @@ def interleaved(
         a(), b()
     ta, tb = [], []
     for i in range(repeats):
-        if i % 2:
-            tb.append(_timed(b, device))
-            ta.append(_timed(a, device))
-        else:
-            ta.append(_timed(a, device))
-            tb.append(_timed(b, device))
+        for fn, times in ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta)):  # alternate who goes first
+            times.append(_timed(fn, device))
     return {
         "ratio": statistics.median(x / y for x, y in zip(ta, tb)),
         "a_s": statistics.median(ta),
@@ -74,16 +70,10 @@ def interleaved(
     }
 
 
-def _plan(model, windows: np.ndarray, batch_size: int | None = None) -> dict:
-    return cache_plan(
-        site_specs(model),
-        windows.shape[1] - 1,
-        len(windows),
-        # the real fingerprint and dtype, so the bench's exactness check opens the cache as the audit would
-        model={"path": "bench", "fingerprint": fingerprint_state(model), "dtype": model_dtype_name(model)},
-        corpus={"split": "bench"},
-        environment={**current_environment(model), "batch_size": batch_size},
-    )
+def _plan(model, windows: np.ndarray, batch_size: int) -> dict:
+    """A build's manifest draft, with the model's real fingerprint and dtype: the bench's exactness check
+    opens the cache as the audit would."""
+    return manifest_draft(model, windows, batch_size, "float32", {"path": "bench"}, {"split": "bench"}, tokenizer={})
 
 
 def windows_from_cache(cache, num_seqs: int) -> np.ndarray:
@@ -133,18 +123,17 @@ def _stats_peak_memory(cache_dir: Path, baseline: bool = False) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def _synthetic_plan(specs: dict, seq_len: int, num_seqs: int, **extra) -> dict:
+    return cache_plan(
+        specs, seq_len, num_seqs, {"path": "synthetic", "fingerprint": "synthetic"}, {"split": "synthetic"}, **extra
+    )
+
+
 def _synthetic_cache(out: Path, specs: dict, num_seqs: int, T: int, vocab: int, seed: int = 0) -> Path:
     """A large cache of random coefficients written straight through the store (no model needed)."""
     rng = np.random.default_rng(seed)
     schema = cache_schema(specs)
-    plan = cache_plan(
-        specs,
-        T,
-        num_seqs,
-        model={"path": "synthetic", "fingerprint": "synthetic"},
-        corpus={"split": "synthetic"},
-        tokenizer={"vocab_size": vocab},
-    )
+    plan = _synthetic_plan(specs, T, num_seqs, tokenizer={"vocab_size": vocab})
     writer = CacheWriter(out, plan, schema, seqs_per_part=512, overwrite=True)
     for lo in range(0, num_seqs, 128):
         n = min(128, num_seqs - lo)
@@ -172,13 +161,9 @@ def writer_seconds(
     """Seconds to write `num_seqs` x `seq_len` synthetic tokens through `CacheWriter` with `workers`
     threads, parts sized as a real build sizes them. Two batches of coefficients (a per-channel offset
     plus noise, like dynamic plus static weights) are reused, so producing batches costs next to nothing."""
-    from fca.engine.capture import bytes_per_token, num_slots, seqs_per_part
-
     rng = np.random.default_rng(seed)
     schema = cache_schema(specs)
-    plan = cache_plan(
-        specs, seq_len, num_seqs, model={"path": "synthetic", "fingerprint": "synthetic"}, corpus={"split": "synthetic"}
-    )
+    plan = _synthetic_plan(specs, seq_len, num_seqs)
     templates = [
         {
             k: (
@@ -225,29 +210,20 @@ def writer_scaling(
     (median of interleaved repeats), and each count's ratio to the first. `on_run(k, runs, workers)` is
     called as run k (from 1) of all `runs`, warm-ups included, starts: the runs take minutes in all."""
     specs = muddpythia_1p4b_specs()
-    from fca.engine.capture import bytes_per_token
-
     raw_mb = bytes_per_token(specs) * num_seqs * seq_len / 1e6
     work = Path(tempfile.mkdtemp(prefix="fca-writer-"))
     times: dict[int, list[float]] = {w: [] for w in workers}
-    runs = len(workers) * (1 + repeats)
-    started = 0
-
-    def starting(w: int) -> None:
-        nonlocal started
-        started += 1
-        if on_run is not None:
-            on_run(started, runs, w)
-
+    # Every count once before timing (repeat None): a first run with new threads also pays for setting up
+    # their allocator arenas (a longer run, with more page faults), which a build pays once.
+    runs = [(w, None) for w in workers]
+    runs += [(w, r) for r in range(repeats) for w in (workers if r % 2 == 0 else workers[::-1])]
     try:
-        # Every count once before timing: a first run with new threads also pays for setting up their
-        # allocator arenas (a longer run, with more page faults), which a build pays once.
-        for w in workers:
-            starting(w)
-            writer_seconds(specs, w, work / "warmup", min(num_seqs, 2 * w * batch), seq_len, batch)
-        for r in range(repeats):
-            for w in workers if r % 2 == 0 else workers[::-1]:
-                starting(w)
+        for k, (w, r) in enumerate(runs, 1):
+            if on_run is not None:
+                on_run(k, len(runs), w)
+            if r is None:
+                writer_seconds(specs, w, work / "warmup", min(num_seqs, 2 * w * batch), seq_len, batch)
+            else:
                 times[w].append(writer_seconds(specs, w, work / f"w{w}", num_seqs, seq_len, batch, seed=r))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -417,7 +393,7 @@ def long_format_figures(run: BenchRun) -> dict:
     nll = np.zeros((len(windows), run.T), np.float32)
 
     def ours() -> None:
-        writer = CacheWriter(run.work / "ours", _plan(run.model, windows), schema, len(windows), overwrite=True)
+        writer = CacheWriter(run.work / "ours", _plan(run.model, windows, b), schema, len(windows), overwrite=True)
         for lo in range(0, len(windows), b):
             hi = min(len(windows), lo + b)
             rows = np.arange(lo, hi)

@@ -42,8 +42,7 @@ class BuildSpec:
     coefficient_dtype: str = "float32"
     part_seqs: int | None = None  # sequences per part file (None: `seqs_per_part`)
 
-    def check(self) -> None:
-        """What the files need not be read for."""
+    def __post_init__(self) -> None:  # what the files need not be read for, refused before they are
         if self.num_seqs is not None and self.num_seqs < 1 or self.batch_size < 1:
             raise ValueError(
                 f"a build needs at least one sequence and a batch of at least one (got {self.num_seqs}, "
@@ -73,7 +72,6 @@ def build_cache_from_corpus(
     written, and a stopped build resumes from them; the return value is then the URI.
     """
     spec = BuildSpec(model_dir, corpus, split, **settings)
-    spec.check()
     # What the writer would refuse, refused before the model and corpus are loaded.
     check_cache_destination(out, overwrite)
     build_lock(out).check_free()  # another build writing it: said now, not after loading
@@ -113,7 +111,6 @@ def prepare_corpus_build(spec: BuildSpec) -> tuple[nn.Module, np.ndarray, dict]:
     """The loaded model, the split's token windows [N, T + 1] and the manifest draft of a corpus build
     (shared by the single-process build and each worker of a distributed one)."""
     model_dir = Path(spec.model_dir)
-    spec.check()  # what the files say is checked before the weights load (minutes, for a large model)
     if spec.coefficient_dtype == "bfloat16" and spec.dtype != torch.bfloat16:  # (families load float32 unless asked)
         loaded = str(spec.dtype or torch.float32).replace("torch.", "")
         raise CacheError(
@@ -225,7 +222,9 @@ def build_cache(
             f"{out}: token ids from {windows.min()} to {windows.max()}, but {model_class_name(model)} predicts ids in "
             f"[0, {vocab_size}): the windows do not belong to this model"
         )
-    _probe_window(model, windows, out)  # (after the ids are known to fit: its failure is then the context)
+    # A window longer than the model's context (which a module held in memory does not state) otherwise failed
+    # deep inside the first record pass; probed after the ids are known to fit, its failure is then the context.
+    _probe(model, torch.from_numpy(windows[:1, :-1]), out)  # [1, T]
     plan = manifest_draft(
         model,
         windows,
@@ -273,13 +272,6 @@ def as_windows(tokens, seq_len: int | None = None) -> np.ndarray:
             "give windows [N, seq_len + 1], or leave seq_len out"
         )
     return np.ascontiguousarray(array, dtype=np.int64)
-
-
-def _probe_window(model: nn.Module, windows: np.ndarray, out: str | Path) -> None:
-    """One window through the model before anything is written: a window longer than the model's context
-    (which a module held in memory does not state) otherwise failed deep inside the first record pass."""
-    T = windows.shape[1] - 1
-    _probe(model, torch.from_numpy(windows[:1, :T]), out)  # [1, T]
 
 
 @torch.no_grad()

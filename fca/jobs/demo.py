@@ -153,29 +153,6 @@ def cache_and_audit(
     return run_audit(out / model, out / "eval", out / "calibration", out / "dense", device=device, sweep=sweep)
 
 
-def audit_seed(
-    out: Path,
-    corpus: Path,
-    seed: int,
-    config: dict,
-    settings: TrainSettings,
-    device: str = "cpu",
-    audit_device: str = "cpu",
-    num_seqs: int = DEMO_SEQS,
-    retrain: bool = False,
-    show_progress: bool = True,
-) -> Path:
-    """Train one seed's FeatureGate model and Dense twin into `out` (skipped when already there, so an
-    interrupted study resumes), build its eval and calibration caches and audit it. The caches and
-    the audit run on `audit_device` (CPU by default, like the shipped demo, so every seed's latency
-    ratio is measured the same way). Returns the audit JSON's path."""
-    settings = replace(settings, seed=seed)
-    train_pair(out, corpus, config, settings, device=device, retrain=retrain, show_progress=show_progress)
-    report = cache_and_audit(out, corpus, num_seqs, settings.split_seed, audit_device, show_progress=show_progress)
-    write_report(report, out / "audit.json", out / "audit.md")
-    return out / "audit.json"
-
-
 def make_demo_study(
     out: Path,
     corpus: Path,
@@ -190,9 +167,10 @@ def make_demo_study(
     num_seqs: int = DEMO_SEQS,
     show_progress: bool = True,
 ) -> dict:
-    """Audit the demo configuration for each of `seeds` (see `audit_seed`), then write `out/study.json`
-    and `out/study.md` over the `include`d audits (the shipped demo, seed 0) followed by the new ones.
-    `config` and `settings` default to the demo's (tests pass tiny ones)."""
+    """Audit the demo configuration for each of `seeds` (its FeatureGate model and Dense twin trained into
+    `out/seed<N>`, their caches built and audited), then write `out/study.json` and `out/study.md` over the
+    `include`d audits (the shipped demo, seed 0) followed by the new ones. `config` and `settings` default
+    to the demo's (tests pass tiny ones)."""
     if not corpus.exists():
         data.extract_kjv(corpus)
     settings = settings or TrainSettings(steps=steps)
@@ -200,20 +178,16 @@ def make_demo_study(
     check_study_plan(out, include, config["max_seq_len"], num_seqs)
     paths = list(include)
     for seed in seeds:
-        paths.append(
-            audit_seed(
-                out / f"seed{seed}",
-                corpus,
-                seed,
-                config,
-                settings,
-                device=device,
-                audit_device=audit_device,
-                num_seqs=num_seqs,
-                retrain=retrain,
-                show_progress=show_progress,
-            )
+        # A seed's models already there are kept, so an interrupted study resumes. Its caches and audit run on
+        # `audit_device` (CPU by default, like the shipped demo, so every seed's latency ratio is measured alike).
+        seed_dir = out / f"seed{seed}"
+        seeded = replace(settings, seed=seed)
+        train_pair(seed_dir, corpus, config, seeded, device=device, retrain=retrain, show_progress=show_progress)
+        report = cache_and_audit(
+            seed_dir, corpus, num_seqs, seeded.split_seed, audit_device, show_progress=show_progress
         )
+        write_report(report, seed_dir / "audit.json", seed_dir / "audit.md")
+        paths.append(seed_dir / "audit.json")
         if len(paths) == len(include) + 1:  # after the first new seed, not after all: can they sit together?
             study_from_files(paths, relative_to=out)
     study = study_from_files(paths, relative_to=out)

@@ -38,8 +38,13 @@ from fca.engine.capture import (
     seqs_per_part,
     spreads_parts,
 )
+from fca.engine.environment import current_environment
+from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.replay import ReplayResults
+from fca.jobs.audit import audit_experiment
+from fca.jobs.build import BuildSpec, prepare_corpus_build
 from fca.jobs.experiment import Experiment, ModelSource, ReplaySpec
+from fca.jobs.runs import run_replay
 from fca.tables.audit_report import AuditReport
 from fca.tables.conditions import Condition
 from fca.tables.errors import CacheError, Cancelled
@@ -67,65 +72,59 @@ def connect(address: str | None = None):
     return ray
 
 
-def worker_resources(ray, workers: int | None) -> tuple[dict, int]:
-    """(actor options, actor count): one GPU per actor where the cluster has GPUs, else one CPU each."""
-    resources = ray.cluster_resources()
-    gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 1))
-    if gpus:
-        return {"num_gpus": 1, "num_cpus": 1}, workers or gpus
-    return {"num_cpus": 1}, workers or max(1, cpus)
-
-
-def _set_threads(threads: int | None) -> None:
-    # Ray sets OMP_NUM_THREADS=1 in its workers; torch's thread count is part of the recorded environment
-    # (CPU reductions may depend on it), so CPU workers use the driver's unless told otherwise.
-    if threads:
-        torch.set_num_threads(threads)
-
-
-def _load_family_files(family_files: Sequence[str]) -> None:
-    # A model of a family declared in a file (`--family`) loads in each actor only once the actor has
-    # run the files the driver ran: an actor is a process of its own, with the built-in registry.
-    if family_files:
-        from fca.engine.user_families import load_family_files
-
-        load_family_files(family_files)
-
-
-def _driver_family_files() -> list[str]:
+def start_actors(ray, actor_class: type, workers: int | None, *args) -> list:
+    """`workers` actors of `actor_class` (default one per GPU, else one per CPU of the cluster), each with
+    one GPU where the cluster has GPUs, else one CPU; each is made as `actor_class(threads, family_files,
+    *args)` (`_Actor`), with the driver's torch threads for CPU actors and the family files it ran."""
     from fca.engine.user_families import loaded_family_files
 
-    return loaded_family_files()
+    resources = ray.cluster_resources()
+    gpus = int(resources.get("GPU", 0))
+    options = {"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": 1}
+    count = workers or gpus or max(1, int(resources.get("CPU", 1)))
+    threads = None if gpus else torch.get_num_threads()
+    Worker = ray.remote(max_restarts=0)(actor_class)
+    family_files = loaded_family_files()
+    return [Worker.options(**options).remote(threads, family_files, *args) for _ in range(count)]
+
+
+class _Actor:
+    """What every actor sets up before its work."""
+
+    def __init__(self, threads: int | None, family_files: Sequence[str]) -> None:
+        from fca.engine.user_families import load_family_files
+
+        # Ray sets OMP_NUM_THREADS=1 in its workers; torch's thread count is part of the recorded environment
+        # (CPU reductions may depend on it), so CPU workers use the driver's.
+        if threads:
+            torch.set_num_threads(threads)
+        # A model of a family declared in a file (`--family`) loads in each actor only once the actor has
+        # run the files the driver ran: an actor is a process of its own, with the built-in registry.
+        load_family_files(family_files)
 
 
 # ------------------------------------------------------------------------------------------ build
 
 
-class _BuildWorker:
+class _BuildWorker(_Actor):
     """One build actor: the model loaded once, the windows held, parts written on request."""
 
     def __init__(
-        self, spec, threads: int | None, fail_after: int | None = None, family_files: Sequence[str] = ()
+        self, threads: int | None, family_files: Sequence[str], spec: BuildSpec, fail_after: int | None
     ) -> None:
-        _set_threads(threads)
-        _load_family_files(family_files)
-        self.spec = spec  # a `fca.jobs.build.BuildSpec`
+        super().__init__(threads, family_files)
+        self.spec = spec
         self.fail_after = fail_after  # tests: raise after this many parts, as a lost worker would
         self.written = 0
         self.model = self.windows = self.plan = None
 
     def prepare(self) -> tuple[dict, np.ndarray]:
         """Tokenize the split and make the manifest draft (first actor only)."""
-        from fca.jobs.build import prepare_corpus_build
-
         self.model, self.windows, self.plan = prepare_corpus_build(self.spec)
         return self.plan, self.windows
 
     def load(self, windows: np.ndarray, plan: dict) -> dict:
         """Load the model, take the windows; -> this actor's environment record (must equal the plan's)."""
-        from fca.engine.environment import current_environment
-        from fca.engine.loading import fingerprint_state, load_model
-
         self.model = load_model(self.spec.model_dir, device=self.spec.device, dtype=self.spec.dtype)
         self.windows, self.plan = windows, plan
         return {
@@ -154,7 +153,6 @@ def build_cache_distributed(
     overwrite: bool = False,
     workers: int | None = None,
     address: str | None = None,
-    threads: int | None = None,
     show_progress: bool = True,
     fail_after: int | None = None,
     **settings,
@@ -162,22 +160,13 @@ def build_cache_distributed(
     """`build_cache_from_corpus` over Ray actors; the same cache, value for value (module docstring).
     `settings`: the other fields of `fca.jobs.build.BuildSpec`.
 
-    `workers`: actors (default one per GPU, else one per CPU of the cluster); `threads`: torch threads
-    of CPU actors (default the driver's); `fail_after`: for tests, every actor fails after that many
+    `workers`: actors (`start_actors`); `fail_after`: for tests, every actor fails after that many
     parts. Raises CacheError when every actor has failed; rerunning resumes from the committed parts.
     `out` may be a pyarrow filesystem URI (s3://..., file://...): the actors commit their parts there."""
-    from fca.jobs.build import BuildSpec
-
     spec = BuildSpec(str(model_dir), str(corpus), split, **settings)
-    spec.check()
     check_cache_destination(out, overwrite)  # before starting a cluster and tokenizing for nothing
     ray = connect(address)
-    options, count = worker_resources(ray, workers)
-    if threads is None and "num_gpus" not in options:
-        threads = torch.get_num_threads()
-    Worker = ray.remote(max_restarts=0)(_BuildWorker)
-    family_files = _driver_family_files()
-    actors = [Worker.options(**options).remote(spec, threads, fail_after, family_files) for _ in range(count)]
+    actors = start_actors(ray, _BuildWorker, workers, spec, fail_after)
     try:
         plan_ref, windows_ref = actors[0].prepare.options(num_returns=2).remote()
         plan = ray.get(plan_ref)
@@ -216,19 +205,18 @@ def drive_parts(
     submit: Callable[[object, int], object],
     show_progress: bool = False,
     in_flight: int = 2,
-) -> dict:
+) -> None:
     """Hand the writer's pending parts to actors, `in_flight` at a time each (the next part waits in the
     actor's queue, so an actor never idles between parts), and record each part as it commits.
 
     A part whose actor fails goes back to the queue and that actor is dropped; when no actor is left the
     build stops (CacheError naming the writer's directory; committed parts stay). Each committed part's
-    moments are merged as it comes. -> counts of parts written and requeued."""
+    moments are merged as it comes."""
     from tqdm.auto import tqdm
 
     queue = list(reversed(writer.pending_parts()))  # popped from the end: lowest index first
     alive = list(actors)
     running: dict = {}  # object ref -> (actor, part)
-    requeued, errors = 0, []
     bar = tqdm(total=writer.num_parts, initial=len(writer.parts), unit="part", disable=not show_progress)
 
     def fill() -> None:
@@ -245,9 +233,7 @@ def drive_parts(
             try:
                 record = ray.get(done[0])
             except Exception as err:  # a lost or failing worker: its part is redone by another
-                errors.append(err)
                 queue.append(k)
-                requeued += 1
                 if actor in alive:
                     alive.remove(actor)
                 if not alive:
@@ -262,18 +248,16 @@ def drive_parts(
             fill()
     finally:
         bar.close()
-    return {"requeued": requeued, "errors": len(errors)}
 
 
 # ------------------------------------------------------------------------------------------ replay
 
 
-class _ReplayWorker:
+class _ReplayWorker(_Actor):
     """One replay actor: the experiment opened once; scores shards of a run."""
 
-    def __init__(self, spec: ReplaySpec, threads: int | None, family_files: Sequence[str] = ()) -> None:
-        _set_threads(threads)
-        _load_family_files(family_files)
+    def __init__(self, threads: int | None, family_files: Sequence[str], spec: ReplaySpec) -> None:
+        super().__init__(threads, family_files)
         self.experiment = spec.open()
 
     def run(self, conditions: list[Condition], n: int, batch_size: int, seed: int, shard) -> ReplayResults:
@@ -353,22 +337,16 @@ class ShardedExperiment(Experiment):
         verify: bool = False,
         workers: int | None = None,
         address: str | None = None,
-        threads: int | None = None,
     ) -> ShardedExperiment:
         """Open the experiment in the driver (checks, as `Experiment.open`) and once in each actor. The
         model and caches are given as paths, which every actor must see (a shared filesystem)."""
         if not isinstance(spec.model, (str, Path)):
             raise ValueError("a sharded experiment loads the model in every actor: give its directory, not a module")
         base = spec.open(verify)
-        ray = connect(address)
-        options, count = worker_resources(ray, workers)
-        if threads is None and "num_gpus" not in options:
-            threads = torch.get_num_threads()
-        Worker = ray.remote(max_restarts=0)(_ReplayWorker)
-        paths = {"model": str(spec.model), "cache": str(base.evaluated.path), "calibration": _path(base.calibration)}
+        calibration = None if base.calibration is None else str(base.calibration.path)
+        paths = {"model": str(spec.model), "cache": str(base.evaluated.path), "calibration": calibration}
         each = replace(spec, dense=None, **paths)  # (the Dense twin's latency is the driver's)
-        family_files = _driver_family_files()
-        actors = [Worker.options(**options).remote(each, threads, family_files) for _ in range(count)]
+        actors = start_actors(connect(address), _ReplayWorker, workers, each)
         return cls(**{f.name: getattr(base, f.name) for f in fields(Experiment)}, actors=actors)
 
     def run(
@@ -411,10 +389,6 @@ class ShardedExperiment(Experiment):
         self.actors = []
 
 
-def _path(cache) -> str | None:
-    return None if cache is None else str(cache.path)
-
-
 # ------------------------------------------------------------------------------------------ entry points
 
 
@@ -431,8 +405,6 @@ def run_audit_distributed(
 ) -> AuditReport:
     """`fca.jobs.audit.run_audit` with the replay sharded over Ray actors: the same report. `audit`: the
     keyword arguments of `audit_experiment` (batch_size, num_seqs, seed, extra_conditions, ...)."""
-    from fca.jobs.audit import audit_experiment
-
     spec = ReplaySpec(model, cache, calibration, dense, device, dtype)
     experiment = ShardedExperiment.open_sharded(spec, verify=True, workers=workers, address=address)
     try:
@@ -453,8 +425,6 @@ def run_replay_distributed(
     **replay: object,
 ) -> dict:
     """`fca.jobs.runs.run_replay` with the conditions scored on Ray actors: the same record."""
-    from fca.jobs.runs import run_replay
-
     spec = ReplaySpec(model, cache, calibration, device=device, dtype=dtype)
     experiment = ShardedExperiment.open_sharded(spec, workers=workers, address=address)
     try:

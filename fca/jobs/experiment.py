@@ -158,7 +158,6 @@ class Experiment:
     name: str  # the model's name in reports
     model_fingerprint: str
     dense_source: ModelSource | None = None  # the Dense twin, loaded on first use (`dense`)
-    device_name: str = "auto"
     dtype: torch.dtype | None = None
     training: dict = field(default_factory=dict)  # the model directory's training summary (seed, steps, ...)
     _dense: nn.Module | None = field(default=None, repr=False)
@@ -196,7 +195,7 @@ class Experiment:
         if calibrated is not None:
             check_independent(evaluated, calibrated)
         training = {} if isinstance(model, nn.Module) else model_training(model)
-        return cls(loaded, evaluated, calibrated, model_name(model), fingerprint, dense, device, dtype, training)
+        return cls(loaded, evaluated, calibrated, model_name(model), fingerprint, dense, dtype, training)
 
     @property
     def dense(self) -> nn.Module | None:

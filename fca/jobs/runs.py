@@ -42,9 +42,8 @@ def run_replay(
     if experiment is None:
         check_condition_sites(parsed, cache)
         experiment = Experiment.open(model, cache, calibration, device=device, dtype=dtype)
-    n = min(num_seqs, experiment.evaluated.num_seqs)
-    batch_size = experiment.batch_size_for(batch_size)  # (recorded in the run's spec)
-    experiment.check_run(parsed, n)  # before the progress bar: a refusal is one line
+    # checked before the progress bar (a refusal is one line); the batch size is recorded in the run's spec
+    parsed, n, batch_size = experiment.planned_run(parsed, num_seqs, batch_size, seed)
     if save:
         check_runs_writable(experiment.evaluated.path)  # before the replay, not after it
     bar = None
@@ -88,7 +87,7 @@ def run_replay(
             **(
                 {
                     "routing": summarize_routing(
-                        results.routers, experiment.evaluated.site_specs, results.routing, results.routing_unobserved
+                        results.routers, evaluated.site_specs, results.routing, results.routing_unobserved
                     )
                 }
                 if results.routers or results.routing_unobserved

@@ -156,109 +156,98 @@ def train(
     device type and software stack (not across devices)."""
     precision = precision_for(device)
     with deterministic_kernels(precision.deterministic):
-        return _train(corpus, out, model_config, settings, tokenizer, show_progress, text_column, precision)
-
-
-def _train(
-    corpus,
-    out,
-    model_config: TrainableConfig,
-    settings: TrainSettings,
-    tokenizer,
-    show_progress: bool,
-    text_column: str,
-    precision: Precision,
-) -> dict:
-    device = precision.device
-    torch.manual_seed(settings.seed)
-    try:
-        splits = data.split_documents(data.load_documents(corpus, text_column), settings.split_seed)
-    except data.CorpusError as err:  # named as build-cache names it
-        raise err if str(corpus) in str(err) else data.CorpusError(f"{corpus}: {err}") from None
-    if tokenizer is None:
-        tokenizer = data.train_tokenizer(splits["train"], settings.vocab_size)
-    config = type(model_config)(
-        **{**model_config.to_dict(), "vocab_size": tokenizer.get_vocab_size(), "init_seed": settings.seed}
-    )
-    T = config.max_seq_len
-    train_stream = torch.from_numpy(data.encode_stream(splits["train"], tokenizer).astype(np.int64))
-    if len(train_stream) < T + 2:
-        raise data.CorpusError(f"{corpus}: the train split has {len(train_stream)} tokens, too few for windows of {T}")
-    eval_windows = data.make_windows(data.encode_stream(splits["eval"], tokenizer), T)
-    model = BUILDERS[config.model_type](config).to(device)  # initialised on the CPU (seeded generators), then moved
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=settings.lr,
-        betas=(0.9, 0.95),
-        **({"fused": True} if precision.fused_optimizer else {}),
-    )
-    batches = torch.Generator().manual_seed(settings.seed)
-    stream = train_stream.to(device)
-    offsets = torch.arange(T + 1, device=device)
-    parameters = sum(p.numel() for p in model.parameters())
-    log: dict = {
-        "settings": {**asdict(settings), "warmup": warmup_steps(settings)},  # (the warm-up run, not asked)
-        "corpus": str(corpus),
-        # (a study compares it with the evaluated cache's, as two files of one name may hold other text)
-        "corpus_fingerprint": file_sha256(Path(corpus)) if Path(corpus).is_file() else None,
-        "parameters": parameters,
-        "train_tokens": len(train_stream),
-        "eval_windows": len(eval_windows),
-        "device": device.type,
-        "device_name": device_name(device),
-        "precision": precision.label,
-        "optimizer": "AdamW (fused)" if precision.fused_optimizer else "AdamW",
-        "deterministic_kernels": precision.deterministic,
-        "torch": torch.__version__,
-        "history": [],
-    }
-    started = time.perf_counter()
-    step_seconds, since = 0.0, time.perf_counter()
-    # Losses stay on the device until the next evaluation: reading one per step would wait for the GPU.
-    pending: list[tuple[dict, torch.Tensor]] = []
-    bar = tqdm(
-        range(settings.steps),
-        desc=f"train {config.model_type if is_dynamic(config) else 'dense'}",
-        disable=not show_progress,
-    )
-    for step in bar:
-        model.train()
-        starts = torch.randint(0, len(train_stream) - T - 1, (settings.batch_size,), generator=batches)
-        window = stream[starts.to(device)[:, None] + offsets]  # [B, T + 1]
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, settings)
-        with precision.forward():
-            loss = model(window[:, :-1], labels=window[:, 1:]).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
-        optimizer.step()
-        entry = {"step": step + 1}
-        pending.append((entry, loss.detach()))
-        log["history"].append(entry)
-        if (step + 1) % settings.eval_every == 0 or step + 1 == settings.steps:
-            synchronize(device)
-            step_seconds += time.perf_counter() - since
-            for e, value in pending:
-                e["loss"] = round(value.item(), 5)
-            pending.clear()
-            entry["eval_nll"] = round(heldout_nll(model, eval_windows[: settings.eval_windows]), 5)
-            bar.set_postfix(loss=f"{entry['loss']:.3f}", eval=f"{entry['eval_nll']:.3f}")
-            since = time.perf_counter()
-    log["train_seconds"] = round(time.perf_counter() - started, 1)
-    log["step_seconds"] = round(step_seconds, 3)
-    log["tokens_seen"] = settings.steps * settings.batch_size * T
-    log["tokens_per_second"] = round(log["tokens_seen"] / step_seconds, 1) if step_seconds > 0 else None
-    log["final_eval_nll"] = heldout_nll(model, eval_windows[: settings.final_eval_windows])
-    log["final_eval_tokens"] = int(min(len(eval_windows), settings.final_eval_windows) * T)
-    finite_weights = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-    if not finite_weights or not math.isfinite(log["final_eval_nll"]):
-        weights = "" if finite_weights else ", weights NaN or inf"
-        raise ValueError(
-            f"{out}: training diverged (held-out NLL {log['final_eval_nll']:.4g}{weights}), so no model is saved; "
-            f"train with a lower --lr than {settings.lr:g}"
+        device = precision.device
+        torch.manual_seed(settings.seed)
+        try:
+            splits = data.split_documents(data.load_documents(corpus, text_column), settings.split_seed)
+        except data.CorpusError as err:  # named as build-cache names it
+            raise err if str(corpus) in str(err) else data.CorpusError(f"{corpus}: {err}") from None
+        if tokenizer is None:
+            tokenizer = data.train_tokenizer(splits["train"], settings.vocab_size)
+        config = type(model_config)(
+            **{**model_config.to_dict(), "vocab_size": tokenizer.get_vocab_size(), "init_seed": settings.seed}
         )
-    save_model(model.eval().to("cpu"), out, tokenizer, {"training_log.json": json.dumps(log, indent=1)})
-    return log
+        T = config.max_seq_len
+        train_stream = torch.from_numpy(data.encode_stream(splits["train"], tokenizer).astype(np.int64))
+        if len(train_stream) < T + 2:
+            raise data.CorpusError(
+                f"{corpus}: the train split has {len(train_stream)} tokens, too few for windows of {T}"
+            )
+        eval_windows = data.make_windows(data.encode_stream(splits["eval"], tokenizer), T)
+        model = BUILDERS[config.model_type](config).to(device)  # initialised on the CPU (seeded generators), then moved
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=settings.lr,
+            betas=(0.9, 0.95),
+            **({"fused": True} if precision.fused_optimizer else {}),
+        )
+        batches = torch.Generator().manual_seed(settings.seed)
+        stream = train_stream.to(device)
+        offsets = torch.arange(T + 1, device=device)
+        parameters = sum(p.numel() for p in model.parameters())
+        log: dict = {
+            "settings": {**asdict(settings), "warmup": warmup_steps(settings)},  # (the warm-up run, not asked)
+            "corpus": str(corpus),
+            # (a study compares it with the evaluated cache's, as two files of one name may hold other text)
+            "corpus_fingerprint": file_sha256(Path(corpus)) if Path(corpus).is_file() else None,
+            "parameters": parameters,
+            "train_tokens": len(train_stream),
+            "eval_windows": len(eval_windows),
+            "device": device.type,
+            "device_name": device_name(device),
+            "precision": precision.label,
+            "optimizer": "AdamW (fused)" if precision.fused_optimizer else "AdamW",
+            "deterministic_kernels": precision.deterministic,
+            "torch": torch.__version__,
+            "history": [],
+        }
+        started = time.perf_counter()
+        step_seconds, since = 0.0, time.perf_counter()
+        # Losses stay on the device until the next evaluation: reading one per step would wait for the GPU.
+        pending: list[tuple[dict, torch.Tensor]] = []
+        bar = tqdm(
+            range(settings.steps),
+            desc=f"train {config.model_type if is_dynamic(config) else 'dense'}",
+            disable=not show_progress,
+        )
+        for step in bar:
+            model.train()
+            starts = torch.randint(0, len(train_stream) - T - 1, (settings.batch_size,), generator=batches)
+            window = stream[starts.to(device)[:, None] + offsets]  # [B, T + 1]
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, settings)
+            with precision.forward():
+                loss = model(window[:, :-1], labels=window[:, 1:]).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+            optimizer.step()
+            entry = {"step": step + 1}
+            pending.append((entry, loss.detach()))
+            log["history"].append(entry)
+            if (step + 1) % settings.eval_every == 0 or step + 1 == settings.steps:
+                synchronize(device)
+                step_seconds += time.perf_counter() - since
+                for e, value in pending:
+                    e["loss"] = round(value.item(), 5)
+                pending.clear()
+                entry["eval_nll"] = round(heldout_nll(model, eval_windows[: settings.eval_windows]), 5)
+                bar.set_postfix(loss=f"{entry['loss']:.3f}", eval=f"{entry['eval_nll']:.3f}")
+                since = time.perf_counter()
+        log["train_seconds"] = round(time.perf_counter() - started, 1)
+        log["step_seconds"] = round(step_seconds, 3)
+        log["tokens_seen"] = settings.steps * settings.batch_size * T
+        log["tokens_per_second"] = round(log["tokens_seen"] / step_seconds, 1) if step_seconds > 0 else None
+        log["final_eval_nll"] = heldout_nll(model, eval_windows[: settings.final_eval_windows])
+        log["final_eval_tokens"] = int(min(len(eval_windows), settings.final_eval_windows) * T)
+        finite_weights = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        if not finite_weights or not math.isfinite(log["final_eval_nll"]):
+            weights = "" if finite_weights else ", weights NaN or inf"
+            raise ValueError(
+                f"{out}: training diverged (held-out NLL {log['final_eval_nll']:.4g}{weights}), so no model is saved; "
+                f"train with a lower --lr than {settings.lr:g}"
+            )
+        save_model(model.eval().to("cpu"), out, tokenizer, {"training_log.json": json.dumps(log, indent=1)})
+        return log
