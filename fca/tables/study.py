@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fca.tables.audit_report import AuditReport, report_field
 from fca.tables.catalog import read_json_object
+from fca.tables.execution import audit_summary
 from fca.tables.jsonfile import read_json
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
 from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, condition_cell, damage, read_report, routing_scope
@@ -74,7 +75,7 @@ OPTIONAL_FIELDS = (
     "cache.corpus_fingerprint",  # (reports before it name the corpus file only)
     "calibration.corpus_fingerprint",
 )
-# Scalars of a report aggregated beside the conditions (`scalars`).
+# Scalars of a report (`fca.tables.execution.audit_summary`) aggregated beside the conditions.
 SCALARS = (
     "layer_identity_share",
     "latency_ratio_vs_dense",
@@ -82,18 +83,6 @@ SCALARS = (
     "blocks_executed_per_token",
     "controller_flops_share",
 )
-
-
-def scalars(report: AuditReport) -> dict[str, float | None]:
-    """The SCALARS of one report."""
-    exe = report.execution
-    return {
-        "layer_identity_share": report.variance.layer_identity_share,
-        "latency_ratio_vs_dense": exe.latency_ratio_vs_dense,
-        "blocks_executed_fraction": exe.blocks_executed_fraction,
-        "blocks_executed_per_token": exe.blocks_executed_per_token,
-        "controller_flops_share": exe.controller_flops_share,
-    }
 
 
 # Two-sided 95% Student t quantiles t(0.975, df) for df = 1..30 (standard tables, 6 decimals).
@@ -348,6 +337,7 @@ def seed_row(report: AuditReport, audit: str, training: dict) -> dict:
     conditions = report.conditions
     routing = report.routing.conditions if report.routing is not None else None
     routing = routing or {}  # (models with observed routers)
+    summary = audit_summary(report)
     return {
         "audit": audit,
         "name": report.model.name,
@@ -374,7 +364,7 @@ def seed_row(report: AuditReport, audit: str, training: dict) -> dict:
         "routing_marks": {
             c: routing_scope(row.routers_changed, list(report.routing.routers)) for c, row in routing.items()
         },
-        **scalars(report),
+        **{key: summary[key] for key in SCALARS},
         "training": training,
         "exactness": report.exactness.to_json(),  # passed through as the audit wrote it
     }
