@@ -399,16 +399,14 @@ def render_markdown(report: AuditReport) -> str:
         + ".",
         "",
     ]
-    chance = var.chance_levels  # (none in the released reports of early audits)
-    if chance:
-        lines += ["| factor | share of variance | chance level (no effect) |", "|---|---|---|"]
-        lines += [
-            f"| {t(k.replace('_', ' '), cell=True)} | {_share(v)} | {_share(chance[k], 2) if k in chance else ''} |"
-            for k, v in var.factors.items()
-        ]
-    else:
-        lines += ["| factor | share of variance |", "|---|---|"]
-        lines += [f"| {t(k.replace('_', ' '), cell=True)} | {_share(v)} |" for k, v in var.factors.items()]
+    chance = var.chance_levels  # (none in the released reports of early audits: no such column)
+    lines += ["| factor | share of variance |" + (" chance level (no effect) |" if chance else "")]
+    lines += ["|---|---|" + ("---|" if chance else "")]
+    lines += [
+        f"| {t(k.replace('_', ' '), cell=True)} | {_share(v)} |"
+        + (f" {_share(chance[k], 2) if k in chance else ''} |" if chance else "")
+        for k, v in var.factors.items()
+    ]
     lines += ["", "| site | layer-identity share |", "|---|---|"]
     lines += [f"| {c(k)} | {_share(v)} |" for k, v in var.per_site.items()]  # (percents, as the sentence above)
     lines += [
@@ -500,14 +498,10 @@ def check_report_paths(json_path: str | Path | None = None, markdown_path: str |
     REPORT_FILES.check(json_path, markdown_path)
 
 
-# Static-layer gap retention of the gated models in the paper this tool audits: the range over its models.
-PAPER_STATIC_RETENTION = STATIC_RETENTION
-
-
 def retention_sentence(report: AuditReport) -> str:
     """One plain sentence on the static profile's gap retention (README, "What is measured, exactly") beside the
     paper's, from a report's `conditions` and `gap_retention`; says why when it is undefined."""
-    lo, hi = (f"{100 * x:.2f}" for x in PAPER_STATIC_RETENTION)
+    lo, hi = (f"{100 * x:.2f}" for x in STATIC_RETENTION)  # (the paper's gated models)
     paper = f"the paper's gated models kept {lo}-{hi}% ({CITATION})"
     if report.model.model_type != "featuregate":  # (a mixture of experts read it as its own yardstick)
         paper += " (gated Transformers: a point of reference, not a result for this architecture)"
