@@ -149,16 +149,6 @@ def check_no_file_above(path: Path) -> None:
         raise OutputError(f"{path}: {above} is a file, so no folder can be made below it")
 
 
-def same_path(json_path: str | Path | None, markdown_path: str | Path | None) -> None:
-    """The JSON and the Markdown of one output cannot be the same file (the second would replace the first)."""
-    if (
-        json_path is not None
-        and markdown_path is not None
-        and Path(json_path).resolve() == Path(markdown_path).resolve()
-    ):
-        raise OutputError(f"{markdown_path}: given for both the JSON and the Markdown; give each its own path")
-
-
 @dataclass(frozen=True)
 class RenderedPair:
     """The JSON and Markdown files of one result (an audit report, a study), each optional: both paths are
@@ -169,7 +159,9 @@ class RenderedPair:
     markdown_earlier: Callable[[str], bool]
 
     def check(self, json_path: str | Path | None, markdown_path: str | Path | None) -> None:
-        same_path(json_path, markdown_path)
+        if None not in (json_path, markdown_path) and Path(json_path).resolve() == Path(markdown_path).resolve():
+            # (one file for both: the Markdown would replace the JSON)
+            raise OutputError(f"{markdown_path}: given for both the JSON and the Markdown; give each its own path")
         if json_path is not None:
             check_output(json_path, f"{self.kind} (JSON)", self.json_earlier)
         if markdown_path is not None:
