@@ -207,12 +207,7 @@ def summarize_training_log(log: dict) -> dict:
     """The part of a `training_log.json` a study shows (seed, split, steps, device, throughput)."""
     settings = log.get("settings", {})
     out = {
-        "seed": settings.get("seed"),
-        "split_seed": settings.get("split_seed"),
-        "steps": settings.get("steps"),
-        "batch_size": settings.get("batch_size"),
-        "lr": settings.get("lr"),
-        "min_lr": settings.get("min_lr"),
+        **{key: settings.get(key) for key in ("seed", "split_seed", "steps", "batch_size", "lr", "min_lr")},
         "corpus": Path(str(log.get("corpus", ""))).name or None,
         "corpus_fingerprint": log.get("corpus_fingerprint"),
         "device": log.get("device", "cpu"),
