@@ -248,10 +248,9 @@ def without_sweep(report: AuditReport) -> AuditReport:
 
 def check_comparable(audits: Sequence[tuple[str, AuditReport]]) -> None:
     """Raise StudyError (one line, the field and both files) unless every audit was made with the same
-    definitions as the first, and no model appears twice. Interpolation sweeps are left out."""
+    definitions as the first, and no model appears twice (sweeps left out by `build_study`, the caller)."""
     if not audits:
         raise StudyError("a study needs at least one audit report")
-    audits = [(name, without_sweep(report)) for name, report in audits]
     first_name, first = audits[0]
     first_json = first.to_json()  # (the fields compared are dotted paths into a report's JSON form)
     seen: dict[str, str] = {}
