@@ -349,10 +349,9 @@ class Routing(Section):
 
     @classmethod
     def _derive(cls, data: dict, values: dict, path: str) -> dict:
-        observed = [key for key in ("routers", "experts", "chance", "conditions") if key in values]
-        if observed and len(observed) < 4:  # (all of them, or only the sentence)
-            missing = next(key for key in ("routers", "experts", "chance", "conditions") if key not in values)
-            raise WrongField(_at(path, missing), "is missing")
+        missing = [key for key in ("routers", "experts", "chance", "conditions") if key not in values]
+        if 0 < len(missing) < 4:  # (all of them, or only the sentence)
+            raise WrongField(_at(path, missing[0]), "is missing")
         return values
 
 
