@@ -134,19 +134,14 @@ def check_output(path: str | Path, kind: str, is_earlier: Callable[[str], bool])
 
 
 def check_writable_folder(path: Path, kind: str) -> None:
-    """Refuse `path` when the folder it would be written (or made) in is not writable, or is a file."""
-    check_no_file_above(path)
-    folder = next((p for p in path.absolute().parents if p.exists()), None)
-    if folder is not None and not os.access(folder, os.W_OK):
-        raise OutputError(f"{path}: its folder {folder} is not writable; choose another path for the {kind}")
-
-
-def check_no_file_above(path: Path) -> None:
-    """Refuse `path` when one of the folders above it is a file (else "[Errno 17] File exists" of that
-    file, from making the folders, after the work whose output it is)."""
+    """Refuse `path` when the folder it would be written (or made) in is not writable, or is a file (else
+    "[Errno 17] File exists" of that file, from making the folders, after the work whose output it is)."""
     above = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
     if above is not None:
         raise OutputError(f"{path}: {above} is a file, so no folder can be made below it")
+    folder = next((p for p in path.absolute().parents if p.exists()), None)
+    if folder is not None and not os.access(folder, os.W_OK):
+        raise OutputError(f"{path}: its folder {folder} is not writable; choose another path for the {kind}")
 
 
 @dataclass(frozen=True)
