@@ -361,13 +361,6 @@ def family_shares(variance: Variance) -> str | None:
     return ", ".join(shown) if len(shares) > 1 else None
 
 
-def _numbers(values: object) -> str:
-    """A list of whole numbers as Python writes it ([8, 128]); anything else as text."""
-    if isinstance(values, list) and all(type(v) is int for v in values):
-        return str(values)
-    return markdown_text(values)
-
-
 def render_markdown(report: AuditReport) -> str:
     # Every string the report holds came from a file, maybe someone else's: shown as text (`t`) or code (`c`).
     m, ex, var, exe = report.model, report.exactness, report.variance, report.execution
@@ -444,7 +437,7 @@ def render_markdown(report: AuditReport) -> str:
     if (timed := exe.latency) is not None:
         lines.append(
             f"- Latency vs the Dense twin: **{timed.latency_ratio_vs_dense:.3f}x** "
-            f"(the median of {timed.runs} interleaved runs' ratios, batch {_numbers(list(timed.batch_shape))}, "
+            f"(the median of {timed.runs} interleaved runs' ratios, batch {list(timed.batch_shape)}, "
             f"{t(timed.device)}; median times {timed.model_ms_median:.1f} ms and {timed.dense_ms_median:.1f} ms, "
             "whose quotient need not be the median ratio)."
         )
