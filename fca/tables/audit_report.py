@@ -102,10 +102,7 @@ def interval(value: object, path: str) -> tuple[float | None, float | None]:
     """A [low, high] pair of numbers; null ends: the undefined CI of too few sequences."""
     if not (isinstance(value, list) and len(value) == 2):
         raise WrongField(path, "is not a [low, high] pair")
-    for i, end in enumerate(value):
-        if end is not None:
-            number(end, f"{path}[{i}]")
-    return (value[0], value[1])
+    return listing(nullable(number))(value, path)
 
 
 def part(check: Check) -> Any:
