@@ -47,7 +47,7 @@ def comparison_rows(report: AuditReport) -> list[dict]:
         row = conditions.get(name)
         return missing if row is None else f"{row.penalty:+.4f} nats"
 
-    ratio = report.execution.latency.latency_ratio_vs_dense if report.execution.latency is not None else None
+    ratio = report.execution.latency_ratio_vs_dense
     blocks = report.execution.blocks_executed_fraction
     paper_static = (
         f"{_percent(STATIC_RETENTION[0], 2)} and {_percent(STATIC_RETENTION[1], 2)} (two gated configurations)"
