@@ -522,21 +522,17 @@ def render_markdown(study: dict) -> str:
     )
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        cells = (
-            [
-                str(r["seed"]) if r["seed"] is not None else "?",
-                t(r["name"], cell=True),
-                c(r["fingerprint"][:12]),
-                _num(r["nll"].get("correct")),
-            ]
-            + [_num(r["penalty"].get(c)) for c in penalized]
-            + [_num(r["gap_retention"].get(c), 1, percent=True) for c in retained]
-            + [
-                _num(r["layer_identity_share"], 1, percent=True),
-                _num(r["latency_ratio_vs_dense"], 3),
-                c(r["audit"]),
-            ]
-        )
+        cells = [
+            str(r["seed"]) if r["seed"] is not None else "?",
+            t(r["name"], cell=True),
+            c(r["fingerprint"][:12]),
+            _num(r["nll"].get("correct")),
+            *(_num(r["penalty"].get(name)) for name in penalized),
+            *(_num(r["gap_retention"].get(name), 1, percent=True) for name in retained),
+            _num(r["layer_identity_share"], 1, percent=True),
+            _num(r["latency_ratio_vs_dense"], 3),
+            c(r["audit"]),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Definitions", ""]
     for key, value in study["definitions"].items():
