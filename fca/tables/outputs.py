@@ -134,8 +134,8 @@ def check_output(path: str | Path, kind: str, is_earlier: Callable[[str], bool])
 
 
 def check_writable_folder(path: Path, kind: str) -> None:
-    """Refuse `path` when the folder it would be written (or made) in is not writable, or is a file (else
-    "[Errno 17] File exists" of that file, from making the folders, after the work whose output it is)."""
+    """Refuse `path` when a folder above it is a file (else "[Errno 17] File exists" of that file, from making
+    the folders, after the work whose output it is), or the folder it would be written (or made) in is not writable."""
     above = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
     if above is not None:
         raise OutputError(f"{path}: {above} is a file, so no folder can be made below it")
