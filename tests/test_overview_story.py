@@ -73,7 +73,7 @@ SWEEP = [
 def test_retention_sentence_in_plain_words():
     text = retention_sentence(typed({"conditions": CONDITIONS, "gap_retention": RETENTION}))
     assert text.startswith("A fixed per-layer profile keeps 42.0% of what per-token control is worth here")
-    assert text.endswith("the paper's gated models kept 98.70-99.43% (arXiv:2607.26192).")  # PAPER_STATIC_RETENTION
+    assert text.endswith("the paper's gated models kept 98.70-99.43% (arXiv:2607.26192).")  # paper.STATIC_RETENTION
     # of another architecture, the paper's range is a reference, not its own yardstick
     for model_type, qualified in (("featuregate", False), ("mixtral", True), ("muddpythia", True)):
         report = {"conditions": CONDITIONS, "gap_retention": RETENTION, "model": {"model_type": model_type}}

@@ -102,10 +102,7 @@ def interval(value: object, path: str) -> tuple[float | None, float | None]:
     """A [low, high] pair of numbers; null ends: the undefined CI of too few sequences."""
     if not (isinstance(value, list) and len(value) == 2):
         raise WrongField(path, "is not a [low, high] pair")
-    for i, end in enumerate(value):
-        if end is not None:
-            number(end, f"{path}[{i}]")
-    return (value[0], value[1])
+    return listing(nullable(number))(value, path)
 
 
 def part(check: Check) -> Any:
@@ -349,10 +346,9 @@ class Routing(Section):
 
     @classmethod
     def _derive(cls, data: dict, values: dict, path: str) -> dict:
-        observed = [key for key in ("routers", "experts", "chance", "conditions") if key in values]
-        if observed and len(observed) < 4:  # (all of them, or only the sentence)
-            missing = next(key for key in ("routers", "experts", "chance", "conditions") if key not in values)
-            raise WrongField(_at(path, missing), "is missing")
+        missing = [key for key in ("routers", "experts", "chance", "conditions") if key not in values]
+        if 0 < len(missing) < 4:  # (all of them, or only the sentence)
+            raise WrongField(_at(path, missing[0]), "is missing")
         return values
 
 

@@ -102,12 +102,7 @@ def configured_roots(repo_root: str | Path, environ: dict | None = None) -> list
     environ = os.environ if environ is None else environ
     roots = [Path(repo_root) / "cache"]
     roots += [Path(p) for p in environ.get(ROOTS_ENV, "").split(os.pathsep) if p.strip()]
-    out: list[Path] = []
-    for root in roots:
-        resolved = user_path(root)
-        if resolved not in out:
-            out.append(resolved)
-    return out
+    return list(dict.fromkeys(user_path(root) for root in roots))  # (each once, in order)
 
 
 def read_entry(cache_dir: str | Path, root: str | Path | None = None) -> CacheEntry:

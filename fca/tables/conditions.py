@@ -74,10 +74,7 @@ class Condition:
         """The canonical text form, e.g. `interpolate:0.5@blocks.0.gate`, `token_shuffle+independent`."""
         return format_condition(self)
 
-    @property
-    def name(self) -> str:
-        """The condition's key in results and reports: its canonical text form."""
-        return format_condition(self)
+    name = spec  # the condition's key in results and reports: its canonical text form
 
     @property
     def needs_profiles(self) -> bool:

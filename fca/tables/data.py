@@ -11,6 +11,7 @@ splits never overlap and are the same on every machine for the same seed and cor
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -210,15 +211,8 @@ def extract_kjv(out: str | Path, overwrite: bool = False) -> Path:
     lines = subprocess.run(
         ["bible", "-f", "gen1:1-rev22:21"], capture_output=True, text=True, check=True
     ).stdout.splitlines()
-    chapters: list[list[str]] = []
-    last_chapter = None
-    for line in lines:
-        ref, _, verse = line.partition(" ")
-        chapter = ref.rsplit(":", 1)[0]  # "Ge1:1" -> "Ge1"
-        if chapter != last_chapter:
-            chapters.append([])
-            last_chapter = chapter
-        chapters[-1].append(verse.strip())
-    text = "\n\n".join(" ".join(c) for c in chapters) + "\n"
+    verses = [line.partition(" ") for line in lines]  # ("Ge1:1", " ", "In the beginning ...")
+    chapters = itertools.groupby(verses, key=lambda verse: verse[0].rsplit(":", 1)[0])  # "Ge1:1" -> "Ge1"
+    text = "\n\n".join(" ".join(verse[2].strip() for verse in chapter) for _, chapter in chapters) + "\n"
     # --overwrite replaces a text corpus: a `.txt` file, never a manifest, a config or a report.
     return write_output(out, text, "text corpus (.txt; --overwrite replaces one)", lambda _: overwrite and is_txt)

@@ -217,10 +217,9 @@ def judge_fidelity(
         "max_seq_nll_diff": float(seq_diff.max()) if len(seq_diff) else 0.0,
         "coefficient_dtype": coefficient_dtype,
         "tolerances": {"bit_identical_required": strict, **({} if strict else tol)},
+        "differing_fields": differing_fields(computed_on, replayed_on),
     }
     where = f"computed on {describe(computed_on)}, replayed on {describe(replayed_on)}"
-    differing = differing_fields(computed_on, replayed_on)
-    out["differing_fields"] = differing
     if measure.bit_identical:
         out["verdict"] = "bit-identical"
         return out

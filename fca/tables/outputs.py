@@ -134,29 +134,14 @@ def check_output(path: str | Path, kind: str, is_earlier: Callable[[str], bool])
 
 
 def check_writable_folder(path: Path, kind: str) -> None:
-    """Refuse `path` when the folder it would be written (or made) in is not writable, or is a file."""
-    check_no_file_above(path)
-    folder = next((p for p in path.absolute().parents if p.exists()), None)
-    if folder is not None and not os.access(folder, os.W_OK):
-        raise OutputError(f"{path}: its folder {folder} is not writable; choose another path for the {kind}")
-
-
-def check_no_file_above(path: Path) -> None:
-    """Refuse `path` when one of the folders above it is a file (else "[Errno 17] File exists" of that
-    file, from making the folders, after the work whose output it is)."""
+    """Refuse `path` when a folder above it is a file (else "[Errno 17] File exists" of that file, from making
+    the folders, after the work whose output it is), or the folder it would be written (or made) in is not writable."""
     above = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
     if above is not None:
         raise OutputError(f"{path}: {above} is a file, so no folder can be made below it")
-
-
-def same_path(json_path: str | Path | None, markdown_path: str | Path | None) -> None:
-    """The JSON and the Markdown of one output cannot be the same file (the second would replace the first)."""
-    if (
-        json_path is not None
-        and markdown_path is not None
-        and Path(json_path).resolve() == Path(markdown_path).resolve()
-    ):
-        raise OutputError(f"{markdown_path}: given for both the JSON and the Markdown; give each its own path")
+    folder = next((p for p in path.absolute().parents if p.exists()), None)
+    if folder is not None and not os.access(folder, os.W_OK):
+        raise OutputError(f"{path}: its folder {folder} is not writable; choose another path for the {kind}")
 
 
 @dataclass(frozen=True)
@@ -169,7 +154,9 @@ class RenderedPair:
     markdown_earlier: Callable[[str], bool]
 
     def check(self, json_path: str | Path | None, markdown_path: str | Path | None) -> None:
-        same_path(json_path, markdown_path)
+        if None not in (json_path, markdown_path) and Path(json_path).resolve() == Path(markdown_path).resolve():
+            # (one file for both: the Markdown would replace the JSON)
+            raise OutputError(f"{markdown_path}: given for both the JSON and the Markdown; give each its own path")
         if json_path is not None:
             check_output(json_path, f"{self.kind} (JSON)", self.json_earlier)
         if markdown_path is not None:

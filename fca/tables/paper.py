@@ -47,48 +47,32 @@ def comparison_rows(report: AuditReport) -> list[dict]:
         row = conditions.get(name)
         return missing if row is None else f"{row.penalty:+.4f} nats"
 
-    share = report.variance.layer_identity_share
-    ratio = report.execution.latency.latency_ratio_vs_dense if report.execution.latency is not None else None
+    ratio = report.execution.latency_ratio_vs_dense
     blocks = report.execution.blocks_executed_fraction
-    paper_muddpythia = "MUDDPythia-1.4B: {:+.4f} nats"
-    return [
-        {
-            "question": "variation",
-            "figure": "layer-identity share of the coefficient variance",
-            "this_model": _percent(share),
-            "paper": _range(LAYER_IDENTITY_SHARE, 0),
-        },
-        {
-            "question": "dependence",
-            "figure": "static-layer gap retention",
-            "this_model": static_text,
-            "paper": f"{_percent(STATIC_RETENTION[0], 2)} and {_percent(STATIC_RETENTION[1], 2)} (two gated configurations)",
-        },
-        {
-            "question": "dependence",
-            "figure": "cross_input penalty vs correct",
-            "this_model": penalty("cross_input"),
-            "paper": paper_muddpythia.format(MUDDPYTHIA_PENALTIES["cross_input"]),
-        },
-        {
-            "question": "dependence",
-            "figure": "token_shuffle penalty vs correct",
-            "this_model": penalty("token_shuffle"),
-            "paper": paper_muddpythia.format(MUDDPYTHIA_PENALTIES["token_shuffle"]),
-        },
-        {
-            "question": "execution",
-            "figure": "blocks executed per token",
-            "this_model": _percent(blocks, 0),
-            "paper": _percent(BLOCKS_EXECUTED_FRACTION, 0),
-        },
-        {
-            "question": "execution",
-            "figure": "time vs the Dense twin",
-            "this_model": "not measured" if ratio is None else f"{ratio:.3f}x",
-            "paper": f"{LATENCY_VS_DENSE:.3f}x (+{100 * (LATENCY_VS_DENSE - 1):.1f}%)",
-        },
+    paper_static = (
+        f"{_percent(STATIC_RETENTION[0], 2)} and {_percent(STATIC_RETENTION[1], 2)} (two gated configurations)"
+    )
+    rows = [  # (question, figure, this model, the paper)
+        (
+            "variation",
+            "layer-identity share of the coefficient variance",
+            _percent(report.variance.layer_identity_share),
+            _range(LAYER_IDENTITY_SHARE, 0),
+        ),
+        ("dependence", "static-layer gap retention", static_text, paper_static),
+        *(
+            ("dependence", f"{name} penalty vs correct", penalty(name), f"MUDDPythia-1.4B: {value:+.4f} nats")
+            for name, value in MUDDPYTHIA_PENALTIES.items()
+        ),
+        ("execution", "blocks executed per token", _percent(blocks, 0), _percent(BLOCKS_EXECUTED_FRACTION, 0)),
+        (
+            "execution",
+            "time vs the Dense twin",
+            "not measured" if ratio is None else f"{ratio:.3f}x",
+            f"{LATENCY_VS_DENSE:.3f}x (+{100 * (LATENCY_VS_DENSE - 1):.1f}%)",
+        ),
     ]
+    return [dict(zip(("question", "figure", "this_model", "paper"), row)) for row in rows]
 
 
 def citation_sentence() -> str:

@@ -23,9 +23,7 @@ from fca.tables.store import Cache
 
 def slot_layout(cache: Cache) -> SlotLayout:
     specs = cache.site_specs
-    families: list[str] = []
-    for spec in specs.values():
-        families.extend(spec.families_per_channel())
+    families = [family for spec in specs.values() for family in spec.families_per_channel()]  # [C]
     return SlotLayout(sites=list(specs), widths=[s.num_channels for s in specs.values()], families=families)
 
 

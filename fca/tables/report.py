@@ -271,13 +271,7 @@ MAX_REPORT_BYTES = 64 * 2**20  # a report is kilobytes; a file this large is som
 def read_report(path: str | Path) -> AuditReport:
     """An audit report from its JSON file, checked whole up front (`AuditReport.from_json`) so that rendering
     never fails halfway."""
-    if not Path(path).exists():
-        raise ReportError(f"{path}: no such file")
-    if not Path(path).is_file():  # a device (/dev/zero) or a pipe would be read without end
-        raise ReportError(f"{path}: not a readable audit report (not a regular file)")
-    if Path(path).stat().st_size > MAX_REPORT_BYTES:
-        raise ReportError(f"{path}: not an audit report ({Path(path).stat().st_size:,} bytes; reports are small)")
-    try:
+    try:  # (a missing file, a device or a pipe, or a file over MAX_REPORT_BYTES: refused before it is read)
         report = read_json(path, ReportError, MAX_REPORT_BYTES, constants=False)
     except ReportError as err:
         raise ReportError(f"{path}: not a readable audit report ({str(err).removeprefix(f'{path}: ')})") from None
@@ -367,13 +361,6 @@ def family_shares(variance: Variance) -> str | None:
     return ", ".join(shown) if len(shares) > 1 else None
 
 
-def _numbers(values: object) -> str:
-    """A list of whole numbers as Python writes it ([8, 128]); anything else as text."""
-    if isinstance(values, list) and all(type(v) is int for v in values):
-        return str(values)
-    return markdown_text(values)
-
-
 def render_markdown(report: AuditReport) -> str:
     # Every string the report holds came from a file, maybe someone else's: shown as text (`t`) or code (`c`).
     m, ex, var, exe = report.model, report.exactness, report.variance, report.execution
@@ -405,16 +392,14 @@ def render_markdown(report: AuditReport) -> str:
         + ".",
         "",
     ]
-    chance = var.chance_levels  # (none in the released reports of early audits)
-    if chance:
-        lines += ["| factor | share of variance | chance level (no effect) |", "|---|---|---|"]
-        lines += [
-            f"| {t(k.replace('_', ' '), cell=True)} | {_share(v)} | {_share(chance[k], 2) if k in chance else ''} |"
-            for k, v in var.factors.items()
-        ]
-    else:
-        lines += ["| factor | share of variance |", "|---|---|"]
-        lines += [f"| {t(k.replace('_', ' '), cell=True)} | {_share(v)} |" for k, v in var.factors.items()]
+    chance = var.chance_levels  # (none in the released reports of early audits: no such column)
+    lines += ["| factor | share of variance |" + (" chance level (no effect) |" if chance else "")]
+    lines += ["|---|---|" + ("---|" if chance else "")]
+    lines += [
+        f"| {t(k.replace('_', ' '), cell=True)} | {_share(v)} |"
+        + (f" {_share(chance[k], 2) if k in chance else ''} |" if chance else "")
+        for k, v in var.factors.items()
+    ]
     lines += ["", "| site | layer-identity share |", "|---|---|"]
     lines += [f"| {c(k)} | {_share(v)} |" for k, v in var.per_site.items()]  # (percents, as the sentence above)
     lines += [
@@ -452,7 +437,7 @@ def render_markdown(report: AuditReport) -> str:
     if (timed := exe.latency) is not None:
         lines.append(
             f"- Latency vs the Dense twin: **{timed.latency_ratio_vs_dense:.3f}x** "
-            f"(the median of {timed.runs} interleaved runs' ratios, batch {_numbers(list(timed.batch_shape))}, "
+            f"(the median of {timed.runs} interleaved runs' ratios, batch {list(timed.batch_shape)}, "
             f"{t(timed.device)}; median times {timed.model_ms_median:.1f} ms and {timed.dense_ms_median:.1f} ms, "
             "whose quotient need not be the median ratio)."
         )
@@ -506,14 +491,10 @@ def check_report_paths(json_path: str | Path | None = None, markdown_path: str |
     REPORT_FILES.check(json_path, markdown_path)
 
 
-# Static-layer gap retention of the gated models in the paper this tool audits: the range over its models.
-PAPER_STATIC_RETENTION = STATIC_RETENTION
-
-
 def retention_sentence(report: AuditReport) -> str:
     """One plain sentence on the static profile's gap retention (README, "What is measured, exactly") beside the
     paper's, from a report's `conditions` and `gap_retention`; says why when it is undefined."""
-    lo, hi = (f"{100 * x:.2f}" for x in PAPER_STATIC_RETENTION)
+    lo, hi = (f"{100 * x:.2f}" for x in STATIC_RETENTION)  # (the paper's gated models)
     paper = f"the paper's gated models kept {lo}-{hi}% ({CITATION})"
     if report.model.model_type != "featuregate":  # (a mixture of experts read it as its own yardstick)
         paper += " (gated Transformers: a point of reference, not a result for this architecture)"

@@ -296,9 +296,7 @@ def replay_command(settings: dict, relative_to: str | Path | None = None, one_op
     conditions = [c if isinstance(c, str) else c.spec for c in settings["conditions"]]
     conditions = list(dict.fromkeys(["correct", *conditions]))
     parts = [
-        f"--model {shlex.quote(rel(settings['model']))}",
-        f"--cache {shlex.quote(rel(settings['cache']))}",
-        f"--calibration {shlex.quote(rel(settings['calibration']))}",
+        *(f"--{key} {shlex.quote(rel(settings[key]))}" for key in ("model", "cache", "calibration")),
         "--conditions " + " ".join(shlex.quote(s) for s in conditions),
         f"--num-seqs {settings['num_seqs']}",
         f"--seed {settings['seed']}",

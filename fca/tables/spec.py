@@ -3,6 +3,7 @@ describe sites without importing it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -34,10 +35,7 @@ class SiteSpec:
 
     @property
     def num_channels(self) -> int:
-        k = 1
-        for _, size in self.axes:
-            k *= size
-        return k
+        return math.prod(size for _, size in self.axes)
 
     def channel_names(self) -> tuple[str, ...]:
         """Each of the `K` channels' name: its label, else its number ("0", "1", ...)."""

@@ -320,22 +320,14 @@ def moments_arrays(m: Moments, tokens: TokenSums | None = None) -> dict:
 
 def stored_moments_block(block: dict, num_slots: int, seq_len: int) -> Moments:
     """Named arrays as `moments_arrays` stores them -> `Moments` (no token sums)."""
+    sums = ("sum", "sumsq", "pos_count", "pos_sum", "seq_term", "minimum", "maximum")
     return Moments(
         num_slots,
         seq_len,
-        None,
-        int(block["count"]),
-        np.asarray(block["sum"], np.float64),
-        np.asarray(block["sumsq"], np.float64),
-        np.asarray(block["pos_count"], np.float64),
-        np.asarray(block["pos_sum"], np.float64),
-        None,
-        None,
-        np.asarray(block["seq_term"], np.float64),
-        int(block["num_seqs"]),
-        np.asarray(block["minimum"], np.float64),
-        np.asarray(block["maximum"], np.float64),
-        np.asarray(block["shift"], np.float64) if "shift" in block else np.zeros(num_slots),
+        count=int(block["count"]),
+        num_seqs=int(block["num_seqs"]),
+        shift=np.asarray(block["shift"], np.float64) if "shift" in block else None,  # None: sums around 0
+        **{key: np.asarray(block[key], np.float64) for key in sums},
     )
 
 

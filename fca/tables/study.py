@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fca.tables.audit_report import AuditReport, report_field
 from fca.tables.catalog import read_json_object
+from fca.tables.execution import audit_summary
 from fca.tables.jsonfile import read_json
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
 from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, condition_cell, damage, read_report, routing_scope
@@ -74,7 +75,7 @@ OPTIONAL_FIELDS = (
     "cache.corpus_fingerprint",  # (reports before it name the corpus file only)
     "calibration.corpus_fingerprint",
 )
-# Scalars of a report aggregated beside the conditions (`scalars`).
+# Scalars of a report (`fca.tables.execution.audit_summary`) aggregated beside the conditions.
 SCALARS = (
     "layer_identity_share",
     "latency_ratio_vs_dense",
@@ -82,18 +83,6 @@ SCALARS = (
     "blocks_executed_per_token",
     "controller_flops_share",
 )
-
-
-def scalars(report: AuditReport) -> dict[str, float | None]:
-    """The SCALARS of one report."""
-    exe = report.execution
-    return {
-        "layer_identity_share": report.variance.layer_identity_share,
-        "latency_ratio_vs_dense": exe.latency_ratio_vs_dense,
-        "blocks_executed_fraction": exe.blocks_executed_fraction,
-        "blocks_executed_per_token": exe.blocks_executed_per_token,
-        "controller_flops_share": exe.controller_flops_share,
-    }
 
 
 # Two-sided 95% Student t quantiles t(0.975, df) for df = 1..30 (standard tables, 6 decimals).
@@ -218,12 +207,7 @@ def summarize_training_log(log: dict) -> dict:
     """The part of a `training_log.json` a study shows (seed, split, steps, device, throughput)."""
     settings = log.get("settings", {})
     out = {
-        "seed": settings.get("seed"),
-        "split_seed": settings.get("split_seed"),
-        "steps": settings.get("steps"),
-        "batch_size": settings.get("batch_size"),
-        "lr": settings.get("lr"),
-        "min_lr": settings.get("min_lr"),
+        **{key: settings.get(key) for key in ("seed", "split_seed", "steps", "batch_size", "lr", "min_lr")},
         "corpus": Path(str(log.get("corpus", ""))).name or None,
         "corpus_fingerprint": log.get("corpus_fingerprint"),
         "device": log.get("device", "cpu"),
@@ -264,10 +248,9 @@ def without_sweep(report: AuditReport) -> AuditReport:
 
 def check_comparable(audits: Sequence[tuple[str, AuditReport]]) -> None:
     """Raise StudyError (one line, the field and both files) unless every audit was made with the same
-    definitions as the first, and no model appears twice. Interpolation sweeps are left out."""
+    definitions as the first, and no model appears twice (sweeps left out by `build_study`, the caller)."""
     if not audits:
         raise StudyError("a study needs at least one audit report")
-    audits = [(name, without_sweep(report)) for name, report in audits]
     first_name, first = audits[0]
     first_json = first.to_json()  # (the fields compared are dotted paths into a report's JSON form)
     seen: dict[str, str] = {}
@@ -348,6 +331,7 @@ def seed_row(report: AuditReport, audit: str, training: dict) -> dict:
     conditions = report.conditions
     routing = report.routing.conditions if report.routing is not None else None
     routing = routing or {}  # (models with observed routers)
+    summary = audit_summary(report)
     return {
         "audit": audit,
         "name": report.model.name,
@@ -374,7 +358,7 @@ def seed_row(report: AuditReport, audit: str, training: dict) -> dict:
         "routing_marks": {
             c: routing_scope(row.routers_changed, list(report.routing.routers)) for c, row in routing.items()
         },
-        **scalars(report),
+        **{key: summary[key] for key in SCALARS},
         "training": training,
         "exactness": report.exactness.to_json(),  # passed through as the audit wrote it
     }
@@ -538,21 +522,17 @@ def render_markdown(study: dict) -> str:
     )
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        cells = (
-            [
-                str(r["seed"]) if r["seed"] is not None else "?",
-                t(r["name"], cell=True),
-                c(r["fingerprint"][:12]),
-                _num(r["nll"].get("correct")),
-            ]
-            + [_num(r["penalty"].get(c)) for c in penalized]
-            + [_num(r["gap_retention"].get(c), 1, percent=True) for c in retained]
-            + [
-                _num(r["layer_identity_share"], 1, percent=True),
-                _num(r["latency_ratio_vs_dense"], 3),
-                c(r["audit"]),
-            ]
-        )
+        cells = [
+            str(r["seed"]) if r["seed"] is not None else "?",
+            t(r["name"], cell=True),
+            c(r["fingerprint"][:12]),
+            _num(r["nll"].get("correct")),
+            *(_num(r["penalty"].get(name)) for name in penalized),
+            *(_num(r["gap_retention"].get(name), 1, percent=True) for name in retained),
+            _num(r["layer_identity_share"], 1, percent=True),
+            _num(r["latency_ratio_vs_dense"], 3),
+            c(r["audit"]),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Definitions", ""]
     for key, value in study["definitions"].items():
