@@ -18,6 +18,7 @@ import re
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -206,12 +207,16 @@ def record_batch(
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
-def file_sha256(path: Path) -> str:
+def stream_sha256(stream: BinaryIO) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
+    while chunk := stream.read(8 << 20):
+        digest.update(chunk)
     return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return stream_sha256(f)
 
 
 def arrays_bytes(arrays: dict[str, np.ndarray]) -> bytes:

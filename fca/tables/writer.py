@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -230,7 +231,7 @@ class CacheWriter:
                 self.lock.release()
                 raise
         self._cond = threading.Condition()  # guards `parts`, the queue and the failures
-        # Moments merged in part order as parts complete (`_merge_completed`); `_kept`: parts of an earlier run.
+        # Moments merged in part order as parts complete (`merge_committed`); `_kept`: parts of an earlier run.
         self._merge_lock = threading.Lock()
         self._merger = self._new_merger()
         self._merged_through = 0  # parts [0, this) are merged
@@ -327,35 +328,30 @@ class CacheWriter:
     def _write_piece(self, open_parts: dict[int, _OpenPart], k: int, piece: pa.RecordBatch, n: int) -> None:
         """Write a piece of part k (committing the part when complete). An OSError that names no file (a
         full disk: Arrow's "Error writing bytes to file. Detail: [errno 28] ...") is given the part's name."""
+        name = f"part-{k:05d}.parquet"
         try:
-            self._write_piece_of(open_parts, k, piece, n)
+            part = open_parts.get(k)
+            if part is None:
+                part = open_parts[k] = _OpenPart(k, name, self.store.parquet_writer(name, self.schema))
+            with self.timings("encode"):
+                part.writer.write_batch(piece)
+            lo, hi = self.part_range(k)
+            part_rows = (hi - lo) * (piece.num_rows // n) if part.token_pieces is not None else None
+            with self.timings("moments"):
+                m, tokens = piece_moments(piece, self.sites, n, part_rows)
+                part.moments = m if part.moments is None else part.moments.merge(m)
+            part.token_pieces = None if tokens is None else [*part.token_pieces, tokens]
+            part.num_seqs += n
+            part.rows += piece.num_rows
+            if part.num_seqs >= hi - lo:
+                with self.timings("close_part"):  # footer, moments sidecar, hashes, record, merge
+                    self._close_part(open_parts.pop(k))
         except OSError as err:
             if err.filename is not None:
                 raise
             detail = str(err).rsplit("Detail: ", 1)[-1]
             reason = detail.split("] ", 1)[-1] if detail.lower().startswith("[errno") else detail
-            raise OSError(
-                err.errno or errno.EIO, reason or type(err).__name__, self.store.where(f"part-{k:05d}.parquet")
-            ) from None
-
-    def _write_piece_of(self, open_parts: dict[int, _OpenPart], k: int, piece: pa.RecordBatch, n: int) -> None:
-        part = open_parts.get(k)
-        if part is None:
-            name = f"part-{k:05d}.parquet"
-            part = open_parts[k] = _OpenPart(k, name, self.store.parquet_writer(name, self.schema))
-        with self.timings("encode"):
-            part.writer.write_batch(piece)
-        lo, hi = self.part_range(k)
-        part_rows = (hi - lo) * (piece.num_rows // n) if part.token_pieces is not None else None
-        with self.timings("moments"):
-            m, tokens = piece_moments(piece, self.sites, n, part_rows)
-            part.moments = m if part.moments is None else part.moments.merge(m)
-        part.token_pieces = None if tokens is None else [*part.token_pieces, tokens]
-        part.num_seqs += n
-        part.rows += piece.num_rows
-        if part.num_seqs >= hi - lo:
-            with self.timings("close_part"):  # footer, moments sidecar, hashes, record, merge
-                self._close_part(open_parts.pop(k))
+            raise OSError(err.errno or errno.EIO, reason or type(err).__name__, self.store.where(name)) from None
 
     def _check_finite(self, part: _OpenPart) -> None:
         """Refuse a part whose coefficients hold NaN or inf, read off its moments (a NaN or inf makes its
@@ -398,7 +394,7 @@ class CacheWriter:
         self.store.commit_part(part.file, record)
         self.add_parts([record])
         if self.shard is None:  # a shard writer's parts are merged by the driver's writer
-            self._merge_completed(part.index, arrays)
+            self.merge_committed(part.index, arrays)
 
     def add_parts(self, records: Sequence[dict]) -> None:
         """Take complete parts as committed (here, or by shard writers)."""
@@ -409,10 +405,8 @@ class CacheWriter:
     def _discard(self) -> None:
         """Close unfinished parts without committing them (the partial folder stays resumable)."""
         for part in self._open.values():
-            try:
+            with suppress(Exception):  # the part is being thrown away; its file goes next
                 part.writer.close()
-            except Exception:  # the part is being thrown away; its file goes next
-                pass
             self.store.drop(part.file + ".tmp")
         self._open.clear()
 
@@ -448,15 +442,11 @@ class CacheWriter:
         ).get("vocab_size")
         return MomentsMerger(width, int(self.plan["seq_len"]), int(vocab) if vocab else None)
 
-    def merge_committed(self, k: int) -> None:
-        """Merge part k's moments from its sidecar once the parts before it are merged: what the driver
-        of a distributed build calls as each shard writer's part commits."""
-        self._merge_completed(k, None)
-
-    def _merge_completed(self, k: int, arrays: dict | None) -> None:
+    def merge_committed(self, k: int, arrays: dict | None = None) -> None:
         """Part k's moments (None: in its sidecar), just committed: merged now if every part before it
         is, else held until they are (in part order, so the bits do not depend on which thread finished
-        first). Parts kept from an earlier run are read from their sidecars when their turn comes."""
+        first). Parts kept from an earlier run are read from their sidecars when their turn comes. The
+        driver of a distributed build calls it as each shard writer's part commits."""
         with self._merge_lock:
             self._held[k] = arrays
             while (j := self._merged_through) in self._held or j in self._kept:
