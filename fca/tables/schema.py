@@ -36,13 +36,8 @@ MOMENTS = "moments.npz"  # the merged moments of all parts, written by `finish` 
 
 
 def cache_schema(specs: dict[str, SiteSpec], coefficient_type: pa.DataType = pa.float32()) -> pa.Schema:
-    fields = [
-        pa.field("seq", pa.int32(), nullable=False),
-        pa.field("pos", pa.int32(), nullable=False),
-        pa.field("token", pa.int32(), nullable=False),
-        pa.field("target", pa.int32(), nullable=False),
-        pa.field("live_nll", pa.float32(), nullable=False),
-    ]
+    fields = [pa.field(name, pa.int32(), nullable=False) for name in KEY_INTS]
+    fields.append(pa.field("live_nll", pa.float32(), nullable=False))
     # The list items are declared non-null: Parquet then stores no definition level per value, which
     # encoding and decoding would otherwise spend time on.
     item = pa.field("element", coefficient_type, nullable=False)
