@@ -91,17 +91,14 @@ def coefficient_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 def decoded_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
     """A record batch whose bfloat16-bit (uint16) site columns are replaced by float32 ones."""
-    columns, fields, changed = [], [], False
-    for column_field, column in zip(batch.schema, batch.columns):
+    for i, column_field in enumerate(batch.schema):
         if pa.types.is_fixed_size_list(column_field.type) and pa.types.is_uint16(column_field.type.value_type):
             item = column_field.type.value_field
             list_type = pa.list_(pa.field(item.name, pa.float32(), nullable=item.nullable), column_field.type.list_size)
-            column = pa.FixedSizeListArray.from_arrays(pa.array(coefficient_values(column).reshape(-1)), type=list_type)
-            column_field = pa.field(column_field.name, list_type, nullable=column_field.nullable)
-            changed = True
-        columns.append(column)
-        fields.append(column_field)
-    return pa.RecordBatch.from_arrays(columns, schema=pa.schema(fields)) if changed else batch
+            values = pa.array(coefficient_values(batch.column(i)).reshape(-1))
+            column = pa.FixedSizeListArray.from_arrays(values, type=list_type)
+            batch = batch.set_column(i, pa.field(column_field.name, list_type, nullable=column_field.nullable), column)
+    return batch
 
 
 def coefficient_arrow_type(name: str) -> pa.DataType:
