@@ -229,12 +229,12 @@ def arrays_bytes(arrays: dict[str, np.ndarray]) -> bytes:
 MemberCheck = Callable[[str, tuple[int, ...]], "str | None"]
 
 
-def read_arrays(path: Path, check: MemberCheck | None = None) -> dict[str, np.ndarray]:
+def read_arrays(path: Path | BinaryIO, check: MemberCheck | None = None) -> dict[str, np.ndarray]:
     """The named arrays of an .npz (never unpickled). With `check`, each member is judged before it is
     inflated: its npy header (shape and dtype, the first bytes of the member) must account for the size the
     zip declares for it, and `check(name, shape)` gives a reason to refuse it or None. So a member of a few
     kilobytes on disk that would inflate to gigabytes is refused unread; raises CacheError naming the
-    member. Without `check`, the file is trusted (what a build wrote and reads back itself)."""
+    member. Without `check`, the file (or stream) is trusted: what a build wrote and reads back itself."""
     if check is None:
         with np.load(path, allow_pickle=False) as z:
             return {name: z[name] for name in z.files}

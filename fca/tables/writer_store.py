@@ -41,6 +41,7 @@ from fca.tables.schema import (
     is_cache_file,
     is_part_file,
     is_partial_file,
+    read_arrays,
     stream_sha256,
 )
 
@@ -229,8 +230,7 @@ class PartStore:
         self.put(name, json.dumps(value, indent=1).encode())
 
     def get_arrays(self, name: str) -> dict[str, np.ndarray]:
-        with np.load(io.BytesIO(_read(self.fs, self.path(name))), allow_pickle=False) as z:
-            return {key: z[key] for key in z.files}
+        return read_arrays(io.BytesIO(_read(self.fs, self.path(name))))
 
     def parquet_writer(self, name: str, schema) -> pq.ParquetWriter:
         """A part's writer, on `<name>.tmp` (moved into place by `commit`)."""
