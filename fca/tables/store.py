@@ -220,8 +220,7 @@ class Cache:
         if nulls:
             raise CacheError(f"{self.path}: column(s) {', '.join(nulls)} hold missing (null) values")
         order = np.lexsort((table.column("pos").to_numpy(), table.column("seq").to_numpy()))
-        row_of = {s: i for i, s in enumerate(wanted)}
-        pick = np.array([row_of[s] for s in seqs])
+        pick = np.searchsorted(wanted, seqs)  # each asked-for sequence's row among the sorted distinct ones
         out: dict[str, np.ndarray] = {}
         for key in KEY_COLUMNS[2:]:  # (seq and pos: the order itself)
             out[key] = table.column(key).to_numpy()[order].reshape(len(wanted), T)[pick]
@@ -286,11 +285,11 @@ class Cache:
                     f"{spec.num_channels} in the model"
                 )
 
-    def span_hashes(self, span: int, chunk: int = 1024) -> np.ndarray:
+    def span_hashes(self, span: int) -> np.ndarray:
         """The distinct hashes of every `span`-token stretch of every sequence's window (its T tokens and
-        last target), read `chunk` sequences at a time: what two caches' text shares, wherever the window
+        last target), read a chunk of sequences at a time: what two caches' text shares, wherever the window
         boundaries fall and whatever their manifests say of where it came from."""
-        hashes = [np.unique(span_hashes(windows, span)) for windows in self._windows(self.num_seqs, chunk)]
+        hashes = [np.unique(span_hashes(windows, span)) for windows in self._windows(self.num_seqs)]
         return np.unique(np.concatenate(hashes)) if hashes else np.zeros(0, np.uint64)
 
     def _windows(self, num_seqs: int, chunk: int = 1024) -> Iterator[np.ndarray]:

@@ -164,9 +164,8 @@ class CacheWriter:
     `workers=1` parts are written in the caller's thread; with more, by a thread pool, each part by one
     thread at a time (a part's pieces are written in order), and `write` returns once the batch is
     queued. pyarrow encodes and compresses without the GIL, so the threads scale with cores. Memory: at
-    most `workers` x `max_pending_seqs` sequences (default S each) queued or being written. After a
-    thread's error, queued batches are dropped and the error is raised in the caller at the next `write`
-    or at `finish`.
+    most `workers` x S sequences queued or being written. After a thread's error, queued batches are
+    dropped and the error is raised in the caller at the next `write` or at `finish`.
 
     Each complete part is committed (`PartStore.commit_part`): its file, its moments sidecar
     (`fca.tables.stats`: count, sums, sums of squares, per-position and per-sequence sums, extremes,
@@ -188,7 +187,6 @@ class CacheWriter:
         seqs_per_part: int,
         overwrite: bool = False,
         workers: int = 1,
-        max_pending_seqs: int | None = None,
         shard: Sequence[int] | None = None,
         timings: Timings | None = None,
     ) -> None:
@@ -240,7 +238,7 @@ class CacheWriter:
         self._failures: list[BaseException] = []
         self._open: dict[int, _OpenPart] = {}  # parts being written
         workers = max(1, min(int(workers), self.num_parts))  # a thread writes a whole part: more would idle
-        self._bound = workers * (max_pending_seqs or self.seqs_per_part)
+        self._bound = workers * self.seqs_per_part
         self._pending = 0  # sequences queued or being written
         self._queued: dict[int, deque] = {}  # part -> its pieces waiting, for the one thread draining it
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="fca-cache-writer") if workers > 1 else None
