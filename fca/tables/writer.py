@@ -289,7 +289,7 @@ class CacheWriter:
             if self._pool is not None:
                 self._put(k, piece, hi - lo)
             else:
-                self._write_piece(self._open, k, piece, hi - lo)
+                self._write_piece(k, piece, hi - lo)
             lo = hi
 
     def _put(self, k: int, piece: pa.RecordBatch, n: int) -> None:
@@ -314,7 +314,7 @@ class CacheWriter:
                 piece, n = self._queued[k].popleft()
             try:
                 if not self._failures:
-                    self._write_piece(self._open, k, piece, n)
+                    self._write_piece(k, piece, n)
             except BaseException as err:  # raised again in the caller's thread
                 with self._cond:
                     self._failures.append(err)
@@ -323,14 +323,14 @@ class CacheWriter:
                     self._pending -= n
                     self._cond.notify_all()
 
-    def _write_piece(self, open_parts: dict[int, _OpenPart], k: int, piece: pa.RecordBatch, n: int) -> None:
+    def _write_piece(self, k: int, piece: pa.RecordBatch, n: int) -> None:
         """Write a piece of part k (committing the part when complete). An OSError that names no file (a
         full disk: Arrow's "Error writing bytes to file. Detail: [errno 28] ...") is given the part's name."""
         name = f"part-{k:05d}.parquet"
         try:
-            part = open_parts.get(k)
+            part = self._open.get(k)
             if part is None:
-                part = open_parts[k] = _OpenPart(k, name, self.store.parquet_writer(name, self.schema))
+                part = self._open[k] = _OpenPart(k, name, self.store.parquet_writer(name, self.schema))
             with self.timings("encode"):
                 part.writer.write_batch(piece)
             lo, hi = self.part_range(k)
@@ -343,7 +343,7 @@ class CacheWriter:
             part.rows += piece.num_rows
             if part.num_seqs >= hi - lo:
                 with self.timings("close_part"):  # footer, moments sidecar, hashes, record, merge
-                    self._close_part(open_parts.pop(k))
+                    self._close_part(self._open.pop(k))
         except OSError as err:
             if err.filename is not None:
                 raise
