@@ -197,10 +197,10 @@ def test_a_slow_part_holds_up_no_other_writer_thread(tmp_path, monkeypatch):
     real_write_piece = CacheWriter._write_piece
     written: list[tuple[int, str]] = []
 
-    def write_piece(self, open_parts, k, piece, n):
+    def write_piece(self, k, piece, n):
         if k == 0:
             time.sleep(0.5)
-        real_write_piece(self, open_parts, k, piece, n)
+        real_write_piece(self, k, piece, n)
         written.append((k, threading.current_thread().name))
 
     monkeypatch.setattr(CacheWriter, "_write_piece", write_piece)
@@ -228,10 +228,10 @@ def test_a_writer_threads_error_reaches_the_caller_and_leaves_the_build_resumabl
     z = np.zeros((2, 5), np.int64)
     real_write_piece = CacheWriter._write_piece
 
-    def write_piece(self, open_parts, k, piece, n):
+    def write_piece(self, k, piece, n):
         if k == 1:
             raise OSError("No space left on device")
-        real_write_piece(self, open_parts, k, piece, n)
+        real_write_piece(self, k, piece, n)
 
     monkeypatch.setattr(CacheWriter, "_write_piece", write_piece)
     writer = CacheWriter(tmp_path / "c", plan, schema, 2, workers=2)

@@ -9,12 +9,11 @@ Torch-free: reading the current environment off a model lives in `fca.engine.env
 
 from __future__ import annotations
 
-# The fields that decide whether two environments compute bit-identical results. Anything not listed
-# here (the batch size of a build, say) is recorded for the reader but compared separately.
+# The fields that decide whether two environments compute bit-identical results, in words. Anything not
+# listed here (the batch size of a build, say) is recorded for the reader but compared separately.
 # `numerics`: settings that change kernels on the same device (float32 matmul precision, TF32, oneDNN's
 # instruction-set limit): a build under ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 machine differs from a replay
 # without it in the last bits, so they are part of what must agree for bit-identical results.
-IDENTITY_FIELDS = ("device_type", "device_name", "capability", "model_dtype", "torch", "cuda", "threads", "numerics")
 LABELS = {
     "device_type": "device",
     "device_name": "device name",
@@ -25,6 +24,7 @@ LABELS = {
     "threads": "threads",
     "numerics": "numeric settings",
 }
+IDENTITY_FIELDS = tuple(LABELS)
 
 
 def check_environment(env: object) -> None:

@@ -4,6 +4,7 @@ wrong type or counts that disagree are a one-line `CacheError` naming the field.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -56,14 +57,9 @@ def _part_record(p: object, where: str) -> PartRecord:
     file = _typed(p.get("file"), str, "a part's file", where)
     if not PART_FILE.fullmatch(file):
         raise CacheError(f"{where}: malformed manifest: part file {file!r} is not a part-NNNNN.parquet of this folder")
+    kinds = {"num_seqs": int, "rows": int, "sha256": str, "bytes": int, "index": int, "first_seq": int}
     return PartRecord(
-        file=file,
-        num_seqs=_typed(p.get("num_seqs"), int, f"{file}'s num_seqs", where),
-        rows=_typed(p.get("rows"), int, f"{file}'s rows", where),
-        sha256=_typed(p.get("sha256"), str, f"{file}'s sha256", where),
-        bytes=_typed(p.get("bytes"), int, f"{file}'s bytes", where),
-        index=_typed(p.get("index"), int, f"{file}'s index", where),
-        first_seq=_typed(p.get("first_seq"), int, f"{file}'s first_seq", where),
+        file=file, **{key: _typed(p.get(key), kind, f"{file}'s {key}", where) for key, kind in kinds.items()}
     )
 
 
@@ -247,20 +243,16 @@ class Manifest:
             twice = next((f for f in files if files.count(f) > 1), None)
             # Parts are listed in sequence order, each beginning where the one before ends (readers find a
             # sequence's part by arithmetic on these).
-            follows, misplaced = 0, None
-            for part in self.parts:
-                if part.first_seq != follows:
-                    misplaced = part
-                    break
-                follows += part.num_seqs
+            ends = itertools.accumulate((p.num_seqs for p in self.parts), initial=0)
+            misplaced = next(((p, end) for p, end in zip(self.parts, ends) if p.first_seq != end), None)
             if bad is not None:
                 problem = f"part {bad.file} has {bad.rows} rows for {bad.num_seqs} sequences of {T} tokens"
             elif twice is not None:
                 problem = f"part {twice} is listed more than once"
             elif misplaced is not None:
+                part, follows = misplaced
                 problem = (
-                    f"part {misplaced.file} begins at sequence {misplaced.first_seq}, but the parts before it end "
-                    f"at {follows}"
+                    f"part {part.file} begins at sequence {part.first_seq}, but the parts before it end at {follows}"
                 )
         if problem is not None:
             raise CacheError(f"{where}: inconsistent manifest: {problem}")

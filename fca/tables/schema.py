@@ -18,6 +18,7 @@ import re
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -35,13 +36,8 @@ MOMENTS = "moments.npz"  # the merged moments of all parts, written by `finish` 
 
 
 def cache_schema(specs: dict[str, SiteSpec], coefficient_type: pa.DataType = pa.float32()) -> pa.Schema:
-    fields = [
-        pa.field("seq", pa.int32(), nullable=False),
-        pa.field("pos", pa.int32(), nullable=False),
-        pa.field("token", pa.int32(), nullable=False),
-        pa.field("target", pa.int32(), nullable=False),
-        pa.field("live_nll", pa.float32(), nullable=False),
-    ]
+    fields = [pa.field(name, pa.int32(), nullable=False) for name in KEY_INTS]
+    fields.append(pa.field("live_nll", pa.float32(), nullable=False))
     # The list items are declared non-null: Parquet then stores no definition level per value, which
     # encoding and decoding would otherwise spend time on.
     item = pa.field("element", coefficient_type, nullable=False)
@@ -95,17 +91,14 @@ def coefficient_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 def decoded_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
     """A record batch whose bfloat16-bit (uint16) site columns are replaced by float32 ones."""
-    columns, fields, changed = [], [], False
-    for column_field, column in zip(batch.schema, batch.columns):
+    for i, column_field in enumerate(batch.schema):
         if pa.types.is_fixed_size_list(column_field.type) and pa.types.is_uint16(column_field.type.value_type):
             item = column_field.type.value_field
             list_type = pa.list_(pa.field(item.name, pa.float32(), nullable=item.nullable), column_field.type.list_size)
-            column = pa.FixedSizeListArray.from_arrays(pa.array(coefficient_values(column).reshape(-1)), type=list_type)
-            column_field = pa.field(column_field.name, list_type, nullable=column_field.nullable)
-            changed = True
-        columns.append(column)
-        fields.append(column_field)
-    return pa.RecordBatch.from_arrays(columns, schema=pa.schema(fields)) if changed else batch
+            values = pa.array(coefficient_values(batch.column(i)).reshape(-1))
+            column = pa.FixedSizeListArray.from_arrays(values, type=list_type)
+            batch = batch.set_column(i, pa.field(column_field.name, list_type, nullable=column_field.nullable), column)
+    return batch
 
 
 def coefficient_arrow_type(name: str) -> pa.DataType:
@@ -206,12 +199,16 @@ def record_batch(
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
-def file_sha256(path: Path) -> str:
+def stream_sha256(stream: BinaryIO) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
+    while chunk := stream.read(8 << 20):
+        digest.update(chunk)
     return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return stream_sha256(f)
 
 
 def arrays_bytes(arrays: dict[str, np.ndarray]) -> bytes:
@@ -232,12 +229,12 @@ def arrays_bytes(arrays: dict[str, np.ndarray]) -> bytes:
 MemberCheck = Callable[[str, tuple[int, ...]], "str | None"]
 
 
-def read_arrays(path: Path, check: MemberCheck | None = None) -> dict[str, np.ndarray]:
+def read_arrays(path: Path | BinaryIO, check: MemberCheck | None = None) -> dict[str, np.ndarray]:
     """The named arrays of an .npz (never unpickled). With `check`, each member is judged before it is
     inflated: its npy header (shape and dtype, the first bytes of the member) must account for the size the
     zip declares for it, and `check(name, shape)` gives a reason to refuse it or None. So a member of a few
     kilobytes on disk that would inflate to gigabytes is refused unread; raises CacheError naming the
-    member. Without `check`, the file is trusted (what a build wrote and reads back itself)."""
+    member. Without `check`, the file (or stream) is trusted: what a build wrote and reads back itself."""
     if check is None:
         with np.load(path, allow_pickle=False) as z:
             return {name: z[name] for name in z.files}

@@ -6,8 +6,10 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +46,15 @@ def span_hashes(windows: np.ndarray, span: int) -> np.ndarray:
     return hashes.ravel()
 
 
+@contextmanager
+def _arrow_errors(path: Path, what: str = "unreadable part file") -> Iterator[None]:
+    """Arrow's errors reading the part file `path`, as a one-line CacheError naming it."""
+    try:
+        yield
+    except (pa.ArrowInvalid, OSError) as err:
+        raise CacheError(f"{path}: {what} ({str(err).splitlines()[0]})") from None
+
+
 def _some(names: list[str], shown: int = 3) -> str:
     """A few of `names` for a one-line message: "none", "['a', 'b']" or "['a', 'b', 'c'] and 5 more"."""
     if not names:
@@ -61,7 +72,6 @@ class Cache:
     path: Path
     manifest: Manifest
     _footers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    _starts: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
     _read_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
     _verified: set = field(default_factory=set, init=False, repr=False, compare=False)  # part positions
 
@@ -81,18 +91,14 @@ class Cache:
     def sites(self) -> list[str]:
         return list(self.manifest.sites)
 
-    @property
-    def num_seqs(self) -> int:
-        return self.manifest.num_seqs
-
-    @property
-    def seq_len(self) -> int:
-        return self.manifest.seq_len
-
-    @property
-    def fingerprint(self) -> str:
-        """Identity of the cache contents: the hash of its part hashes."""
-        return self.manifest.contents_fingerprint
+    # The manifest's own figures, read through (`Manifest` says what each is).
+    num_seqs = property(attrgetter("manifest.num_seqs"))
+    seq_len = property(attrgetter("manifest.seq_len"))
+    fingerprint = property(attrgetter("manifest.contents_fingerprint"))  # the hash of the part hashes
+    environment = property(attrgetter("manifest.environment"))  # None where the writer did not know it
+    model_dtype = property(attrgetter("manifest.model_dtype"))
+    coefficient_dtype = property(attrgetter("manifest.coefficient_dtype"))
+    vocab_size = property(attrgetter("manifest.vocab_size"))  # the tokenizer record, else the model config, else None
 
     def part_paths(self) -> list[Path]:
         return [self.path / p.file for p in self.manifest.parts]
@@ -105,13 +111,11 @@ class Cache:
 
         return ds.dataset([str(p) for p in self.part_paths()], format="parquet")
 
+    @cached_property
     def _part_starts(self) -> np.ndarray:
         """[parts + 1] first sequence of every part in manifest order, and the end (as the manifest's part
-        records say). Computed once per opened cache."""
-        if self._starts is None:
-            firsts = [p.first_seq for p in self.manifest.parts]
-            self._starts = np.array([*firsts, self.num_seqs], dtype=np.int64)
-        return self._starts
+        records say)."""
+        return np.array([*(p.first_seq for p in self.manifest.parts), self.num_seqs], dtype=np.int64)
 
     def _footer(self, position: int) -> tuple[Path, pq.ParquetFile, list[tuple[int, int, int]]]:
         """(path, open part file, [(row group, first seq, last seq)]) of the part at `position` in the
@@ -123,7 +127,7 @@ class Cache:
 
     def _read_footer(self, position: int) -> tuple[Path, pq.ParquetFile, list[tuple[int, int, int]]]:
         path = self.path / self.manifest.parts[position].file
-        try:
+        with _arrow_errors(path):
             part = pq.ParquetFile(path)
             check_part_schema(path, part.schema_arrow, self.expected_schema)
             groups = []
@@ -132,9 +136,7 @@ class Cache:
                 if stats is None or not stats.has_min_max:
                     raise CacheError(f"{path}: row group {i} has no `seq` statistics")
                 groups.append((i, int(stats.min), int(stats.max)))
-        except (pa.ArrowInvalid, OSError) as err:
-            raise CacheError(f"{path}: unreadable part file ({str(err).splitlines()[0]})") from None
-        first, end = (int(s) for s in self._part_starts()[position : position + 2])
+        first, end = (int(s) for s in self._part_starts[position : position + 2])
         held = (min(g[1] for g in groups), max(g[2] for g in groups)) if groups else None
         if held is not None and not (first <= held[0] and held[1] < end):
             raise CacheError(
@@ -153,7 +155,7 @@ class Cache:
         by arithmetic) and in those only the row groups whose `seq` range meets them are read (a row
         group holds whole sequences), then rows of other sequences are dropped."""
         w = np.asarray(wanted)
-        starts = self._part_starts()
+        starts = self._part_starts
         positions = np.unique(np.searchsorted(starts, w, side="right") - 1)
         pieces = []
         for position in positions:
@@ -164,11 +166,9 @@ class Cache:
             for (i, _, _), need in zip(groups, needed):
                 if not need:
                     continue
-                try:
-                    with self._read_lock:  # one open file, read from the prefetch thread and the caller's
-                        pieces.append(part.read_row_group(i, columns=columns))
-                except (pa.ArrowInvalid, OSError) as err:
-                    raise CacheError(f"{path}: unreadable part file ({str(err).splitlines()[0]})") from None
+                # (one open file, read from the prefetch thread and the caller's)
+                with _arrow_errors(path), self._read_lock:
+                    pieces.append(part.read_row_group(i, columns=columns))
         if not pieces:
             return pa.schema([pa.field("seq", pa.int32())]).empty_table()
         table = pa.concat_tables(pieces)
@@ -184,14 +184,12 @@ class Cache:
         With `decode` (the default) site columns come as FixedSizeList<float32> whatever the stored type
         (bfloat16 bits are widened exactly); without, as stored."""
         for path in self.part_paths():
-            try:
+            with _arrow_errors(path):
                 batches = pq.ParquetFile(path).iter_batches(
                     batch_size=batch_size, columns=list(columns) if columns else None
                 )
                 for batch in batches:
                     yield decoded_batch(batch) if decode else batch
-            except (pa.ArrowInvalid, OSError) as err:
-                raise CacheError(f"{path}: unreadable part file ({str(err).splitlines()[0]})") from None
 
     def read_seqs(self, seqs: Sequence[int], sites: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Tokens, targets, live NLL ([n, T]) and coefficients ([n, T, K_s]) of the given sequences, in the
@@ -222,8 +220,7 @@ class Cache:
         if nulls:
             raise CacheError(f"{self.path}: column(s) {', '.join(nulls)} hold missing (null) values")
         order = np.lexsort((table.column("pos").to_numpy(), table.column("seq").to_numpy()))
-        row_of = {s: i for i, s in enumerate(wanted)}
-        pick = np.array([row_of[s] for s in seqs])
+        pick = np.searchsorted(wanted, seqs)  # each asked-for sequence's row among the sorted distinct ones
         out: dict[str, np.ndarray] = {}
         for key in KEY_COLUMNS[2:]:  # (seq and pos: the order itself)
             out[key] = table.column(key).to_numpy()[order].reshape(len(wanted), T)[pick]
@@ -250,24 +247,6 @@ class Cache:
         the batch it concerns. Closing the iterator early (break, `close()`, garbage collection) stops
         the thread."""
         return _prefetch(self, [list(b) for b in batches], None if sites is None else list(sites), max(1, int(depth)))
-
-    @property
-    def environment(self) -> dict | None:
-        """Where the coefficients were computed (fca.tables.environment), or None where the writer did not know it."""
-        return self.manifest.environment
-
-    @property
-    def model_dtype(self) -> str:
-        return self.manifest.model_dtype
-
-    @property
-    def coefficient_dtype(self) -> str:
-        return self.manifest.coefficient_dtype
-
-    @property
-    def vocab_size(self) -> int | None:
-        """`Manifest.vocab_size`: the tokenizer record, else the model config, else None."""
-        return self.manifest.vocab_size
 
     def build_batches(self) -> set[tuple[int, int]] | None:
         """The (first, last + 1) sequence ranges of the record passes that wrote this cache, if recorded."""
@@ -306,11 +285,11 @@ class Cache:
                     f"{spec.num_channels} in the model"
                 )
 
-    def span_hashes(self, span: int, chunk: int = 1024) -> np.ndarray:
+    def span_hashes(self, span: int) -> np.ndarray:
         """The distinct hashes of every `span`-token stretch of every sequence's window (its T tokens and
-        last target), read `chunk` sequences at a time: what two caches' text shares, wherever the window
+        last target), read a chunk of sequences at a time: what two caches' text shares, wherever the window
         boundaries fall and whatever their manifests say of where it came from."""
-        hashes = [np.unique(span_hashes(windows, span)) for windows in self._windows(self.num_seqs, chunk)]
+        hashes = [np.unique(span_hashes(windows, span)) for windows in self._windows(self.num_seqs)]
         return np.unique(np.concatenate(hashes)) if hashes else np.zeros(0, np.uint64)
 
     def _windows(self, num_seqs: int, chunk: int = 1024) -> Iterator[np.ndarray]:
@@ -341,7 +320,7 @@ class Cache:
     def verify(self, seqs: range | None = None) -> None:
         """Recompute the sha256 of every part (or of those holding `seqs`) against the manifest; a part is
         hashed once per opened cache."""
-        starts = self._part_starts()
+        starts = self._part_starts
         for position, part in enumerate(self.manifest.parts):
             if position in self._verified:
                 continue
@@ -441,10 +420,8 @@ def open_cache(path: str | Path, verify: bool = False) -> Cache:
         # The manifest's counts, which readers size arrays and batch lists by, against the rows the part's
         # footer holds (a manifest claiming 10^12 sequences of the parts of 256 is refused here, not in a
         # MemoryError): only the footer is read.
-        try:
+        with _arrow_errors(part, "not a readable Parquet file"):
             rows = pq.read_metadata(part).num_rows
-        except (pa.ArrowInvalid, OSError) as err:
-            raise CacheError(f"{part}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
         if rows != record.rows:
             raise CacheError(
                 f"{part}: holds {rows:,} rows, but the manifest records {record.rows:,} ({record.num_seqs:,} "
@@ -452,10 +429,8 @@ def open_cache(path: str | Path, verify: bool = False) -> Cache:
             )
     if cache.manifest.parts:
         first = path / cache.manifest.parts[0].file
-        try:
+        with _arrow_errors(first, "not a readable Parquet file"):
             schema = pq.read_schema(first)
-        except (pa.ArrowInvalid, OSError) as err:
-            raise CacheError(f"{first}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
         check_part_schema(first, schema, cache.expected_schema)
     if verify:
         cache.verify()

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,9 +164,8 @@ class CacheWriter:
     `workers=1` parts are written in the caller's thread; with more, by a thread pool, each part by one
     thread at a time (a part's pieces are written in order), and `write` returns once the batch is
     queued. pyarrow encodes and compresses without the GIL, so the threads scale with cores. Memory: at
-    most `workers` x `max_pending_seqs` sequences (default S each) queued or being written. After a
-    thread's error, queued batches are dropped and the error is raised in the caller at the next `write`
-    or at `finish`.
+    most `workers` x S sequences queued or being written. After a thread's error, queued batches are
+    dropped and the error is raised in the caller at the next `write` or at `finish`.
 
     Each complete part is committed (`PartStore.commit_part`): its file, its moments sidecar
     (`fca.tables.stats`: count, sums, sums of squares, per-position and per-sequence sums, extremes,
@@ -187,7 +187,6 @@ class CacheWriter:
         seqs_per_part: int,
         overwrite: bool = False,
         workers: int = 1,
-        max_pending_seqs: int | None = None,
         shard: Sequence[int] | None = None,
         timings: Timings | None = None,
     ) -> None:
@@ -230,7 +229,7 @@ class CacheWriter:
                 self.lock.release()
                 raise
         self._cond = threading.Condition()  # guards `parts`, the queue and the failures
-        # Moments merged in part order as parts complete (`_merge_completed`); `_kept`: parts of an earlier run.
+        # Moments merged in part order as parts complete (`merge_committed`); `_kept`: parts of an earlier run.
         self._merge_lock = threading.Lock()
         self._merger = self._new_merger()
         self._merged_through = 0  # parts [0, this) are merged
@@ -239,7 +238,7 @@ class CacheWriter:
         self._failures: list[BaseException] = []
         self._open: dict[int, _OpenPart] = {}  # parts being written
         workers = max(1, min(int(workers), self.num_parts))  # a thread writes a whole part: more would idle
-        self._bound = workers * (max_pending_seqs or self.seqs_per_part)
+        self._bound = workers * self.seqs_per_part
         self._pending = 0  # sequences queued or being written
         self._queued: dict[int, deque] = {}  # part -> its pieces waiting, for the one thread draining it
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="fca-cache-writer") if workers > 1 else None
@@ -290,7 +289,7 @@ class CacheWriter:
             if self._pool is not None:
                 self._put(k, piece, hi - lo)
             else:
-                self._write_piece(self._open, k, piece, hi - lo)
+                self._write_piece(k, piece, hi - lo)
             lo = hi
 
     def _put(self, k: int, piece: pa.RecordBatch, n: int) -> None:
@@ -315,7 +314,7 @@ class CacheWriter:
                 piece, n = self._queued[k].popleft()
             try:
                 if not self._failures:
-                    self._write_piece(self._open, k, piece, n)
+                    self._write_piece(k, piece, n)
             except BaseException as err:  # raised again in the caller's thread
                 with self._cond:
                     self._failures.append(err)
@@ -324,38 +323,33 @@ class CacheWriter:
                     self._pending -= n
                     self._cond.notify_all()
 
-    def _write_piece(self, open_parts: dict[int, _OpenPart], k: int, piece: pa.RecordBatch, n: int) -> None:
+    def _write_piece(self, k: int, piece: pa.RecordBatch, n: int) -> None:
         """Write a piece of part k (committing the part when complete). An OSError that names no file (a
         full disk: Arrow's "Error writing bytes to file. Detail: [errno 28] ...") is given the part's name."""
+        name = f"part-{k:05d}.parquet"
         try:
-            self._write_piece_of(open_parts, k, piece, n)
+            part = self._open.get(k)
+            if part is None:
+                part = self._open[k] = _OpenPart(k, name, self.store.parquet_writer(name, self.schema))
+            with self.timings("encode"):
+                part.writer.write_batch(piece)
+            lo, hi = self.part_range(k)
+            part_rows = (hi - lo) * (piece.num_rows // n) if part.token_pieces is not None else None
+            with self.timings("moments"):
+                m, tokens = piece_moments(piece, self.sites, n, part_rows)
+                part.moments = m if part.moments is None else part.moments.merge(m)
+            part.token_pieces = None if tokens is None else [*part.token_pieces, tokens]
+            part.num_seqs += n
+            part.rows += piece.num_rows
+            if part.num_seqs >= hi - lo:
+                with self.timings("close_part"):  # footer, moments sidecar, hashes, record, merge
+                    self._close_part(self._open.pop(k))
         except OSError as err:
             if err.filename is not None:
                 raise
             detail = str(err).rsplit("Detail: ", 1)[-1]
             reason = detail.split("] ", 1)[-1] if detail.lower().startswith("[errno") else detail
-            raise OSError(
-                err.errno or errno.EIO, reason or type(err).__name__, self.store.where(f"part-{k:05d}.parquet")
-            ) from None
-
-    def _write_piece_of(self, open_parts: dict[int, _OpenPart], k: int, piece: pa.RecordBatch, n: int) -> None:
-        part = open_parts.get(k)
-        if part is None:
-            name = f"part-{k:05d}.parquet"
-            part = open_parts[k] = _OpenPart(k, name, self.store.parquet_writer(name, self.schema))
-        with self.timings("encode"):
-            part.writer.write_batch(piece)
-        lo, hi = self.part_range(k)
-        part_rows = (hi - lo) * (piece.num_rows // n) if part.token_pieces is not None else None
-        with self.timings("moments"):
-            m, tokens = piece_moments(piece, self.sites, n, part_rows)
-            part.moments = m if part.moments is None else part.moments.merge(m)
-        part.token_pieces = None if tokens is None else [*part.token_pieces, tokens]
-        part.num_seqs += n
-        part.rows += piece.num_rows
-        if part.num_seqs >= hi - lo:
-            with self.timings("close_part"):  # footer, moments sidecar, hashes, record, merge
-                self._close_part(open_parts.pop(k))
+            raise OSError(err.errno or errno.EIO, reason or type(err).__name__, self.store.where(name)) from None
 
     def _check_finite(self, part: _OpenPart) -> None:
         """Refuse a part whose coefficients hold NaN or inf, read off its moments (a NaN or inf makes its
@@ -398,7 +392,7 @@ class CacheWriter:
         self.store.commit_part(part.file, record)
         self.add_parts([record])
         if self.shard is None:  # a shard writer's parts are merged by the driver's writer
-            self._merge_completed(part.index, arrays)
+            self.merge_committed(part.index, arrays)
 
     def add_parts(self, records: Sequence[dict]) -> None:
         """Take complete parts as committed (here, or by shard writers)."""
@@ -409,10 +403,8 @@ class CacheWriter:
     def _discard(self) -> None:
         """Close unfinished parts without committing them (the partial folder stays resumable)."""
         for part in self._open.values():
-            try:
+            with suppress(Exception):  # the part is being thrown away; its file goes next
                 part.writer.close()
-            except Exception:  # the part is being thrown away; its file goes next
-                pass
             self.store.drop(part.file + ".tmp")
         self._open.clear()
 
@@ -448,15 +440,11 @@ class CacheWriter:
         ).get("vocab_size")
         return MomentsMerger(width, int(self.plan["seq_len"]), int(vocab) if vocab else None)
 
-    def merge_committed(self, k: int) -> None:
-        """Merge part k's moments from its sidecar once the parts before it are merged: what the driver
-        of a distributed build calls as each shard writer's part commits."""
-        self._merge_completed(k, None)
-
-    def _merge_completed(self, k: int, arrays: dict | None) -> None:
+    def merge_committed(self, k: int, arrays: dict | None = None) -> None:
         """Part k's moments (None: in its sidecar), just committed: merged now if every part before it
         is, else held until they are (in part order, so the bits do not depend on which thread finished
-        first). Parts kept from an earlier run are read from their sidecars when their turn comes."""
+        first). Parts kept from an earlier run are read from their sidecars when their turn comes. The
+        driver of a distributed build calls it as each shard writer's part commits."""
         with self._merge_lock:
             self._held[k] = arrays
             while (j := self._merged_through) in self._held or j in self._kept:

@@ -16,13 +16,13 @@ is checked and then written, which cannot be atomic; run one build per URI.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
 import shutil
 import socket
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import filelock
@@ -37,14 +37,14 @@ from fca.tables.schema import (
     MANIFEST,
     PLAN,
     RECORD_SUFFIX,
-    arrays_bytes,
     byte_stream_split_columns,
     is_cache_file,
     is_part_file,
     is_partial_file,
+    read_arrays,
+    stream_sha256,
 )
 
-CHUNK = 8 << 20
 LOCK_KEYS = {"pid", "host", "started"}
 
 
@@ -221,22 +221,16 @@ class PartStore:
             _write(self.fs, tmp, data)
             self.fs.move(tmp, self.path(name))
         except OSError as err:
-            try:
+            with suppress(OSError):
                 self.fs.delete_file(tmp)
-            except OSError:
-                pass
             reason = err.strerror or str(err).rsplit("Detail: ", 1)[-1] or type(err).__name__
             raise OSError(err.errno, f"{reason} (building the cache {self.name})", self.where(name)) from None
 
     def put_json(self, name: str, value: dict) -> None:
         self.put(name, json.dumps(value, indent=1).encode())
 
-    def put_arrays(self, name: str, arrays: dict[str, np.ndarray]) -> None:
-        self.put(name, arrays_bytes(arrays))
-
     def get_arrays(self, name: str) -> dict[str, np.ndarray]:
-        with np.load(io.BytesIO(_read(self.fs, self.path(name))), allow_pickle=False) as z:
-            return {key: z[key] for key in z.files}
+        return read_arrays(io.BytesIO(_read(self.fs, self.path(name))))
 
     def parquet_writer(self, name: str, schema) -> pq.ParquetWriter:
         """A part's writer, on `<name>.tmp` (moved into place by `commit`)."""
@@ -252,20 +246,15 @@ class PartStore:
         )
 
     def sha256(self, name: str) -> str:
-        digest = hashlib.sha256()
         with self.fs.open_input_stream(self.path(name)) as stream:
-            while chunk := stream.read(CHUNK):
-                digest.update(chunk)
-        return digest.hexdigest()
+            return stream_sha256(stream)
 
     def size(self, name: str) -> int:
         return self.fs.get_file_info(self.path(name)).size
 
     def drop(self, name: str) -> None:
-        try:
+        with suppress(FileNotFoundError):
             self.fs.delete_file(self.path(name))
-        except FileNotFoundError:
-            pass
 
     # -- the protocol ------------------------------------------------------------------------------
 
