@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -26,7 +27,7 @@ from torch import nn
 
 from fca.engine.adapters import match_modules
 from fca.engine.family import ExpertSelection
-from fca.engine.sites import unwrapped
+from fca.engine.sites import forward_pre_hooks, unwrapped
 
 # Per-sequence figures of `routing_agreement`, in the order reports give them.
 ROUTING_FIGURES = ("same_experts", "expert_overlap", "weight_kept")
@@ -113,19 +114,14 @@ class ExpertObserver:
         self.expert_selection = expert_selection
         self.unreadable: dict[str, str] = {}  # experts module -> why its call could not be read
         self._taken: dict[str, list[Selection]] | None = None
-        self._handles: list = []
 
     def __enter__(self) -> ExpertObserver:
-        self._handles = [
-            module.register_forward_pre_hook(lambda m, a, kw, n=name: self._keep(n, m, a, kw), with_kwargs=True)
-            for name, module in self.modules.items()
-        ]
+        self._hooks = forward_pre_hooks((module, partial(self._keep, name)) for name, module in self.modules.items())
+        self._hooks.__enter__()
         return self
 
-    def __exit__(self, *_) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
 
     def _keep(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._taken is None or name in self.unreadable:

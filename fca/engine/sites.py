@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -247,6 +247,18 @@ def site_modes(
     finally:
         for site in sites.values():
             site._set_mode("live", None, None, False)
+
+
+@contextmanager
+def forward_pre_hooks(hooks: Iterable[tuple[nn.Module, Callable]]) -> Iterator[None]:
+    """Each (module, hook) pair's hook called before the module's forward, as `hook(module, args, kwargs)`,
+    within the block; removed on exit, also on error."""
+    handles = [module.register_forward_pre_hook(hook, with_kwargs=True) for module, hook in hooks]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def as_input_ids(input_ids, model: nn.Module) -> torch.Tensor:
