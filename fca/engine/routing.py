@@ -16,6 +16,7 @@ it, or one never called) gets no figure, and the reason is kept (`RoutingTally.u
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -87,20 +88,12 @@ def pair_experts(routers: Sequence[str], experts: Sequence[str]) -> dict[str, st
     out: dict[str, str | None] = {}
     for router in routers:
         parts = router.split(".")
-        shared = {name: _shared_depth(parts, name.split(".")) for name in experts}
+        # (commonprefix compares item by item: on lists of path components, the shared leading components)
+        shared = {name: len(os.path.commonprefix([parts, name.split(".")])) for name in experts}
         best = max(shared.values(), default=0)
         nearest = [name for name, depth in shared.items() if depth == best]
         out[router] = nearest[0] if best > 0 and len(nearest) == 1 else None
     return out
-
-
-def _shared_depth(a: list[str], b: list[str]) -> int:
-    depth = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        depth += 1
-    return depth
 
 
 class ExpertObserver:
