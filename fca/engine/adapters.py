@@ -184,22 +184,22 @@ class ModuleSite(Site):
         B, T = self._current_batch_shape(first)
         if isinstance(self.declaration.output, Projection):
             return self._projection_forward(B, T, args, kwargs)
-        dims = tuple(size for _, size in self.spec.axes)
         if self.mode == "replay":
             dtype = first.dtype if first is not None and first.is_floating_point() else torch.get_default_dtype()
             device = first.device if first is not None else None
             coefficients = self.replayed(B, T, device, dtype)  # [B, T, K]
-            return self._rebuilt(self._native(coefficients, B, T, dims), args, kwargs)
+            return self._rebuilt(self._native(coefficients, B, T), args, kwargs)
         output = self.controller(*args, **kwargs)
         coefficients = self._coefficients(output, B, T)  # [B, T, K]
         self.__dict__["_produced_dtype"] = coefficients.dtype  # what replay feeds (Site._produced_dtype)
         if self.mode == "record":
             self.record(coefficients)
             if not self.rebuild_checked and self.declaration.rebuild is not None:
-                self._check_rebuild(output, self._native(coefficients, B, T, dims), args, kwargs)
+                self._check_rebuild(output, self._native(coefficients, B, T), args, kwargs)
         return output
 
-    def _native(self, coefficients: torch.Tensor, B: int, T: int, dims: tuple[int, ...]) -> torch.Tensor:
+    def _native(self, coefficients: torch.Tensor, B: int, T: int) -> torch.Tensor:
+        dims = tuple(size for _, size in self.spec.axes)
         if self.declaration.token_layout == "flat":
             return coefficients.reshape(B * T, *dims)  # [B * T, *axes]
         return coefficients.reshape(B, T, *dims)  # [B, T, *axes]
@@ -382,6 +382,10 @@ def _restore_controller_keys(module: nn.Module, state_dict: dict, prefix: str, *
         state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
 
 
+def _matches(path: list[str], parts: list[str]) -> bool:
+    return all(fnmatchcase(n, p) for n, p in zip(path, parts))
+
+
 def match_modules(model: nn.Module, pattern: str) -> list[str]:
     """Paths of the modules matching `pattern`, one glob per dotted component, in module-tree order (a
     compiled model's paths are its original module's, as its site names are)."""
@@ -392,14 +396,8 @@ def match_modules(model: nn.Module, pattern: str) -> list[str]:
         # Every path, also a second one to a module reached twice: a controller shared by the blocks is
         # one site per block (its calls are separate uses), not one site for the first block only.
         for name, _ in model.named_modules(remove_duplicate=False)
-        if name
-        and len(name.split(".")) == len(parts)
-        and all(fnmatchcase(n, p) for n, p in zip(name.split("."), parts))
+        if name and len(name.split(".")) == len(parts) and _matches(name.split("."), parts)
     ]
-
-
-def _matches(path: list[str], parts: list[str]) -> bool:
-    return all(fnmatchcase(n, p) for n, p in zip(path, parts))
 
 
 def candidate_paths(model: nn.Module, pattern: str, limit: int = 8) -> list[str]:
@@ -457,13 +455,13 @@ def _shape(path: list[str]) -> tuple[str, ...]:
 
 
 def _resolve_axes(declaration: SiteDeclaration, module: nn.Module, path: str) -> Axes:
-    if not callable(declaration.axes):
-        return tuple((name, int(size)) for name, size in declaration.axes)
-    try:
-        axes = declaration.axes(module)
-    except (AttributeError, TypeError) as err:
-        raise SiteDeclarationError(f"{path}: axes could not be read from {type(module).__name__} ({err})") from None
-    check_axes(axes, path)
+    axes = declaration.axes
+    if callable(axes):
+        try:
+            axes = axes(module)
+        except (AttributeError, TypeError) as err:
+            raise SiteDeclarationError(f"{path}: axes could not be read from {type(module).__name__} ({err})") from None
+        check_axes(axes, path)
     return tuple((name, int(size)) for name, size in axes)
 
 
@@ -533,7 +531,7 @@ def attach_sites(
             if any(path == c or path.startswith(c + ".") or c.startswith(path + ".") for c in planned):
                 raise SiteDeclarationError(f"{path} is declared twice, or nested with another declared site")
             parent, _, leaf = path.rpartition(".")
-            slot = (id(model.get_submodule(parent) if parent else model), leaf)
+            slot = (id(model.get_submodule(parent)), leaf)
             if slot in slots:
                 raise SiteDeclarationError(
                     f"{path} and {slots[slot]} are one attribute of one shared parent module, so they cannot be "
@@ -560,7 +558,7 @@ def attach_sites(
     for path, (module, declaration, spec) in planned.items():
         site = ModuleSite(module, spec, declaration)
         parent, _, leaf = path.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, site)
+        setattr(model.get_submodule(parent), leaf, site)  # (get_submodule("") is the model)
         new_sites.append(site)
     # Kept on the model so that `detach_sites` can remove them; always_call clears the batch shape
     # even when the forward raises, so a stale (B, T) never shapes a later call.
@@ -586,7 +584,7 @@ def detach_sites(model: nn.Module) -> nn.Module:
     for name, module in list(model.named_modules()):
         if isinstance(module, ModuleSite):
             parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, module.controller)
+            setattr(model.get_submodule(parent), leaf, module.controller)
     for hook in getattr(model, "fca_adapter_hooks", []):
         hook.remove()
     model.fca_adapter_hooks = []

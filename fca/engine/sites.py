@@ -56,11 +56,10 @@ class Site(nn.Module):
         # differs. Unknown (None) until the controller has run, and after the model changes dtype or device.
         self._produced_dtype: torch.dtype | None = None
 
-    def forward(self, x: torch.Tensor, batch_shape: tuple[int, int] | None = None) -> torch.Tensor:
-        """x: the controller's input; batch_shape: (B, T) when x is not already [B, T, ...]."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: the controller's input [B, T, ...]."""
         if self.mode == "replay":
-            B, T = batch_shape if batch_shape is not None else (x.shape[0], x.shape[1])
-            return self.replayed(B, T, x.device, x.dtype)
+            return self.replayed(x.shape[0], x.shape[1], x.device, x.dtype)
         coefficients = self.controller(x)  # [B, T, K]
         self.__dict__["_produced_dtype"] = coefficients.dtype  # (past nn.Module.__setattr__, as in _set_mode)
         if self.mode == "record":
