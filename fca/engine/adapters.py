@@ -230,20 +230,19 @@ class ModuleSite(Site):
         if self.mode == "live":
             return self.controller(*args, **kwargs)
         K = self.spec.num_channels
+        replaced = None  # recording: the projection runs, and what it returns is recorded
         if self.mode == "replay":
             # (the dtype the projection produced when it last ran, else its inputs' result type: set in the mode)
             replaced = self.replayed(B, T, None, self._produced_dtype or torch.float32)  # [B, T, K]
-            with _ProjectionCall(self, K, replaced) as call:
-                output = self.controller(*args, **kwargs)
-        else:
-            with _ProjectionCall(self, K, None) as call:
-                output = self.controller(*args, **kwargs)
-            self.record(call.seen.reshape(B, T, K))  # [B, T, K]
+        with _ProjectionCall(self, K, replaced) as call:
+            output = self.controller(*args, **kwargs)
         if call.seen is None:
             raise SiteDeclarationError(
                 f"site {self.site_name!r}: its module made no linear projection with {K} outputs (F.linear), so "
                 "output=Projection() cannot read its coefficients; declare output= and rebuild= instead"
             )
+        if replaced is None:
+            self.record(call.seen.reshape(B, T, K))  # [B, T, K]
         return output
 
     def _current_batch_shape(self, first: torch.Tensor | None) -> tuple[int, int]:
