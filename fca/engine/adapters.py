@@ -114,17 +114,15 @@ class SiteDeclaration:
 def check_axes(axes: Any, path: str) -> None:
     """SiteDeclarationError unless `axes` is a sequence of (name, size) pairs, sizes whole numbers >= 1; empty
     for a controller that gives one scalar per token ([B, T] or [B * T])."""
-    ok = isinstance(axes, (tuple, list))
-    for axis in axes if ok else ():
-        ok = ok and (
-            isinstance(axis, (tuple, list))
-            and len(axis) == 2
-            and isinstance(axis[0], str)
-            and isinstance(axis[1], numbers.Integral)
-            and not isinstance(axis[1], bool)
-            and axis[1] >= 1
-        )
-    if not ok:
+    if not isinstance(axes, (tuple, list)) or not all(
+        isinstance(axis, (tuple, list))
+        and len(axis) == 2
+        and isinstance(axis[0], str)
+        and isinstance(axis[1], numbers.Integral)
+        and not isinstance(axis[1], bool)
+        and axis[1] >= 1
+        for axis in axes
+    ):
         raise SiteDeclarationError(
             f"{path}: axes must be (name, size) pairs with whole sizes of at least 1, e.g. (('group', 4),), or () "
             f"for one scalar per token; got {axes!r}"
@@ -138,13 +136,6 @@ def _describe(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return f"{type(value).__name__}({', '.join(_describe(v) for v in value)})"
     return type(value).__name__
-
-
-def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value
-    return None
 
 
 class ModuleSite(Site):
@@ -180,7 +171,7 @@ class ModuleSite(Site):
             return getattr(controller, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        first = _first_tensor(args, kwargs)
+        first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
         B, T = self._current_batch_shape(first)
         if isinstance(self.declaration.output, Projection):
             return self._projection_forward(B, T, args, kwargs)

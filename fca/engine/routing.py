@@ -159,7 +159,7 @@ class RoutingTally:
                     self.unobserved[router] = f"its experts module {module} has no num_experts attribute"
                 else:
                     self.experts[router] = module
-        self.num_experts = {r: observer.modules[m].num_experts for r, m in self.experts.items()} if observer else {}
+        self.num_experts = {r: observer.modules[m].num_experts for r, m in self.experts.items()}
         self._observer = observer
         self.top_k: dict[str, int] = {}  # router -> the width of the selections its experts were handed
         self._figures: list[tuple[str, list[int], str, dict[str, torch.Tensor]]] = []  # condition, rows, router
