@@ -264,19 +264,13 @@ class ModuleSite(Site):
                 f"{_describe(output)} ({err})"
             ) from None
         K = self.spec.num_channels
-        flat = self.declaration.token_layout == "flat"
-        lead = (B * T,) if flat else (B, T)
+        lead = (B * T,) if self.declaration.token_layout == "flat" else (B, T)
         # The trailing dims must be the axes' sizes, not merely hold K values: replay hands the module's
         # consumer (or `rebuild`) [.., *axes], so a [B, T, 4, 1] output declared as (("head", 4),) would be
         # replayed as [B, T, 4], which broadcasts differently or not at all.
         dims = tuple(size for _, size in self.spec.axes)
-        fits = (
-            isinstance(picked, torch.Tensor)
-            and tuple(picked.shape[: len(lead)]) == lead
-            and tuple(picked.shape[len(lead) :]) == dims
-        )
-        if not fits:
-            per_token = isinstance(picked, torch.Tensor) and tuple(picked.shape[: len(lead)]) == lead
+        per_token = isinstance(picked, torch.Tensor) and tuple(picked.shape[: len(lead)]) == lead
+        if not per_token or tuple(picked.shape[len(lead) :]) != dims:
             extra = list(picked.shape[len(lead) :]) if per_token else None
             trailing = (
                 " (one scalar per token: declare axes=())"
