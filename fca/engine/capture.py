@@ -131,7 +131,6 @@ def finish_stamp() -> dict:
     return {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "library_versions": versions}
 
 
-@torch.no_grad()
 def record_windows(model: nn.Module, windows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One record pass over windows [b, T + 1] (on the model's device).
 

@@ -117,11 +117,10 @@ def _run(path: Path, shown: str) -> ModuleType:
     sys.modules[name] = module  # (dataclasses and pickling look the module up by name while it runs)
     try:
         spec.loader.exec_module(module)
-    except SyntaxError as err:
-        sys.modules.pop(name, None)
-        raise ModelLoadError(f"{shown}, line {err.lineno}: syntax error: {err.msg}") from None
     except (Exception, SystemExit) as err:
         sys.modules.pop(name, None)
+        if isinstance(err, SyntaxError):
+            raise ModelLoadError(f"{shown}, line {err.lineno}: syntax error: {err.msg}") from None
         line = _line_in(err, path)
         where = f"{shown}, line {line}" if line else shown
         said = (str(err).splitlines() or [""])[0]
