@@ -135,6 +135,17 @@ def test_projection_site_is_transparent_and_exact():
     assert torch.isfinite(live).all() and torch.equal(live, replayed)
 
 
+def test_projection_site_without_its_projection_is_refused_in_one_line():
+    model = _Block().eval()
+    attach_sites(model, [SiteDeclaration("gate", (("expert", 3),), "router", output=Projection())])  # proj has 4
+    for mode, options in (("record", {"sink": {}}), ("replay", {"provider": lambda s, B, T: torch.zeros(B, T, 3)})):
+        with pytest.raises(SiteDeclarationError) as err, torch.no_grad(), site_modes(model, mode, **options):
+            model(torch.randint(0, 20, (2, 5)))
+        assert "\n" not in str(err.value) and "site 'gate': its module made no linear projection with 3" in str(
+            err.value
+        )
+
+
 def _topk_rebuild(logits, router, call=None):
     scale = call.args[1] if call is not None else 2.0
     weights, index = torch.topk(torch.sigmoid(logits) + router.bias, 2, dim=-1)

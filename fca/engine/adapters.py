@@ -114,17 +114,15 @@ class SiteDeclaration:
 def check_axes(axes: Any, path: str) -> None:
     """SiteDeclarationError unless `axes` is a sequence of (name, size) pairs, sizes whole numbers >= 1; empty
     for a controller that gives one scalar per token ([B, T] or [B * T])."""
-    ok = isinstance(axes, (tuple, list))
-    for axis in axes if ok else ():
-        ok = ok and (
-            isinstance(axis, (tuple, list))
-            and len(axis) == 2
-            and isinstance(axis[0], str)
-            and isinstance(axis[1], numbers.Integral)
-            and not isinstance(axis[1], bool)
-            and axis[1] >= 1
-        )
-    if not ok:
+    if not isinstance(axes, (tuple, list)) or not all(
+        isinstance(axis, (tuple, list))
+        and len(axis) == 2
+        and isinstance(axis[0], str)
+        and isinstance(axis[1], numbers.Integral)
+        and not isinstance(axis[1], bool)
+        and axis[1] >= 1
+        for axis in axes
+    ):
         raise SiteDeclarationError(
             f"{path}: axes must be (name, size) pairs with whole sizes of at least 1, e.g. (('group', 4),), or () "
             f"for one scalar per token; got {axes!r}"
@@ -138,13 +136,6 @@ def _describe(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return f"{type(value).__name__}({', '.join(_describe(v) for v in value)})"
     return type(value).__name__
-
-
-def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value
-    return None
 
 
 class ModuleSite(Site):
@@ -180,26 +171,26 @@ class ModuleSite(Site):
             return getattr(controller, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        first = _first_tensor(args, kwargs)
+        first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
         B, T = self._current_batch_shape(first)
         if isinstance(self.declaration.output, Projection):
             return self._projection_forward(B, T, args, kwargs)
-        dims = tuple(size for _, size in self.spec.axes)
         if self.mode == "replay":
             dtype = first.dtype if first is not None and first.is_floating_point() else torch.get_default_dtype()
             device = first.device if first is not None else None
             coefficients = self.replayed(B, T, device, dtype)  # [B, T, K]
-            return self._rebuilt(self._native(coefficients, B, T, dims), args, kwargs)
+            return self._rebuilt(self._native(coefficients, B, T), args, kwargs)
         output = self.controller(*args, **kwargs)
         coefficients = self._coefficients(output, B, T)  # [B, T, K]
         self.__dict__["_produced_dtype"] = coefficients.dtype  # what replay feeds (Site._produced_dtype)
         if self.mode == "record":
             self.record(coefficients)
             if not self.rebuild_checked and self.declaration.rebuild is not None:
-                self._check_rebuild(output, self._native(coefficients, B, T, dims), args, kwargs)
+                self._check_rebuild(output, self._native(coefficients, B, T), args, kwargs)
         return output
 
-    def _native(self, coefficients: torch.Tensor, B: int, T: int, dims: tuple[int, ...]) -> torch.Tensor:
+    def _native(self, coefficients: torch.Tensor, B: int, T: int) -> torch.Tensor:
+        dims = tuple(size for _, size in self.spec.axes)
         if self.declaration.token_layout == "flat":
             return coefficients.reshape(B * T, *dims)  # [B * T, *axes]
         return coefficients.reshape(B, T, *dims)  # [B, T, *axes]
@@ -230,20 +221,19 @@ class ModuleSite(Site):
         if self.mode == "live":
             return self.controller(*args, **kwargs)
         K = self.spec.num_channels
+        replaced = None  # recording: the projection runs, and what it returns is recorded
         if self.mode == "replay":
             # (the dtype the projection produced when it last ran, else its inputs' result type: set in the mode)
             replaced = self.replayed(B, T, None, self._produced_dtype or torch.float32)  # [B, T, K]
-            with _ProjectionCall(self, K, replaced) as call:
-                output = self.controller(*args, **kwargs)
-        else:
-            with _ProjectionCall(self, K, None) as call:
-                output = self.controller(*args, **kwargs)
-            self.record(call.seen.reshape(B, T, K))  # [B, T, K]
+        with _ProjectionCall(self, K, replaced) as call:
+            output = self.controller(*args, **kwargs)
         if call.seen is None:
             raise SiteDeclarationError(
                 f"site {self.site_name!r}: its module made no linear projection with {K} outputs (F.linear), so "
                 "output=Projection() cannot read its coefficients; declare output= and rebuild= instead"
             )
+        if replaced is None:
+            self.record(call.seen.reshape(B, T, K))  # [B, T, K]
         return output
 
     def _current_batch_shape(self, first: torch.Tensor | None) -> tuple[int, int]:
@@ -274,19 +264,13 @@ class ModuleSite(Site):
                 f"{_describe(output)} ({err})"
             ) from None
         K = self.spec.num_channels
-        flat = self.declaration.token_layout == "flat"
-        lead = (B * T,) if flat else (B, T)
+        lead = (B * T,) if self.declaration.token_layout == "flat" else (B, T)
         # The trailing dims must be the axes' sizes, not merely hold K values: replay hands the module's
         # consumer (or `rebuild`) [.., *axes], so a [B, T, 4, 1] output declared as (("head", 4),) would be
         # replayed as [B, T, 4], which broadcasts differently or not at all.
         dims = tuple(size for _, size in self.spec.axes)
-        fits = (
-            isinstance(picked, torch.Tensor)
-            and tuple(picked.shape[: len(lead)]) == lead
-            and tuple(picked.shape[len(lead) :]) == dims
-        )
-        if not fits:
-            per_token = isinstance(picked, torch.Tensor) and tuple(picked.shape[: len(lead)]) == lead
+        per_token = isinstance(picked, torch.Tensor) and tuple(picked.shape[: len(lead)]) == lead
+        if not per_token or tuple(picked.shape[len(lead) :]) != dims:
             extra = list(picked.shape[len(lead) :]) if per_token else None
             trailing = (
                 " (one scalar per token: declare axes=())"
@@ -382,6 +366,10 @@ def _restore_controller_keys(module: nn.Module, state_dict: dict, prefix: str, *
         state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
 
 
+def _matches(path: list[str], parts: list[str]) -> bool:
+    return all(fnmatchcase(n, p) for n, p in zip(path, parts))
+
+
 def match_modules(model: nn.Module, pattern: str) -> list[str]:
     """Paths of the modules matching `pattern`, one glob per dotted component, in module-tree order (a
     compiled model's paths are its original module's, as its site names are)."""
@@ -392,14 +380,8 @@ def match_modules(model: nn.Module, pattern: str) -> list[str]:
         # Every path, also a second one to a module reached twice: a controller shared by the blocks is
         # one site per block (its calls are separate uses), not one site for the first block only.
         for name, _ in model.named_modules(remove_duplicate=False)
-        if name
-        and len(name.split(".")) == len(parts)
-        and all(fnmatchcase(n, p) for n, p in zip(name.split("."), parts))
+        if name and len(name.split(".")) == len(parts) and _matches(name.split("."), parts)
     ]
-
-
-def _matches(path: list[str], parts: list[str]) -> bool:
-    return all(fnmatchcase(n, p) for n, p in zip(path, parts))
 
 
 def candidate_paths(model: nn.Module, pattern: str, limit: int = 8) -> list[str]:
@@ -457,13 +439,13 @@ def _shape(path: list[str]) -> tuple[str, ...]:
 
 
 def _resolve_axes(declaration: SiteDeclaration, module: nn.Module, path: str) -> Axes:
-    if not callable(declaration.axes):
-        return tuple((name, int(size)) for name, size in declaration.axes)
-    try:
-        axes = declaration.axes(module)
-    except (AttributeError, TypeError) as err:
-        raise SiteDeclarationError(f"{path}: axes could not be read from {type(module).__name__} ({err})") from None
-    check_axes(axes, path)
+    axes = declaration.axes
+    if callable(axes):
+        try:
+            axes = axes(module)
+        except (AttributeError, TypeError) as err:
+            raise SiteDeclarationError(f"{path}: axes could not be read from {type(module).__name__} ({err})") from None
+        check_axes(axes, path)
     return tuple((name, int(size)) for name, size in axes)
 
 
@@ -533,7 +515,7 @@ def attach_sites(
             if any(path == c or path.startswith(c + ".") or c.startswith(path + ".") for c in planned):
                 raise SiteDeclarationError(f"{path} is declared twice, or nested with another declared site")
             parent, _, leaf = path.rpartition(".")
-            slot = (id(model.get_submodule(parent) if parent else model), leaf)
+            slot = (id(model.get_submodule(parent)), leaf)
             if slot in slots:
                 raise SiteDeclarationError(
                     f"{path} and {slots[slot]} are one attribute of one shared parent module, so they cannot be "
@@ -560,7 +542,7 @@ def attach_sites(
     for path, (module, declaration, spec) in planned.items():
         site = ModuleSite(module, spec, declaration)
         parent, _, leaf = path.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, site)
+        setattr(model.get_submodule(parent), leaf, site)  # (get_submodule("") is the model)
         new_sites.append(site)
     # Kept on the model so that `detach_sites` can remove them; always_call clears the batch shape
     # even when the forward raises, so a stale (B, T) never shapes a later call.
@@ -586,7 +568,7 @@ def detach_sites(model: nn.Module) -> nn.Module:
     for name, module in list(model.named_modules()):
         if isinstance(module, ModuleSite):
             parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, module.controller)
+            setattr(model.get_submodule(parent), leaf, module.controller)
     for hook in getattr(model, "fca_adapter_hooks", []):
         hook.remove()
     model.fca_adapter_hooks = []

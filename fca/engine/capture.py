@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fca.engine.sites import as_input_ids, capture_tensors, find_sites, model_class_name, site_specs, vocab_rows
+from fca.engine.sites import as_input_ids, capture_tensors, model_class_name, site_specs, vocab_rows
 from fca.tables.errors import CacheError
 from fca.tables.schema import COEFFICIENT_BYTES, cache_schema, coefficient_arrow_type, record_batch
 from fca.tables.timings import Timings
@@ -25,8 +25,6 @@ from fca.tables.writer import CacheWriter
 
 def capture(model: nn.Module, input_ids) -> dict[str, np.ndarray]:
     """Site name -> coefficients [B, T, K_s] float32, in execution order."""
-    if not find_sites(model):
-        raise ValueError(f"{model_class_name(model)} has no controller sites to capture")
     _, coefficients = capture_tensors(model, as_input_ids(input_ids, model))
     return {name: c.float().cpu().numpy() for name, c in coefficients.items()}
 
@@ -133,7 +131,6 @@ def finish_stamp() -> dict:
     return {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "library_versions": versions}
 
 
-@torch.no_grad()
 def record_windows(model: nn.Module, windows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One record pass over windows [b, T + 1] (on the model's device).
 
@@ -209,13 +206,11 @@ class HostCopies:
 
 
 class _BackgroundWriter:
-    """Runs `write(*item)` on a thread, at most two items waiting, so memory stays bounded. The first
-    error is raised in the caller's thread at the next `submit` or at `close`; after it, items are
-    passed to `discard(*item)` instead (so that, e.g., their pinned buffers are released)."""
+    """Runs `write(*item)` on a thread of CUDA `device`, at most two items waiting, so memory stays bounded.
+    The first error is raised in the caller's thread at the next `submit` or at `close`; after it, items
+    are passed to `discard(*item)` instead (so that, e.g., their pinned buffers are released)."""
 
-    def __init__(
-        self, write: Callable[..., None], discard: Callable[..., None] | None = None, device: torch.device | None = None
-    ) -> None:
+    def __init__(self, write: Callable[..., None], discard: Callable[..., None], device: torch.device) -> None:
         self.pending: queue.Queue = queue.Queue(maxsize=2)
         self.failure: list[BaseException] = []
         self.write = write
@@ -225,15 +220,13 @@ class _BackgroundWriter:
         self.thread.start()
 
     def _loop(self) -> None:
-        if self.device is not None and self.device.type == "cuda":
-            # A new thread's current device is cuda:0: its first CUDA call (an event's wait) would make a
-            # context there, for a build on cuda:1.
-            torch.cuda.set_device(self.device)
+        # A new thread's current device is cuda:0: its first CUDA call (an event's wait) would make a
+        # context there, for a build on cuda:1.
+        torch.cuda.set_device(self.device)
         while (item := self.pending.get()) is not None:
             try:
                 if self.failure:
-                    if self.discard is not None:
-                        self.discard(*item)
+                    self.discard(*item)
                     continue
                 self.write(*item)
             except BaseException as err:

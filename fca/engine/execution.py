@@ -20,8 +20,9 @@ import math
 import re
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 
 from fca.engine.families import family_of
-from fca.engine.sites import find_sites, unwrapped
+from fca.engine.sites import find_sites, forward_pre_hooks, unwrapped
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
@@ -53,18 +54,11 @@ def blocks_executed(model: nn.Module, input_ids: torch.Tensor) -> dict:
     blocks = model_blocks(model)
     processed = [0] * len(blocks)
 
-    def counter(i: int) -> Callable:
-        def hook(module, args, kwargs):
-            processed[i] += _tokens_in(args, kwargs)
+    def count(i: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        processed[i] += _tokens_in(args, kwargs)
 
-        return hook
-
-    handles = [b.register_forward_pre_hook(counter(i), with_kwargs=True) for i, b in enumerate(blocks)]
-    try:
+    with forward_pre_hooks((b, partial(count, i)) for i, b in enumerate(blocks)):
         model(input_ids)
-    finally:
-        for h in handles:
-            h.remove()
     tokens = int(input_ids.numel())
     return {
         "num_blocks": len(blocks),
@@ -98,22 +92,15 @@ class ExecutionTally:
             return
         calls: list[list[torch.Tensor]] = [[] for _ in self.blocks]
 
-        def counter(i: int) -> Callable:
-            def hook(module, args, kwargs):
-                per_sequence = self.read(module, args, kwargs)
-                if per_sequence is None or per_sequence.shape != (rows,):
-                    self.readable = False
-                else:
-                    calls[i].append(per_sequence)
+        def count(i: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+            per_sequence = self.read(module, args, kwargs)
+            if per_sequence is None or per_sequence.shape != (rows,):
+                self.readable = False
+            else:
+                calls[i].append(per_sequence)
 
-            return hook
-
-        handles = [b.register_forward_pre_hook(counter(i), with_kwargs=True) for i, b in enumerate(self.blocks)]
-        try:
+        with forward_pre_hooks((b, partial(count, i)) for i, b in enumerate(self.blocks)):
             yield
-        finally:
-            for h in handles:
-                h.remove()
         if self.readable:
             last = np.zeros((rows, len(self.blocks)), dtype=np.int64)
             for i, counted in enumerate(calls):

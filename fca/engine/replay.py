@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack, nullcontext
+from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,24 +43,15 @@ from fca.tables.schema import KEY_COLUMNS
 from fca.tables.store import Cache
 
 
-def _host_tensor(values) -> torch.Tensor:
-    return values if isinstance(values, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(values))
-
-
-_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
+@functools.cache
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     """The side stream of host -> device copies on `device`, made on first use."""
-    stream = _COPY_STREAMS.get(device)
-    if stream is None:
-        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
-    return stream
+    return torch.cuda.Stream(device)
 
 
-class DeviceCoefficients(Mapping):
+class DeviceCoefficients(dict):
     """Coefficients (site -> array or tensor) served as contiguous tensors on `device`, each site moved
-    when the forward pass first asks for it.
+    when the forward pass first asks for it; its items are the sites moved so far.
 
     Host values are copied as they are; each site casts them on the device to the dtype its controller
     produces (`Site.replayed`): a cast on the CPU would cost host time the device does not need, and a
@@ -75,28 +67,21 @@ class DeviceCoefficients(Mapping):
     """
 
     def __init__(self, coefficients: Mapping[str, object], device: torch.device) -> None:
-        self.values = coefficients
+        super().__init__()
+        self.given = coefficients
         self.device = device
-        self.moved: dict[str, torch.Tensor] = {}
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        moved = self.moved.get(name)
-        if moved is None:
-            moved = self.moved[name] = self._move(name)
+    def __missing__(self, name: str) -> torch.Tensor:
+        moved = self[name] = self._move(name)
         return moved
 
-    def __iter__(self):
-        return iter(self.values)
-
-    def __len__(self) -> int:
-        return len(self.values)
-
     def _move(self, name: str) -> torch.Tensor:
+        values = self.given[name]
         try:
-            t = _host_tensor(self.values[name])
+            t = values if isinstance(values, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(values))
         except (TypeError, ValueError):  # None, text, ragged lists: not an array torch can take
             raise ValueError(  # (reprlib: a long text or list is shown cut short)
-                f"site {name!r}: replay coefficients must be an array of numbers, not {reprlib.repr(self.values[name])}"
+                f"site {name!r}: replay coefficients must be an array of numbers, not {reprlib.repr(values)}"
             ) from None
         if self.device.type == "cuda" and t.device.type == "cpu":
             compute = torch.cuda.current_stream(self.device)
@@ -160,7 +145,7 @@ def _replay_staged(
                 f"{model_class_name(model)} failed on the replayed coefficients ({str(err).splitlines()[0]}); do the "
                 "sites' declared axes match what their consumers expect? (fca.capture checks them)"
             ) from err
-        return model_logits(output, model), staged.moved
+        return model_logits(output, model), staged
 
 
 def check_finite_coefficients(logits: torch.Tensor, fed: Mapping[str, torch.Tensor]) -> None:
@@ -330,8 +315,8 @@ def _check_batch(
     cache: Cache,
     batch_seqs: list[int],
     measure: FidelityMeasure,
-    observer: ExpertObserver | None = None,
-    executed: ExecutionTally | None = None,
+    observer: ExpertObserver | None,
+    executed: ExecutionTally,
 ) -> _BatchCheck:
     """Both exactness checks on one batch. Check 1: the live pass records its coefficients, and replaying
     exactly those must reproduce it. Check 2 (accumulated in `measure`): how far the cache is from what
@@ -340,7 +325,7 @@ def _check_batch(
     live, recorded = capture_tensors(model, ids)
     with (
         observer.recording() if observer is not None else nullcontext() as selection,
-        executed.counting(ids.shape[0]) if executed is not None else nullcontext(),
+        executed.counting(ids.shape[0]),
     ):
         replayed = replay(model, ids, recorded)
     live_tokens = token_nll(live, targets)  # [b, T]
@@ -444,10 +429,8 @@ def run_conditions(
     executed = ExecutionTally(model, names, len(seqs))
     # The next batch is read and decoded on a background thread while this one runs.
     reads = cache.prefetch([seqs[lo : lo + batch_size] for lo in starts])
-    stack = ExitStack()
-    try:
-        if observer is not None:
-            stack.enter_context(observer)
+    # (closing: stops the reader thread, also on errors and cancellation; leaving the observer removes its hooks)
+    with closing(reads), observer if observer is not None else nullcontext():
         for lo in starts:
             if should_stop is not None and should_stop():
                 raise Cancelled("replay cancelled")
@@ -483,12 +466,11 @@ def run_conditions(
             elif observing and not cache_is_recorded and not any(map(_is_plain_correct, to_run)):
                 to_run.append(Condition("correct"))  # routing needs the tokens' own selection
             scored: dict[Condition, np.ndarray] = {}  # condition -> [b] NLL
+            # A Correct not replayed again ran what the check's replay ran, fed the tokens' own coefficients.
             for c in conditions:
-                if c not in to_run:  # Correct, not replayed again: it ran what the check's replay ran
+                if c not in to_run:
                     executed.add(c.name, index, check_executed)
-            if observing:
-                for c in conditions:
-                    if c not in to_run:  # Correct, not replayed again: fed the tokens' own coefficients
+                    if observing:
                         tally.add_own(c.name)
             for start in range(0, len(to_run), per_pass):
                 group = to_run[start : start + per_pass]
@@ -511,9 +493,6 @@ def run_conditions(
                 cache_nll[index] = next(row for c, row in scored.items() if _is_plain_correct(c))
             if progress is not None:
                 progress(index[-1] + 1, len(seqs))
-    finally:
-        stack.close()  # removes the observer's hooks
-        reads.close()  # stops the reader thread, also on errors and cancellation
     return ReplayResults(
         seqs=seqs,
         per_seq_nll=per_seq,

@@ -16,8 +16,10 @@ it, or one never called) gets no figure, and the reason is kept (`RoutingTally.u
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -26,7 +28,7 @@ from torch import nn
 
 from fca.engine.adapters import match_modules
 from fca.engine.family import ExpertSelection
-from fca.engine.sites import unwrapped
+from fca.engine.sites import forward_pre_hooks, unwrapped
 
 # Per-sequence figures of `routing_agreement`, in the order reports give them.
 ROUTING_FIGURES = ("same_experts", "expert_overlap", "weight_kept")
@@ -86,20 +88,12 @@ def pair_experts(routers: Sequence[str], experts: Sequence[str]) -> dict[str, st
     out: dict[str, str | None] = {}
     for router in routers:
         parts = router.split(".")
-        shared = {name: _shared_depth(parts, name.split(".")) for name in experts}
+        # (commonprefix compares item by item: on lists of path components, the shared leading components)
+        shared = {name: len(os.path.commonprefix([parts, name.split(".")])) for name in experts}
         best = max(shared.values(), default=0)
         nearest = [name for name, depth in shared.items() if depth == best]
         out[router] = nearest[0] if best > 0 and len(nearest) == 1 else None
     return out
-
-
-def _shared_depth(a: list[str], b: list[str]) -> int:
-    depth = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        depth += 1
-    return depth
 
 
 class ExpertObserver:
@@ -113,19 +107,14 @@ class ExpertObserver:
         self.expert_selection = expert_selection
         self.unreadable: dict[str, str] = {}  # experts module -> why its call could not be read
         self._taken: dict[str, list[Selection]] | None = None
-        self._handles: list = []
 
     def __enter__(self) -> ExpertObserver:
-        self._handles = [
-            module.register_forward_pre_hook(lambda m, a, kw, n=name: self._keep(n, m, a, kw), with_kwargs=True)
-            for name, module in self.modules.items()
-        ]
+        self._hooks = forward_pre_hooks((module, partial(self._keep, name)) for name, module in self.modules.items())
+        self._hooks.__enter__()
         return self
 
-    def __exit__(self, *_) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
 
     def _keep(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._taken is None or name in self.unreadable:
@@ -170,7 +159,7 @@ class RoutingTally:
                     self.unobserved[router] = f"its experts module {module} has no num_experts attribute"
                 else:
                     self.experts[router] = module
-        self.num_experts = {r: observer.modules[m].num_experts for r, m in self.experts.items()} if observer else {}
+        self.num_experts = {r: observer.modules[m].num_experts for r, m in self.experts.items()}
         self._observer = observer
         self.top_k: dict[str, int] = {}  # router -> the width of the selections its experts were handed
         self._figures: list[tuple[str, list[int], str, dict[str, torch.Tensor]]] = []  # condition, rows, router

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -56,11 +56,10 @@ class Site(nn.Module):
         # differs. Unknown (None) until the controller has run, and after the model changes dtype or device.
         self._produced_dtype: torch.dtype | None = None
 
-    def forward(self, x: torch.Tensor, batch_shape: tuple[int, int] | None = None) -> torch.Tensor:
-        """x: the controller's input; batch_shape: (B, T) when x is not already [B, T, ...]."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: the controller's input [B, T, ...]."""
         if self.mode == "replay":
-            B, T = batch_shape if batch_shape is not None else (x.shape[0], x.shape[1])
-            return self.replayed(B, T, x.device, x.dtype)
+            return self.replayed(x.shape[0], x.shape[1], x.device, x.dtype)
         coefficients = self.controller(x)  # [B, T, K]
         self.__dict__["_produced_dtype"] = coefficients.dtype  # (past nn.Module.__setattr__, as in _set_mode)
         if self.mode == "record":
@@ -247,6 +246,18 @@ def site_modes(
     finally:
         for site in sites.values():
             site._set_mode("live", None, None, False)
+
+
+@contextmanager
+def forward_pre_hooks(hooks: Iterable[tuple[nn.Module, Callable]]) -> Iterator[None]:
+    """Each (module, hook) pair's hook called before the module's forward, as `hook(module, args, kwargs)`,
+    within the block; removed on exit, also on error."""
+    handles = [module.register_forward_pre_hook(hook, with_kwargs=True) for module, hook in hooks]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def as_input_ids(input_ids, model: nn.Module) -> torch.Tensor:

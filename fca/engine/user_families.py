@@ -73,19 +73,17 @@ def load_family_file(path: str | Path) -> tuple[Family, ...]:
     with _LOCK:
         known = _FILES.get(resolved)
         if known is not None and known[0] == stamp:
-            for family in known[1]:  # (again, in case another file replaced one since: the last one given wins)
-                register_family(family)
-                _SOURCES[family.model_type] = (family, shown)
-            return known[1]
-        before = dict(_FAMILIES)
-        module = _run(resolved, shown)
-        declared = _declared(module, shown)
-        declared += [f for t, f in _FAMILIES.items() if before.get(t) is not f and all(f is not d for d in declared)]
-        families = _checked(declared, shown, nothing=f"{shown}: declares no family ({CONVENTION})")
+            families = known[1]  # (registered again, in case another file replaced one since: the last one given wins)
+        else:
+            before = dict(_FAMILIES)
+            module = _run(resolved, shown)
+            declared = _declared(module, shown)
+            declared += [f for t, f in _FAMILIES.items() if before.get(t) is not f]  # (_checked drops repeats)
+            families = _checked(declared, shown)
+            _FILES[resolved] = (stamp, families)
         for family in families:
             register_family(family)
             _SOURCES[family.model_type] = (family, shown)
-        _FILES[resolved] = (stamp, families)
         return families
 
 
@@ -119,11 +117,10 @@ def _run(path: Path, shown: str) -> ModuleType:
     sys.modules[name] = module  # (dataclasses and pickling look the module up by name while it runs)
     try:
         spec.loader.exec_module(module)
-    except SyntaxError as err:
-        sys.modules.pop(name, None)
-        raise ModelLoadError(f"{shown}, line {err.lineno}: syntax error: {err.msg}") from None
     except (Exception, SystemExit) as err:
         sys.modules.pop(name, None)
+        if isinstance(err, SyntaxError):
+            raise ModelLoadError(f"{shown}, line {err.lineno}: syntax error: {err.msg}") from None
         line = _line_in(err, path)
         where = f"{shown}, line {line}" if line else shown
         said = (str(err).splitlines() or [""])[0]
@@ -154,7 +151,7 @@ def _declared(module: ModuleType, shown: str) -> list:
     return declared
 
 
-def _checked(declared: list, shown: str, nothing: str) -> tuple[Family, ...]:
+def _checked(declared: list, shown: str) -> tuple[Family, ...]:
     """The declared families, each a well-formed `Family`, no model_type twice; in order, without repeats."""
     families: list[Family] = []
     for family in declared:
@@ -181,7 +178,7 @@ def _checked(declared: list, shown: str, nothing: str) -> tuple[Family, ...]:
             )
         families.append(family)
     if not families:
-        raise ModelLoadError(nothing)
+        raise ModelLoadError(f"{shown}: declares no family ({CONVENTION})")
     return tuple(families)
 
 
@@ -219,7 +216,7 @@ def entry_point_families(
             declared = list(value)
         else:
             declared = [value]
-        for family in _checked(declared, shown, nothing=f"{shown}: declares no family ({CONVENTION})"):
+        for family in _checked(declared, shown):
             if family.model_type in found and found[family.model_type][0] is not family:
                 raise ModelLoadError(
                     f"{shown}: model_type {family.model_type!r} is declared by {found[family.model_type][1]} too"
