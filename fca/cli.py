@@ -35,7 +35,11 @@ DTYPES = ["float32", "bfloat16", "float16"]
 REPLAY_DTYPE_HELP = "model weights dtype (default: the one the cache's coefficients were recorded with)"
 
 
-def _add_model_size_flags(p: argparse.ArgumentParser) -> None:
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The model's size and training: read by `_model_and_settings`."""
+    p.add_argument("--steps", type=_positive_int, default=800, help="optimizer steps")
+    p.add_argument("--batch", type=_positive_int, default=32, help="training windows per step")
+    p.add_argument("--lr", type=_learning_rate, default=2e-3, help="peak learning rate (cosine decay to a tenth)")
     p.add_argument("--d-model", type=_positive_int, default=192)
     p.add_argument("--layers", type=_positive_int, default=6)
     p.add_argument("--heads", type=_positive_int, default=6)
@@ -51,6 +55,52 @@ def _add_model_size_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--granularity", choices=["group", "feature"], default="group")
 
 
+ARCHS = ("featuregate", "dense")
+
+
+def _add_training_flags(p: argparse.ArgumentParser) -> None:
+    """train's and train-seeds' flags after the architectures, seeds and output."""
+    p.add_argument(
+        "--corpus", required=True, help="text file, folder of .txt files, or Parquet/Arrow with a 'text' column"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing model directory")
+    p.add_argument("--split-seed", type=_seed, default=0, help="seed of the train/calibration/eval document split")
+    p.add_argument("--text-column", default="text", help="text column of a Parquet/Arrow corpus")
+    p.add_argument(
+        "--device",
+        type=_device,
+        default="cpu",
+        help="cpu (default: float32, how the shipped demo was trained) or cuda[:N] (bf16 autocast, "
+        "fused AdamW, float32 weights saved); auto: cuda when available",
+    )
+    _add_model_flags(p)
+
+
+def _model_and_settings(args: argparse.Namespace, **settings):
+    """`_add_model_flags`' values: FeatureGateConfig's fields but `gated`, and the TrainSettings (`settings`:
+    more of its fields)."""
+    from fca.jobs.train import TrainSettings
+
+    config = dict(
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        mlp_groups=args.mlp_groups,
+        max_seq_len=args.seq_len,
+        controller=args.controller,
+        granularity=args.granularity,
+    )
+    training = TrainSettings(
+        steps=args.steps,
+        batch_size=args.batch,
+        lr=args.lr,
+        min_lr=args.lr / 10,  # (the help's "cosine decay to a tenth"; fixed at 2e-4 it rose for --lr below that)
+        vocab_size=args.vocab_size,
+        **settings,
+    )
+    return config, training
+
+
 def cmd_corpus(args: argparse.Namespace) -> None:
     from fca.tables import data
 
@@ -61,27 +111,10 @@ def cmd_corpus(args: argparse.Namespace) -> None:
 
 def _train_one(args: argparse.Namespace, arch: str, seed: int, out: Path) -> dict:
     from fca.engine.models.featuregate import FeatureGateConfig
-    from fca.jobs.train import TrainSettings, train
+    from fca.jobs.train import train
 
-    config = FeatureGateConfig(
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        mlp_groups=args.mlp_groups,
-        max_seq_len=args.seq_len,
-        gated=(arch == "featuregate"),
-        controller=args.controller,
-        granularity=args.granularity,
-    )
-    settings = TrainSettings(
-        steps=args.steps,
-        batch_size=args.batch,
-        lr=args.lr,
-        min_lr=args.lr / 10,  # (the help's "cosine decay to a tenth"; fixed at 2e-4 it rose for --lr below that)
-        seed=seed,
-        split_seed=args.split_seed,
-        vocab_size=args.vocab_size,
-    )
+    size, settings = _model_and_settings(args, seed=seed, split_seed=args.split_seed)
+    config = FeatureGateConfig(**size, gated=(arch == "featuregate"))
     log = train(args.corpus, out, config, settings, text_column=args.text_column, device=args.device)
     print(
         f"{out}: {arch}, {log['parameters']:,} parameters, held-out NLL {log['final_eval_nll']:.4f} nats/token "
@@ -505,24 +538,12 @@ def cmd_study(args: argparse.Namespace) -> None:
 
 def cmd_demo_study(args: argparse.Namespace) -> None:
     from fca.jobs.demo import make_demo_study
-    from fca.jobs.train import TrainSettings
     from fca.tables.study import render_markdown
 
+    _check_distinct(args.seeds, "--seeds")
     # The size flags default to the demo configuration; other sizes make a study of their own (pass
     # `--include` with no file then: the shipped demo's audit is of another model size and is refused).
-    config = dict(
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        mlp_groups=args.mlp_groups,
-        max_seq_len=args.seq_len,
-        controller=args.controller,
-        granularity=args.granularity,
-    )
-    _check_distinct(args.seeds, "--seeds")
-    settings = TrainSettings(
-        steps=args.steps, batch_size=args.batch, lr=args.lr, min_lr=args.lr / 10, vocab_size=args.vocab_size
-    )
+    config, settings = _model_and_settings(args)
     study = make_demo_study(
         Path(args.out),
         Path(args.corpus),
@@ -660,46 +681,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing file")
     p.set_defaults(func=cmd_corpus)
 
-    for name, helptext in (
-        ("train", "train a FeatureGate model or its Dense twin"),
-        ("train-seeds", "train several seeds (gated and dense) for multi-seed studies"),
-    ):
-        p = add_command(name, help=helptext)
-        if name == "train":
-            p.add_argument(
-                "--arch", choices=["featuregate", "dense"], default="featuregate", help="gated or Dense twin"
-            )
-            p.add_argument("--seed", type=_seed, default=0, help="training seed (initial weights and batch order)")
-        else:
-            p.add_argument(
-                "--arch", nargs="+", choices=["featuregate", "dense"], default=["featuregate", "dense"], help="per seed"
-            )
-            p.add_argument("--seeds", type=_seed, nargs="+", required=True, help="training seeds")
-        p.add_argument(
-            "--corpus", required=True, help="text file, folder of .txt files, or Parquet/Arrow with a 'text' column"
-        )
-        p.add_argument(
-            "--out",
-            required=True,
-            help="output model directory"
-            if name == "train"
-            else "parent directory: one subdirectory per arch and seed",
-        )
-        p.add_argument("--steps", type=_positive_int, default=800, help="optimizer steps")
-        p.add_argument("--batch", type=_positive_int, default=32, help="training windows per step")
-        p.add_argument("--lr", type=_learning_rate, default=2e-3, help="peak learning rate (cosine decay to a tenth)")
-        p.add_argument("--overwrite", action="store_true", help="replace an existing model directory")
-        p.add_argument("--split-seed", type=_seed, default=0, help="seed of the train/calibration/eval document split")
-        p.add_argument("--text-column", default="text", help="text column of a Parquet/Arrow corpus")
-        p.add_argument(
-            "--device",
-            type=_device,
-            default="cpu",
-            help="cpu (default: float32, how the shipped demo was trained) or cuda[:N] (bf16 autocast, "
-            "fused AdamW, float32 weights saved); auto: cuda when available",
-        )
-        _add_model_size_flags(p)
-        p.set_defaults(func=cmd_train if name == "train" else cmd_train_seeds)
+    p = add_command("train", help="train a FeatureGate model or its Dense twin")
+    p.add_argument("--arch", choices=ARCHS, default="featuregate", help="gated or Dense twin")
+    p.add_argument("--seed", type=_seed, default=0, help="training seed (initial weights and batch order)")
+    p.add_argument("--out", required=True, help="output model directory")
+    _add_training_flags(p)
+    p.set_defaults(func=cmd_train)
+
+    p = add_command("train-seeds", help="train several seeds (gated and dense) for multi-seed studies")
+    p.add_argument("--arch", nargs="+", choices=ARCHS, default=list(ARCHS), help="per seed")
+    p.add_argument("--seeds", type=_seed, nargs="+", required=True, help="training seeds")
+    p.add_argument("--out", required=True, help="parent directory: one subdirectory per arch and seed")
+    _add_training_flags(p)
+    p.set_defaults(func=cmd_train_seeds)
 
     p = add_command("build-cache", help="record every site's coefficients on one split into a Parquet cache")
     p.add_argument("--model", required=True, help=MODEL_HELP)
@@ -842,7 +836,6 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="caches and audit (default cpu, like the shipped demo, so latency ratios compare)",
     )
-    p.add_argument("--steps", type=_positive_int, default=800, help="optimizer steps")
     p.add_argument(
         "--include",
         nargs="*",
@@ -850,12 +843,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="audits put first in the study (default: the shipped demo, seed 0); a bare --include puts none",
     )
     p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
-    p.add_argument("--batch", type=_positive_int, default=32, help="training windows per step")
-    p.add_argument("--lr", type=_learning_rate, default=2e-3, help="peak learning rate (cosine decay to a tenth of it)")
     p.add_argument(
         "--num-seqs", type=_positive_int, default=256, help="windows in each of the eval and calibration caches"
     )
-    _add_model_size_flags(p)
+    _add_model_flags(p)
     p.set_defaults(func=cmd_demo_study)
 
     p = add_command(
