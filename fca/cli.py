@@ -12,7 +12,8 @@ import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import NoReturn
 
@@ -215,6 +216,19 @@ def load_families(args: argparse.Namespace) -> None:
         registered_families()  # installed packages' families: a broken one is said before the work starts
 
 
+def _add_replay_flags(p: argparse.ArgumentParser) -> None:
+    """audit's and replay's flags: what they replay, and how."""
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--cache", required=True, help="evaluated cache")
+    p.add_argument("--calibration", required=True, help="calibration cache (an independent split)")
+    p.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
+    p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
+    p.add_argument("--batch", type=_positive_int, default=None, help=REPLAY_BATCH_HELP)
+    p.add_argument("--seed", type=_seed, default=0, help=SEED_HELP)
+    _add_engine_flags(p, "replayed sequences")
+    _add_family_flag(p)
+
+
 def _add_engine_flags(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--engine",
@@ -226,6 +240,15 @@ def _add_engine_flags(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--workers", type=_positive_int, default=None, help="Ray actors (default: one per GPU, else one per CPU)"
     )
+
+
+def _on_engine(args: argparse.Namespace, local: Callable, distributed: str) -> Callable:
+    """`local`, or with --engine ray its form sharded over Ray actors: `fca.jobs.distributed.<distributed>`."""
+    if args.engine == "local":
+        return local
+    from fca.jobs import distributed as ray_engine
+
+    return partial(getattr(ray_engine, distributed), workers=args.workers, address=args.address)
 
 
 def _progress_bars():
@@ -303,14 +326,8 @@ def cmd_audit(args: argparse.Namespace) -> None:
     check_report_paths(args.json, args.markdown)
 
     progress, bars = _progress_bars()
-    if args.engine == "ray":
-        from functools import partial
-
-        from fca.jobs.distributed import run_audit_distributed
-
-        run_audit = partial(run_audit_distributed, workers=args.workers, address=args.address)  # noqa: F811
     try:
-        report = run_audit(
+        report = _on_engine(args, run_audit, "run_audit_distributed")(
             args.model,
             args.cache,
             args.calibration,
@@ -407,13 +424,7 @@ def cmd_replay(args: argparse.Namespace) -> None:
     from fca.tables.report import documents_note, exactness_sentences
     from fca.tables.stats import MIN_BOOTSTRAP_VALUES
 
-    if args.engine == "ray":
-        from functools import partial
-
-        from fca.jobs.distributed import run_replay_distributed
-
-        run_replay = partial(run_replay_distributed, workers=args.workers, address=args.address)  # noqa: F811
-    record = run_replay(
+    record = _on_engine(args, run_replay, "run_replay_distributed")(
         args.model,
         args.cache,
         args.calibration,
@@ -737,17 +748,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_build_cache)
 
     p = add_command("audit", help="the three-property report of a model on an evaluated and a calibration cache")
-    p.add_argument("--model", required=True, help=MODEL_HELP)
-    p.add_argument("--cache", required=True, help="evaluated cache")
-    p.add_argument("--calibration", required=True, help="calibration cache (an independent split)")
+    _add_replay_flags(p)
     p.add_argument("--dense", help="Dense twin for the latency ratio")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--markdown", help="write the report as Markdown here (with neither, it is printed)")
-    p.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
-    p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
-    p.add_argument("--batch", type=_positive_int, default=None, help=REPLAY_BATCH_HELP)
     p.add_argument("--num-seqs", type=_positive_int, default=None, help="evaluate only the first N sequences")
-    p.add_argument("--seed", type=_seed, default=0, help=SEED_HELP)
     p.add_argument("--extra-conditions", nargs="*", default=[], help="e.g. interpolate:0.5 token_shuffle+independent")
     p.add_argument(
         "--sweep",
@@ -757,8 +762,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="alphas of the interpolation sweep (0: static profile, 1: own coefficients; default 0,0.25,0.5,0.75,1); "
         "'none' to skip it",
     )
-    _add_engine_flags(p, "replayed sequences")
-    _add_family_flag(p)
     p.set_defaults(func=cmd_audit)
 
     p = add_command("report", help="render an audit JSON as Markdown")
@@ -775,20 +778,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_inspect)
 
     p = add_command("replay", help="replay chosen conditions and save the run beside the cache")
-    p.add_argument("--model", required=True, help=MODEL_HELP)
-    p.add_argument("--cache", required=True, help="evaluated cache")
-    p.add_argument("--calibration", required=True, help="calibration cache (an independent split)")
+    _add_replay_flags(p)
     p.add_argument(
         "--conditions", nargs="+", default=["correct", "static_layer"], help="kind[:alpha][+independent][@site,site]"
     )
     p.add_argument("--num-seqs", type=_positive_int, default=32, help="replay the first N evaluated sequences")
-    p.add_argument("--seed", type=_seed, default=0, help=SEED_HELP)
-    p.add_argument("--batch", type=_positive_int, default=None, help=REPLAY_BATCH_HELP)
-    p.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
-    p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
     p.add_argument("--no-save", action="store_true", help="do not save the run in <cache>.runs/")
-    _add_engine_flags(p, "replayed sequences")
-    _add_family_flag(p)
     p.set_defaults(func=cmd_replay)
 
     p = add_command(
