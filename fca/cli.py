@@ -605,14 +605,10 @@ def dashboard_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The app's environment: streamlit starts in the repository (its settings live there), so the paths in
     the variables the app reads are made absolute against the folder the command was given in."""
     env = dict(environ)
-    if env.get("FCA_DEFAULT_CACHE", "").strip():
-        env["FCA_DEFAULT_CACHE"] = str(Path(env["FCA_DEFAULT_CACHE"].strip()).expanduser().absolute())
-    if env.get("FCA_FAMILIES", "").strip():
-        files = [p.strip() for p in env["FCA_FAMILIES"].split(os.pathsep) if p.strip()]
-        env["FCA_FAMILIES"] = os.pathsep.join(str(Path(p).expanduser().absolute()) for p in files)
-    if env.get("FCA_CACHE_ROOTS", "").strip():
-        roots = [p.strip() for p in env["FCA_CACHE_ROOTS"].split(os.pathsep) if p.strip()]
-        env["FCA_CACHE_ROOTS"] = os.pathsep.join(str(Path(p).expanduser().absolute()) for p in roots)
+    for name in ("FCA_DEFAULT_CACHE", "FCA_FAMILIES", "FCA_CACHE_ROOTS"):
+        if env.get(name, "").strip():  # (the other two are os.pathsep-separated lists; one cache's path may hold it)
+            paths = [env[name]] if name == "FCA_DEFAULT_CACHE" else env[name].split(os.pathsep)
+            env[name] = os.pathsep.join(str(Path(p.strip()).expanduser().absolute()) for p in paths if p.strip())
     return env
 
 
