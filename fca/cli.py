@@ -110,21 +110,6 @@ def cmd_corpus(args: argparse.Namespace) -> None:
     print(f"wrote {out}: {len(docs)} documents, {out.stat().st_size / 1e6:.1f} MB")
 
 
-def _train_one(args: argparse.Namespace, arch: str, seed: int, out: Path) -> dict:
-    from fca.engine.models.featuregate import FeatureGateConfig
-    from fca.jobs.train import train
-
-    size, settings = _model_and_settings(args, seed=seed, split_seed=args.split_seed)
-    config = FeatureGateConfig(**size, gated=(arch == "featuregate"))
-    log = train(args.corpus, out, config, settings, text_column=args.text_column, device=args.device)
-    print(
-        f"{out}: {arch}, {log['parameters']:,} parameters, held-out NLL {log['final_eval_nll']:.4f} nats/token "
-        f"({log['final_eval_tokens']:,} tokens), {log['train_seconds']:.0f} s on {log['device_name']} "
-        f"({log['precision']}, {log['tokens_per_second'] or 0:,.0f} tokens/s)"
-    )
-    return log
-
-
 def cmd_train(args: argparse.Namespace) -> None:
     _train_all(args, [(args.arch, args.seed, Path(args.out))])
 
@@ -144,12 +129,21 @@ def _check_distinct(values: list, option: str) -> None:
 
 def _train_all(args: argparse.Namespace, runs: list[tuple[str, int, Path]]) -> None:
     from fca.engine.loading import is_model_file
+    from fca.engine.models.featuregate import FeatureGateConfig
+    from fca.jobs.train import train
     from fca.tables.outputs import check_replaceable
 
     for _, _, out in runs:  # every destination checked before minutes of training, not after
         check_replaceable(out, "model", is_model_file, "config.json", args.overwrite)
     for arch, seed, out in runs:
-        _train_one(args, arch, seed, out)
+        size, settings = _model_and_settings(args, seed=seed, split_seed=args.split_seed)
+        config = FeatureGateConfig(**size, gated=(arch == "featuregate"))
+        log = train(args.corpus, out, config, settings, text_column=args.text_column, device=args.device)
+        print(
+            f"{out}: {arch}, {log['parameters']:,} parameters, held-out NLL {log['final_eval_nll']:.4f} nats/token "
+            f"({log['final_eval_tokens']:,} tokens), {log['train_seconds']:.0f} s on {log['device_name']} "
+            f"({log['precision']}, {log['tokens_per_second'] or 0:,.0f} tokens/s)"
+        )
 
 
 def _dtype(name: str | None):
@@ -160,6 +154,7 @@ def _dtype(name: str | None):
 
 
 def cmd_build_cache(args: argparse.Namespace) -> None:
+    from fca.jobs.build import build_cache_from_corpus
     from fca.tables.manifest import Manifest
     from fca.tables.store import open_cache
     from fca.tables.writer_store import is_uri, published_manifest
@@ -175,17 +170,10 @@ def cmd_build_cache(args: argparse.Namespace) -> None:
         coefficient_dtype=args.coefficient_dtype,
         part_seqs=args.part_seqs,
     )  # `fca.jobs.build.BuildSpec`'s fields
-    where = (args.model, args.corpus, args.split, args.out)
-    if args.engine == "ray":  # actors write their parts inline: --writers is the single-process knob
-        from fca.jobs.distributed import build_cache_distributed
-
-        out = build_cache_distributed(
-            *where, overwrite=args.overwrite, workers=args.workers, address=args.address, **settings
-        )
-    else:
-        from fca.jobs.build import build_cache_from_corpus
-
-        out = build_cache_from_corpus(*where, overwrite=args.overwrite, workers=args.writers, **settings)
+    writers = {"workers": args.writers} if args.engine == "local" else {}  # (Ray's actors write their parts inline)
+    out = _on_engine(args, build_cache_from_corpus, "build_cache_distributed")(
+        args.model, args.corpus, args.split, args.out, overwrite=args.overwrite, **writers, **settings
+    )
     if is_uri(str(out)):  # published to a filesystem URI: its manifest says what was written
         manifest = Manifest.from_json(published_manifest(str(out)), str(out))
     else:
@@ -352,16 +340,12 @@ def cmd_audit(args: argparse.Namespace) -> None:
         print(render_markdown(report))
     else:
         print(*exactness_sentences(report.exactness), sep="\n")
-        share = report.variance.layer_identity_share
+        share, static = report.variance.layer_identity_share, report.gap_retention.get("static_layer")
         print(
             " ".join(f"{k}={v.nll:.4f}" for k, v in report.conditions.items()),
-            f"| static_layer retention {_percent(report.gap_retention.get('static_layer'))}",
+            f"| static_layer retention {'undefined' if static is None else f'{100 * static:.1f}%'}",
             f"| layer-identity share {'undefined' if share is None else f'{share:.3f}'}",
         )
-
-
-def _percent(share: float | None) -> str:
-    return "undefined" if share is None else f"{100 * share:.1f}%"
 
 
 def cmd_report(args: argparse.Namespace) -> None:
