@@ -556,16 +556,12 @@ def cmd_demo_study(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from fca.jobs.demo import make_demo
+    """demo and demo-skip."""
+    from fca.jobs.demo import make_demo, make_skip_demo
 
-    make_demo(Path(args.out), Path(args.corpus), steps=args.steps, retrain=args.retrain)
-
-
-def cmd_demo_skip(args: argparse.Namespace) -> None:
-    from fca.jobs.demo import make_skip_demo
-
-    steps = {} if args.steps is None else {"steps": args.steps}  # (the demo's own unless told)
-    make_skip_demo(Path(args.out), Path(args.corpus), retrain=args.retrain, **steps)
+    make = make_demo if args.command == "demo" else make_skip_demo
+    steps = {} if args.steps is None else {"steps": args.steps}  # (demo-skip's own unless told)
+    make(Path(args.out), Path(args.corpus), retrain=args.retrain, **steps)
 
 
 def dashboard_command(address: str, port: int) -> list[str]:
@@ -625,7 +621,6 @@ FAMILY_HELP = (
     "names more, loaded first. Families of installed packages (entry points fca.families) are always loaded"
 )
 DEVICE_HELP = "auto (cuda when available), cpu, cuda or cuda:N"
-BATCH_HELP = "sequences per forward pass"
 REPLAY_BATCH_HELP = (
     "sequences per forward pass (default: the batches the cache was built in, where a cache made on this "
     "machine must replay bit for bit; else 16)"
@@ -695,7 +690,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="cache directory to create")
     p.add_argument("--num-seqs", type=_positive_int, default=256, help="windows to cache")
     p.add_argument("--seq-len", type=_positive_int, default=None, help="window length (default: the model's context)")
-    p.add_argument("--batch", type=_positive_int, default=16, help=BATCH_HELP)
+    p.add_argument("--batch", type=_positive_int, default=16, help="sequences per forward pass")
     p.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="model weights dtype")
     p.add_argument(
@@ -792,7 +787,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", default="data/kjv.txt", help="extracted first if missing (needs Debian's bible-kjv)")
     p.add_argument("--steps", type=_positive_int, help="optimizer steps (for models not yet trained; default 160)")
     p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
-    p.set_defaults(func=cmd_demo_skip)
+    p.set_defaults(func=cmd_demo)
 
     p = add_command("study", help="one table across models (seeds) from their audit reports: mean, SD and 95%% CI")
     p.add_argument("audits", nargs="+", metavar="AUDIT.json", help="audit reports of independently trained models")
