@@ -137,7 +137,6 @@ def audit_experiment(
     params = sum(p.numel() for p in model.parameters())
     controller_params = controller_parameters(model)
     routed = bool(results.routers or results.routing_unobserved)
-    rows = {name: ConditionRow.read(row, f"conditions.{name}") for name, row in table.items()}
     return AuditReport(
         fca_report_version=REPORT_VERSION,
         model=Model(
@@ -167,12 +166,12 @@ def audit_experiment(
         if dense is not None
         else None,
         exactness=Exactness.read(exactness, "exactness"),
-        conditions=rows,
+        conditions={name: ConditionRow.read(row, f"conditions.{name}") for name, row in table.items()},
         gap_retention=retention,
         gap_retention_ci95={
             k: tuple(v) for k, v in gap_retention_ci(results.per_seq_nll, retention, seed, documents).items()
         },
-        interpolation_sweep=_sweep_section(rows, swept) if swept else None,
+        interpolation_sweep=_sweep_section(table, swept) if swept else None,
         routing=Routing.read(
             summarize_routing(results.routers, evaluated.site_specs, results.routing, results.routing_unobserved),
             "routing",
@@ -192,20 +191,24 @@ def audit_experiment(
     )
 
 
-def _sweep_section(rows: dict[str, ConditionRow], swept: Sequence[Condition]) -> tuple[SweepRow, ...]:
+def _sweep_section(table: dict, swept: Sequence[Condition]) -> tuple[SweepRow, ...]:
     """One row per alpha, in increasing order, with the condition's name so readers (the study) can
     tell the sweep's conditions from the others."""
     return tuple(
         SweepRow(
             alpha=c.alpha,
             condition=c.name,
-            nll=rows[c.name].nll,
-            penalty=rows[c.name].penalty,
-            penalty_ci95=rows[c.name].penalty_ci95,
-            penalty_ci95_documents=rows[c.name].penalty_ci95_documents,
+            nll=table[c.name]["nll"],
+            penalty=table[c.name]["penalty"],
+            penalty_ci95=tuple(table[c.name]["penalty_ci95"]),
+            penalty_ci95_documents=_pair(table[c.name].get("penalty_ci95_documents")),
         )
         for c in swept
     )
+
+
+def _pair(bounds: Sequence[float] | None) -> tuple[float, float] | None:
+    return None if bounds is None else tuple(bounds)
 
 
 def _cache_entry(cache: Cache, evaluated_seqs: int) -> dict:
