@@ -422,11 +422,12 @@ def cmd_replay(args: argparse.Namespace) -> None:
         show_progress=True,
     )
     asked, n = args.num_seqs, record["spec"]["num_seqs"]
+    results = record["results"]
     print(f"{args.cache}: {n} sequences replayed" + (f" (all it has; {asked} asked for)" if n < asked else ""))
-    for sentence in exactness_sentences(Exactness.read(record["results"]["exactness"], "exactness")):
+    for sentence in exactness_sentences(Exactness.read(results["exactness"], "exactness")):
         print(sentence)
-    routing = record["results"].get("routing", {}).get("conditions", {})  # (models with observed routers)
-    rows = record["results"]["conditions"]
+    routing = results.get("routing", {})  # (models with routers)
+    rows = results["conditions"]
     width = max(map(len, rows), default=0)  # a condition naming sites can be long: the columns follow it
     for name, row in rows.items():
         lo, hi = row["penalty_ci95"]
@@ -435,20 +436,20 @@ def cmd_replay(args: argparse.Namespace) -> None:
             lo, hi = row["penalty_ci95_documents"]
             ci = f"[{lo:+.4f}, {hi:+.4f}] over documents, {ci} over sequences"
         print(
-            f"{name:{width}s}  NLL {row['nll']:.4f}  penalty {row['penalty']:+.4f} {ci}{_routing_figures(record, name)}"
+            f"{name:{width}s}  NLL {row['nll']:.4f}  penalty {row['penalty']:+.4f} {ci}{_routing_figures(routing, name)}"
         )
-    if note := documents_note(n, record["results"].get("documents")):
+    if note := documents_note(n, results.get("documents")):
         print(note)
-    print(retention_lines(record["results"]))
-    if routing:
-        chance = record["results"]["routing"]["chance"]
+    print(retention_lines(results))
+    if routing.get("conditions"):  # (routers whose experts were observed)
+        chance = routing["chance"]
         print(
             f"same experts: tokens that ran the same experts as on their own coefficients (read at the experts); "
             f"kept: the share of those experts kept; weight kept: the share of each token's mixing weight left "
             f"on them. Experts drawn at random: {100 * chance['same_experts']:.1f}% and "
             f"{100 * chance['expert_overlap']:.1f}%."
         )
-    if note := record["results"].get("routing", {}).get("not_reported"):
+    if note := routing.get("not_reported"):
         print(note)
     if record.get("path"):
         print(f"saved {record['path']}")
@@ -459,11 +460,7 @@ def retention_lines(results: dict) -> str:
     conditions = results["conditions"]
     if "global_mean" not in conditions or "correct" not in conditions:
         return "gap retention: not defined for this run (it needs correct and global_mean among the conditions)"
-    from fca.tables.scoring import gap_retention
-
-    # (runs saved before the record kept it: computed from the conditions, without its interval)
-    retention = results.get("gap_retention", gap_retention(conditions))
-    intervals = results.get("gap_retention_ci95") or {}
+    retention, intervals = results["gap_retention"], results["gap_retention_ci95"]
     if not retention or all(v is None for v in retention.values()):
         return "gap retention: undefined (the global-mean profile's penalty CI does not lie above 0)"
     lines = ["gap retention (0% = global mean, 100% = correct):"]
@@ -478,12 +475,11 @@ def retention_lines(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _routing_figures(record: dict, name: str) -> str:
+def _routing_figures(routing: dict, name: str) -> str:
     """A replay line's routing figures (models with observed routers), with what they are taken over."""
     from fca.tables.report import routing_scope
 
-    routing = record["results"].get("routing")
-    if not routing or name not in routing.get("conditions", {}):
+    if name not in routing.get("conditions", {}):
         return ""
     row = routing["conditions"][name]
     mark = routing_scope(row["routers_changed"], list(routing["routers"]))
