@@ -12,7 +12,8 @@ import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import NoReturn
 
@@ -35,7 +36,11 @@ DTYPES = ["float32", "bfloat16", "float16"]
 REPLAY_DTYPE_HELP = "model weights dtype (default: the one the cache's coefficients were recorded with)"
 
 
-def _add_model_size_flags(p: argparse.ArgumentParser) -> None:
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The model's size and training: read by `_model_and_settings`."""
+    p.add_argument("--steps", type=_positive_int, default=800, help="optimizer steps")
+    p.add_argument("--batch", type=_positive_int, default=32, help="training windows per step")
+    p.add_argument("--lr", type=_learning_rate, default=2e-3, help="peak learning rate (cosine decay to a tenth)")
     p.add_argument("--d-model", type=_positive_int, default=192)
     p.add_argument("--layers", type=_positive_int, default=6)
     p.add_argument("--heads", type=_positive_int, default=6)
@@ -51,44 +56,58 @@ def _add_model_size_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--granularity", choices=["group", "feature"], default="group")
 
 
+ARCHS = ("featuregate", "dense")
+
+
+def _add_training_flags(p: argparse.ArgumentParser) -> None:
+    """train's and train-seeds' flags after the architectures, seeds and output."""
+    p.add_argument(
+        "--corpus", required=True, help="text file, folder of .txt files, or Parquet/Arrow with a 'text' column"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing model directory")
+    p.add_argument("--split-seed", type=_seed, default=0, help="seed of the train/calibration/eval document split")
+    p.add_argument("--text-column", default="text", help="text column of a Parquet/Arrow corpus")
+    p.add_argument(
+        "--device",
+        type=_device,
+        default="cpu",
+        help="cpu (default: float32, how the shipped demo was trained) or cuda[:N] (bf16 autocast, "
+        "fused AdamW, float32 weights saved); auto: cuda when available",
+    )
+    _add_model_flags(p)
+
+
+def _model_and_settings(args: argparse.Namespace, **settings):
+    """`_add_model_flags`' values: FeatureGateConfig's fields but `gated`, and the TrainSettings (`settings`:
+    more of its fields)."""
+    from fca.jobs.train import TrainSettings
+
+    config = dict(
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        mlp_groups=args.mlp_groups,
+        max_seq_len=args.seq_len,
+        controller=args.controller,
+        granularity=args.granularity,
+    )
+    training = TrainSettings(
+        steps=args.steps,
+        batch_size=args.batch,
+        lr=args.lr,
+        min_lr=args.lr / 10,  # (the help's "cosine decay to a tenth"; fixed at 2e-4 it rose for --lr below that)
+        vocab_size=args.vocab_size,
+        **settings,
+    )
+    return config, training
+
+
 def cmd_corpus(args: argparse.Namespace) -> None:
     from fca.tables import data
 
     out = data.extract_kjv(args.out, overwrite=args.overwrite)
     docs = data.load_documents(out)
     print(f"wrote {out}: {len(docs)} documents, {out.stat().st_size / 1e6:.1f} MB")
-
-
-def _train_one(args: argparse.Namespace, arch: str, seed: int, out: Path) -> dict:
-    from fca.engine.models.featuregate import FeatureGateConfig
-    from fca.jobs.train import TrainSettings, train
-
-    config = FeatureGateConfig(
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        mlp_groups=args.mlp_groups,
-        max_seq_len=args.seq_len,
-        gated=(arch == "featuregate"),
-        controller=args.controller,
-        granularity=args.granularity,
-    )
-    settings = TrainSettings(
-        steps=args.steps,
-        batch_size=args.batch,
-        lr=args.lr,
-        min_lr=args.lr / 10,  # (the help's "cosine decay to a tenth"; fixed at 2e-4 it rose for --lr below that)
-        seed=seed,
-        split_seed=args.split_seed,
-        vocab_size=args.vocab_size,
-    )
-    log = train(args.corpus, out, config, settings, text_column=args.text_column, device=args.device)
-    print(
-        f"{out}: {arch}, {log['parameters']:,} parameters, held-out NLL {log['final_eval_nll']:.4f} nats/token "
-        f"({log['final_eval_tokens']:,} tokens), {log['train_seconds']:.0f} s on {log['device_name']} "
-        f"({log['precision']}, {log['tokens_per_second'] or 0:,.0f} tokens/s)"
-    )
-    return log
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -110,12 +129,21 @@ def _check_distinct(values: list, option: str) -> None:
 
 def _train_all(args: argparse.Namespace, runs: list[tuple[str, int, Path]]) -> None:
     from fca.engine.loading import is_model_file
+    from fca.engine.models.featuregate import FeatureGateConfig
+    from fca.jobs.train import train
     from fca.tables.outputs import check_replaceable
 
     for _, _, out in runs:  # every destination checked before minutes of training, not after
         check_replaceable(out, "model", is_model_file, "config.json", args.overwrite)
     for arch, seed, out in runs:
-        _train_one(args, arch, seed, out)
+        size, settings = _model_and_settings(args, seed=seed, split_seed=args.split_seed)
+        config = FeatureGateConfig(**size, gated=(arch == "featuregate"))
+        log = train(args.corpus, out, config, settings, text_column=args.text_column, device=args.device)
+        print(
+            f"{out}: {arch}, {log['parameters']:,} parameters, held-out NLL {log['final_eval_nll']:.4f} nats/token "
+            f"({log['final_eval_tokens']:,} tokens), {log['train_seconds']:.0f} s on {log['device_name']} "
+            f"({log['precision']}, {log['tokens_per_second'] or 0:,.0f} tokens/s)"
+        )
 
 
 def _dtype(name: str | None):
@@ -126,6 +154,7 @@ def _dtype(name: str | None):
 
 
 def cmd_build_cache(args: argparse.Namespace) -> None:
+    from fca.jobs.build import build_cache_from_corpus
     from fca.tables.manifest import Manifest
     from fca.tables.store import open_cache
     from fca.tables.writer_store import is_uri, published_manifest
@@ -141,17 +170,10 @@ def cmd_build_cache(args: argparse.Namespace) -> None:
         coefficient_dtype=args.coefficient_dtype,
         part_seqs=args.part_seqs,
     )  # `fca.jobs.build.BuildSpec`'s fields
-    where = (args.model, args.corpus, args.split, args.out)
-    if args.engine == "ray":  # actors write their parts inline: --writers is the single-process knob
-        from fca.jobs.distributed import build_cache_distributed
-
-        out = build_cache_distributed(
-            *where, overwrite=args.overwrite, workers=args.workers, address=args.address, **settings
-        )
-    else:
-        from fca.jobs.build import build_cache_from_corpus
-
-        out = build_cache_from_corpus(*where, overwrite=args.overwrite, workers=args.writers, **settings)
+    writers = {"workers": args.writers} if args.engine == "local" else {}  # (Ray's actors write their parts inline)
+    out = _on_engine(args, build_cache_from_corpus, "build_cache_distributed")(
+        args.model, args.corpus, args.split, args.out, overwrite=args.overwrite, **writers, **settings
+    )
     if is_uri(str(out)):  # published to a filesystem URI: its manifest says what was written
         manifest = Manifest.from_json(published_manifest(str(out)), str(out))
     else:
@@ -182,6 +204,19 @@ def load_families(args: argparse.Namespace) -> None:
         registered_families()  # installed packages' families: a broken one is said before the work starts
 
 
+def _add_replay_flags(p: argparse.ArgumentParser) -> None:
+    """audit's and replay's flags: what they replay, and how."""
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--cache", required=True, help="evaluated cache")
+    p.add_argument("--calibration", required=True, help="calibration cache (an independent split)")
+    p.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
+    p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
+    p.add_argument("--batch", type=_positive_int, default=None, help=REPLAY_BATCH_HELP)
+    p.add_argument("--seed", type=_seed, default=0, help=SEED_HELP)
+    _add_engine_flags(p, "replayed sequences")
+    _add_family_flag(p)
+
+
 def _add_engine_flags(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--engine",
@@ -193,6 +228,15 @@ def _add_engine_flags(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--workers", type=_positive_int, default=None, help="Ray actors (default: one per GPU, else one per CPU)"
     )
+
+
+def _on_engine(args: argparse.Namespace, local: Callable, distributed: str) -> Callable:
+    """`local`, or with --engine ray its form sharded over Ray actors: `fca.jobs.distributed.<distributed>`."""
+    if args.engine == "local":
+        return local
+    from fca.jobs import distributed as ray_engine
+
+    return partial(getattr(ray_engine, distributed), workers=args.workers, address=args.address)
 
 
 def _progress_bars():
@@ -270,14 +314,8 @@ def cmd_audit(args: argparse.Namespace) -> None:
     check_report_paths(args.json, args.markdown)
 
     progress, bars = _progress_bars()
-    if args.engine == "ray":
-        from functools import partial
-
-        from fca.jobs.distributed import run_audit_distributed
-
-        run_audit = partial(run_audit_distributed, workers=args.workers, address=args.address)  # noqa: F811
     try:
-        report = run_audit(
+        report = _on_engine(args, run_audit, "run_audit_distributed")(
             args.model,
             args.cache,
             args.calibration,
@@ -302,16 +340,12 @@ def cmd_audit(args: argparse.Namespace) -> None:
         print(render_markdown(report))
     else:
         print(*exactness_sentences(report.exactness), sep="\n")
-        share = report.variance.layer_identity_share
+        share, static = report.variance.layer_identity_share, report.gap_retention.get("static_layer")
         print(
             " ".join(f"{k}={v.nll:.4f}" for k, v in report.conditions.items()),
-            f"| static_layer retention {_percent(report.gap_retention.get('static_layer'))}",
+            f"| static_layer retention {'undefined' if static is None else f'{100 * static:.1f}%'}",
             f"| layer-identity share {'undefined' if share is None else f'{share:.3f}'}",
         )
-
-
-def _percent(share: float | None) -> str:
-    return "undefined" if share is None else f"{100 * share:.1f}%"
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -374,13 +408,7 @@ def cmd_replay(args: argparse.Namespace) -> None:
     from fca.tables.report import documents_note, exactness_sentences
     from fca.tables.stats import MIN_BOOTSTRAP_VALUES
 
-    if args.engine == "ray":
-        from functools import partial
-
-        from fca.jobs.distributed import run_replay_distributed
-
-        run_replay = partial(run_replay_distributed, workers=args.workers, address=args.address)  # noqa: F811
-    record = run_replay(
+    record = _on_engine(args, run_replay, "run_replay_distributed")(
         args.model,
         args.cache,
         args.calibration,
@@ -394,11 +422,12 @@ def cmd_replay(args: argparse.Namespace) -> None:
         show_progress=True,
     )
     asked, n = args.num_seqs, record["spec"]["num_seqs"]
+    results = record["results"]
     print(f"{args.cache}: {n} sequences replayed" + (f" (all it has; {asked} asked for)" if n < asked else ""))
-    for sentence in exactness_sentences(Exactness.read(record["results"]["exactness"], "exactness")):
+    for sentence in exactness_sentences(Exactness.read(results["exactness"], "exactness")):
         print(sentence)
-    routing = record["results"].get("routing", {}).get("conditions", {})  # (models with observed routers)
-    rows = record["results"]["conditions"]
+    routing = results.get("routing", {})  # (models with routers)
+    rows = results["conditions"]
     width = max(map(len, rows), default=0)  # a condition naming sites can be long: the columns follow it
     for name, row in rows.items():
         lo, hi = row["penalty_ci95"]
@@ -407,20 +436,20 @@ def cmd_replay(args: argparse.Namespace) -> None:
             lo, hi = row["penalty_ci95_documents"]
             ci = f"[{lo:+.4f}, {hi:+.4f}] over documents, {ci} over sequences"
         print(
-            f"{name:{width}s}  NLL {row['nll']:.4f}  penalty {row['penalty']:+.4f} {ci}{_routing_figures(record, name)}"
+            f"{name:{width}s}  NLL {row['nll']:.4f}  penalty {row['penalty']:+.4f} {ci}{_routing_figures(routing, name)}"
         )
-    if note := documents_note(n, record["results"].get("documents")):
+    if note := documents_note(n, results.get("documents")):
         print(note)
-    print(retention_lines(record["results"]))
-    if routing:
-        chance = record["results"]["routing"]["chance"]
+    print(retention_lines(results))
+    if routing.get("conditions"):  # (routers whose experts were observed)
+        chance = routing["chance"]
         print(
             f"same experts: tokens that ran the same experts as on their own coefficients (read at the experts); "
             f"kept: the share of those experts kept; weight kept: the share of each token's mixing weight left "
             f"on them. Experts drawn at random: {100 * chance['same_experts']:.1f}% and "
             f"{100 * chance['expert_overlap']:.1f}%."
         )
-    if note := record["results"].get("routing", {}).get("not_reported"):
+    if note := routing.get("not_reported"):
         print(note)
     if record.get("path"):
         print(f"saved {record['path']}")
@@ -431,11 +460,7 @@ def retention_lines(results: dict) -> str:
     conditions = results["conditions"]
     if "global_mean" not in conditions or "correct" not in conditions:
         return "gap retention: not defined for this run (it needs correct and global_mean among the conditions)"
-    from fca.tables.scoring import gap_retention
-
-    # (runs saved before the record kept it: computed from the conditions, without its interval)
-    retention = results.get("gap_retention", gap_retention(conditions))
-    intervals = results.get("gap_retention_ci95") or {}
+    retention, intervals = results["gap_retention"], results["gap_retention_ci95"]
     if not retention or all(v is None for v in retention.values()):
         return "gap retention: undefined (the global-mean profile's penalty CI does not lie above 0)"
     lines = ["gap retention (0% = global mean, 100% = correct):"]
@@ -450,12 +475,11 @@ def retention_lines(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _routing_figures(record: dict, name: str) -> str:
+def _routing_figures(routing: dict, name: str) -> str:
     """A replay line's routing figures (models with observed routers), with what they are taken over."""
     from fca.tables.report import routing_scope
 
-    routing = record["results"].get("routing")
-    if not routing or name not in routing.get("conditions", {}):
+    if name not in routing.get("conditions", {}):
         return ""
     row = routing["conditions"][name]
     mark = routing_scope(row["routers_changed"], list(routing["routers"]))
@@ -505,24 +529,12 @@ def cmd_study(args: argparse.Namespace) -> None:
 
 def cmd_demo_study(args: argparse.Namespace) -> None:
     from fca.jobs.demo import make_demo_study
-    from fca.jobs.train import TrainSettings
     from fca.tables.study import render_markdown
 
+    _check_distinct(args.seeds, "--seeds")
     # The size flags default to the demo configuration; other sizes make a study of their own (pass
     # `--include` with no file then: the shipped demo's audit is of another model size and is refused).
-    config = dict(
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        mlp_groups=args.mlp_groups,
-        max_seq_len=args.seq_len,
-        controller=args.controller,
-        granularity=args.granularity,
-    )
-    _check_distinct(args.seeds, "--seeds")
-    settings = TrainSettings(
-        steps=args.steps, batch_size=args.batch, lr=args.lr, min_lr=args.lr / 10, vocab_size=args.vocab_size
-    )
+    config, settings = _model_and_settings(args)
     study = make_demo_study(
         Path(args.out),
         Path(args.corpus),
@@ -540,16 +552,12 @@ def cmd_demo_study(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from fca.jobs.demo import make_demo
+    """demo and demo-skip."""
+    from fca.jobs.demo import make_demo, make_skip_demo
 
-    make_demo(Path(args.out), Path(args.corpus), steps=args.steps, retrain=args.retrain)
-
-
-def cmd_demo_skip(args: argparse.Namespace) -> None:
-    from fca.jobs.demo import make_skip_demo
-
-    steps = {} if args.steps is None else {"steps": args.steps}  # (the demo's own unless told)
-    make_skip_demo(Path(args.out), Path(args.corpus), retrain=args.retrain, **steps)
+    make = make_demo if args.command == "demo" else make_skip_demo
+    steps = {} if args.steps is None else {"steps": args.steps}  # (demo-skip's own unless told)
+    make(Path(args.out), Path(args.corpus), retrain=args.retrain, **steps)
 
 
 def dashboard_command(address: str, port: int) -> list[str]:
@@ -573,14 +581,10 @@ def dashboard_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The app's environment: streamlit starts in the repository (its settings live there), so the paths in
     the variables the app reads are made absolute against the folder the command was given in."""
     env = dict(environ)
-    if env.get("FCA_DEFAULT_CACHE", "").strip():
-        env["FCA_DEFAULT_CACHE"] = str(Path(env["FCA_DEFAULT_CACHE"].strip()).expanduser().absolute())
-    if env.get("FCA_FAMILIES", "").strip():
-        files = [p.strip() for p in env["FCA_FAMILIES"].split(os.pathsep) if p.strip()]
-        env["FCA_FAMILIES"] = os.pathsep.join(str(Path(p).expanduser().absolute()) for p in files)
-    if env.get("FCA_CACHE_ROOTS", "").strip():
-        roots = [p.strip() for p in env["FCA_CACHE_ROOTS"].split(os.pathsep) if p.strip()]
-        env["FCA_CACHE_ROOTS"] = os.pathsep.join(str(Path(p).expanduser().absolute()) for p in roots)
+    for name in ("FCA_DEFAULT_CACHE", "FCA_FAMILIES", "FCA_CACHE_ROOTS"):
+        if env.get(name, "").strip():  # (the other two are os.pathsep-separated lists; one cache's path may hold it)
+            paths = [env[name]] if name == "FCA_DEFAULT_CACHE" else env[name].split(os.pathsep)
+            env[name] = os.pathsep.join(str(Path(p.strip()).expanduser().absolute()) for p in paths if p.strip())
     return env
 
 
@@ -613,7 +617,6 @@ FAMILY_HELP = (
     "names more, loaded first. Families of installed packages (entry points fca.families) are always loaded"
 )
 DEVICE_HELP = "auto (cuda when available), cpu, cuda or cuda:N"
-BATCH_HELP = "sequences per forward pass"
 REPLAY_BATCH_HELP = (
     "sequences per forward pass (default: the batches the cache was built in, where a cache made on this "
     "machine must replay bit for bit; else 16)"
@@ -660,46 +663,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing file")
     p.set_defaults(func=cmd_corpus)
 
-    for name, helptext in (
-        ("train", "train a FeatureGate model or its Dense twin"),
-        ("train-seeds", "train several seeds (gated and dense) for multi-seed studies"),
-    ):
-        p = add_command(name, help=helptext)
-        if name == "train":
-            p.add_argument(
-                "--arch", choices=["featuregate", "dense"], default="featuregate", help="gated or Dense twin"
-            )
-            p.add_argument("--seed", type=_seed, default=0, help="training seed (initial weights and batch order)")
-        else:
-            p.add_argument(
-                "--arch", nargs="+", choices=["featuregate", "dense"], default=["featuregate", "dense"], help="per seed"
-            )
-            p.add_argument("--seeds", type=_seed, nargs="+", required=True, help="training seeds")
-        p.add_argument(
-            "--corpus", required=True, help="text file, folder of .txt files, or Parquet/Arrow with a 'text' column"
-        )
-        p.add_argument(
-            "--out",
-            required=True,
-            help="output model directory"
-            if name == "train"
-            else "parent directory: one subdirectory per arch and seed",
-        )
-        p.add_argument("--steps", type=_positive_int, default=800, help="optimizer steps")
-        p.add_argument("--batch", type=_positive_int, default=32, help="training windows per step")
-        p.add_argument("--lr", type=_learning_rate, default=2e-3, help="peak learning rate (cosine decay to a tenth)")
-        p.add_argument("--overwrite", action="store_true", help="replace an existing model directory")
-        p.add_argument("--split-seed", type=_seed, default=0, help="seed of the train/calibration/eval document split")
-        p.add_argument("--text-column", default="text", help="text column of a Parquet/Arrow corpus")
-        p.add_argument(
-            "--device",
-            type=_device,
-            default="cpu",
-            help="cpu (default: float32, how the shipped demo was trained) or cuda[:N] (bf16 autocast, "
-            "fused AdamW, float32 weights saved); auto: cuda when available",
-        )
-        _add_model_size_flags(p)
-        p.set_defaults(func=cmd_train if name == "train" else cmd_train_seeds)
+    p = add_command("train", help="train a FeatureGate model or its Dense twin")
+    p.add_argument("--arch", choices=ARCHS, default="featuregate", help="gated or Dense twin")
+    p.add_argument("--seed", type=_seed, default=0, help="training seed (initial weights and batch order)")
+    p.add_argument("--out", required=True, help="output model directory")
+    _add_training_flags(p)
+    p.set_defaults(func=cmd_train)
+
+    p = add_command("train-seeds", help="train several seeds (gated and dense) for multi-seed studies")
+    p.add_argument("--arch", nargs="+", choices=ARCHS, default=list(ARCHS), help="per seed")
+    p.add_argument("--seeds", type=_seed, nargs="+", required=True, help="training seeds")
+    p.add_argument("--out", required=True, help="parent directory: one subdirectory per arch and seed")
+    _add_training_flags(p)
+    p.set_defaults(func=cmd_train_seeds)
 
     p = add_command("build-cache", help="record every site's coefficients on one split into a Parquet cache")
     p.add_argument("--model", required=True, help=MODEL_HELP)
@@ -710,7 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="cache directory to create")
     p.add_argument("--num-seqs", type=_positive_int, default=256, help="windows to cache")
     p.add_argument("--seq-len", type=_positive_int, default=None, help="window length (default: the model's context)")
-    p.add_argument("--batch", type=_positive_int, default=16, help=BATCH_HELP)
+    p.add_argument("--batch", type=_positive_int, default=16, help="sequences per forward pass")
     p.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="model weights dtype")
     p.add_argument(
@@ -743,17 +719,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_build_cache)
 
     p = add_command("audit", help="the three-property report of a model on an evaluated and a calibration cache")
-    p.add_argument("--model", required=True, help=MODEL_HELP)
-    p.add_argument("--cache", required=True, help="evaluated cache")
-    p.add_argument("--calibration", required=True, help="calibration cache (an independent split)")
+    _add_replay_flags(p)
     p.add_argument("--dense", help="Dense twin for the latency ratio")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--markdown", help="write the report as Markdown here (with neither, it is printed)")
-    p.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
-    p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
-    p.add_argument("--batch", type=_positive_int, default=None, help=REPLAY_BATCH_HELP)
     p.add_argument("--num-seqs", type=_positive_int, default=None, help="evaluate only the first N sequences")
-    p.add_argument("--seed", type=_seed, default=0, help=SEED_HELP)
     p.add_argument("--extra-conditions", nargs="*", default=[], help="e.g. interpolate:0.5 token_shuffle+independent")
     p.add_argument(
         "--sweep",
@@ -763,8 +733,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="alphas of the interpolation sweep (0: static profile, 1: own coefficients; default 0,0.25,0.5,0.75,1); "
         "'none' to skip it",
     )
-    _add_engine_flags(p, "replayed sequences")
-    _add_family_flag(p)
     p.set_defaults(func=cmd_audit)
 
     p = add_command("report", help="render an audit JSON as Markdown")
@@ -781,20 +749,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_inspect)
 
     p = add_command("replay", help="replay chosen conditions and save the run beside the cache")
-    p.add_argument("--model", required=True, help=MODEL_HELP)
-    p.add_argument("--cache", required=True, help="evaluated cache")
-    p.add_argument("--calibration", required=True, help="calibration cache (an independent split)")
+    _add_replay_flags(p)
     p.add_argument(
         "--conditions", nargs="+", default=["correct", "static_layer"], help="kind[:alpha][+independent][@site,site]"
     )
     p.add_argument("--num-seqs", type=_positive_int, default=32, help="replay the first N evaluated sequences")
-    p.add_argument("--seed", type=_seed, default=0, help=SEED_HELP)
-    p.add_argument("--batch", type=_positive_int, default=None, help=REPLAY_BATCH_HELP)
-    p.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
-    p.add_argument("--dtype", choices=DTYPES, default=None, help=REPLAY_DTYPE_HELP)
     p.add_argument("--no-save", action="store_true", help="do not save the run in <cache>.runs/")
-    _add_engine_flags(p, "replayed sequences")
-    _add_family_flag(p)
     p.set_defaults(func=cmd_replay)
 
     p = add_command(
@@ -823,7 +783,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", default="data/kjv.txt", help="extracted first if missing (needs Debian's bible-kjv)")
     p.add_argument("--steps", type=_positive_int, help="optimizer steps (for models not yet trained; default 160)")
     p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
-    p.set_defaults(func=cmd_demo_skip)
+    p.set_defaults(func=cmd_demo)
 
     p = add_command("study", help="one table across models (seeds) from their audit reports: mean, SD and 95%% CI")
     p.add_argument("audits", nargs="+", metavar="AUDIT.json", help="audit reports of independently trained models")
@@ -842,7 +802,6 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="caches and audit (default cpu, like the shipped demo, so latency ratios compare)",
     )
-    p.add_argument("--steps", type=_positive_int, default=800, help="optimizer steps")
     p.add_argument(
         "--include",
         nargs="*",
@@ -850,12 +809,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="audits put first in the study (default: the shipped demo, seed 0); a bare --include puts none",
     )
     p.add_argument("--retrain", action="store_true", help="train the models even if they exist")
-    p.add_argument("--batch", type=_positive_int, default=32, help="training windows per step")
-    p.add_argument("--lr", type=_learning_rate, default=2e-3, help="peak learning rate (cosine decay to a tenth of it)")
     p.add_argument(
         "--num-seqs", type=_positive_int, default=256, help="windows in each of the eval and calibration caches"
     )
-    _add_model_size_flags(p)
+    _add_model_flags(p)
     p.set_defaults(func=cmd_demo_study)
 
     p = add_command(
