@@ -3,7 +3,6 @@ describe sites without importing it."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 
@@ -35,7 +34,11 @@ class SiteSpec:
 
     @property
     def num_channels(self) -> int:
-        return math.prod(size for _, size in self.axes)
+        # (a loop: torch.compile traces this in every replayed site, and math.prod breaks its graph there)
+        k = 1
+        for _, size in self.axes:
+            k *= size
+        return k
 
     def channel_names(self) -> tuple[str, ...]:
         """Each of the `K` channels' name: its label, else its number ("0", "1", ...)."""
