@@ -16,7 +16,7 @@ from fca.engine.environment import model_dtype_name
 from fca.engine.families import family_of
 from fca.engine.loading import fingerprint_state
 from fca.engine.sites import controller_parameters, model_class_name
-from fca.jobs.experiment import CacheSource, Experiment, ModelSource, check_condition_sites
+from fca.jobs.experiment import CacheSource, Experiment, ModelSource, check_condition_sites, parameter_count
 from fca.tables.audit_report import (
     REPORT_VERSION,
     AuditReport,
@@ -134,8 +134,6 @@ def audit_experiment(
     execution = experiment.measure_execution(latency_runs)
     if results.executed is not None:  # what ran under each condition, counted during its replay
         execution["conditions"] = condition_execution(results.executed, evaluated.seq_len)
-    params = sum(p.numel() for p in model.parameters())
-    controller_params = controller_parameters(model)
     routed = bool(results.routers or results.routing_unobserved)
     rows = {name: ConditionRow.read(row, f"conditions.{name}") for name, row in table.items()}
     return AuditReport(
@@ -144,8 +142,8 @@ def audit_experiment(
             name=experiment.name,
             model_type=model.config.model_type if hasattr(model, "config") else model_class_name(model),
             fingerprint=experiment.model_fingerprint,
-            parameters=params,
-            controller_parameters=controller_params,
+            parameters=parameter_count(model),
+            controller_parameters=controller_parameters(model),
             dtype=model_dtype_name(model),
             device=str(experiment.device),
             # The configuration the caches record: a study compares it, so that two architectures of equal
@@ -162,7 +160,7 @@ def audit_experiment(
         dense=Dense(
             name=experiment.dense_name,
             fingerprint=fingerprint_state(dense),
-            parameters=sum(p.numel() for p in dense.parameters()),
+            parameters=parameter_count(dense),
         )
         if dense is not None
         else None,

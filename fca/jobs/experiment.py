@@ -56,7 +56,7 @@ def _config_dict(model: nn.Module) -> dict:
     return config.to_dict() if hasattr(config, "to_dict") else {}
 
 
-def _parameters(model: nn.Module) -> int:
+def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # (a parameter shared by modules counts once)
 
 
@@ -218,7 +218,7 @@ class Experiment:
                     f"sizes and {twin.switch} false), so a latency ratio against it would not measure the controllers"
                 )
             if twin is None:  # any other model: a twin is the model without its controllers, weight for weight
-                expected, got = _parameters(self.model) - controller_parameters(self.model), _parameters(dense)
+                expected, got = parameter_count(self.model) - controller_parameters(self.model), parameter_count(dense)
                 if got != expected:
                     raise ModelLoadError(
                         f"{where}: has {got:,} parameters, and {self.name} without its controllers "
