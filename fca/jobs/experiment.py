@@ -27,6 +27,7 @@ from fca.tables.conditions import Condition, as_conditions, check_sites_named
 from fca.tables.errors import CacheError, ModelLoadError
 from fca.tables.fidelity import calibration_origin
 from fca.tables.profiles import Profiles, calibration_profiles
+from fca.tables.scoring import count_documents, gap_retention, gap_retention_ci, summarize_conditions, summarize_routing
 from fca.tables.store import Cache, open_cache
 from fca.tables.study import model_training
 
@@ -349,3 +350,28 @@ class Experiment:
         if self.calibration is not None:
             results.exactness["calibration"] = calibration_origin(self.calibration.environment, results.replayed_on)
         check_finite(results)
+
+    def score(self, results: ReplayResults, seed: int) -> dict:
+        """A judged run's figures, as a saved run and an audit report hold them: the conditions' NLLs and
+        penalty CIs (also over documents where the evaluated cache records them), gap retention and its CI,
+        the documents counted, and `routing` where the model has routers."""
+        documents = self.evaluated.window_documents(len(results.seqs))  # [n]; None: not recorded
+        conditions = summarize_conditions(results.per_seq_nll, seed, documents=documents)
+        retention = gap_retention(conditions)
+        routed = results.routers or results.routing_unobserved
+        return {
+            "conditions": conditions,
+            # (as the audit's: {} unless global_mean ran and the gap is clearly positive)
+            "gap_retention": retention,
+            "gap_retention_ci95": gap_retention_ci(results.per_seq_nll, retention, seed, documents),
+            "documents": count_documents(documents),
+            **(
+                {
+                    "routing": summarize_routing(
+                        results.routers, self.evaluated.site_specs, results.routing, results.routing_unobserved
+                    )
+                }
+                if routed
+                else {}
+            ),
+        }
