@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fca.tables.errors import CacheError
-from fca.tables.jsonfile import MAX_JSON_BYTES, parse_json, read_json
+from fca.tables.jsonfile import MAX_JSON_BYTES, parse_json, read_json_object
 from fca.tables.manifest import Manifest
 from fca.tables.schema import MANIFEST
 
@@ -156,15 +156,6 @@ def path_allowed(path: str | Path, roots: Iterable[str | Path]) -> bool:
     """True when `path` (after resolving `..` and symbolic links) lies inside one of `roots`."""
     resolved = user_path(path)
     return any(resolved.is_relative_to(user_path(root)) for root in roots)
-
-
-def read_json_object(path: Path) -> dict | None:
-    """A JSON object from `path`; None when it is missing, unreadable or not an object."""
-    try:
-        value = read_json(path)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def weights_path(model_dir: Path) -> Path:

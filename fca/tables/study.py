@@ -18,9 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fca.tables.audit_report import AuditReport, report_field
-from fca.tables.catalog import read_json_object
 from fca.tables.execution import audit_summary
-from fca.tables.jsonfile import read_json
+from fca.tables.jsonfile import read_json, read_json_object
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
 from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, condition_cell, damage, read_report, routing_scope
 from fca.tables.text import markdown_code, markdown_text, percent
