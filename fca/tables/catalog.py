@@ -28,6 +28,8 @@ from fca.tables.manifest import Manifest
 from fca.tables.schema import MANIFEST
 
 REPORT = "audit.json"
+# A model directory's weights files, in the order a load tries them (`weights_path` names the one read).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 ROOTS_ENV = "FCA_CACHE_ROOTS"
 
 
@@ -160,7 +162,7 @@ def path_allowed(path: str | Path, roots: Iterable[str | Path]) -> bool:
 
 def weights_path(model_dir: Path) -> Path:
     """The file a model directory's weights are read from (for the sharded form, the index)."""
-    for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"):
+    for name in WEIGHT_FILES:
         if (model_dir / name).is_file():
             return model_dir / name
     return model_dir
