@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fca.tables.catalog import WEIGHT_FILES
 from fca.tables.errors import ModelLoadError
 from fca.tables.jsonfile import read_json
 
@@ -39,11 +40,7 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    single, index, pickle = (
-        path / "model.safetensors",
-        path / "model.safetensors.index.json",
-        path / "pytorch_model.bin",
-    )
+    single, index, pickle = (path / name for name in WEIGHT_FILES)
     try:
         if single.is_file():
             _check_readable(single)
@@ -88,7 +85,7 @@ def check_safetensors_files(path: Path) -> None:
             raise ModelLoadError(f"{file}: unreadable weights ({str(err).splitlines()[0]})") from None
 
 
-INDEX = "model.safetensors.index.json"
+INDEX = WEIGHT_FILES[1]
 
 
 def weight_map(index: Path) -> dict[str, str]:

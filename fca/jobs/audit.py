@@ -16,7 +16,7 @@ from fca.engine.environment import model_dtype_name
 from fca.engine.families import family_of
 from fca.engine.loading import fingerprint_state
 from fca.engine.sites import controller_parameters, model_class_name
-from fca.jobs.experiment import CacheSource, Experiment, ModelSource, check_condition_sites
+from fca.jobs.experiment import CacheSource, Experiment, ModelSource, check_condition_sites, parameter_count
 from fca.tables.audit_report import (
     REPORT_VERSION,
     AuditReport,
@@ -46,11 +46,6 @@ from fca.tables.scoring import (
     BOOTSTRAP_RESAMPLES,
     MIN_DOCUMENTS,
     ROUTING_DEFINITION,
-    count_documents,
-    gap_retention,
-    gap_retention_ci,
-    summarize_conditions,
-    summarize_routing,
 )
 from fca.tables.stats import MIN_BOOTSTRAP_VALUES, variance_decomposition
 from fca.tables.store import Cache
@@ -124,35 +119,31 @@ def audit_experiment(
         conditions, num_seqs, batch_size, seed, progress=step("replay"), profile_progress=step("calibration profiles")
     )
     exactness = results.exactness  # judged by the run: nothing below is computed from an inexact one
-    # The documents the evaluated windows begin in (None where the cache does not say): the CIs that resample
-    # whole documents, as windows of one document are not independent.
-    documents = evaluated.window_documents(len(results.seqs))  # (the run replays the first n sequences)
-    table = summarize_conditions(results.per_seq_nll, seed, documents=documents)
-    retention = gap_retention(table)
+    # As a saved run's: the CIs resample whole documents where the cache records the documents the windows
+    # begin in, as windows of one document are not independent.
+    figures = experiment.score(results, seed)
     moments, layout = cache_moments(evaluated, progress=step("variance"), num_seqs=num_seqs)
     variance = variance_decomposition(moments, layout)
     execution = experiment.measure_execution(latency_runs)
     if results.executed is not None:  # what ran under each condition, counted during its replay
         execution["conditions"] = condition_execution(results.executed, evaluated.seq_len)
-    params = sum(p.numel() for p in model.parameters())
-    controller_params = controller_parameters(model)
-    routed = bool(results.routers or results.routing_unobserved)
-    rows = {name: ConditionRow.read(row, f"conditions.{name}") for name, row in table.items()}
+    routed = "routing" in figures
+    rows = {name: ConditionRow.read(row, f"conditions.{name}") for name, row in figures["conditions"].items()}
     return AuditReport(
         fca_report_version=REPORT_VERSION,
         model=Model(
             name=experiment.name,
             model_type=model.config.model_type if hasattr(model, "config") else model_class_name(model),
             fingerprint=experiment.model_fingerprint,
-            parameters=params,
-            controller_parameters=controller_params,
+            parameters=parameter_count(model),
+            controller_parameters=controller_parameters(model),
             dtype=model_dtype_name(model),
             device=str(experiment.device),
             # The configuration the caches record: a study compares it, so that two architectures of equal
             # parameter counts are not averaged as seeds of one.
             config=evaluated.manifest.model.config,
         ),
-        cache=EvaluatedCache(**_cache_entry(evaluated, len(results.seqs)), documents=count_documents(documents)),
+        cache=EvaluatedCache(**_cache_entry(evaluated, len(results.seqs)), documents=figures["documents"]),
         calibration=CalibrationCache(
             **_cache_entry(calibration, calibration.num_seqs),
             # what global_mean put at every coefficient of each family (the evaluated cache's own grand
@@ -162,23 +153,16 @@ def audit_experiment(
         dense=Dense(
             name=experiment.dense_name,
             fingerprint=fingerprint_state(dense),
-            parameters=sum(p.numel() for p in dense.parameters()),
+            parameters=parameter_count(dense),
         )
         if dense is not None
         else None,
         exactness=Exactness.read(exactness, "exactness"),
         conditions=rows,
-        gap_retention=retention,
-        gap_retention_ci95={
-            k: tuple(v) for k, v in gap_retention_ci(results.per_seq_nll, retention, seed, documents).items()
-        },
+        gap_retention=figures["gap_retention"],
+        gap_retention_ci95={k: tuple(v) for k, v in figures["gap_retention_ci95"].items()},
         interpolation_sweep=_sweep_section(rows, swept) if swept else None,
-        routing=Routing.read(
-            summarize_routing(results.routers, evaluated.site_specs, results.routing, results.routing_unobserved),
-            "routing",
-        )
-        if routed
-        else None,
+        routing=Routing.read(figures["routing"], "routing") if routed else None,
         variance=Variance.read(variance, "variance"),
         execution=Execution.read(execution, "execution"),
         definitions={

@@ -52,13 +52,11 @@ def interleaved(
     a: Callable[[], object],
     b: Callable[[], object],
     repeats: int = 5,
-    warmup: int = 1,
     device: torch.device | None = None,
 ) -> dict:
-    """Median of a/b over interleaved repeats, and each side's median seconds (each call timed to the end
-    of its work on `device`)."""
-    for _ in range(warmup):
-        a(), b()
+    """Median of a/b over interleaved repeats after one warm-up call of each, and each side's median seconds
+    (each call timed to the end of its work on `device`)."""
+    a(), b()
     ta, tb = [], []
     for i in range(repeats):
         for fn, times in ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta)):  # alternate who goes first

@@ -34,7 +34,8 @@ from fca.jobs.build import build_cache_from_corpus
 from fca.jobs.train import TrainableConfig, TrainSettings, train
 from fca.tables import data
 from fca.tables.audit_report import AuditReport
-from fca.tables.catalog import DENSE_TWINS, read_json_object
+from fca.tables.catalog import DENSE_TWINS
+from fca.tables.jsonfile import read_json_object
 from fca.tables.report import render_markdown, write_report
 from fca.tables.runs import SWEEP_ALPHAS
 from fca.tables.study import (

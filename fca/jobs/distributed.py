@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from fca.engine.capture import (
@@ -132,15 +133,13 @@ class _BuildWorker(_Actor):
             "fingerprint": fingerprint_state(self.model),
         }
 
-    def write_part(self, out: str, part_seqs: int, k: int) -> dict:
-        """Write and commit part k into `<out>.partial/` (a folder or a URI) with a shard writer; -> its record."""
+    def write_part(self, out: str, schema: pa.Schema, part_seqs: int, k: int) -> dict:
+        """Write and commit part k into `<out>.partial/` (a folder or a URI) with a shard writer of the
+        driver's `schema` and `part_seqs`; -> its record."""
         if self.fail_after is not None and self.written >= self.fail_after:
             raise RuntimeError(f"simulated lost worker after {self.written} part(s)")
-        plan = self.plan
-        specs = {name: spec_from_json(d) for name, d in plan["sites"].items()}
-        schema = cache_schema(specs, coefficient_arrow_type(plan.get("coefficient_dtype", "float32")))
-        writer = CacheWriter(out, plan, schema, part_seqs, shard=[k])
-        record_pending(self.model, self.windows, writer, self.spec.batch_size, plan.get("coefficient_dtype"))
+        writer = CacheWriter(out, self.plan, schema, part_seqs, shard=[k])
+        record_pending(self.model, self.windows, writer, self.spec.batch_size, self.spec.coefficient_dtype)
         self.written += 1
         return writer.close_shard()[0]
 
@@ -188,7 +187,9 @@ def build_cache_distributed(
         if writer.started_over and show_progress:
             print(writer.started_over, file=sys.stderr)
         try:
-            drive_parts(ray, actors, writer, lambda actor, k: actor.write_part.remote(str(out), S, k), show_progress)
+            drive_parts(
+                ray, actors, writer, lambda actor, k: actor.write_part.remote(str(out), schema, S, k), show_progress
+            )
         except BaseException:
             writer.abort()
             raise

@@ -27,6 +27,7 @@ from fca.tables.conditions import Condition, as_conditions, check_sites_named
 from fca.tables.errors import CacheError, ModelLoadError
 from fca.tables.fidelity import calibration_origin
 from fca.tables.profiles import Profiles, calibration_profiles
+from fca.tables.scoring import count_documents, gap_retention, gap_retention_ci, summarize_conditions, summarize_routing
 from fca.tables.store import Cache, open_cache
 from fca.tables.study import model_training
 
@@ -56,7 +57,7 @@ def _config_dict(model: nn.Module) -> dict:
     return config.to_dict() if hasattr(config, "to_dict") else {}
 
 
-def _parameters(model: nn.Module) -> int:
+def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # (a parameter shared by modules counts once)
 
 
@@ -218,7 +219,7 @@ class Experiment:
                     f"sizes and {twin.switch} false), so a latency ratio against it would not measure the controllers"
                 )
             if twin is None:  # any other model: a twin is the model without its controllers, weight for weight
-                expected, got = _parameters(self.model) - controller_parameters(self.model), _parameters(dense)
+                expected, got = parameter_count(self.model) - controller_parameters(self.model), parameter_count(dense)
                 if got != expected:
                     raise ModelLoadError(
                         f"{where}: has {got:,} parameters, and {self.name} without its controllers "
@@ -349,3 +350,28 @@ class Experiment:
         if self.calibration is not None:
             results.exactness["calibration"] = calibration_origin(self.calibration.environment, results.replayed_on)
         check_finite(results)
+
+    def score(self, results: ReplayResults, seed: int) -> dict:
+        """A judged run's figures, as a saved run and an audit report hold them: the conditions' NLLs and
+        penalty CIs (also over documents where the evaluated cache records them), gap retention and its CI,
+        the documents counted, and `routing` where the model has routers."""
+        documents = self.evaluated.window_documents(len(results.seqs))  # [n]; None: not recorded
+        conditions = summarize_conditions(results.per_seq_nll, seed, documents=documents)
+        retention = gap_retention(conditions)
+        routed = results.routers or results.routing_unobserved
+        return {
+            "conditions": conditions,
+            # (as the audit's: {} unless global_mean ran and the gap is clearly positive)
+            "gap_retention": retention,
+            "gap_retention_ci95": gap_retention_ci(results.per_seq_nll, retention, seed, documents),
+            "documents": count_documents(documents),
+            **(
+                {
+                    "routing": summarize_routing(
+                        results.routers, self.evaluated.site_specs, results.routing, results.routing_unobserved
+                    )
+                }
+                if routed
+                else {}
+            ),
+        }

@@ -13,7 +13,6 @@ import torch
 from fca.jobs.experiment import CacheSource, Experiment, ModelSource, check_condition_sites
 from fca.tables.conditions import Condition, as_conditions
 from fca.tables.runs import check_runs_writable, save_run
-from fca.tables.scoring import count_documents, gap_retention, gap_retention_ci, summarize_conditions, summarize_routing
 
 
 def run_replay(
@@ -58,7 +57,6 @@ def run_replay(
         if bar is not None:
             bar.close()
     evaluated, calibrated = experiment.evaluated, experiment.calibration
-    documents = evaluated.window_documents(n)  # [n], the document each window begins in; None: not recorded
     spec = {
         "model": experiment.name,
         "model_fingerprint": experiment.model_fingerprint,
@@ -71,28 +69,12 @@ def run_replay(
         "seed": seed,
         "batch_size": batch_size,
     }
-    conditions = summarize_conditions(results.per_seq_nll, seed, documents=documents)
-    retention = gap_retention(conditions)
     record = {
         "spec": spec,
         "results": {
             "exactness": results.exactness,
-            # (with the CIs over documents where the cache records them, as the audit's)
-            "conditions": conditions,
-            # (as the audit's: {} unless global_mean ran and the gap is clearly positive)
-            "gap_retention": retention,
-            "gap_retention_ci95": gap_retention_ci(results.per_seq_nll, retention, seed, documents),
-            "documents": count_documents(documents),
+            **experiment.score(results, seed),  # (the audit's figures, computed as it computes them)
             "per_sequence_nll": {k: v.tolist() for k, v in results.per_seq_nll.items()},
-            **(
-                {
-                    "routing": summarize_routing(
-                        results.routers, evaluated.site_specs, results.routing, results.routing_unobserved
-                    )
-                }
-                if results.routers or results.routing_unobserved
-                else {}
-            ),
         },
         # Milliseconds, because runs are listed newest first by this stamp and a run can take under a second.
         "created": datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),

@@ -44,36 +44,24 @@ def _at(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def number(value: object, path: str) -> float:
-    """A JSON number (an int stays an int, so that the JSON comes back as it was written); never a boolean."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise WrongField(path, f"is {_kind(value)}, not a number")
-    return value  # (NaN: a CI of too few sequences, in a report not yet written; JSON files hold null)
+def _of_kind(kinds: type | tuple[type, ...], what: str) -> Check:
+    """The check that a JSON value is of `kinds` (a boolean never passes for a number), kept as written (an
+    int stays an int, so that the JSON comes back as it was written)."""
+
+    def check(value: object, path: str) -> Any:
+        if not isinstance(value, kinds) or isinstance(value, bool) and kinds is not bool:
+            raise WrongField(path, f"is {_kind(value)}, not {what}")
+        return value
+
+    return check
 
 
-def whole(value: object, path: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise WrongField(path, f"is {_kind(value)}, not a whole number")
-    return value
-
-
-def text(value: object, path: str) -> str:
-    if not isinstance(value, str):
-        raise WrongField(path, f"is {_kind(value)}, not a string")
-    return value
-
-
-def flag(value: object, path: str) -> bool:
-    if not isinstance(value, bool):
-        raise WrongField(path, f"is {_kind(value)}, not true or false")
-    return value
-
-
-def obj(value: object, path: str) -> dict:
-    """A free-form JSON object (an environment, a configuration), kept as written."""
-    if not isinstance(value, dict):
-        raise WrongField(path, f"is {_kind(value)}, not an object")
-    return value
+# (A number may be NaN: a CI of too few sequences, in a report not yet written; JSON files hold null.)
+number = _of_kind((int, float), "a number")
+whole = _of_kind(int, "a whole number")
+text = _of_kind(str, "a string")
+flag = _of_kind(bool, "true or false")
+obj = _of_kind(dict, "an object")  # a free-form object (an environment, a configuration) too
 
 
 def nullable(check: Check) -> Check:

@@ -23,11 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fca.tables.errors import CacheError
-from fca.tables.jsonfile import MAX_JSON_BYTES, parse_json, read_json
+from fca.tables.jsonfile import MAX_JSON_BYTES, parse_json, read_json_object
 from fca.tables.manifest import Manifest
 from fca.tables.schema import MANIFEST
 
 REPORT = "audit.json"
+# A model directory's weights files, in the order a load tries them (`weights_path` names the one read).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 ROOTS_ENV = "FCA_CACHE_ROOTS"
 
 
@@ -158,18 +160,9 @@ def path_allowed(path: str | Path, roots: Iterable[str | Path]) -> bool:
     return any(resolved.is_relative_to(user_path(root)) for root in roots)
 
 
-def read_json_object(path: Path) -> dict | None:
-    """A JSON object from `path`; None when it is missing, unreadable or not an object."""
-    try:
-        value = read_json(path)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
 def weights_path(model_dir: Path) -> Path:
     """The file a model directory's weights are read from (for the sharded form, the index)."""
-    for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"):
+    for name in WEIGHT_FILES:
         if (model_dir / name).is_file():
             return model_dir / name
     return model_dir

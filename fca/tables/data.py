@@ -23,7 +23,7 @@ from fca.tables.errors import CorpusError, ModelLoadError
 from fca.tables.outputs import OVERWRITE_HINT, check_output, write_output
 
 SPLITS = ("train", "calibration", "eval")
-DEFAULT_SPLIT_FRACTIONS = {"train": 0.9, "calibration": 0.05, "eval": 0.05}
+SPLIT_FRACTIONS = {"train": 0.9, "calibration": 0.05, "eval": 0.05}
 EOS = "<|endoftext|>"
 # The end-of-document tokens of common tokenizers, the first one a tokenizer has is used: ours and
 # GPT-NeoX's / Qwen's, Llama's and Mistral's (Mixtral), Llama 3's, Gemma's.
@@ -87,15 +87,13 @@ def load_documents(path: str | Path, text_column: str = "text") -> list[str]:
     return docs
 
 
-def split_documents(
-    docs: Sequence[str], seed: int = 0, fractions: dict[str, float] = DEFAULT_SPLIT_FRACTIONS
-) -> dict[str, list[str]]:
+def split_documents(docs: Sequence[str], seed: int = 0) -> dict[str, list[str]]:
     """Assign documents to splits by a seeded permutation. Every split gets at least one document."""
     if len(docs) < len(SPLITS):
         raise CorpusError(f"need at least {len(SPLITS)} documents to make {'/'.join(SPLITS)} splits, got {len(docs)}")
     order = np.random.default_rng(seed).permutation(len(docs))
-    n_cal = max(1, round(fractions["calibration"] * len(docs)))
-    n_eval = max(1, round(fractions["eval"] * len(docs)))
+    n_cal = max(1, round(SPLIT_FRACTIONS["calibration"] * len(docs)))
+    n_eval = max(1, round(SPLIT_FRACTIONS["eval"] * len(docs)))
     n_train = len(docs) - n_cal - n_eval
     if n_train < 1:
         raise CorpusError(f"{len(docs)} documents leave nothing for the train split")

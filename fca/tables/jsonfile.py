@@ -36,6 +36,15 @@ def read_json(
     return parse_json(data, str(path), error, constants)
 
 
+def read_json_object(path: str | Path) -> dict | None:
+    """A JSON object from `path`; None when it is missing, unreadable or not an object."""
+    try:
+        value = read_json(path)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def parse_json(data: bytes | str, where: str, error: type[Exception] = ValueError, constants: bool = True) -> object:
     """`data` parsed as `read_json` does, errors naming `where`."""
     try:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fca.tables.jsonfile import parse_json, read_json
+from fca.tables.jsonfile import parse_json, read_json_object
 
 
 class OutputError(ValueError):
@@ -93,12 +93,8 @@ EARLIER_MAX_BYTES = 64 * 2**20
 def enclosing_cache(path: str | Path) -> Path | None:
     """The cache folder `path` lies inside (the nearest folder above it holding a cache's manifest.json), or None."""
     for folder in Path(path).absolute().parents:
-        manifest = folder / "manifest.json"
-        try:
-            raw = read_json(manifest) if manifest.is_file() else None
-        except ValueError:
-            continue
-        if isinstance(raw, dict) and {"schema_version", "sites", "parts"} <= raw.keys():
+        raw = read_json_object(folder / "manifest.json")
+        if raw is not None and {"schema_version", "sites", "parts"} <= raw.keys():
             return folder
     return None
 
@@ -205,11 +201,8 @@ MARKER_KEYS = {"manifest.json": ("schema_version", "sites"), "config.json": ("mo
 
 
 def _is_ours(marker: Path) -> bool:
-    try:
-        value = read_json(marker)
-    except ValueError:
-        return False
-    return isinstance(value, dict) and all(key in value for key in MARKER_KEYS.get(marker.name, ()))
+    value = read_json_object(marker)
+    return value is not None and all(key in value for key in MARKER_KEYS.get(marker.name, ()))
 
 
 def check_replaceable(path: str | Path, kind: str, owns: Callable[[str], bool], marker: str, overwrite: bool) -> None:

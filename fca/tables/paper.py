@@ -8,6 +8,7 @@ model a report describes (the paper's gated Transformers are larger and trained 
 from __future__ import annotations
 
 from fca.tables.audit_report import AuditReport
+from fca.tables.text import percent
 
 ARXIV_ID = "2607.26192"
 CITATION = f"arXiv:{ARXIV_ID}"
@@ -23,10 +24,6 @@ BLOCKS_EXECUTED_FRACTION = 1.0
 LATENCY_VS_DENSE = 1.308
 
 
-def _percent(x: float | None, digits: int = 1) -> str:
-    return "n/a" if x is None else f"{100 * x:.{digits}f}%"
-
-
 def _range(pair: tuple[float, float], digits: int) -> str:
     return f"{100 * pair[0]:.{digits}f}-{100 * pair[1]:.{digits}f}%"
 
@@ -39,9 +36,9 @@ def comparison_rows(report: AuditReport) -> list[dict]:
     missing = "not in this report"
 
     static = report.gap_retention.get("static_layer")
-    static_text = missing if "static_layer" not in conditions else _percent(static)
+    static_text = missing if "static_layer" not in conditions else percent(static)
     if static is not None and interval:
-        static_text += f" (95% CI {_percent(interval[0])} to {_percent(interval[1])})"
+        static_text += f" (95% CI {percent(interval[0])} to {percent(interval[1])})"
 
     def penalty(name: str) -> str:
         row = conditions.get(name)
@@ -49,14 +46,12 @@ def comparison_rows(report: AuditReport) -> list[dict]:
 
     ratio = report.execution.latency_ratio_vs_dense
     blocks = report.execution.blocks_executed_fraction
-    paper_static = (
-        f"{_percent(STATIC_RETENTION[0], 2)} and {_percent(STATIC_RETENTION[1], 2)} (two gated configurations)"
-    )
+    paper_static = f"{percent(STATIC_RETENTION[0], 2)} and {percent(STATIC_RETENTION[1], 2)} (two gated configurations)"
     rows = [  # (question, figure, this model, the paper)
         (
             "variation",
             "layer-identity share of the coefficient variance",
-            _percent(report.variance.layer_identity_share),
+            percent(report.variance.layer_identity_share),
             _range(LAYER_IDENTITY_SHARE, 0),
         ),
         ("dependence", "static-layer gap retention", static_text, paper_static),
@@ -64,7 +59,7 @@ def comparison_rows(report: AuditReport) -> list[dict]:
             ("dependence", f"{name} penalty vs correct", penalty(name), f"MUDDPythia-1.4B: {value:+.4f} nats")
             for name, value in MUDDPYTHIA_PENALTIES.items()
         ),
-        ("execution", "blocks executed per token", _percent(blocks, 0), _percent(BLOCKS_EXECUTED_FRACTION, 0)),
+        ("execution", "blocks executed per token", percent(blocks, 0), percent(BLOCKS_EXECUTED_FRACTION, 0)),
         (
             "execution",
             "time vs the Dense twin",

@@ -24,7 +24,7 @@ from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
 from fca.tables.paper import CITATION, STATIC_RETENTION, comparison_markdown
 from fca.tables.scoring import MIN_DOCUMENTS
 from fca.tables.stats import MIN_BOOTSTRAP_VALUES
-from fca.tables.text import markdown_code, markdown_text
+from fca.tables.text import markdown_code, markdown_text, percent
 
 # What an earlier report looks like (`write_report` replaces only that).
 REPORT_FILES = RenderedPair("audit report", json_with("fca_report_version"), starts_with("# FCA audit"))
@@ -194,10 +194,6 @@ def routing_scope(changed: Sequence[str], routers: Sequence[str]) -> str:
     return "" if len(changed) == len(routers) else f" ({len(changed)} of {len(routers)} routers)"
 
 
-def _share(value: float | None, digits: int = 1) -> str:
-    return "–" if value is None else f"{100 * value:.{digits}f}%"
-
-
 def markdown_literal(text: object) -> str:
     """Text read from a file, for Markdown: every character Markdown gives a meaning to is escaped, so module
     names and reasons are shown as written (never as emphasis, links or HTML)."""
@@ -236,8 +232,8 @@ def routing_table(routing: Routing | None) -> list[str]:
     ]
     for name, row in routing.conditions.items():
         lines.append(
-            f"| {condition_cell(name)}{routing_scope(row.routers_changed, routers)} | {_share(row.same_experts)} | "
-            f"{_share(row.expert_overlap)} | {_share(row.weight_kept)} |"
+            f"| {condition_cell(name)}{routing_scope(row.routers_changed, routers)} | {percent(row.same_experts, 1, '–')} | "
+            f"{percent(row.expert_overlap, 1, '–')} | {percent(row.weight_kept, 1, '–')} |"
         )
     if note:
         lines += ["", markdown_literal(note)]
@@ -357,7 +353,7 @@ def family_shares(variance: Variance) -> str | None:
     coefficients are of more than one family (the pooled share can be mostly one family's: a shared-expert
     gate beside the routers, say); None for one family."""
     shares = variance.per_family
-    shown = (f"{markdown_text(family)} {_share(share)}" for family, share in shares.items())
+    shown = (f"{markdown_text(family)} {percent(share, 1, '–')}" for family, share in shares.items())
     return ", ".join(shown) if len(shares) > 1 else None
 
 
@@ -396,12 +392,13 @@ def render_markdown(report: AuditReport) -> str:
     lines += ["| factor | share of variance |" + (" chance level (no effect) |" if chance else "")]
     lines += ["|---|---|" + ("---|" if chance else "")]
     lines += [
-        f"| {t(k.replace('_', ' '), cell=True)} | {_share(v)} |"
-        + (f" {_share(chance[k], 2) if k in chance else ''} |" if chance else "")
+        f"| {t(k.replace('_', ' '), cell=True)} | {percent(v, 1, '–')} |"
+        + (f" {percent(chance[k], 2, '–') if k in chance else ''} |" if chance else "")
         for k, v in var.factors.items()
     ]
     lines += ["", "| site | layer-identity share |", "|---|---|"]
-    lines += [f"| {c(k)} | {_share(v)} |" for k, v in var.per_site.items()]  # (percents, as the sentence above)
+    # (percents, as the sentence above)
+    lines += [f"| {c(k)} | {percent(v, 1, '–')} |" for k, v in var.per_site.items()]
     lines += [
         "",
         "## 2. Functional dependence (controllers removed, coefficients reassigned)",

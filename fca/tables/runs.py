@@ -17,7 +17,7 @@ import numpy as np
 
 from fca.tables.conditions import Condition, parse_condition
 from fca.tables.errors import CacheError
-from fca.tables.jsonfile import read_json
+from fca.tables.jsonfile import read_json_object
 from fca.tables.manifest import read_manifest
 from fca.tables.outputs import atomic_write_text, strict_json
 from fca.tables.report import DAMAGED_FIELD_ERRORS
@@ -70,10 +70,7 @@ def list_runs(cache_dir: str | Path) -> list[dict]:
     contents = _contents_fingerprint(cache_dir)
     runs = []
     for path in sorted(runs_dir(cache_dir).glob("*.json"), reverse=True):
-        try:
-            record = read_json(path)
-        except ValueError:
-            continue
+        record = read_json_object(path)  # (None, which is no run record, where it cannot be read)
         if is_run_record(record) and _of_contents(record, contents):
             runs.append({**record, "path": str(path)})
     return sorted(runs, key=lambda r: _created_at(r.get("created", "")), reverse=True)  # (stable: name breaks ties)

@@ -176,20 +176,16 @@ class Cache:
         keep = np.isin(seq, w)
         return table if keep.all() else table.filter(pa.array(keep))
 
-    def iter_batches(
-        self, columns: Sequence[str] | None = None, batch_size: int = 65536, decode: bool = True
-    ) -> Iterator[pa.RecordBatch]:
-        """Stream record batches (one part file, one row group at a time); memory stays bounded.
-
-        With `decode` (the default) site columns come as FixedSizeList<float32> whatever the stored type
-        (bfloat16 bits are widened exactly); without, as stored."""
+    def iter_batches(self, columns: Sequence[str] | None = None, batch_size: int = 65536) -> Iterator[pa.RecordBatch]:
+        """Stream record batches (one part file, one row group at a time); memory stays bounded. Site columns
+        come as FixedSizeList<float32> whatever the stored type (bfloat16 bits are widened exactly)."""
         for path in self.part_paths():
             with _arrow_errors(path):
                 batches = pq.ParquetFile(path).iter_batches(
                     batch_size=batch_size, columns=list(columns) if columns else None
                 )
                 for batch in batches:
-                    yield decoded_batch(batch) if decode else batch
+                    yield decoded_batch(batch)
 
     def read_seqs(self, seqs: Sequence[int], sites: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Tokens, targets, live NLL ([n, T]) and coefficients ([n, T, K_s]) of the given sequences, in the

@@ -18,12 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fca.tables.audit_report import AuditReport, report_field
-from fca.tables.catalog import read_json_object
 from fca.tables.execution import audit_summary
-from fca.tables.jsonfile import read_json
+from fca.tables.jsonfile import read_json, read_json_object
 from fca.tables.outputs import RenderedPair, json_with, starts_with, strict_json
 from fca.tables.report import DAMAGED_FIELD_ERRORS, ReportError, condition_cell, damage, read_report, routing_scope
-from fca.tables.text import markdown_code, markdown_text
+from fca.tables.text import markdown_code, markdown_text, percent
 
 STUDY_VERSION = 1
 # The fields that must agree for numbers to be averaged: what was evaluated (corpus, split, window
@@ -471,10 +470,8 @@ def format_spread(s: dict | None, digits: int = 4, percent: bool = False, of: in
     return text + (f" (n={s['n']})" if of is not None and s["n"] != of else "")
 
 
-def _num(x, digits: int = 4, percent: bool = False) -> str:
-    if x is None:
-        return "n/a"
-    return f"{100 * x:.{digits}f}%" if percent else f"{x:.{digits}f}"
+def _num(x, digits: int = 4) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 def render_markdown(study: dict) -> str:
@@ -528,8 +525,8 @@ def render_markdown(study: dict) -> str:
             c(r["fingerprint"][:12]),
             _num(r["nll"].get("correct")),
             *(_num(r["penalty"].get(name)) for name in penalized),
-            *(_num(r["gap_retention"].get(name), 1, percent=True) for name in retained),
-            _num(r["layer_identity_share"], 1, percent=True),
+            *(percent(r["gap_retention"].get(name)) for name in retained),
+            percent(r["layer_identity_share"]),
             _num(r["latency_ratio_vs_dense"], 3),
             c(r["audit"]),
         ]

@@ -38,6 +38,11 @@ def markdown_code(value: object) -> str:
     return f"{fence}{padded}{fence}"
 
 
+def percent(share: float | None, digits: int = 1, missing: str = "n/a") -> str:
+    """A share (0.5) as a percent ("50.0%"), `missing` where there is none."""
+    return missing if share is None else f"{100 * share:.{digits}f}%"
+
+
 def mapping_text(value: object) -> str:
     """A (nested) mapping in words, as a reader wants it rather than as Python prints it:
     {'float32': {'nll_mean': 0.0001}, 'float16': {'nll_mean': 0.005}} -> 'float32 (nll_mean 0.0001); float16

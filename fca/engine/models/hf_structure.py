@@ -210,27 +210,15 @@ def _blocks_path(model: nn.Module, experts_path: str) -> str:
 
 
 def declarations(structure: MoEStructure) -> list[SiteDeclaration]:
-    routers = [
-        SiteDeclaration(
-            path=path,
-            axes=(("expert", E),),
-            family=ROUTER_FAMILY,
-            output=Projection(),
-            coefficient=ROUTER_COEFFICIENT,
-        )
-        for path, E, _ in structure.routers
+    """The routers' sites, then the shared-expert gates': each records its projection's output."""
+    sites = [(path, ("expert", E), ROUTER_FAMILY, ROUTER_COEFFICIENT) for path, E, _ in structure.routers]
+    sites += [
+        (path, ("shared_expert", 1), SHARED_GATE_FAMILY, SHARED_GATE_COEFFICIENT) for path in structure.shared_gates
     ]
-    gates = [
-        SiteDeclaration(
-            path=path,
-            axes=(("shared_expert", 1),),
-            family=SHARED_GATE_FAMILY,
-            output=Projection(),
-            coefficient=SHARED_GATE_COEFFICIENT,
-        )
-        for path in structure.shared_gates
+    return [
+        SiteDeclaration(path=path, axes=(axis,), family=family, output=Projection(), coefficient=coefficient)
+        for path, axis, family, coefficient in sites
     ]
-    return routers + gates
 
 
 def selection_reader(index_at: int, weights_at: int | None):
