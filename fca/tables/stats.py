@@ -184,26 +184,24 @@ class Moments:
         )
 
     def merge(self, other: "Moments") -> "Moments":
-        both_tok = self.tok_sum is not None and other.tok_sum is not None
         shift = self.shift if self.count or not other.count else other.shift
-        a, b = self.reshifted(shift), other.reshifted(shift)
-        return Moments(
-            self.num_slots,
-            self.seq_len,
-            self.vocab_size if both_tok else None,
-            a.count + b.count,
-            a.sum + b.sum,
-            a.sumsq + b.sumsq,
-            a.pos_count + b.pos_count,
-            a.pos_sum + b.pos_sum,
-            a.tok_count + b.tok_count if both_tok else None,
-            a.tok_sum + b.tok_sum if both_tok else None,
-            a.seq_term + b.seq_term,
-            a.num_seqs + b.num_seqs,
-            np.minimum(a.minimum, b.minimum),
-            np.maximum(a.maximum, b.maximum),
-            shift,
-        )
+        merged, moved = self.reshifted(shift), other.reshifted(shift)  # (copies: added to in place)
+        merged.absorb(moved)
+        if merged.tok_sum is None or moved.tok_sum is None:
+            merged.vocab_size, merged.tok_count, merged.tok_sum = None, None, None
+        else:
+            merged.tok_count += moved.tok_count
+            merged.tok_sum += moved.tok_sum
+        return merged
+
+    def absorb(self, other: "Moments") -> None:
+        """Add in place the sums (not the token-id sums) of `other`, taken around this one's shift."""
+        self.count += other.count
+        self.num_seqs += other.num_seqs
+        for key in ("sum", "sumsq", "pos_count", "pos_sum", "seq_term"):
+            getattr(self, key)[...] += getattr(other, key)
+        self.minimum = np.minimum(self.minimum, other.minimum)
+        self.maximum = np.maximum(self.maximum, other.maximum)
 
     @property
     def slot_offset(self) -> np.ndarray:
@@ -348,13 +346,7 @@ class MomentsMerger:
         if m.count == 0:
             m.shift = stored.shift
         d = stored.shift - m.shift  # [C]
-        moved = stored.reshifted(m.shift)
-        m.count += moved.count
-        m.num_seqs += moved.num_seqs
-        for key in ("sum", "sumsq", "pos_count", "pos_sum", "seq_term"):
-            getattr(m, key)[...] += getattr(moved, key)
-        m.minimum = np.minimum(m.minimum, moved.minimum)
-        m.maximum = np.maximum(m.maximum, moved.maximum)
+        m.absorb(stored.reshifted(m.shift))
         if self.with_tokens and "tok_ids" in block:
             ids = block["tok_ids"]
             if len(ids) and ids.max() >= m.vocab_size:
