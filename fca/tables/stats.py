@@ -478,15 +478,13 @@ def variance_decomposition(m: Moments, layout: SlotLayout) -> dict:
 MIN_BOOTSTRAP_VALUES = 10
 
 
-def paired_bootstrap_ci(
-    differences: np.ndarray, num_resamples: int = 2000, seed: int = 0, level: float = 0.95
-) -> tuple[float, float]:
+def paired_bootstrap_ci(differences: np.ndarray, num_resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
     """Percentile CI of the mean of per-sequence paired differences, resampling sequences; NaN from fewer
     than MIN_BOOTSTRAP_VALUES sequences."""
     d = np.asarray(differences, dtype=np.float64)
     if d.size < MIN_BOOTSTRAP_VALUES:
         return (float("nan"), float("nan"))
-    return percentile_interval(resampled_means(d[:, None], None, num_resamples, seed)[:, 0], level)
+    return percentile_interval(resampled_means(d[:, None], None, num_resamples, seed)[:, 0])
 
 
 def percentile_interval(draws: np.ndarray, level: float = 0.95) -> tuple[float, float]:
