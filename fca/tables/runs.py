@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shlex
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,8 +36,6 @@ def runs_dir(cache_dir: str | Path) -> Path:
 def runs_writable(cache_dir: str | Path) -> bool:
     """Whether runs of this cache can be saved: its runs folder, or the folder it would be made in, is
     writable (a cache on a read-only mount, or copied read-only, is replayed without saving)."""
-    import os
-
     folder = runs_dir(cache_dir)
     if folder.exists():  # (a file of that name is writable, and no folder can be made there)
         return folder.is_dir() and os.access(folder, os.W_OK)
@@ -268,7 +268,6 @@ def replay_command(settings: dict, relative_to: str | Path | None = None, one_op
     cache, calibration, conditions, num_seqs, seed, batch_size, device); paths are shown relative to
     `relative_to` when they lie inside it. `one_option_per_line`: continued lines (`\\`), every option on
     its own, the first too, for a narrow screen, where a wrapped line broke inside the options' names."""
-    import shlex
 
     def rel(p: str | Path) -> str:
         if relative_to is not None:
