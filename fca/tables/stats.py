@@ -99,7 +99,7 @@ class Moments:
         if n == 0:
             return
         if self.count == 0:
-            self.shift = first_token_values(values)
+            self.shift = values[0, 0].astype(np.float64)  # [C]: the first token's values
         self.minimum = np.minimum(self.minimum, values.min((0, 1)))
         self.maximum = np.maximum(self.maximum, values.max((0, 1)))
         x = values.astype(np.float64) - self.shift  # [n, T, C]
@@ -228,10 +228,9 @@ class Moments:
         return np.where(seen[:, None], self.shift + self.pos_sum / np.maximum(self.pos_count, 1)[:, None], 0.0)
 
 
-def first_token_values(values: np.ndarray | Sequence[np.ndarray]) -> np.ndarray:
-    """[C] float64: the first token's value in every slot of [n, T, C] values (or per-site [n, T, K_s] arrays,
-    the slots in order), the shift of sums that start with them."""
-    blocks = [values] if isinstance(values, np.ndarray) else list(values)
+def first_token_values(blocks: Sequence[np.ndarray]) -> np.ndarray:
+    """[C] float64: the first token's value in every slot of per-site [n, T, K_s] arrays (the slots in order),
+    the shift of sums that start with them."""
     return np.concatenate([np.asarray(b[0, 0], dtype=np.float64) for b in blocks])
 
 
