@@ -20,7 +20,7 @@ from fca.tables.errors import CacheError  # noqa: E402
 from fca.tables.profiles import cache_moments, scan_moments, slot_layout  # noqa: E402
 from fca.tables.stats import variance_decomposition  # noqa: E402
 from fca.tables.store import open_cache
-from fca.tables.writer_store import PartStore, committed_records
+from fca.tables.writer_store import PartStore
 
 SIZES = dict(num_seqs=8, seq_len=16, batch_size=2, device="cpu", part_seqs=2)  # 4 parts of 2 sequences
 
@@ -96,7 +96,7 @@ def test_lost_workers_then_resume_give_the_same_cache(tiny_demo, single, tmp_pat
     with pytest.raises(CacheError, match="every build worker failed"):
         _distributed(tiny_demo, out, fail_after=1)  # each worker commits one part, then is lost
     assert not out.exists() and not (tmp_path / "eval.lock").exists()
-    assert len(committed_records(tmp_path / "eval.partial")) == 2  # committed parts are kept...
+    assert len(PartStore(tmp_path / "eval").records()) == 2  # committed parts are kept...
     assert not (tmp_path / "eval.partial" / "manifest.json").exists()  # ...and nothing looks finished
     _same_cache(_distributed(tiny_demo, out), single)
 

@@ -38,7 +38,7 @@ from fca.tables.spec import SiteSpec
 from fca.tables.store import open_cache
 from fca.tables.timings import Timings
 from fca.tables.writer import CacheWriter, settings_changed
-from fca.tables.writer_store import committed_records
+from fca.tables.writer_store import PartStore
 
 from .conftest import REPO
 from .helpers import make_model_dir, write_corpus
@@ -378,7 +378,7 @@ def test_an_interrupted_build_with_writer_threads_resumes_through_the_cli(artifa
         _build(artifacts, out, workers=2, progress=_interrupt_at(10))
     partial = tmp_path / "cache.partial"
     assert not out.exists() and not (tmp_path / "cache.lock").exists() and not list(partial.glob("*.tmp"))
-    done = {p["index"] for p in committed_records(partial)}
+    done = {p["index"] for p in PartStore(out).records()}
     assert done and done != {0, 1, 2}
     args = ["--model", str(artifacts / "model"), "--corpus", str(artifacts / "prose.txt"), "--split", "eval"]
     sizes = ["--num-seqs", str(N_SEQS), "--seq-len", str(T), "--batch", "2", "--device", "cpu"]
@@ -482,7 +482,7 @@ def test_interrupted_parallel_build_resumes_to_the_same_cache(artifacts, tmp_pat
         _build(artifacts, out, workers=3, progress=interrupt)
     partial = tmp_path / "cache.partial"
     assert not out.exists() and not (tmp_path / "cache.lock").exists() and not list(partial.glob("*.tmp"))
-    complete = {p["index"] for p in committed_records(partial)}
+    complete = {p["index"] for p in PartStore(out).records()}
     assert complete == {0, 1}  # queued parts are finished on the way out; part 2's second batch was never computed
 
     written = []
@@ -551,7 +551,7 @@ def test_a_resumed_build_rewrites_parts_damaged_since_they_were_recorded(artifac
 
     with pytest.raises(KeyboardInterrupt):
         _build(artifacts, out, workers=1, progress=interrupt)
-    records = {p["index"]: p for p in committed_records(partial)}
+    records = {p["index"]: p for p in PartStore(out).records()}
     assert set(records) == {0, 1}
     part = partial / records[1]["file"]
     data = bytearray(part.read_bytes())
@@ -665,7 +665,7 @@ def test_stale_lock_is_resumed_past(artifacts, tmp_path, small_parts):
     out = tmp_path / "cache"
     with pytest.raises(KeyboardInterrupt):
         _build(artifacts, out, workers=1, progress=_interrupt_at(6))
-    done_before = {p["index"] for p in committed_records(tmp_path / "cache.partial")}
+    done_before = {p["index"] for p in PartStore(out).records()}
     assert done_before == {0}
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # its pid is no longer alive: the lock of a killed build
@@ -682,7 +682,7 @@ def test_an_unfinished_build_of_other_settings_is_said_to_start_over(artifacts, 
     out = tmp_path / "cache"
     with pytest.raises(KeyboardInterrupt):
         _build(artifacts, out, workers=1, progress=_interrupt_at(6))
-    assert committed_records(tmp_path / "cache.partial")  # something to lose
+    assert PartStore(out).records()  # something to lose
     _build(artifacts, out, workers=1, batch_size=4, show_progress=True)
     said = [line for line in capsys.readouterr().err.splitlines() if "starting over" in line]
     assert said == [f"{tmp_path / 'cache.partial'}: unfinished build with other settings (batch 2 -> 4); starting over"]

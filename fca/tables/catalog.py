@@ -24,7 +24,7 @@ from pathlib import Path
 
 from fca.tables.errors import CacheError
 from fca.tables.jsonfile import MAX_JSON_BYTES, parse_json, read_json_object
-from fca.tables.manifest import Manifest
+from fca.tables.manifest import Manifest, read_manifest
 from fca.tables.schema import MANIFEST
 
 REPORT = "audit.json"
@@ -170,15 +170,13 @@ def weights_path(model_dir: Path) -> Path:
 
 def find_model_dir(cache_path: str | Path) -> Path | None:
     """The model directory the cache's manifest names, looked up beside the cache; None if absent."""
-    cache_path = Path(cache_path)
-    raw = read_json_object(cache_path / MANIFEST)
     try:
-        name = Manifest.from_json(raw).model.path if raw is not None else None
-    except CacheError:
+        name = read_manifest(cache_path).model.path
+    except CacheError:  # (also a manifest that is missing or not JSON)
         return None
     if not name:
         return None
-    candidate = cache_path.parent / Path(name).name
+    candidate = Path(cache_path).parent / Path(name).name
     return candidate if (candidate / "config.json").is_file() else None
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from fca.tables.errors import CacheError
-from fca.tables.schema import MANIFEST, MOMENTS, file_sha256, read_arrays
+from fca.tables.schema import MANIFEST, MOMENTS, coefficient_values, file_sha256, read_arrays
 from fca.tables.stats import Moments, SlotLayout, family_grand_means, merge_moment_arrays
 from fca.tables.store import Cache
 
@@ -30,12 +30,8 @@ def slot_layout(cache: Cache) -> SlotLayout:
 def _batch_values(batch: pa.RecordBatch, sites: list[str], T: int) -> tuple[np.ndarray, np.ndarray]:
     """A record batch of whole sequences -> (values [n, T, C], tokens [n, T])."""
     n = batch.num_rows // T
-    blocks = []
-    for name in sites:
-        column = batch.column(name)
-        K = column.type.list_size
-        blocks.append(column.flatten().to_numpy().astype(np.float64).reshape(n, T, K))
-    return np.concatenate(blocks, axis=2), batch.column("token").to_numpy().reshape(n, T)
+    blocks = [coefficient_values(batch.column(name)).reshape(n, T, -1) for name in sites]  # [n, T, K_s]
+    return np.concatenate(blocks, axis=2).astype(np.float64), batch.column("token").to_numpy().reshape(n, T)
 
 
 def moments_shapes(cache: Cache, num_slots: int) -> Callable[[str, tuple[int, ...]], str | None]:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shlex
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
+from fca.tables import audit_report as field
 from fca.tables.conditions import Condition, parse_condition
 from fca.tables.errors import CacheError
 from fca.tables.jsonfile import read_json_object
@@ -33,8 +36,6 @@ def runs_dir(cache_dir: str | Path) -> Path:
 def runs_writable(cache_dir: str | Path) -> bool:
     """Whether runs of this cache can be saved: its runs folder, or the folder it would be made in, is
     writable (a cache on a read-only mount, or copied read-only, is replayed without saving)."""
-    import os
-
     folder = runs_dir(cache_dir)
     if folder.exists():  # (a file of that name is writable, and no folder can be made there)
         return folder.is_dir() and os.access(folder, os.W_OK)
@@ -103,34 +104,21 @@ def _created_at(created: str) -> datetime:
 def is_run_record(record: object) -> bool:
     """Whether `record` has what the run views read: its spec (conditions, sizes) and, for each condition,
     a numeric NLL and penalty with a two-sided CI (null ends allowed: a run of too few sequences has none)."""
-
-    def number(x: object, nullable: bool = False) -> bool:
-        return (x is None and nullable) or (isinstance(x, (int, float)) and not isinstance(x, bool))
-
-    if not isinstance(record, dict) or not isinstance(record.get("spec"), dict):
-        return False
-    spec, results = record["spec"], record.get("results")
-    if not isinstance(spec.get("conditions"), list) or not all(isinstance(c, str) for c in spec["conditions"]):
-        return False
-    seed = spec.get("seed")
-    if not number(spec.get("num_seqs")) or not (isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0):
-        return False
-    if not isinstance(results, dict) or not isinstance(results.get("conditions"), dict):
-        return False
-    for row in results["conditions"].values():
-        if not isinstance(row, dict) or not (number(row.get("nll")) and number(row.get("penalty"))):
+    try:  # (a field missing or of another kind is a WrongField, one of DAMAGED_FIELD_ERRORS)
+        spec = field.obj(field.obj(record, "record").get("spec"), "spec")
+        results = field.obj(record.get("results"), "results")
+        field.listing(field.text)(spec.get("conditions"), "spec.conditions")
+        field.number(spec.get("num_seqs"), "spec.num_seqs")
+        if field.whole(spec.get("seed"), "spec.seed") < 0:
             return False
-        ci = row.get("penalty_ci95")
-        if not (isinstance(ci, list) and len(ci) == 2 and all(number(x, nullable=True) for x in ci)):
-            return False
-    per_seq = results.get("per_sequence_nll", {})
-    if not isinstance(per_seq, dict) or not isinstance(record.get("created", ""), str):
-        return False
-    if not all(isinstance(v, list) and all(number(x) for x in v) for v in per_seq.values()):
-        return False
-    # What the run views read of it, read once here; without its per-sequence values (checked above), whose
-    # bootstrap intervals are the costly part of a row and are the views' to compute.
-    try:
+        for name, row in field.mapping(field.obj)(results.get("conditions"), "results.conditions").items():
+            field.number(row.get("nll"), name)
+            field.number(row.get("penalty"), name)
+            field.interval(row.get("penalty_ci95"), name)
+        field.mapping(field.listing(field.number))(results.get("per_sequence_nll", {}), "results.per_sequence_nll")
+        field.text(record.get("created", ""), "created")
+        # What the run views read of it, read once here; without its per-sequence values (checked above), whose
+        # bootstrap intervals are the costly part of a row and are the views' to compute.
         saved_run_rows([{**record, "results": {**results, "per_sequence_nll": {}}}])
     except DAMAGED_FIELD_ERRORS:
         return False
@@ -280,7 +268,6 @@ def replay_command(settings: dict, relative_to: str | Path | None = None, one_op
     cache, calibration, conditions, num_seqs, seed, batch_size, device); paths are shown relative to
     `relative_to` when they lie inside it. `one_option_per_line`: continued lines (`\\`), every option on
     its own, the first too, for a narrow screen, where a wrapped line broke inside the options' names."""
-    import shlex
 
     def rel(p: str | Path) -> str:
         if relative_to is not None:

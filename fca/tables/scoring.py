@@ -104,12 +104,11 @@ def gap_retention(table: dict) -> dict:
     gap = table["global_mean"]["nll"] - table["correct"]["nll"]
     lower = quoted_interval(table["global_mean"])[0]  # (over documents where known: the honest interval)
     clearly_positive = lower is not None and lower > 0  # NaN > 0 is False
-    out = {}
-    for name, row in table.items():
-        if name in ("correct", "global_mean"):
-            continue
-        out[name] = (table["global_mean"]["nll"] - row["nll"]) / gap if clearly_positive else None
-    return out
+    return {
+        name: (table["global_mean"]["nll"] - row["nll"]) / gap if clearly_positive else None
+        for name, row in table.items()
+        if name not in ("correct", "global_mean")
+    }
 
 
 # What the routing figures are, for the report's definitions.

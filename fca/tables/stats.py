@@ -99,7 +99,7 @@ class Moments:
         if n == 0:
             return
         if self.count == 0:
-            self.shift = first_token_values(values)
+            self.shift = values[0, 0].astype(np.float64)  # [C]: the first token's values
         self.minimum = np.minimum(self.minimum, values.min((0, 1)))
         self.maximum = np.maximum(self.maximum, values.max((0, 1)))
         x = values.astype(np.float64) - self.shift  # [n, T, C]
@@ -184,26 +184,24 @@ class Moments:
         )
 
     def merge(self, other: "Moments") -> "Moments":
-        both_tok = self.tok_sum is not None and other.tok_sum is not None
         shift = self.shift if self.count or not other.count else other.shift
-        a, b = self.reshifted(shift), other.reshifted(shift)
-        return Moments(
-            self.num_slots,
-            self.seq_len,
-            self.vocab_size if both_tok else None,
-            a.count + b.count,
-            a.sum + b.sum,
-            a.sumsq + b.sumsq,
-            a.pos_count + b.pos_count,
-            a.pos_sum + b.pos_sum,
-            a.tok_count + b.tok_count if both_tok else None,
-            a.tok_sum + b.tok_sum if both_tok else None,
-            a.seq_term + b.seq_term,
-            a.num_seqs + b.num_seqs,
-            np.minimum(a.minimum, b.minimum),
-            np.maximum(a.maximum, b.maximum),
-            shift,
-        )
+        merged, moved = self.reshifted(shift), other.reshifted(shift)  # (copies: added to in place)
+        merged.absorb(moved)
+        if merged.tok_sum is None or moved.tok_sum is None:
+            merged.vocab_size, merged.tok_count, merged.tok_sum = None, None, None
+        else:
+            merged.tok_count += moved.tok_count
+            merged.tok_sum += moved.tok_sum
+        return merged
+
+    def absorb(self, other: "Moments") -> None:
+        """Add in place the sums (not the token-id sums) of `other`, taken around this one's shift."""
+        self.count += other.count
+        self.num_seqs += other.num_seqs
+        for key in ("sum", "sumsq", "pos_count", "pos_sum", "seq_term"):
+            getattr(self, key)[...] += getattr(other, key)
+        self.minimum = np.minimum(self.minimum, other.minimum)
+        self.maximum = np.maximum(self.maximum, other.maximum)
 
     @property
     def slot_offset(self) -> np.ndarray:
@@ -230,10 +228,9 @@ class Moments:
         return np.where(seen[:, None], self.shift + self.pos_sum / np.maximum(self.pos_count, 1)[:, None], 0.0)
 
 
-def first_token_values(values: np.ndarray | Sequence[np.ndarray]) -> np.ndarray:
-    """[C] float64: the first token's value in every slot of [n, T, C] values (or per-site [n, T, K_s] arrays,
-    the slots in order), the shift of sums that start with them."""
-    blocks = [values] if isinstance(values, np.ndarray) else list(values)
+def first_token_values(blocks: Sequence[np.ndarray]) -> np.ndarray:
+    """[C] float64: the first token's value in every slot of per-site [n, T, K_s] arrays (the slots in order),
+    the shift of sums that start with them."""
     return np.concatenate([np.asarray(b[0, 0], dtype=np.float64) for b in blocks])
 
 
@@ -348,13 +345,7 @@ class MomentsMerger:
         if m.count == 0:
             m.shift = stored.shift
         d = stored.shift - m.shift  # [C]
-        moved = stored.reshifted(m.shift)
-        m.count += moved.count
-        m.num_seqs += moved.num_seqs
-        for key in ("sum", "sumsq", "pos_count", "pos_sum", "seq_term"):
-            getattr(m, key)[...] += getattr(moved, key)
-        m.minimum = np.minimum(m.minimum, moved.minimum)
-        m.maximum = np.maximum(m.maximum, moved.maximum)
+        m.absorb(stored.reshifted(m.shift))
         if self.with_tokens and "tok_ids" in block:
             ids = block["tok_ids"]
             if len(ids) and ids.max() >= m.vocab_size:
@@ -486,15 +477,13 @@ def variance_decomposition(m: Moments, layout: SlotLayout) -> dict:
 MIN_BOOTSTRAP_VALUES = 10
 
 
-def paired_bootstrap_ci(
-    differences: np.ndarray, num_resamples: int = 2000, seed: int = 0, level: float = 0.95
-) -> tuple[float, float]:
+def paired_bootstrap_ci(differences: np.ndarray, num_resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
     """Percentile CI of the mean of per-sequence paired differences, resampling sequences; NaN from fewer
     than MIN_BOOTSTRAP_VALUES sequences."""
     d = np.asarray(differences, dtype=np.float64)
     if d.size < MIN_BOOTSTRAP_VALUES:
         return (float("nan"), float("nan"))
-    return percentile_interval(resampled_means(d[:, None], None, num_resamples, seed)[:, 0], level)
+    return percentile_interval(resampled_means(d[:, None], None, num_resamples, seed)[:, 0])
 
 
 def percentile_interval(draws: np.ndarray, level: float = 0.95) -> tuple[float, float]:

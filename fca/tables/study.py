@@ -564,13 +564,8 @@ def check_study_paths(json_path: str | Path | None = None, markdown_path: str | 
 def find_studies(roots: Sequence[str | Path]) -> list[Path]:
     """Study files under the dashboard's roots: `<root>/study.json` and `<root>/<folder>/study.json`
     (e.g. `cache/demo-study/study.json`), sorted; the layout the Study page documents."""
-    found: set[Path] = set()
-    for root in roots:
-        root = Path(root)
-        for candidate in [root / "study.json", *sorted(root.glob("*/study.json"))]:
-            if candidate.is_file():
-                found.add(candidate.resolve())
-    return sorted(found)
+    candidates = (path for root in map(Path, roots) for path in [root / "study.json", *root.glob("*/study.json")])
+    return sorted({path.resolve() for path in candidates if path.is_file()})
 
 
 def load_study(path: str | Path) -> dict:

@@ -5,6 +5,7 @@ must not reach the page as HTML."""
 
 from __future__ import annotations
 
+import ast
 import re
 
 # What makes Markdown markup mid-line (CommonMark and GitHub's; Streamlit's adds $ for LaTeX): escaped with a
@@ -67,8 +68,6 @@ def mappings_as_words(text: str) -> str:
     """`text` with every Python-printed dict inside it (`{'float32': 0.0, ...}`, as older audit reports wrote
     their tolerance tables into a definition) rewritten by `mapping_text`. Read back as a literal only
     (`ast.literal_eval`: no code runs), and only where it parses as a dict; any other brace is left as it is."""
-    import ast
-
     out, i = [], 0
     while (start := text.find("{", i)) >= 0:
         depth, end = 0, -1

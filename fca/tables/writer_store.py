@@ -357,11 +357,6 @@ class PartStore:
         self.fs.delete_dir(self.partial)
 
 
-def committed_records(partial: str | Path) -> list[dict]:
-    """The part records committed in a build's `<out>.partial/` (a folder or a URI)."""
-    return PartStore(str(partial).removesuffix(".partial")).records()
-
-
 def published_manifest(uri: str) -> dict:
     """The manifest of a cache published at a URI."""
     fs, root = resolve(uri)
