@@ -22,7 +22,6 @@ report are those of one process.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -31,14 +30,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from fca.engine.capture import (
-    check_part_seqs,
-    finish_stamp,
-    num_slots,
-    record_pending,
-    seqs_per_part,
-    spreads_parts,
-)
+from fca.engine.capture import build_writer, finish_stamp, record_pending
 from fca.engine.environment import current_environment
 from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.replay import ReplayResults
@@ -50,7 +42,6 @@ from fca.tables.audit_report import AuditReport
 from fca.tables.conditions import Condition
 from fca.tables.errors import CacheError, Cancelled
 from fca.tables.fidelity import FidelityMeasure
-from fca.tables.schema import cache_schema, coefficient_arrow_type, spec_from_json
 from fca.tables.writer import CacheWriter, check_cache_destination
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])  # so local Ray workers import this very `fca`
@@ -176,16 +167,11 @@ def build_cache_distributed(
                     f"{out}: build workers differ ({record['environment']} vs {plan['environment']}); a cache "
                     "records one environment, so run its workers on identical devices"
                 )
-        specs = {name: spec_from_json(d) for name, d in plan["sites"].items()}
-        schema = cache_schema(specs, coefficient_arrow_type(spec.coefficient_dtype))
-        spread = plan["num_seqs"] if spreads_parts(plan["environment"]["device_type"]) else None
-        S = spec.part_seqs or seqs_per_part(
-            plan["raw_bytes_per_token"], plan["seq_len"], spec.batch_size, spread, num_slots(specs)
+        device_type = plan["environment"]["device_type"]
+        writer = build_writer(
+            out, plan, spec.batch_size, device_type, spec.part_seqs, show_progress, overwrite=overwrite
         )
-        check_part_seqs(S, spec.batch_size)
-        writer = CacheWriter(out, plan, schema, S, overwrite=overwrite)
-        if writer.started_over and show_progress:
-            print(writer.started_over, file=sys.stderr)
+        schema, S = writer.schema, writer.seqs_per_part
         try:
             drive_parts(
                 ray, actors, writer, lambda actor, k: actor.write_part.remote(str(out), schema, S, k), show_progress
