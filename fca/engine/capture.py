@@ -142,13 +142,7 @@ def finish_stamp() -> dict:
 
     import fca
 
-    versions = {
-        "fca": fca.__version__,
-        "torch": torch.__version__,
-        "pyarrow": pyarrow.__version__,
-        "transformers": transformers.__version__,
-        "numpy": np.__version__,
-    }
+    versions = {module.__name__: module.__version__ for module in (fca, torch, pyarrow, transformers, np)}
     return {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "library_versions": versions}
 
 
