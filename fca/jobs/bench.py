@@ -435,12 +435,6 @@ def writer_figures(writer_seqs: int, on_run: Callable[[int, int, int], None] | N
     }
 
 
-BENCH_STEPS = (
-    "capture", "replay", "replay from cache", "batched conditions", "long format", "statistics memory",
-    "writer scaling", "done",
-)  # fmt: skip
-
-
 @torch.no_grad()
 def run_bench(
     model_dir: str | Path,
@@ -466,8 +460,23 @@ def run_bench(
         capture_windows = data.split_windows(corpus, "eval", tokenizer, T, 0, capture_seqs)  # [N, T + 1]
     else:  # no corpus at hand (a bare GPU machine, say): the windows stored in the shipped demo cache
         capture_windows = windows_from_cache(open_cache(Path(model_dir).parent / "eval"), capture_seqs)
-    # One step per group of figures, so a run of minutes says where it is.
-    bar = tqdm(total=len(BENCH_STEPS), desc="bench", unit="step", disable=not show_progress)
+    figures: dict[str, Callable[[BenchRun], dict]] = {  # in order: the cache figures read the built cache
+        "capture": capture_figures,
+        "replay": replay_figures,
+        "replay from cache": cache_figures,
+        "batched conditions": batched_conditions_figures,
+        "long format": long_format_figures,
+        "statistics memory": lambda run: stats_memory_figures(run, stats_seqs, big_cache_factor),
+        # (its 12 runs take minutes: the bar says which one is under way)
+        "writer scaling": lambda run: writer_figures(
+            writer_seqs,
+            on_run=lambda k, runs, w: bar.set_postfix_str(
+                f"writer scaling: run {k}/{runs}, {w} thread{'s' if w > 1 else ''}"
+            ),
+        ),
+    }
+    # One step per group of figures, and one for the end, so a run of minutes says where it is.
+    bar = tqdm(total=len(figures) + 1, desc="bench", unit="step", disable=not show_progress)
     work = Path(tempfile.mkdtemp(prefix="fca-bench-"))
     try:  # (from here on: making the batches may fail too, out of device memory, say)
         run = BenchRun(model, capture_windows, min(num_seqs, len(capture_windows)), batch_size, repeats, work)
@@ -481,26 +490,11 @@ def run_bench(
             "repeats": repeats,
             "torch_threads": torch.get_num_threads(),
         }
-        figures: list[Callable[[], dict]] = [  # in BENCH_STEPS's order; the cache figures read the built cache
-            lambda: capture_figures(run),
-            lambda: replay_figures(run),
-            lambda: cache_figures(run),
-            lambda: batched_conditions_figures(run),
-            lambda: long_format_figures(run),
-            lambda: stats_memory_figures(run, stats_seqs, big_cache_factor),
-            # (its 12 runs take minutes: the bar says which one is under way)
-            lambda: writer_figures(
-                writer_seqs,
-                on_run=lambda k, runs, w: bar.set_postfix_str(
-                    f"writer scaling: run {k}/{runs}, {w} thread{'s' if w > 1 else ''}"
-                ),
-            ),
-        ]
-        for name, measure in zip(BENCH_STEPS, figures):
+        for name, measure in figures.items():
             bar.set_postfix_str(name)
             bar.update(1)
-            result.update(measure())
-        bar.set_postfix_str(BENCH_STEPS[-1])
+            result.update(measure(run))
+        bar.set_postfix_str("done")
         bar.update(1)
         return result
     finally:  # the scratch caches go, and the bar closes, whether the bench finishes or fails
