@@ -323,7 +323,6 @@ def write_cache(
     done = writer.done_seqs
     if done and desc:  # a resumed build says so, beside the sequences its earlier run had written
         desc = f"{desc} (resumed: {done} done before)"
-    bar = tqdm(total=N, initial=done, unit="seq", desc=desc, disable=not show_progress)
 
     def step(n: int) -> None:
         nonlocal done
@@ -332,10 +331,8 @@ def write_cache(
         if progress is not None:
             progress(done, N)
 
-    try:
+    with tqdm(total=N, initial=done, unit="seq", desc=desc, disable=not show_progress) as bar:
         record_pending(model, windows, writer, batch_size, coefficient_dtype, step)
-    finally:
-        bar.close()
     return writer.finish(finish_stamp())
 
 

@@ -204,7 +204,6 @@ def drive_parts(
     queue = list(reversed(writer.pending_parts()))  # popped from the end: lowest index first
     alive = list(actors)
     running: dict = {}  # object ref -> (actor, part)
-    bar = tqdm(total=writer.num_parts, initial=len(writer.parts), unit="part", disable=not show_progress)
 
     def fill() -> None:
         for actor in alive:
@@ -212,7 +211,7 @@ def drive_parts(
                 k = queue.pop()
                 running[submit(actor, k)] = (actor, k)
 
-    try:
+    with tqdm(total=writer.num_parts, initial=len(writer.parts), unit="part", disable=not show_progress) as bar:
         fill()
         while running:
             done, _ = ray.wait(list(running), num_returns=1)
@@ -233,8 +232,6 @@ def drive_parts(
                 writer.merge_committed(record["index"])
                 bar.update(1)
             fill()
-    finally:
-        bar.close()
 
 
 # ------------------------------------------------------------------------------------------ replay
