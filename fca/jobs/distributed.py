@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -390,11 +391,8 @@ def run_audit_distributed(
     """`fca.jobs.audit.run_audit` with the replay sharded over Ray actors: the same report. `audit`: the
     keyword arguments of `audit_experiment` (batch_size, num_seqs, seed, extra_conditions, ...)."""
     spec = ReplaySpec(model, cache, calibration, dense, device, dtype)
-    experiment = ShardedExperiment.open_sharded(spec, verify=True, workers=workers, address=address)
-    try:
+    with closing(ShardedExperiment.open_sharded(spec, verify=True, workers=workers, address=address)) as experiment:
         return audit_experiment(experiment, **audit)
-    finally:
-        experiment.close()
 
 
 def run_replay_distributed(
@@ -410,8 +408,5 @@ def run_replay_distributed(
 ) -> dict:
     """`fca.jobs.runs.run_replay` with the conditions scored on Ray actors: the same record."""
     spec = ReplaySpec(model, cache, calibration, device=device, dtype=dtype)
-    experiment = ShardedExperiment.open_sharded(spec, workers=workers, address=address)
-    try:
+    with closing(ShardedExperiment.open_sharded(spec, workers=workers, address=address)) as experiment:
         return run_replay(None, None, None, conditions, experiment=experiment, **replay)
-    finally:
-        experiment.close()
