@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fca.engine.sites import as_input_ids, capture_tensors, model_class_name, site_specs, vocab_rows
+from fca.engine.sites import as_input_ids, capture_tensors, model_class_name, vocab_rows
 from fca.tables.errors import CacheError
-from fca.tables.schema import COEFFICIENT_BYTES, cache_schema, coefficient_arrow_type, record_batch
+from fca.tables.schema import COEFFICIENT_BYTES, cache_schema, coefficient_arrow_type, record_batch, spec_from_json
 from fca.tables.timings import Timings
 from fca.tables.writer import CacheWriter
 
@@ -99,6 +99,27 @@ def spreads_parts(device_type: str) -> bool:
     return device_type == "cuda"
 
 
+def build_writer(
+    out: str | Path, plan: dict, batch_size: int, device_type: str, part_seqs: int | None, show_progress: bool, **kwargs
+) -> CacheWriter:
+    """The `CacheWriter` (`kwargs`: its options) of a build of `plan` on `device_type`, in parts of `part_seqs`
+    sequences (None: `seqs_per_part`): both engines open their writer here, so that their parts are the same
+    byte for byte. A build cleared instead of resumed says why when `show_progress`."""
+    from tqdm.auto import tqdm
+
+    coefficient_dtype = plan.get("coefficient_dtype", "float32")
+    specs = {name: spec_from_json(d) for name, d in plan["sites"].items()}
+    schema = cache_schema(specs, coefficient_arrow_type(coefficient_dtype))
+    row_bytes = bytes_per_token(specs, COEFFICIENT_BYTES[coefficient_dtype])
+    spread = plan["num_seqs"] if spreads_parts(device_type) else None
+    part_seqs = part_seqs or seqs_per_part(row_bytes, plan["seq_len"], batch_size, spread, num_slots(specs))
+    check_part_seqs(part_seqs, batch_size)
+    writer = CacheWriter(out, plan, schema, part_seqs, **kwargs)
+    if writer.started_over and show_progress:
+        tqdm.write(writer.started_over, file=sys.stderr)
+    return writer
+
+
 def check_part_seqs(part_seqs: int, batch_size: int) -> None:
     """Part boundaries must fall between batches: a part is recorded in batches from its first sequence, so
     any other size would change batch composition (and the bits) between a fresh and a resumed build."""
@@ -121,13 +142,7 @@ def finish_stamp() -> dict:
 
     import fca
 
-    versions = {
-        "fca": fca.__version__,
-        "torch": torch.__version__,
-        "pyarrow": pyarrow.__version__,
-        "transformers": transformers.__version__,
-        "numpy": np.__version__,
-    }
+    versions = {module.__name__: module.__version__ for module in (fca, torch, pyarrow, transformers, np)}
     return {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "library_versions": versions}
 
 
@@ -287,15 +302,13 @@ def write_cache(
     """
     from tqdm.auto import tqdm
 
-    specs = site_specs(model)
-    N, T = len(windows), windows.shape[1] - 1
+    N = len(windows)
     if N < 1 or batch_size < 1:
         raise ValueError(
             f"{out}: a build needs at least one window and a batch of at least one (got {N}, {batch_size})"
         )
     check_embedded_ids(model, windows, out)  # before anything is written
     coefficient_dtype = plan.get("coefficient_dtype", "float32")
-    schema = cache_schema(specs, coefficient_arrow_type(coefficient_dtype))
     parameter = next(model.parameters())
     device_ = parameter.device
     if coefficient_dtype == "bfloat16" and parameter.dtype != torch.bfloat16:
@@ -304,18 +317,12 @@ def write_cache(
             f"{str(parameter.dtype).replace('torch.', '')} (store float32, or float16 if rounding is "
             "acceptable)"
         )
-    row_bytes = bytes_per_token(specs, COEFFICIENT_BYTES[coefficient_dtype])
     workers = default_writers(device_) if workers is None else max(1, int(workers))
-    spread = N if spreads_parts(device_.type) else None
-    part_seqs = part_seqs or seqs_per_part(row_bytes, T, batch_size, spread, num_slots(specs))
-    check_part_seqs(part_seqs, batch_size)
-    writer = CacheWriter(out, plan, schema, part_seqs, overwrite=overwrite, workers=workers, timings=timings)
-    if writer.started_over and show_progress:
-        tqdm.write(writer.started_over, file=sys.stderr)
+    options = {"overwrite": overwrite, "workers": workers, "timings": timings}
+    writer = build_writer(out, plan, batch_size, device_.type, part_seqs, show_progress, **options)
     done = writer.done_seqs
     if done and desc:  # a resumed build says so, beside the sequences its earlier run had written
         desc = f"{desc} (resumed: {done} done before)"
-    bar = tqdm(total=N, initial=done, unit="seq", desc=desc, disable=not show_progress)
 
     def step(n: int) -> None:
         nonlocal done
@@ -324,10 +331,8 @@ def write_cache(
         if progress is not None:
             progress(done, N)
 
-    try:
+    with tqdm(total=N, initial=done, unit="seq", desc=desc, disable=not show_progress) as bar:
         record_pending(model, windows, writer, batch_size, coefficient_dtype, step)
-    finally:
-        bar.close()
     return writer.finish(finish_stamp())
 
 

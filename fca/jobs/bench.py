@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -209,22 +210,19 @@ def writer_scaling(
     called as run k (from 1) of all `runs`, warm-ups included, starts: the runs take minutes in all."""
     specs = muddpythia_1p4b_specs()
     raw_mb = bytes_per_token(specs) * num_seqs * seq_len / 1e6
-    work = Path(tempfile.mkdtemp(prefix="fca-writer-"))
     times: dict[int, list[float]] = {w: [] for w in workers}
     # Every count once before timing (repeat None): a first run with new threads also pays for setting up
     # their allocator arenas (a longer run, with more page faults), which a build pays once.
     runs = [(w, None) for w in workers]
     runs += [(w, r) for r in range(repeats) for w in (workers if r % 2 == 0 else workers[::-1])]
-    try:
+    with tempfile.TemporaryDirectory(prefix="fca-writer-", ignore_cleanup_errors=True) as scratch:
         for k, (w, r) in enumerate(runs, 1):
             if on_run is not None:
                 on_run(k, len(runs), w)
             if r is None:
-                writer_seconds(specs, w, work / "warmup", min(num_seqs, 2 * w * batch), seq_len, batch)
+                writer_seconds(specs, w, Path(scratch, "warmup"), min(num_seqs, 2 * w * batch), seq_len, batch)
             else:
-                times[w].append(writer_seconds(specs, w, work / f"w{w}", num_seqs, seq_len, batch, seed=r))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+                times[w].append(writer_seconds(specs, w, Path(scratch, f"w{w}"), num_seqs, seq_len, batch, seed=r))
     mb_s = {w: raw_mb / statistics.median(t) for w, t in times.items()}
     return {
         "raw_mb": raw_mb,
@@ -333,12 +331,10 @@ def cache_figures(run: BenchRun) -> dict:
     raw = 4 * num_slots(site_specs(run.model)) * len(run.capture_windows) * run.T  # float32 coefficient bytes
 
     def replay_from_cache() -> None:
-        reads = cache.prefetch([range(i * b, i * b + len(w)) for i, w in enumerate(run.batches)], list(cache.sites))
-        try:
+        batches = [range(i * b, i * b + len(w)) for i, w in enumerate(run.batches)]
+        with closing(cache.prefetch(batches, list(cache.sites))) as reads:
             for w in run.batches:
                 replay(run.model, w[:, :-1], next(reads))
-        finally:
-            reads.close()
 
     return {
         "exactness": {
@@ -435,12 +431,6 @@ def writer_figures(writer_seqs: int, on_run: Callable[[int, int, int], None] | N
     }
 
 
-BENCH_STEPS = (
-    "capture", "replay", "replay from cache", "batched conditions", "long format", "statistics memory",
-    "writer scaling", "done",
-)  # fmt: skip
-
-
 @torch.no_grad()
 def run_bench(
     model_dir: str | Path,
@@ -466,11 +456,27 @@ def run_bench(
         capture_windows = data.split_windows(corpus, "eval", tokenizer, T, 0, capture_seqs)  # [N, T + 1]
     else:  # no corpus at hand (a bare GPU machine, say): the windows stored in the shipped demo cache
         capture_windows = windows_from_cache(open_cache(Path(model_dir).parent / "eval"), capture_seqs)
-    # One step per group of figures, so a run of minutes says where it is.
-    bar = tqdm(total=len(BENCH_STEPS), desc="bench", unit="step", disable=not show_progress)
-    work = Path(tempfile.mkdtemp(prefix="fca-bench-"))
-    try:  # (from here on: making the batches may fail too, out of device memory, say)
-        run = BenchRun(model, capture_windows, min(num_seqs, len(capture_windows)), batch_size, repeats, work)
+    figures: dict[str, Callable[[BenchRun], dict]] = {  # in order: the cache figures read the built cache
+        "capture": capture_figures,
+        "replay": replay_figures,
+        "replay from cache": cache_figures,
+        "batched conditions": batched_conditions_figures,
+        "long format": long_format_figures,
+        "statistics memory": lambda run: stats_memory_figures(run, stats_seqs, big_cache_factor),
+        # (its 12 runs take minutes: the bar says which one is under way)
+        "writer scaling": lambda run: writer_figures(
+            writer_seqs,
+            on_run=lambda k, runs, w: bar.set_postfix_str(
+                f"writer scaling: run {k}/{runs}, {w} thread{'s' if w > 1 else ''}"
+            ),
+        ),
+    }
+    # One step per group of figures, and one for the end, so a run of minutes says where it is.
+    bar = tqdm(total=len(figures) + 1, desc="bench", unit="step", disable=not show_progress)
+    # The scratch caches go, and the bar closes, whether the bench finishes or fails (from here on: making the
+    # batches may fail too, out of device memory, say).
+    with bar, tempfile.TemporaryDirectory(prefix="fca-bench-", ignore_cleanup_errors=True) as work:
+        run = BenchRun(model, capture_windows, min(num_seqs, len(capture_windows)), batch_size, repeats, Path(work))
         result: dict = {
             "device": str(run.device),
             "model": Path(model_dir).name,
@@ -481,28 +487,10 @@ def run_bench(
             "repeats": repeats,
             "torch_threads": torch.get_num_threads(),
         }
-        figures: list[Callable[[], dict]] = [  # in BENCH_STEPS's order; the cache figures read the built cache
-            lambda: capture_figures(run),
-            lambda: replay_figures(run),
-            lambda: cache_figures(run),
-            lambda: batched_conditions_figures(run),
-            lambda: long_format_figures(run),
-            lambda: stats_memory_figures(run, stats_seqs, big_cache_factor),
-            # (its 12 runs take minutes: the bar says which one is under way)
-            lambda: writer_figures(
-                writer_seqs,
-                on_run=lambda k, runs, w: bar.set_postfix_str(
-                    f"writer scaling: run {k}/{runs}, {w} thread{'s' if w > 1 else ''}"
-                ),
-            ),
-        ]
-        for name, measure in zip(BENCH_STEPS, figures):
+        for name, measure in figures.items():
             bar.set_postfix_str(name)
             bar.update(1)
-            result.update(measure())
-        bar.set_postfix_str(BENCH_STEPS[-1])
+            result.update(measure(run))
+        bar.set_postfix_str("done")
         bar.update(1)
         return result
-    finally:  # the scratch caches go, and the bar closes, whether the bench finishes or fails
-        shutil.rmtree(work, ignore_errors=True)
-        bar.close()

@@ -22,8 +22,8 @@ report are those of one process.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -31,14 +31,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from fca.engine.capture import (
-    check_part_seqs,
-    finish_stamp,
-    num_slots,
-    record_pending,
-    seqs_per_part,
-    spreads_parts,
-)
+from fca.engine.capture import build_writer, finish_stamp, record_pending
 from fca.engine.environment import current_environment
 from fca.engine.loading import fingerprint_state, load_model
 from fca.engine.replay import ReplayResults
@@ -50,7 +43,6 @@ from fca.tables.audit_report import AuditReport
 from fca.tables.conditions import Condition
 from fca.tables.errors import CacheError, Cancelled
 from fca.tables.fidelity import FidelityMeasure
-from fca.tables.schema import cache_schema, coefficient_arrow_type, spec_from_json
 from fca.tables.writer import CacheWriter, check_cache_destination
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])  # so local Ray workers import this very `fca`
@@ -176,16 +168,11 @@ def build_cache_distributed(
                     f"{out}: build workers differ ({record['environment']} vs {plan['environment']}); a cache "
                     "records one environment, so run its workers on identical devices"
                 )
-        specs = {name: spec_from_json(d) for name, d in plan["sites"].items()}
-        schema = cache_schema(specs, coefficient_arrow_type(spec.coefficient_dtype))
-        spread = plan["num_seqs"] if spreads_parts(plan["environment"]["device_type"]) else None
-        S = spec.part_seqs or seqs_per_part(
-            plan["raw_bytes_per_token"], plan["seq_len"], spec.batch_size, spread, num_slots(specs)
+        device_type = plan["environment"]["device_type"]
+        writer = build_writer(
+            out, plan, spec.batch_size, device_type, spec.part_seqs, show_progress, overwrite=overwrite
         )
-        check_part_seqs(S, spec.batch_size)
-        writer = CacheWriter(out, plan, schema, S, overwrite=overwrite)
-        if writer.started_over and show_progress:
-            print(writer.started_over, file=sys.stderr)
+        schema, S = writer.schema, writer.seqs_per_part
         try:
             drive_parts(
                 ray, actors, writer, lambda actor, k: actor.write_part.remote(str(out), schema, S, k), show_progress
@@ -218,7 +205,6 @@ def drive_parts(
     queue = list(reversed(writer.pending_parts()))  # popped from the end: lowest index first
     alive = list(actors)
     running: dict = {}  # object ref -> (actor, part)
-    bar = tqdm(total=writer.num_parts, initial=len(writer.parts), unit="part", disable=not show_progress)
 
     def fill() -> None:
         for actor in alive:
@@ -226,7 +212,7 @@ def drive_parts(
                 k = queue.pop()
                 running[submit(actor, k)] = (actor, k)
 
-    try:
+    with tqdm(total=writer.num_parts, initial=len(writer.parts), unit="part", disable=not show_progress) as bar:
         fill()
         while running:
             done, _ = ray.wait(list(running), num_returns=1)
@@ -247,8 +233,6 @@ def drive_parts(
                 writer.merge_committed(record["index"])
                 bar.update(1)
             fill()
-    finally:
-        bar.close()
 
 
 # ------------------------------------------------------------------------------------------ replay
@@ -407,11 +391,8 @@ def run_audit_distributed(
     """`fca.jobs.audit.run_audit` with the replay sharded over Ray actors: the same report. `audit`: the
     keyword arguments of `audit_experiment` (batch_size, num_seqs, seed, extra_conditions, ...)."""
     spec = ReplaySpec(model, cache, calibration, dense, device, dtype)
-    experiment = ShardedExperiment.open_sharded(spec, verify=True, workers=workers, address=address)
-    try:
+    with closing(ShardedExperiment.open_sharded(spec, verify=True, workers=workers, address=address)) as experiment:
         return audit_experiment(experiment, **audit)
-    finally:
-        experiment.close()
 
 
 def run_replay_distributed(
@@ -427,8 +408,5 @@ def run_replay_distributed(
 ) -> dict:
     """`fca.jobs.runs.run_replay` with the conditions scored on Ray actors: the same record."""
     spec = ReplaySpec(model, cache, calibration, device=device, dtype=dtype)
-    experiment = ShardedExperiment.open_sharded(spec, workers=workers, address=address)
-    try:
+    with closing(ShardedExperiment.open_sharded(spec, workers=workers, address=address)) as experiment:
         return run_replay(None, None, None, conditions, experiment=experiment, **replay)
-    finally:
-        experiment.close()

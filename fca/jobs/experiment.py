@@ -358,20 +358,15 @@ class Experiment:
         documents = self.evaluated.window_documents(len(results.seqs))  # [n]; None: not recorded
         conditions = summarize_conditions(results.per_seq_nll, seed, documents=documents)
         retention = gap_retention(conditions)
-        routed = results.routers or results.routing_unobserved
-        return {
+        figures = {
             "conditions": conditions,
             # (as the audit's: {} unless global_mean ran and the gap is clearly positive)
             "gap_retention": retention,
             "gap_retention_ci95": gap_retention_ci(results.per_seq_nll, retention, seed, documents),
             "documents": count_documents(documents),
-            **(
-                {
-                    "routing": summarize_routing(
-                        results.routers, self.evaluated.site_specs, results.routing, results.routing_unobserved
-                    )
-                }
-                if routed
-                else {}
-            ),
         }
+        if results.routers or results.routing_unobserved:
+            figures["routing"] = summarize_routing(
+                results.routers, self.evaluated.site_specs, results.routing, results.routing_unobserved
+            )
+        return figures

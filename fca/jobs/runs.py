@@ -45,17 +45,12 @@ def run_replay(
     parsed, n, batch_size = experiment.planned_run(parsed, num_seqs, batch_size, seed)
     if save:
         check_runs_writable(experiment.evaluated.path)  # before the replay, not after it
-    bar = None
-    if show_progress and progress is None:
-        from tqdm.auto import tqdm
+    from tqdm.auto import tqdm
 
-        bar = tqdm(total=n, desc="replay", unit="seq")
-        progress = lambda done, total: bar.update(done - bar.n)  # noqa: E731
-    try:
+    with tqdm(total=n, desc="replay", unit="seq", disable=not show_progress or progress is not None) as bar:
+        if not bar.disable:  # (a caller's own `progress` is reported to instead)
+            progress = lambda done, total: bar.update(done - bar.n)  # noqa: E731
         results = experiment.run(parsed, n, batch_size, seed, progress=progress, should_stop=should_stop)
-    finally:
-        if bar is not None:
-            bar.close()
     evaluated, calibrated = experiment.evaluated, experiment.calibration
     spec = {
         "model": experiment.name,

@@ -150,12 +150,11 @@ class FeatureGateModel(SmallGPT):
 
 
 build_featuregate = FeatureGateModel.build
-load_featuregate = FeatureGateModel.load
 
 
 FAMILY = Family(
     FeatureGateConfig.model_type,
-    load=load_featuregate,
+    load=FeatureGateModel.load,
     dense_twin=DENSE_TWINS[FeatureGateConfig.model_type],  # `gated: false`
     blocks=lambda model: list(model.blocks),  # in execution order; the execution audit hooks them
     coefficient_kind="gate values 2 * sigmoid(logits), scaling attention heads and MLP feature groups",

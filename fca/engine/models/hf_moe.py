@@ -27,6 +27,7 @@ import pickle
 import re
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ from torch import nn
 from fca.engine.adapters import SiteDeclaration, attach_sites, match_modules
 from fca.engine.checkpoints import check_safetensors_files, read_config
 from fca.engine.family import ExpertSelection, Family, transformers_expert_selection
-from fca.engine.sites import as_input_ids, find_sites, unwrapped
+from fca.engine.sites import as_input_ids, find_sites, forward_pre_hooks, unwrapped
 from fca.tables.errors import ModelLoadError
 
 ROUTER_FAMILY = "router"
@@ -256,15 +257,8 @@ def expert_execution(
             "tokens": index.shape[0],
         }
 
-    handles = [
-        m.register_forward_pre_hook(lambda mod, a, kw, n=n: count(n, mod, a, kw), with_kwargs=True)
-        for n, m in modules.items()
-    ]
-    try:
+    with forward_pre_hooks((m, partial(count, n)) for n, m in modules.items()):
         model(as_input_ids(input_ids, model))
-    finally:
-        for handle in handles:
-            handle.remove()
     if not seen:  # e.g. a ModuleList of experts, which the model indexes and never calls
         raise ValueError(
             f"{type(model).__name__}: no module matching {list(expert_paths)} was called in the forward pass "

@@ -213,7 +213,6 @@ class MixtureOfDepthsModel(SmallGPT):
 
 
 build_mixture_of_depths = MixtureOfDepthsModel.build
-load_mixture_of_depths = MixtureOfDepthsModel.load
 
 
 def tokens_per_sequence(body: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -225,7 +224,7 @@ def tokens_per_sequence(body: nn.Module, args: tuple, kwargs: dict) -> torch.Ten
 
 FAMILY = Family(
     MixtureOfDepthsConfig.model_type,
-    load=load_mixture_of_depths,
+    load=MixtureOfDepthsModel.load,
     dense_twin=DENSE_TWINS[MixtureOfDepthsConfig.model_type],  # `routed: false`
     blocks=lambda model: [block.body for block in model.blocks],  # called with the tokens that run only
     coefficient_kind="router scores, one per token and block; the block runs where the score is above 0",
