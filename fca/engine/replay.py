@@ -72,10 +72,6 @@ class DeviceCoefficients(dict):
         self.device = device
 
     def __missing__(self, name: str) -> torch.Tensor:
-        moved = self[name] = self._move(name)
-        return moved
-
-    def _move(self, name: str) -> torch.Tensor:
         values = self.given[name]
         try:
             t = values if isinstance(values, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(values))
@@ -92,7 +88,8 @@ class DeviceCoefficients(dict):
                 t = t.contiguous().pin_memory().to(self.device, non_blocking=True)
             compute.wait_stream(copy)
             t.record_stream(compute)  # memory of the copy stream, in use on the compute stream
-        return t.to(device=self.device).contiguous()
+        moved = self[name] = t.to(device=self.device).contiguous()
+        return moved
 
 
 @torch.no_grad()
