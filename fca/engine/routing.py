@@ -204,10 +204,7 @@ class RoutingTally:
             for router, chosen in self._one_call(taken, g).items():
                 rows = chosen.index.shape[0] // g  # b * T tokens per condition (condition-major)
                 for i, name in enumerate(names):
-                    part = Selection(
-                        chosen.index[i * rows : (i + 1) * rows],
-                        None if chosen.weights is None else chosen.weights[i * rows : (i + 1) * rows],
-                    )
+                    part = Selection(*(None if t is None else t[i * rows : (i + 1) * rows] for t in chosen))
                     if i == own_at and router not in self._own:
                         self._own[router] = part
                     if name is not None:
