@@ -424,8 +424,7 @@ def cmd_replay(args: argparse.Namespace) -> None:
     asked, n = args.num_seqs, record["spec"]["num_seqs"]
     results = record["results"]
     print(f"{args.cache}: {n} sequences replayed" + (f" (all it has; {asked} asked for)" if n < asked else ""))
-    for sentence in exactness_sentences(Exactness.read(results["exactness"], "exactness")):
-        print(sentence)
+    print(*exactness_sentences(Exactness.read(results["exactness"], "exactness")), sep="\n")
     routing = results.get("routing", {})  # (models with routers)
     rows = results["conditions"]
     width = max(map(len, rows), default=0)  # a condition naming sites can be long: the columns follow it
