@@ -159,17 +159,9 @@ def cmd_build_cache(args: argparse.Namespace) -> None:
     from fca.tables.store import open_cache
     from fca.tables.writer_store import is_uri, published_manifest
 
-    settings = dict(
-        num_seqs=args.num_seqs,
-        seq_len=args.seq_len,
-        batch_size=args.batch,
-        device=args.device,
-        dtype=_dtype(args.dtype),
-        split_seed=args.split_seed,
-        text_column=args.text_column,
-        coefficient_dtype=args.coefficient_dtype,
-        part_seqs=args.part_seqs,
-    )  # `fca.jobs.build.BuildSpec`'s fields
+    # `fca.jobs.build.BuildSpec`'s fields: the flags named as the fields, then the batch and the dtype
+    same = ("num_seqs", "seq_len", "device", "split_seed", "text_column", "coefficient_dtype", "part_seqs")
+    settings = {name: getattr(args, name) for name in same} | dict(batch_size=args.batch, dtype=_dtype(args.dtype))
     writers = {"workers": args.writers} if args.engine == "local" else {}  # (Ray's actors write their parts inline)
     out = _on_engine(args, build_cache_from_corpus, "build_cache_distributed")(
         args.model, args.corpus, args.split, args.out, overwrite=args.overwrite, **writers, **settings
