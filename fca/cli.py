@@ -209,6 +209,12 @@ def _add_replay_flags(p: argparse.ArgumentParser) -> None:
     _add_family_flag(p)
 
 
+def _replay_settings(args: argparse.Namespace) -> dict:
+    """audit's and replay's keywords from `_add_replay_flags` and their --num-seqs."""
+    same = {name: getattr(args, name) for name in ("device", "num_seqs", "seed")}
+    return same | dict(dtype=_dtype(args.dtype), batch_size=args.batch)
+
+
 def _add_engine_flags(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--engine",
@@ -312,11 +318,7 @@ def cmd_audit(args: argparse.Namespace) -> None:
             args.cache,
             args.calibration,
             args.dense,
-            device=args.device,
-            dtype=_dtype(args.dtype),
-            batch_size=args.batch,
-            num_seqs=args.num_seqs,
-            seed=args.seed,
+            **_replay_settings(args),
             extra_conditions=args.extra_conditions,
             progress=progress,
             **({} if args.sweep is None else {"sweep": args.sweep}),  # None: the audit's SWEEP_ALPHAS
@@ -405,11 +407,7 @@ def cmd_replay(args: argparse.Namespace) -> None:
         args.cache,
         args.calibration,
         args.conditions,
-        num_seqs=args.num_seqs,
-        seed=args.seed,
-        device=args.device,
-        dtype=_dtype(args.dtype),
-        batch_size=args.batch,
+        **_replay_settings(args),
         save=not args.no_save,
         show_progress=True,
     )
