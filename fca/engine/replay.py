@@ -239,14 +239,8 @@ def check_exactness(results: ReplayResults) -> dict:
         results.replayed_on,
         results.coefficient_dtype,
     )
-    return {
-        "max_abs_logit_diff": results.max_abs_logit_diff,
-        "nll_live": results.nll_live,
-        "nll_correct": results.nll_correct,
-        "tolerance": MECHANISM_TOLERANCE,
-        "mechanism": mechanism,
-        "fidelity": fidelity,
-    }
+    measured = {name: getattr(results, name) for name in ("max_abs_logit_diff", "nll_live", "nll_correct")}
+    return measured | {"tolerance": MECHANISM_TOLERANCE, "mechanism": mechanism, "fidelity": fidelity}
 
 
 def _nll_per_seq(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
