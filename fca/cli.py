@@ -249,8 +249,9 @@ def _progress_bars():
     return progress, bars
 
 
-def _whole_number(minimum: int):
-    """An argparse type: a whole number of at least `minimum` (1 for counts and sizes, 0 for seeds)."""
+def _whole_number(minimum: int, maximum: int | None = None):
+    """An argparse type: a whole number of at least `minimum` (1 for counts and sizes, 0 for seeds), and at most
+    `maximum` if given."""
 
     def parse(text: str) -> int:
         try:
@@ -259,6 +260,8 @@ def _whole_number(minimum: int):
             raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, not {value}")
         return value
 
     return parse
@@ -266,14 +269,7 @@ def _whole_number(minimum: int):
 
 _positive_int, _seed = _whole_number(1), _whole_number(0)
 MAX_PORT = 65535  # (a TCP port is 16 bits)
-
-
-def _port(text: str) -> int:
-    """--port: a TCP port, 1 to MAX_PORT (a larger one reached the server, which failed on it)."""
-    value = _positive_int(text)
-    if value > MAX_PORT:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_PORT}, not {value}")
-    return value
+_port = _whole_number(1, MAX_PORT)  # --port (a larger one reached the server, which failed on it)
 
 
 def _learning_rate(text: str) -> float:
