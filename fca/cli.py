@@ -159,17 +159,9 @@ def cmd_build_cache(args: argparse.Namespace) -> None:
     from fca.tables.store import open_cache
     from fca.tables.writer_store import is_uri, published_manifest
 
-    settings = dict(
-        num_seqs=args.num_seqs,
-        seq_len=args.seq_len,
-        batch_size=args.batch,
-        device=args.device,
-        dtype=_dtype(args.dtype),
-        split_seed=args.split_seed,
-        text_column=args.text_column,
-        coefficient_dtype=args.coefficient_dtype,
-        part_seqs=args.part_seqs,
-    )  # `fca.jobs.build.BuildSpec`'s fields
+    # `fca.jobs.build.BuildSpec`'s fields: the flags named as the fields, then the batch and the dtype
+    same = ("num_seqs", "seq_len", "device", "split_seed", "text_column", "coefficient_dtype", "part_seqs")
+    settings = {name: getattr(args, name) for name in same} | dict(batch_size=args.batch, dtype=_dtype(args.dtype))
     writers = {"workers": args.writers} if args.engine == "local" else {}  # (Ray's actors write their parts inline)
     out = _on_engine(args, build_cache_from_corpus, "build_cache_distributed")(
         args.model, args.corpus, args.split, args.out, overwrite=args.overwrite, **writers, **settings
@@ -217,6 +209,12 @@ def _add_replay_flags(p: argparse.ArgumentParser) -> None:
     _add_family_flag(p)
 
 
+def _replay_settings(args: argparse.Namespace) -> dict:
+    """audit's and replay's keywords from `_add_replay_flags` and their --num-seqs."""
+    same = {name: getattr(args, name) for name in ("device", "num_seqs", "seed")}
+    return same | dict(dtype=_dtype(args.dtype), batch_size=args.batch)
+
+
 def _add_engine_flags(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--engine",
@@ -251,8 +249,9 @@ def _progress_bars():
     return progress, bars
 
 
-def _whole_number(minimum: int):
-    """An argparse type: a whole number of at least `minimum` (1 for counts and sizes, 0 for seeds)."""
+def _whole_number(minimum: int, maximum: int | None = None):
+    """An argparse type: a whole number of at least `minimum` (1 for counts and sizes, 0 for seeds), and at most
+    `maximum` if given."""
 
     def parse(text: str) -> int:
         try:
@@ -261,6 +260,8 @@ def _whole_number(minimum: int):
             raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, not {value}")
         return value
 
     return parse
@@ -268,14 +269,7 @@ def _whole_number(minimum: int):
 
 _positive_int, _seed = _whole_number(1), _whole_number(0)
 MAX_PORT = 65535  # (a TCP port is 16 bits)
-
-
-def _port(text: str) -> int:
-    """--port: a TCP port, 1 to MAX_PORT (a larger one reached the server, which failed on it)."""
-    value = _positive_int(text)
-    if value > MAX_PORT:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_PORT}, not {value}")
-    return value
+_port = _whole_number(1, MAX_PORT)  # --port (a larger one reached the server, which failed on it)
 
 
 def _learning_rate(text: str) -> float:
@@ -320,11 +314,7 @@ def cmd_audit(args: argparse.Namespace) -> None:
             args.cache,
             args.calibration,
             args.dense,
-            device=args.device,
-            dtype=_dtype(args.dtype),
-            batch_size=args.batch,
-            num_seqs=args.num_seqs,
-            seed=args.seed,
+            **_replay_settings(args),
             extra_conditions=args.extra_conditions,
             progress=progress,
             **({} if args.sweep is None else {"sweep": args.sweep}),  # None: the audit's SWEEP_ALPHAS
@@ -413,19 +403,14 @@ def cmd_replay(args: argparse.Namespace) -> None:
         args.cache,
         args.calibration,
         args.conditions,
-        num_seqs=args.num_seqs,
-        seed=args.seed,
-        device=args.device,
-        dtype=_dtype(args.dtype),
-        batch_size=args.batch,
+        **_replay_settings(args),
         save=not args.no_save,
         show_progress=True,
     )
     asked, n = args.num_seqs, record["spec"]["num_seqs"]
     results = record["results"]
     print(f"{args.cache}: {n} sequences replayed" + (f" (all it has; {asked} asked for)" if n < asked else ""))
-    for sentence in exactness_sentences(Exactness.read(results["exactness"], "exactness")):
-        print(sentence)
+    print(*exactness_sentences(Exactness.read(results["exactness"], "exactness")), sep="\n")
     routing = results.get("routing", {})  # (models with routers)
     rows = results["conditions"]
     width = max(map(len, rows), default=0)  # a condition naming sites can be long: the columns follow it

@@ -565,13 +565,13 @@ def test_replay_moves_each_site_when_the_forward_reaches_it(demo_pair, monkeypat
     ids = open_cache(ev).read_seqs([0, 1], sites=[])["token"]
     own = fca.capture(model, ids)  # site -> [B, T, K], in execution order
     events: list[tuple[str, str]] = []
-    real_move = replay_module.DeviceCoefficients._move
+    real_move = replay_module.DeviceCoefficients.__missing__
 
     def move(self, name):
         events.append(("move", name))
         return real_move(self, name)
 
-    monkeypatch.setattr(replay_module.DeviceCoefficients, "_move", move)
+    monkeypatch.setattr(replay_module.DeviceCoefficients, "__missing__", move)
     hooks = [
         site.register_forward_hook(lambda module, args, out, name=name: events.append(("ran", name)))
         for name, site in find_sites(model).items()

@@ -551,15 +551,11 @@ def attach_sites(
     hooks.append(model.register_forward_hook(partial(_forget_batch_shape, new_sites), always_call=True))
     model.fca_adapter_hooks = hooks
     if blocks is not None:
-        model.fca_blocks = partial(_blocks, model, blocks)
+        model.fca_blocks = partial(model.get_submodule, blocks)  # (the module list; default_blocks lists it)
     if output is not None:
         model.fca_output = output
     assign_site_names(model)
     return compiled
-
-
-def _blocks(model: nn.Module, path: str) -> list[nn.Module]:
-    return list(model.get_submodule(path))
 
 
 def detach_sites(model: nn.Module) -> nn.Module:

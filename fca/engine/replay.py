@@ -72,10 +72,6 @@ class DeviceCoefficients(dict):
         self.device = device
 
     def __missing__(self, name: str) -> torch.Tensor:
-        moved = self[name] = self._move(name)
-        return moved
-
-    def _move(self, name: str) -> torch.Tensor:
         values = self.given[name]
         try:
             t = values if isinstance(values, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(values))
@@ -92,7 +88,8 @@ class DeviceCoefficients(dict):
                 t = t.contiguous().pin_memory().to(self.device, non_blocking=True)
             compute.wait_stream(copy)
             t.record_stream(compute)  # memory of the copy stream, in use on the compute stream
-        return t.to(device=self.device).contiguous()
+        moved = self[name] = t.to(device=self.device).contiguous()
+        return moved
 
 
 @torch.no_grad()
@@ -242,14 +239,8 @@ def check_exactness(results: ReplayResults) -> dict:
         results.replayed_on,
         results.coefficient_dtype,
     )
-    return {
-        "max_abs_logit_diff": results.max_abs_logit_diff,
-        "nll_live": results.nll_live,
-        "nll_correct": results.nll_correct,
-        "tolerance": MECHANISM_TOLERANCE,
-        "mechanism": mechanism,
-        "fidelity": fidelity,
-    }
+    measured = {name: getattr(results, name) for name in ("max_abs_logit_diff", "nll_live", "nll_correct")}
+    return measured | {"tolerance": MECHANISM_TOLERANCE, "mechanism": mechanism, "fidelity": fidelity}
 
 
 def _nll_per_seq(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -443,8 +434,7 @@ def run_conditions(
             coefficients = {name: own[name] for name in cache.sites}
             b = len(index)
             cache_is_recorded = False
-            if observing:
-                tally.start_batch(index, T)
+            tally.start_batch(index, T)  # (a tally of no observed routers does nothing: no guards needed)
             check_executed = None  # [b, L] what the check's Correct replay ran
             if check_exactness:
                 check = _check_batch(
@@ -455,23 +445,20 @@ def run_conditions(
                 live_nll[index], replayed_nll[index] = check.live_nll, check.replayed_nll
                 batches += 1
                 cache_is_recorded = check.cache_is_recorded
-                if cache_is_recorded:  # Correct-from-cache is the replay just run: reuse its scores
-                    cache_nll[index] = replayed_nll[index]
-                    if observing:  # and what its experts were handed is the tokens' own selection
-                        tally.set_own(check.correct_selection)
+                if cache_is_recorded:  # Correct-from-cache is the replay just run: reuse its scores, and what
+                    cache_nll[index] = replayed_nll[index]  # its experts were handed is the tokens' own selection
+                    tally.set_own(check.correct_selection)
             other = cache.coefficients([seqs[partner[i]] for i in index]) if partner is not None else None
             to_run = [c for c in conditions if not (cache_is_recorded and _is_plain_correct(c))]
-            if check_exactness and not cache_is_recorded and not any(map(_is_plain_correct, conditions)):
-                to_run.append(Condition("correct"))  # the fidelity check needs Correct-from-cache even unasked
-            elif observing and not cache_is_recorded and not any(map(_is_plain_correct, to_run)):
-                to_run.append(Condition("correct"))  # routing needs the tokens' own selection
+            # Correct-from-cache even unasked: the fidelity check needs it, and routing the tokens' own selection.
+            if (check_exactness or observing) and not cache_is_recorded and not any(map(_is_plain_correct, to_run)):
+                to_run.append(Condition("correct"))
             scored: dict[Condition, np.ndarray] = {}  # condition -> [b] NLL
             # A Correct not replayed again ran what the check's replay ran, fed the tokens' own coefficients.
             for c in conditions:
                 if c not in to_run:
                     executed.add(c.name, index, check_executed)
-                    if observing:
-                        tally.add_own(c.name)
+                    tally.add_own(c.name)
             for start in range(0, len(to_run), per_pass):
                 group = to_run[start : start + per_pass]
                 parts = [condition_coefficients(c, coefficients, index, profiles, other) for c in group]
@@ -485,8 +472,7 @@ def run_conditions(
                 if observing:  # (a Correct replayed only for the checks is not reported)
                     own_at = next((i for i, c in enumerate(group) if _is_plain_correct(c)), None)
                     tally.add_observed([c.name if c in conditions else None for c in group], taken, own_at)
-            if observing:
-                tally.end_batch()
+            tally.end_batch()
             for c in conditions:
                 per_seq[c.name][index] = replayed_nll[index] if c not in scored else scored[c]
             if check_exactness and not cache_is_recorded:

@@ -204,10 +204,7 @@ class RoutingTally:
             for router, chosen in self._one_call(taken, g).items():
                 rows = chosen.index.shape[0] // g  # b * T tokens per condition (condition-major)
                 for i, name in enumerate(names):
-                    part = Selection(
-                        chosen.index[i * rows : (i + 1) * rows],
-                        None if chosen.weights is None else chosen.weights[i * rows : (i + 1) * rows],
-                    )
+                    part = Selection(*(None if t is None else t[i * rows : (i + 1) * rows] for t in chosen))
                     if i == own_at and router not in self._own:
                         self._own[router] = part
                     if name is not None:
@@ -229,28 +226,23 @@ class RoutingTally:
         for router in self.observed:
             module = self.experts[router]
             calls = taken.get(module, [])
-            if module in self._observer.unreadable:
-                self.unobserved[router] = (
-                    f"its experts module's call could not be read ({self._observer.unreadable[module]})"
-                )
-                continue
-            if len(calls) != 1:
-                self.unobserved[router] = (
-                    f"its experts module {module} was never called"
-                    if not calls
-                    else f"its experts module {module} was called {len(calls)} times in one forward"
-                )
-                continue
-            selection = calls[0]
             expected = g * len(self._index) * self._T  # (the experts see [g * b, T] flattened row-major)
-            if selection.index.dim() != 2 or selection.index.shape[0] != expected:
-                self.unobserved[router] = (
-                    f"its experts module {module} was handed expert indices {list(selection.index.shape)}, not "
+            if module in self._observer.unreadable:
+                why = f"its experts module's call could not be read ({self._observer.unreadable[module]})"
+            elif not calls:
+                why = f"its experts module {module} was never called"
+            elif len(calls) > 1:
+                why = f"its experts module {module} was called {len(calls)} times in one forward"
+            elif calls[0].index.dim() != 2 or calls[0].index.shape[0] != expected:
+                why = (
+                    f"its experts module {module} was handed expert indices {list(calls[0].index.shape)}, not "
                     f"[{expected}, k] for the {expected} tokens of the forward"
                 )
+            else:
+                self.top_k[router] = int(calls[0].index.shape[1])
+                out[router] = calls[0]
                 continue
-            self.top_k[router] = int(selection.index.shape[1])
-            out[router] = selection
+            self.unobserved[router] = why
         return out
 
     def figures(self) -> dict[str, dict[str, np.ndarray]]:
