@@ -18,6 +18,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # a fresh clone runs without installing the package
     sys.path.insert(0, str(REPO))
 
+# plotly's JSON encoder imports PIL.Image the first time it draws a chart; imported here, in the first script
+# run, before the warm-up thread starts, so that a page and that thread never import it at once (one of them
+# then saw it half-initialised).
+import PIL.Image  # noqa: E402, F401
 import streamlit as st  # noqa: E402
 
 st.set_page_config(page_title="FCA: Frozen-Controller Auditing", page_icon="❄️", layout="wide")
